@@ -1,0 +1,70 @@
+"""Audit event contract. Imports nothing of the project.
+
+Producers (the gateway core, the server, tenancy enforcement) build an :class:`AuditEvent` and hand
+it to an :class:`AuditSink`. ``emit`` never blocks on a database and never raises for I/O: the sink
+queues the event and a background writer persists it (hash-chained) later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["Actor", "Target", "AuditEvent", "AuditSink", "Actions"]
+
+
+class Actions:
+    """Action names (dotted, lowercase)."""
+
+    CLEAR_REQUESTED = "clear.requested"
+    CLEAR_COMPLETED = "clear.completed"
+    MOVE = "move"
+    PIN = "pin"
+    UNPIN = "unpin"
+    KEY_CREATE = "key.create"
+    KEY_ROTATE = "key.rotate"
+    KEY_DESTROY = "key.destroy"
+    KEY_LEASE = "key.lease"
+    TENANT_CREATE = "tenant.create"
+    TENANT_DISABLE = "tenant.disable"
+    CAPABILITY_MINT = "capability.mint"
+    CAPABILITY_REVOKE = "capability.revoke"
+    AUTHZ_DENIED = "authz.denied"
+    AUTHN_FAILED = "authn.failed"
+    INTEGRITY_FAILURE = "integrity.failure"
+
+
+@dataclass(frozen=True, slots=True)
+class Actor:
+    subject: str | None = None
+    issuer: str | None = None
+    tenant: str | None = None
+    client_id: str | None = None
+    token_id: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    tenant: str | None = None
+    namespace: str | None = None
+    chunk_count: int | None = None
+    chunk_digest: str | None = None  # sha256 over the sorted chunk keys, hex
+    tier_from: str | None = None
+    tier_to: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEvent:
+    action: str
+    outcome: str = "success"  # "success" | "failure" | "denied"
+    actor: Actor = field(default_factory=Actor)
+    target: Target = field(default_factory=Target)
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class AuditSink(Protocol):
+    def emit(self, event: AuditEvent) -> None:
+        """Queue an event; never blocks on I/O, never raises for I/O."""
+        ...

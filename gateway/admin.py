@@ -1,0 +1,179 @@
+"""Control operations on the gateway core: secure clear, key rotation, tenant lifecycle.
+
+Secure clear is crypto-shredding plus deletion (DESIGN section 2, point 5), recorded around the
+work so a crash in between is found and finished at the next start:
+
+    1. a clear job is written (state ``requested``, with the epochs and key versions it will
+       shred) and ``clear.requested`` is audited -- before anything is deleted;
+    2. shred: the namespace epochs are bumped with fresh salts (old storage keys and binding
+       secrets become impossible to derive); for a tenant clear every data-key version recorded in
+       step 1 is destroyed and every capability of the tenant is revoked. State ``shredded``;
+    3. delete the ciphertext from every tier and the pins; state ``completed``, and
+       ``clear.completed`` is audited with counts.
+
+Each step is idempotent: bumping an epoch is conditional on its recorded old value, destroying a
+destroyed key is a no-op, deleting deleted chunks deletes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+from audit.types import Actions, Actor, AuditEvent, Target
+from gateway.core import ClearResult, Gateway, _check_name
+from gateway.errors import InvalidRequest, TenantUnavailable
+from storage.types import ChunkKey
+from tenancy.models import utcnow
+from tenancy.registry import ClearJobRecord, TenantExists, UnknownTenant
+
+__all__ = ["Admin"]
+
+
+class Admin:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    # -- tenants -----------------------------------------------------------------------------
+    async def create_tenant(self, tenant: str, *, actor: Actor | None = None) -> int:
+        """Register a tenant and its first data-key version; returns that version."""
+        _check_name(tenant, "tenant")
+        try:
+            await self.gw.registry.create_tenant(tenant)
+        except TenantExists:
+            raise InvalidRequest("tenant exists") from None
+        version = await self.gw.keyring.create(tenant)
+        for action, details in ((Actions.TENANT_CREATE, {}), (Actions.KEY_CREATE, {"version": version})):
+            self.gw.audit.emit(AuditEvent(action, actor=actor or Actor(), target=Target(tenant=tenant), details=details))
+        return version
+
+    async def disable_tenant(self, tenant: str, *, actor: Actor | None = None) -> None:
+        try:
+            await self.gw.registry.disable_tenant(tenant)
+        except UnknownTenant:
+            raise TenantUnavailable("unknown tenant") from None
+        await self._revoke_tenant(tenant, actor)
+        self.gw.forget_namespace(tenant)
+        self.gw.keyring.forget(tenant)
+        self.gw.audit.emit(AuditEvent(Actions.TENANT_DISABLE, actor=actor or Actor(), target=Target(tenant=tenant)))
+
+    async def rotate_key(self, tenant: str, *, actor: Actor | None = None) -> int:
+        try:
+            await self.gw.registry.require_active(tenant)
+        except Exception:
+            raise TenantUnavailable("tenant unavailable") from None
+        version = await self.gw.keyring.rotate(tenant)
+        self.gw.audit.emit(
+            AuditEvent(Actions.KEY_ROTATE, actor=actor or Actor(), target=Target(tenant=tenant), details={"version": version})
+        )
+        return version
+
+    async def _revoke_tenant(self, tenant: str, actor: Actor | None) -> None:
+        now = time.time()
+        until = now + self.gw.authority.max_ttl + 60
+        self.gw.authority.revocations.revoke_tenant(tenant, before=now)
+        await self.gw.registry.add_revocation(tenant, cap_id=None, not_before=now, expires_at=until)
+        self.gw.audit.emit(
+            AuditEvent(
+                Actions.CAPABILITY_REVOKE,
+                actor=actor or Actor(),
+                target=Target(tenant=tenant),
+                details={"scope": "tenant", "before": now},
+            )
+        )
+
+    # -- secure clear ------------------------------------------------------------------------
+    async def clear(
+        self,
+        tenant: str,
+        namespace: str | None = None,
+        *,
+        chunks: Sequence[ChunkKey] | None = None,
+        actor: Actor | None = None,
+    ) -> ClearResult:
+        """Clear a tenant, one namespace, or a list of chunks (of that tenant)."""
+        _check_name(tenant, "tenant")
+        try:
+            await self.gw.registry.tenant_status(tenant)
+        except UnknownTenant:
+            raise TenantUnavailable("unknown tenant") from None
+        if chunks is not None:
+            owner = self.gw.deriver.owner_label(tenant)
+            if any(k.owner != owner for k in chunks):
+                raise InvalidRequest("every chunk must belong to the tenant being cleared")
+            scope, details = "chunks", {"digests": sorted(k.digest for k in chunks), "groups": sorted({k.group for k in chunks})}
+        elif namespace is not None:
+            _check_name(namespace, "namespace")
+            rec = await self.gw.registry.get_namespace(tenant, namespace)
+            scope, details = "namespace", {"epochs": {namespace: rec.epoch} if rec else {}}
+        else:
+            nss = await self.gw.registry.list_namespaces(tenant)
+            keys = await self.gw.registry.list_keys(tenant)
+            scope = "tenant"
+            details = {
+                "epochs": {n.name: n.epoch for n in nss},
+                "key_versions": [k.version for k in keys if k.state != "destroyed"],
+            }
+        job = await self.gw.registry.create_clear_job(tenant, namespace, scope, details)
+        self.gw.audit.emit(
+            AuditEvent(
+                Actions.CLEAR_REQUESTED,
+                actor=actor or Actor(),
+                target=Target(tenant=tenant, namespace=namespace, chunk_count=len(chunks) if chunks else None),
+                details={"job_id": job.id, "scope": scope},
+            )
+        )
+        return await self._run(job, actor)
+
+    async def resume_clears(self) -> list[ClearResult]:
+        """Finish every clear a crash interrupted (called at start)."""
+        return [await self._run(job, Actor(subject="kvgate:resume")) for job in await self.gw.registry.incomplete_clear_jobs()]
+
+    async def _run(self, job: ClearJobRecord, actor: Actor | None) -> ClearResult:
+        gw, tenant = self.gw, job.tenant
+        destroyed: list[int] = []
+        epochs: dict[str, int] = {}
+        if job.state == "requested":
+            for name, old in job.details.get("epochs", {}).items():
+                new = old + 1
+                salt = gw.kek.wrap(os.urandom(32), gw._salt_context(tenant, name, new))
+                await gw.registry.bump_epoch(tenant, name, new, salt)
+                epochs[name] = new
+            gw.forget_namespace(tenant, job.namespace if job.scope != "tenant" else None)
+            if job.scope == "tenant":
+                destroyed = await gw.keyring.destroy(tenant, job.details.get("key_versions", []))
+                await self._revoke_tenant(tenant, actor)
+                if destroyed:
+                    gw.audit.emit(
+                        AuditEvent(Actions.KEY_DESTROY, actor=actor or Actor(), target=Target(tenant=tenant),
+                                   details={"versions": destroyed, "job_id": job.id})
+                    )
+            await gw.registry.update_clear_job(job.id, state="shredded")
+        deleted = 0
+        if job.scope == "tenant":
+            deleted = await gw.tiers.delete_owner(gw.deriver.owner_label(tenant))
+            await gw.registry.remove_pins(tenant)
+        elif job.scope == "namespace":
+            assert job.namespace is not None
+            deleted = await gw.tiers.delete_group(gw.deriver.group_label(tenant, job.namespace))
+            await gw.registry.remove_pins(tenant, job.namespace)
+        else:
+            owner = gw.deriver.owner_label(tenant)
+            groups = job.details.get("groups", [])
+            for digest in job.details.get("digests", []):
+                for group in groups:
+                    key = ChunkKey(owner, group, digest)
+                    if await gw.tiers.delete(key):
+                        deleted += 1
+        await gw.registry.update_clear_job(job.id, state="completed", deleted_chunks=deleted, completed_at=utcnow())
+        gw.audit.emit(
+            AuditEvent(
+                Actions.CLEAR_COMPLETED,
+                actor=actor or Actor(),
+                target=Target(tenant=tenant, namespace=job.namespace, chunk_count=deleted),
+                details={"job_id": job.id, "scope": job.scope, "destroyed_key_versions": destroyed, "epochs": epochs},
+            )
+        )
+        return ClearResult(job.id, tenant, job.namespace, deleted, destroyed, epochs)
+

@@ -1,0 +1,163 @@
+"""The `kvgate` command line. Every command reads the same settings (KVGATE_* and KVGATE_CONFIG)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from gateway.config import Settings, load_settings
+
+app = typer.Typer(help="kvgate: a secure, multi-tenant KV-cache gateway", no_args_is_help=True)
+tenants_app = typer.Typer(help="Tenant lifecycle", no_args_is_help=True)
+keys_app = typer.Typer(help="Data-key management", no_args_is_help=True)
+audit_app = typer.Typer(help="Audit export and offline verification", no_args_is_help=True)
+token_app = typer.Typer(help="Development tokens", no_args_is_help=True)
+app.add_typer(tenants_app, name="tenants")
+app.add_typer(keys_app, name="keys")
+app.add_typer(audit_app, name="audit")
+app.add_typer(token_app, name="token")
+
+console = Console()
+
+
+def _settings(**overrides: object) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except Exception as exc:  # pydantic ValidationError or a missing config file
+        console.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(2) from None
+
+
+async def _with_runtime(settings: Settings, fn):
+    from gateway.dbschema import SchemaBehind
+    from gateway.runtime import open_runtime
+
+    try:
+        rt = await open_runtime(settings)
+    except SchemaBehind as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(3) from None
+    try:
+        return await fn(rt)
+    finally:
+        await rt.aclose()
+
+
+@app.command()
+def migrate(
+    revision: Annotated[str, typer.Option(help="target revision")] = "head",
+    downgrade: Annotated[bool, typer.Option(help="downgrade to --revision (default base)")] = False,
+) -> None:
+    """Upgrade (or downgrade) the registry and audit schema."""
+    from gateway import dbschema
+
+    settings = _settings()
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if downgrade:
+        dbschema.downgrade(settings.db_url, "base" if revision == "head" else revision)
+    else:
+        dbschema.upgrade(settings.db_url, revision)
+    console.print(f"schema {'downgraded' if downgrade else 'upgraded'} to {revision if not downgrade or revision != 'head' else 'base'}")
+
+
+@app.command()
+def demo(
+    tokens: Annotated[int, typer.Option(help="prefix length in tokens")] = 8192,
+    layers: int = 32,
+    kv_heads: int = 8,
+    head_size: int = 128,
+    block_size: int = 16,
+    state_dir: Annotated[Optional[Path], typer.Option(help="state directory (default: a fresh temporary one)")] = None,
+) -> None:
+    """Run the whole story on the embedded default: isolation, integrity, secure clear, figures."""
+    from gateway.demo import run_demo
+
+    ok = asyncio.run(run_demo(tokens=tokens, layers=layers, kv_heads=kv_heads, head_size=head_size,
+                              block_size=block_size, state_dir=state_dir, console=console))
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def bench(
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="write results as JSON here")] = None,
+    quick: Annotated[bool, typer.Option(help="fewer repetitions and sizes (smoke run)")] = False,
+    reps: Annotated[int, typer.Option(help="repetitions per figure (median is reported)")] = 7,
+) -> None:
+    """Store and load throughput through the gateway core beside ceilings measured in the same run."""
+    from gateway.bench import run_bench
+
+    results = asyncio.run(run_bench(quick=quick, reps=reps, console=console))
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        console.print(f"wrote {json_path}")
+
+
+@tenants_app.command("create")
+def tenants_create(tenant: str) -> None:
+    async def go(rt):
+        version = await rt.admin.create_tenant(tenant)
+        console.print(f"tenant {tenant} created with data key version {version}")
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@tenants_app.command("list")
+def tenants_list() -> None:
+    async def go(rt):
+        table = Table("tenant", "status")
+        for t, status in await rt.registry.list_tenants():
+            table.add_row(t, status)
+        console.print(table)
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@tenants_app.command("disable")
+def tenants_disable(tenant: str) -> None:
+    async def go(rt):
+        await rt.admin.disable_tenant(tenant)
+        console.print(f"tenant {tenant} disabled; its capabilities are revoked")
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@keys_app.command("rotate")
+def keys_rotate(tenant: str) -> None:
+    async def go(rt):
+        version = await rt.admin.rotate_key(tenant)
+        console.print(f"tenant {tenant}: data key version {version} is active")
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@app.command()
+def clear(
+    tenant: str,
+    namespace: Annotated[Optional[str], typer.Option(help="clear one namespace only")] = None,
+) -> None:
+    """Secure clear: crypto-shred (epoch bump, key destruction) then delete from every tier."""
+
+    async def go(rt):
+        res = await rt.admin.clear(tenant, namespace)
+        console.print_json(json.dumps({
+            "job_id": res.job_id, "tenant": res.tenant, "namespace": res.namespace,
+            "deleted_chunk_copies": res.deleted_chunks, "destroyed_key_versions": res.destroyed_key_versions,
+            "epochs": res.epochs,
+        }))
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+def main() -> None:  # console script entry point
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

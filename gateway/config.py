@@ -1,0 +1,149 @@
+"""Settings: environment (KVGATE_*) and an optional TOML file (KVGATE_CONFIG), validated at start.
+
+Built explicitly with ``load_settings()`` (never at import time). Secrets are SecretStr, so their
+repr hides them. Production mode refuses the development-only parts (the local KEK file and the
+development OIDC issuer).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+__all__ = ["Settings", "IssuerSettings", "load_settings", "default_state_dir"]
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvgate"
+
+
+class IssuerSettings(BaseSettings):
+    """One trusted OIDC issuer."""
+
+    model_config = SettingsConfigDict(extra="forbid")
+
+    issuer: str
+    audience: str = "kvgate"
+    tenant_claim: str = "tenant"
+    roles_claim: str = "roles"
+    algorithms: list[str] = Field(default_factory=lambda: ["RS256", "ES256", "EdDSA"])
+    required_typ: str | None = "at+jwt"
+    jwks_lifespan_s: float = 300.0
+    refetch_cooldown_s: float = 30.0
+    leeway_s: float = 60.0
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
+
+    mode: Literal["development", "production"] = "development"
+    state_dir: Path = Field(default_factory=default_state_dir)
+    database_url: str | None = None  # default: SQLite under state_dir
+    redis_url: str | None = None
+    redis_prefix: str = "kvgate:"
+
+    # storage
+    tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=lambda: ["memory", "disk"])
+    memory_bytes: int = 4 << 30
+    memory_owner_quota_bytes: int | None = None
+    disk_dir: Path | None = None  # default: state_dir / "chunks"
+    disk_bytes: int | None = None
+    disk_fsync: bool = True
+
+    # chunking and crypto
+    chunk_tokens: int = 256
+    segment_bytes: int = 2 << 20
+    cpu_threads: int = 2
+    invocation_limit: int = 2**32
+    kek_provider: Literal["file"] = "file"
+    kek_file: Path | None = None  # default: state_dir / "kek.key"
+
+    # identity
+    issuers: list[IssuerSettings] = Field(default_factory=list)
+    dev_issuer: bool = True  # development only: a local issuer whose JWKS the server publishes
+    public_url: str = "http://127.0.0.1:8420"
+    capability_max_ttl_s: int = 600
+    audit_key_file: Path | None = None  # default: state_dir / "audit_ed25519.pem"
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = 8420
+    max_chunk_bytes: int = 64 << 20
+    api_token: SecretStr | None = None
+
+    @field_validator("chunk_tokens", "segment_bytes", "memory_bytes")
+    @classmethod
+    def _positive(cls, v: int) -> int:
+        if v <= 0:
+            raise ValueError("must be positive")
+        return v
+
+    @field_validator("cpu_threads")
+    @classmethod
+    def _threads(cls, v: int) -> int:
+        if not 0 <= v <= 64:
+            raise ValueError("must be between 0 (inline) and 64")
+        return v
+
+    @model_validator(mode="after")
+    def _production_rules(self) -> "Settings":
+        if self.mode == "production":
+            if self.kek_provider == "file":
+                raise ValueError(
+                    "the local KEK file is for development only; production needs an HSM or KMS provider"
+                )
+            if self.dev_issuer:
+                raise ValueError("the development OIDC issuer refuses to run in production mode")
+        if "redis" in self.tiers and not self.redis_url:
+            raise ValueError("the redis tier needs redis_url")
+        return self
+
+    # derived paths -----------------------------------------------------------------------------
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.state_dir / 'kvgate.db'}"
+
+    @property
+    def chunk_dir(self) -> Path:
+        return self.disk_dir or self.state_dir / "chunks"
+
+    @property
+    def kek_path(self) -> Path:
+        return self.kek_file or self.state_dir / "kek.key"
+
+    @property
+    def audit_key_path(self) -> Path:
+        return self.audit_key_file or self.state_dir / "audit_ed25519.pem"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = os.environ.get("KVGATE_CONFIG")
+        if path:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=Path(path)))
+        return tuple(sources)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read and validate settings; a missing config file is an error, not a silent default."""
+    path = os.environ.get("KVGATE_CONFIG")
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"KVGATE_CONFIG points at {path}, which is not a file")
+    return Settings(**overrides)  # type: ignore[arg-type]

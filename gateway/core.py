@@ -1,0 +1,554 @@
+"""The gateway core: the one door for chunk traffic (DESIGN section 3).
+
+Every data operation takes a capability token and verifies it first (lookup, get, put, pin), then
+works only inside the capability's tenant and namespace:
+
+    tokens --chain_hashes--> h_i --HMAC(namespace index key)--> storage key
+    paged KV --pack--> staging --seal (AES-256-GCM envelope, AAD binds identity)--> tiers
+    tiers --open (every tag checked)--> staging --unpack--> paged KV
+
+A chunk that fails authentication, whose key version is destroyed, or whose tier is unreachable
+is a miss: counted, audited where it is an integrity failure, and never handed to the engine.
+Control operations (clear, move, rotate, tenants) are the admin surface; the server checks roles
+before calling them, and every one is audited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
+from crypto.envelope import EnvelopeContext, peek_key_version
+from crypto.errors import DecryptionFailed, KeyUnavailable
+from crypto.kek import KekProvider
+from gateway.chunking import Chunk, InvalidTokens, ModelFingerprint, chain_hashes
+from gateway.datapath import DataPath
+from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
+from kernels.errors import KVLayoutError
+from kernels.layouts import CHUNK_LAYOUT, KVGeometry
+from kernels.pack import slots_from_block_ids
+from storage.manager import TierManager
+from storage.types import ChunkKey, ChunkNotFound, TierError
+from tenancy.capabilities import CapabilityAuthority, read_unverified
+from tenancy.errors import CapabilityDenied, CapabilityRequestInvalid
+from tenancy.keyring import Keyring
+from tenancy.namespaces import NamespaceDeriver, NamespaceKeys, lp
+from tenancy.registry import Registry, TenantDisabled, UnknownTenant
+from tenancy.types import Capability
+
+__all__ = ["Gateway", "KVModel", "StoreResult", "LookupResult", "RetrieveResult", "ClearResult"]
+
+log = logging.getLogger("kvgate.core")
+
+_NAME_MAX = 128
+
+
+def _check_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > _NAME_MAX or not value.isprintable():
+        raise InvalidRequest(f"{what} must be a printable string of 1..{_NAME_MAX} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVModel:
+    """The model whose KV a worker moves: a name (what the operator calls it) and its geometry."""
+
+    name: str
+    geometry: KVGeometry
+    tp_rank: int = 0
+    tp_size: int = 1
+    vocab_size: int | None = None
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        g = self.geometry
+        return ModelFingerprint(
+            model=self.name,
+            dtype=str(g.dtype).removeprefix("torch."),
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_size=g.head_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            layout_version=1 if CHUNK_LAYOUT.endswith(":v1") else 2,
+        )
+
+
+@dataclass(slots=True)
+class StoreResult:
+    tokens: int
+    chunks: int
+    stored: int
+    skipped: int
+    bytes_stored: int
+
+
+@dataclass(slots=True)
+class LookupResult:
+    hit_tokens: int
+    hit_chunks: int
+    total_chunks: int
+    locations: list[list[str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RetrieveResult:
+    loaded_tokens: int
+    loaded_chunks: int
+    integrity_failures: int
+    unavailable: int  # key destroyed/unwrappable or tier unreachable
+
+
+@dataclass(slots=True)
+class ClearResult:
+    job_id: str
+    tenant: str
+    namespace: str | None
+    deleted_chunks: int
+    destroyed_key_versions: list[int]
+    epochs: dict[str, int]
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A validated request: its chunks, their storage keys and their slots."""
+
+    cap: Capability
+    ns: NamespaceKeys
+    chunks: list[Chunk]
+    keys: list[ChunkKey]
+    slots: torch.Tensor | None
+
+
+class Gateway:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        keyring: Keyring,
+        kek: KekProvider,
+        deriver: NamespaceDeriver,
+        tiers: TierManager,
+        datapath: DataPath,
+        authority: CapabilityAuthority,
+        audit: AuditSink,
+        chunk_tokens: int = 256,
+    ) -> None:
+        self.registry = registry
+        self.keyring = keyring
+        self.kek = kek
+        self.deriver = deriver
+        self.tiers = tiers
+        self.datapath = datapath
+        self.authority = authority
+        self.audit = audit
+        self.chunk_tokens = chunk_tokens
+        self.stats: Counter[str] = Counter()
+        self._ns_cache: dict[tuple[str, str], NamespaceKeys] = {}
+        self._ns_lock = asyncio.Lock()
+
+    # -- capabilities ------------------------------------------------------------------------
+    async def mint_capability(
+        self,
+        tenant: str,
+        namespace: str,
+        ops: Sequence[str],
+        ttl: int | None = None,
+        *,
+        actor: Actor | None = None,
+    ) -> str:
+        """Mint a capability for an authenticated principal (the caller has checked its roles)."""
+        _check_name(tenant, "tenant")
+        _check_name(namespace, "namespace")
+        try:
+            await self.registry.require_active(tenant)
+        except (UnknownTenant, TenantDisabled) as exc:
+            raise TenantUnavailable("tenant unavailable") from exc
+        try:
+            token, cap = self.authority.issue(tenant, namespace, ops, ttl)
+        except CapabilityRequestInvalid as exc:
+            raise InvalidRequest(str(exc)) from None
+        self.audit.emit(
+            AuditEvent(
+                Actions.CAPABILITY_MINT,
+                actor=actor or Actor(tenant=tenant),
+                target=Target(tenant=tenant, namespace=namespace),
+                details={"cap_id": cap.cap_id, "ops": sorted(cap.ops), "expires_at": cap.expires_at},
+            )
+        )
+        return token
+
+    def authorize(self, token: str, op: str, *, chunks: Sequence[str] = ()) -> Capability:
+        """Verify a capability for one operation (and, if the holder restricted it to a chunk
+        allowlist, for every chunk named); every denial is audited and raises AccessDenied.
+
+        The work done does not depend on whether the tenant, namespace or chunk exists: the
+        check is a MAC chain and a revocation-set lookup, nothing else. The capability alone
+        names the tenant and namespace a request works in."""
+        try:
+            namespace = read_unverified(token).namespace
+            return self.authority.verify(token, tenant=None, namespace=namespace, op=op, chunks=chunks)
+        except CapabilityDenied as exc:
+            self.stats["denials"] += 1
+            self.audit.emit(
+                AuditEvent(
+                    Actions.AUTHZ_DENIED,
+                    outcome="denied",
+                    details={"op": op, "reason": exc.reason},
+                )
+            )
+            raise AccessDenied(exc.reason) from None
+
+    # -- namespaces --------------------------------------------------------------------------
+    def _salt_context(self, tenant: str, namespace: str, epoch: int) -> bytes:
+        return lp("kvgate/ns-salt/v1", tenant, namespace, epoch)
+
+    async def namespace_keys(self, tenant: str, namespace: str) -> NamespaceKeys:
+        cached = self._ns_cache.get((tenant, namespace))
+        if cached is not None:
+            return cached
+        async with self._ns_lock:
+            cached = self._ns_cache.get((tenant, namespace))
+            if cached is not None:
+                return cached
+            try:
+                await self.registry.require_active(tenant)
+            except (UnknownTenant, TenantDisabled) as exc:
+                raise TenantUnavailable("tenant unavailable") from exc
+            rec = await self.registry.get_namespace(tenant, namespace)
+            if rec is None:
+                wrapped = self.kek.wrap(os.urandom(32), self._salt_context(tenant, namespace, 0))
+                rec = await self.registry.create_namespace(tenant, namespace, wrapped)
+            salt = self.kek.unwrap(rec.wrapped_salt, self._salt_context(tenant, namespace, rec.epoch))
+            keys = self.deriver.derive(tenant, namespace, rec.epoch, salt)
+            self._ns_cache[(tenant, namespace)] = keys
+            return keys
+
+    def forget_namespace(self, tenant: str, namespace: str | None = None) -> None:
+        """Drop cached namespace keys (after a clear here or, via broadcast, elsewhere)."""
+        for key in [k for k in self._ns_cache if k[0] == tenant and (namespace is None or k[1] == namespace)]:
+            del self._ns_cache[key]
+
+    # -- planning ----------------------------------------------------------------------------
+    async def _plan(
+        self,
+        token: str,
+        op: str,
+        model: KVModel,
+        tokens: Sequence[int] | torch.Tensor,
+        *,
+        kv_layers: Sequence[torch.Tensor] | None = None,
+        block_ids: Sequence[int] | torch.Tensor | None = None,
+        slot_mapping: Sequence[int] | torch.Tensor | None = None,
+    ) -> _Plan:
+        if isinstance(tokens, torch.Tensor):
+            tokens = tokens.detach().cpu().numpy()
+        try:
+            chunks = chain_hashes(tokens, model.fingerprint, self.chunk_tokens, vocab_size=model.vocab_size)
+        except InvalidTokens as exc:
+            raise InvalidRequest(str(exc)) from None
+        cap = self.authorize(token, op, chunks=[c.chained_hash.hex() for c in chunks])
+        slots = None
+        if kv_layers is not None:
+            slots = self._slots(model.geometry, kv_layers, chunks[-1].end, block_ids, slot_mapping)
+        try:
+            ns = await self.namespace_keys(cap.tenant, cap.namespace)
+        except TenantUnavailable:
+            self.stats["denials"] += 1
+            raise AccessDenied("tenant unavailable") from None
+        keys = [ChunkKey(ns.owner, ns.group, ns.storage_key(c.chained_hash)) for c in chunks]
+        return _Plan(cap, ns, chunks, keys, slots)
+
+    @staticmethod
+    def _slots(
+        geometry: KVGeometry,
+        kv_layers: Sequence[torch.Tensor],
+        num_tokens: int,
+        block_ids: Sequence[int] | torch.Tensor | None,
+        slot_mapping: Sequence[int] | torch.Tensor | None,
+    ) -> torch.Tensor:
+        """All slots of the request, validated up front so a bad one stores nothing at all."""
+        if (block_ids is None) == (slot_mapping is None):
+            raise InvalidRequest("give exactly one of block_ids and slot_mapping")
+        try:
+            num_blocks = geometry.validate_layers(kv_layers)
+            device = kv_layers[0].device
+            if block_ids is not None:
+                slots = slots_from_block_ids(block_ids, geometry.block_size, 0, num_tokens, device=device)
+            else:
+                slots = torch.as_tensor(slot_mapping).to(device=device)
+                if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
+                    raise InvalidRequest("slot_mapping must be a 1-D integer sequence")
+                slots = slots.to(torch.int64)
+                if slots.numel() != num_tokens:
+                    raise InvalidRequest(
+                        f"slot_mapping has {slots.numel()} slots for {num_tokens} tokens"
+                    )
+        except KVLayoutError as exc:
+            raise InvalidRequest(str(exc)) from None
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < 0 or hi >= num_blocks * geometry.block_size:
+            raise InvalidRequest(f"slots must lie in [0, {num_blocks * geometry.block_size}), got [{lo}, {hi}]")
+        return slots
+
+    def _context(self, plan: _Plan, key: ChunkKey, model: KVModel, version: int) -> EnvelopeContext:
+        return EnvelopeContext(
+            tenant=plan.cap.tenant,
+            namespace=plan.cap.namespace,
+            storage_key=key.digest,
+            model_fingerprint=model.fingerprint.digest,
+            key_version=version,
+        )
+
+    # -- data operations ---------------------------------------------------------------------
+    async def store(
+        self,
+        token: str,
+        model: KVModel,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_layers: Sequence[torch.Tensor],
+        *,
+        block_ids: Sequence[int] | torch.Tensor | None = None,
+        slot_mapping: Sequence[int] | torch.Tensor | None = None,
+        skip_existing: bool = True,
+    ) -> StoreResult:
+        """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``."""
+        plan = await self._plan(
+            token, "put", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
+        )
+        assert plan.slots is not None
+        todo = list(range(len(plan.chunks)))
+        if skip_existing:
+            present = await self.tiers.contains_many(plan.keys)
+            todo = [i for i in todo if not present[i]]
+        stored_bytes = 0
+        window = asyncio.Semaphore(max(2, self.datapath.threads + 1))
+
+        async def one(i: int) -> int:
+            async with window:
+                c, key = plan.chunks[i], plan.keys[i]
+                version, dek = await self.keyring.encryption_key(plan.cap.tenant)
+                envelope = await self.datapath.run(
+                    self.datapath.seal_chunk,
+                    kv_layers,
+                    plan.slots[c.start : c.end],
+                    model.geometry,
+                    dek,
+                    plan.ns.binding_secret,
+                    self._context(plan, key, model, version),
+                )
+                await self.tiers.put(key, envelope)
+                return len(envelope)
+
+        for n in await asyncio.gather(*(one(i) for i in todo)):
+            stored_bytes += n
+        self.stats["chunks_stored"] += len(todo)
+        self.stats["bytes_in"] += stored_bytes
+        return StoreResult(
+            tokens=plan.chunks[-1].end,
+            chunks=len(plan.chunks),
+            stored=len(todo),
+            skipped=len(plan.chunks) - len(todo),
+            bytes_stored=stored_bytes,
+        )
+
+    async def lookup(self, token: str, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> LookupResult:
+        """How many leading tokens are stored (prefix walk, stops at the first miss)."""
+        plan = await self._plan(token, "lookup", model, tokens)
+        present = await self.tiers.contains_many(plan.keys)
+        hits = 0
+        for p in present:
+            if not p:
+                break
+            hits += 1
+        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
+        return LookupResult(
+            hit_tokens=plan.chunks[hits - 1].end if hits else 0,
+            hit_chunks=hits,
+            total_chunks=len(plan.chunks),
+        )
+
+    async def retrieve(
+        self,
+        token: str,
+        model: KVModel,
+        tokens: Sequence[int] | torch.Tensor,
+        kv_layers: Sequence[torch.Tensor],
+        *,
+        block_ids: Sequence[int] | torch.Tensor | None = None,
+        slot_mapping: Sequence[int] | torch.Tensor | None = None,
+    ) -> RetrieveResult:
+        """Load the longest stored prefix of ``tokens`` into ``kv_layers``.
+
+        Chunks are fetched, authenticated and unpacked in order; the first miss, failed tag,
+        unavailable key or unreachable tier ends the prefix. Returns how many tokens were loaded."""
+        plan = await self._plan(
+            token, "get", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
+        )
+        assert plan.slots is not None
+        slots = plan.slots
+        stats = {"failures": 0, "unavailable": 0}
+
+        async def one(i: int) -> int:
+            """Bytes loaded for chunk i, or 0 if it ends the prefix."""
+            c, key = plan.chunks[i], plan.keys[i]
+            try:
+                found = await self.tiers.get(key)
+            except ChunkNotFound:
+                return 0
+            except TierError:
+                stats["unavailable"] += 1
+                return 0
+            try:
+                version = peek_key_version(found.data)
+                dek = await self.keyring.decryption_key(plan.cap.tenant, version)
+                await self.datapath.run(
+                    self.datapath.open_chunk,
+                    found.data,
+                    kv_layers,
+                    slots[c.start : c.end],
+                    model.geometry,
+                    dek,
+                    plan.ns.binding_secret,
+                    self._context(plan, key, model, version),
+                )
+            except KeyUnavailable:
+                stats["unavailable"] += 1
+                self.stats["key_unavailable"] += 1
+                return 0
+            except DecryptionFailed:
+                stats["failures"] += 1
+                await self._integrity_failure(plan, key, found.tier, i)
+                return 0
+            return found.nbytes
+
+        # Chunks are loaded in windows (one per CPU thread, plus one fetching) and the prefix
+        # ends at the first chunk that did not load. A chunk past that point may have been
+        # unpacked already; it is authentic KV in slots the engine recomputes anyway.
+        loaded = 0
+        window = max(1, self.datapath.threads) + 1
+        done = False
+        for start in range(0, len(plan.chunks), window):
+            batch = range(start, min(start + window, len(plan.chunks)))
+            for n in await asyncio.gather(*(one(i) for i in batch)):
+                if done or n == 0:
+                    done = True
+                    continue
+                loaded += 1
+                self.stats["bytes_out"] += n
+            if done:
+                break
+        failures, unavailable = stats["failures"], stats["unavailable"]
+        self.stats["chunks_loaded"] += loaded
+        self.stats["load_misses" if loaded < len(plan.chunks) else "load_hits"] += 1
+        return RetrieveResult(
+            loaded_tokens=plan.chunks[loaded - 1].end if loaded else 0,
+            loaded_chunks=loaded,
+            integrity_failures=failures,
+            unavailable=unavailable,
+        )
+
+    async def _integrity_failure(self, plan: _Plan, key: ChunkKey, tier: str, index: int) -> None:
+        """A stored envelope failed authentication: count, audit, and drop every copy of it so
+        the engine's recompute stores a good one."""
+        self.stats["integrity_failures"] += 1
+        log.warning("integrity failure on a chunk in tier %s; treated as a miss", tier)
+        self.audit.emit(
+            AuditEvent(
+                Actions.INTEGRITY_FAILURE,
+                outcome="failure",
+                actor=Actor(tenant=plan.cap.tenant, token_id=plan.cap.cap_id),
+                target=Target(
+                    tenant=plan.cap.tenant,
+                    namespace=plan.cap.namespace,
+                    chunk_count=1,
+                    chunk_digest=_digest([key]),
+                    tier_from=tier,
+                ),
+                details={"chunk_index": index},
+            )
+        )
+        try:
+            await self.tiers.delete(key)
+        except TierError:
+            pass
+
+    async def pin(self, token: str, model: KVModel, tokens: Sequence[int] | torch.Tensor, *, pin: bool = True) -> int:
+        """Pin (or unpin) every stored chunk of ``tokens``; returns how many chunks were changed."""
+        plan = await self._plan(token, "pin", model, tokens)
+        changed = 0
+        for key in plan.keys:
+            if pin:
+                try:
+                    await self.tiers.pin(key)
+                except ChunkNotFound:
+                    continue
+                await self.registry.add_pin(plan.cap.tenant, plan.cap.namespace, key.digest)
+            else:
+                await self.tiers.unpin(key)
+                await self.registry.remove_pin(plan.cap.tenant, plan.cap.namespace, key.digest)
+            changed += 1
+        self.audit.emit(
+            AuditEvent(
+                Actions.PIN if pin else Actions.UNPIN,
+                actor=Actor(tenant=plan.cap.tenant, token_id=plan.cap.cap_id),
+                target=Target(
+                    tenant=plan.cap.tenant,
+                    namespace=plan.cap.namespace,
+                    chunk_count=changed,
+                    chunk_digest=_digest(plan.keys),
+                ),
+            )
+        )
+        return changed
+
+    async def keys_for(self, tenant: str, namespace: str, model: KVModel, tokens: Sequence[int]) -> list[ChunkKey]:
+        """Storage keys of a prompt's chunks (admin operations: move, chunk-list clear)."""
+        try:
+            chunks = chain_hashes(tokens, model.fingerprint, self.chunk_tokens, vocab_size=model.vocab_size)
+        except InvalidTokens as exc:
+            raise InvalidRequest(str(exc)) from None
+        ns = await self.namespace_keys(tenant, namespace)
+        return [ChunkKey(ns.owner, ns.group, ns.storage_key(c.chained_hash)) for c in chunks]
+
+    async def move(self, keys: Sequence[ChunkKey], src: str, dst: str, *, actor: Actor | None = None) -> int:
+        """Move chunks between tiers; returns how many moved (absent ones are skipped)."""
+        try:
+            self.tiers.tier(src), self.tiers.tier(dst)
+        except KeyError as exc:
+            raise InvalidRequest(str(exc)) from None
+        moved = 0
+        for key in keys:
+            try:
+                await self.tiers.move(key, src, dst)
+                moved += 1
+            except ChunkNotFound:
+                continue
+        self.audit.emit(
+            AuditEvent(
+                Actions.MOVE,
+                actor=actor or Actor(),
+                target=Target(chunk_count=moved, chunk_digest=_digest(keys), tier_from=src, tier_to=dst),
+                details={"requested": len(keys)},
+            )
+        )
+        return moved
+
+    async def aclose(self) -> None:
+        await self.tiers.aclose()
+        self.datapath.close()
+
+
+def _digest(keys: Sequence[ChunkKey]) -> str:
+    h = hashlib.sha256()
+    for d in sorted(k.digest for k in keys):
+        h.update(d.encode())
+    return h.hexdigest()

@@ -1,0 +1,54 @@
+"""Schema management: ``kvgate migrate`` and the refusal to start on a schema that is behind."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+import migrations
+
+__all__ = ["alembic_config", "upgrade", "downgrade", "check_schema", "SchemaBehind", "head_revision"]
+
+
+class SchemaBehind(RuntimeError):
+    """The database schema is older than this kvgate: run `kvgate migrate`."""
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str = "base") -> None:
+    command.downgrade(alembic_config(url), revision)
+
+
+def head_revision(url: str = "sqlite://") -> str | None:
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+async def check_schema(engine: AsyncEngine) -> None:
+    """Raise SchemaBehind unless the database is at the head revision."""
+    head = head_revision()
+
+    def current(sync_conn) -> str | None:
+        return MigrationContext.configure(sync_conn).get_current_revision()
+
+    async with engine.connect() as conn:
+        rev = await conn.run_sync(current)
+    if rev != head:
+        raise SchemaBehind(
+            f"the database schema is at revision {rev or 'none'} but this kvgate needs {head}: "
+            "run `kvgate migrate`"
+        )

@@ -1,0 +1,120 @@
+"""Wiring: build the gateway core and its parts from Settings (nothing at import time).
+
+``open_runtime(settings)`` checks the schema (refusing to start on one that is behind), loads or
+creates the KEK-wrapped gateway secrets, opens the tiers, starts the audit writer, resumes any
+interrupted secure clear, and returns a Runtime to close when done.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from audit.writer import AuditWriter
+from crypto.envelope import ChunkCipher
+from crypto.kek import KekProvider, LocalFileKek
+from gateway.admin import Admin
+from gateway.config import Settings
+from gateway.core import Gateway
+from gateway.datapath import DataPath
+from gateway.dbschema import check_schema
+from storage.base import Tier
+from storage.disk import DiskTier
+from storage.manager import TierManager
+from storage.memory import MemoryTier
+from tenancy.capabilities import CapabilityAuthority, RevocationList
+from tenancy.keyring import Keyring
+from tenancy.namespaces import NamespaceDeriver, lp
+from tenancy.registry import Registry
+
+__all__ = ["Runtime", "open_runtime", "make_kek"]
+
+
+def make_kek(settings: Settings) -> KekProvider:
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return LocalFileKek(settings.kek_path)
+
+
+async def _gateway_secret(registry: Registry, kek: KekProvider, name: str) -> bytes:
+    context = lp("kvgate/secret/v1", name)
+    stored = await registry.get_secret(name)
+    if stored is None:
+        stored = await registry.put_secret_if_absent(name, kek.wrap(os.urandom(32), context), kek.key_id)
+    return kek.unwrap(stored[0], context)
+
+
+async def _tiers(settings: Settings) -> list[Tier]:
+    tiers: list[Tier] = []
+    for name in settings.tiers:
+        if name == "memory":
+            tiers.append(MemoryTier(settings.memory_bytes, owner_quota_bytes=settings.memory_owner_quota_bytes))
+        elif name == "disk":
+            tiers.append(
+                await DiskTier.open(settings.chunk_dir, capacity_bytes=settings.disk_bytes, fsync=settings.disk_fsync)
+            )
+        else:  # pragma: no cover - validated by Settings
+            raise ValueError(f"tier {name!r} is not available in this build")
+    return tiers
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    registry: Registry
+    gateway: Gateway
+    admin: Admin
+    audit: AuditWriter
+
+    async def aclose(self) -> None:
+        await self.gateway.aclose()
+        await self.audit.aclose()
+        await self.registry.aclose()
+
+
+async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, encrypt: bool = True) -> Runtime:
+    """Open everything; ``tiers`` overrides the configured tiers (tests and benchmarks).
+    ``encrypt=False`` exists for the benchmark's plaintext baseline only."""
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    kek = make_kek(settings)
+    registry = Registry.from_url(settings.db_url)
+    try:
+        await check_schema(registry.engine)
+        master = await _gateway_secret(registry, kek, "namespace-master")
+        cap_key = await _gateway_secret(registry, kek, "capability-key")
+        revocations = RevocationList()
+        import time
+
+        revocations.load(
+            {"tenant": t, "cap_id": c, "not_before": nb, "until": exp}
+            for t, c, nb, exp in await registry.live_revocations(time.time())
+        )
+        authority = CapabilityAuthority(
+            {"k1": cap_key}, "k1", max_ttl=settings.capability_max_ttl_s, revocations=revocations
+        )
+        audit = AuditWriter(settings.db_url, spool_dir=settings.state_dir / "audit-spool")
+        await audit.start()
+    except BaseException:
+        await registry.aclose()
+        raise
+    gateway = Gateway(
+        registry=registry,
+        keyring=Keyring(registry, kek, invocation_limit=settings.invocation_limit),
+        kek=kek,
+        deriver=NamespaceDeriver(master),
+        tiers=TierManager(tiers if tiers is not None else await _tiers(settings)),
+        datapath=DataPath(ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt),
+        authority=authority,
+        audit=audit,
+        chunk_tokens=settings.chunk_tokens,
+    )
+    admin = Admin(gateway)
+    await admin.resume_clears()
+    return Runtime(settings, registry, gateway, admin, audit)
+
+
+def new_state_dir(base: Path) -> Path:
+    path = base / secrets.token_hex(4)
+    path.mkdir(parents=True, mode=0o700)
+    return path

@@ -1,0 +1,87 @@
+"""The one contract every storage tier meets. Imports nothing of the project.
+
+Tiers hold opaque keys and ciphertext envelopes. They never see a tenant's name, a namespace's
+name or a secret: ``owner`` and ``group`` are opaque labels the gateway derives (HMACs), used for
+per-owner quotas and for deleting a whole namespace without listing every key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "ChunkKey",
+    "StoredChunk",
+    "TierError",
+    "ChunkNotFound",
+    "TierUnavailable",
+    "TierFull",
+    "InvalidChunk",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkKey:
+    """Where a chunk lives in every tier.
+
+    owner:  opaque label of the tenant (hex), for quotas and tenant-wide deletion.
+    group:  opaque label of the namespace (hex), for namespace-wide deletion.
+    digest: the namespaced storage key, HMAC-SHA256(namespace secret, chained hash), hex.
+    """
+
+    owner: str
+    group: str
+    digest: str
+
+    def __post_init__(self) -> None:
+        for name in ("owner", "group", "digest"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or not _is_hex(value) or len(value) > 128:
+                raise ValueError(f"ChunkKey.{name} must be a non-empty lowercase hex string")
+
+
+def _is_hex(value: str) -> bool:
+    return all(c in "0123456789abcdef" for c in value)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    """An envelope as a tier returns it. ``data`` is read-only; ``tier`` names where it was found."""
+
+    key: ChunkKey
+    data: memoryview
+    tier: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+class TierError(Exception):
+    """Base of every storage error.
+
+    TierError
+     +-- ChunkNotFound     the key is not in this tier (a miss; a typed result, never None)
+     +-- TierUnavailable   the tier cannot be reached or timed out (a miss for loads)
+     +-- TierFull          the chunk cannot fit (larger than the budget, or every byte pinned)
+     +-- InvalidChunk      the bytes or key handed to put are not acceptable
+    """
+
+
+class ChunkNotFound(TierError):
+    def __init__(self, key: ChunkKey, tier: str = "") -> None:
+        super().__init__(f"chunk not found in tier {tier or '?'}")
+        self.key = key
+        self.tier = tier
+
+
+class TierUnavailable(TierError):
+    pass
+
+
+class TierFull(TierError):
+    pass
+
+
+class InvalidChunk(TierError):
+    pass
