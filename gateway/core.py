@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
-from crypto.envelope import EnvelopeContext, peek_key_version
+from crypto.envelope import EnvelopeContext
 from crypto.errors import DecryptionFailed, KeyUnavailable
 from crypto.kek import KekProvider
 from gateway.chunking import Chunk, InvalidTokens, ModelFingerprint, chain_hashes
@@ -335,7 +335,10 @@ class Gateway:
         async def one(i: int) -> int:
             async with window:
                 c, key = plan.chunks[i], plan.keys[i]
-                version, dek = await self.keyring.encryption_key(plan.cap.tenant)
+                if self.datapath.encrypt:
+                    version, dek = await self.keyring.encryption_key(plan.cap.tenant)
+                else:  # the benchmark's plaintext baseline
+                    version, dek = 0, b""
                 envelope = await self.datapath.run(
                     self.datapath.seal_chunk,
                     kv_layers,
@@ -408,8 +411,8 @@ class Gateway:
                 stats["unavailable"] += 1
                 return 0
             try:
-                version = peek_key_version(found.data)
-                dek = await self.keyring.decryption_key(plan.cap.tenant, version)
+                version = self.datapath.key_version(found.data)
+                dek = await self.keyring.decryption_key(plan.cap.tenant, version) if self.datapath.encrypt else b""
                 await self.datapath.run(
                     self.datapath.open_chunk,
                     found.data,

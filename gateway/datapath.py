@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.envelope import ChunkCipher, EnvelopeContext, peek_key_version
 from crypto.errors import DecryptionFailed
 from kernels.layouts import KVGeometry
 from kernels.pack import pack, unpack
@@ -55,6 +55,10 @@ class DataPath:
                 bufs.pop(next(iter(bufs)))
             buf = bufs[key] = torch.empty(key[0], dtype=geometry.dtype, device=device)
         return buf
+
+    def key_version(self, envelope: memoryview) -> int:
+        """The data-key version an envelope was sealed with (0 for the plaintext baseline)."""
+        return peek_key_version(envelope) if self.encrypt else 0
 
     @staticmethod
     def _bytes(t: torch.Tensor) -> memoryview:

@@ -1,0 +1,354 @@
+"""The chunk envelope: a versioned, context-bound AES-256-GCM recipe, in the spirit of fernet.
+
+Format v1 (big-endian)::
+
+    header  = b"KVG" | version u8 (=1) | key_version u32 | salt 32 bytes
+              | segment_count u32 | segment_bytes u32 | plaintext_len u64        (56 bytes)
+    body    = for i in range(segment_count): ciphertext_i || tag_i (16 bytes)
+
+Segment ``i`` holds plaintext bytes ``[i*segment_bytes, (i+1)*segment_bytes)`` (the last one may be
+shorter). ``segment_count = max(1, ceil(plaintext_len / segment_bytes))``: an empty plaintext still
+has one segment, so every envelope carries at least one tag.
+
+Key schedule. Per envelope a fresh random 256-bit ``salt``; the segment key is
+``HKDF-SHA256(ikm = dek || binding_secret, salt, info = b"kvgate/chunk/v1", length 32)`` and segment
+``i`` uses the 96-bit nonce ``i`` (big-endian). ``binding_secret`` is an opaque per-namespace
+secret, so destroying either the tenant's DEK version or the namespace secret crypto-shreds the
+chunk.
+
+Why a key per envelope rather than one DEK and a nonce counter (DESIGN 2.4): nonces must never
+repeat under one key across threads, processes, restarts and replicas. A counter needs state shared
+by all of them, and a random per-process prefix is not enough (birthday collisions over many
+restarts). Deriving a fresh key from a 256-bit random salt carried in the envelope (as the AWS
+Encryption SDK does) needs no shared state: two envelopes share a segment key only if their salts
+collide (probability ~ n^2 / 2^257), and within one envelope the nonces 0, 1, 2 ... are distinct by
+construction, at most 2^32 - 1 of them, far below NIST SP 800-38D's bounds per key.
+
+AAD of segment ``i`` = header || ``ctx.aad()`` || u32 i || u32 segment_count, where ``ctx`` is the
+``EnvelopeContext`` (tenant, namespace, storage key, model fingerprint, key version). A chunk copied
+to another key, tenant, namespace or model, or a segment dropped, reordered, duplicated or moved to
+another envelope fails authentication. Every failure is the one ``DecryptionFailed``.
+
+Buffers: ``seal_into``/``open_into`` write into caller-owned buffers; the payload is touched only by
+the AEAD and per-call work is a few small objects per segment. Header lengths are checked against
+the envelope's actual size before anything is allocated or decrypted.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cryptography.hazmat.primitives.hashes import SHA256
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from crypto.aead import KEY_BYTES, NONCE_BYTES, TAG_BYTES, AeadFactory, CpuAesGcm, wipe
+from crypto.errors import DecryptionFailed, InvalidParameter, InvocationLimitReached
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from crypto.aead import WritableBuffer
+
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "HEADER_BYTES",
+    "MAGIC",
+    "MAX_SEGMENT_BYTES",
+    "MIN_BINDING_SECRET_BYTES",
+    "SALT_BYTES",
+    "VERSION",
+    "ChunkCipher",
+    "EnvelopeContext",
+    "EnvelopeHeader",
+    "envelope_size",
+    "peek_key_version",
+    "plaintext_length",
+    "read_header",
+]
+
+MAGIC = b"KVG"
+VERSION = 1
+SALT_BYTES = 32
+DEFAULT_SEGMENT_BYTES = 2 * 1024 * 1024
+MAX_SEGMENT_BYTES = 1 << 30
+MIN_BINDING_SECRET_BYTES = 16
+_MAX_U32 = 0xFFFFFFFF
+_HKDF_INFO = b"kvgate/chunk/v1"
+_CONTEXT_LABEL = b"kvgate/chunk-context/v1"
+_HEADER = struct.Struct(">3sBI32sIIQ")
+_U32 = struct.Struct(">I")
+_SEGMENT_AAD = struct.Struct(">II")
+HEADER_BYTES = _HEADER.size
+
+
+@dataclass(frozen=True, slots=True)
+class EnvelopeContext:
+    """Where a chunk belongs; bound into every segment's AAD."""
+
+    tenant: str
+    namespace: str
+    storage_key: str
+    model_fingerprint: str
+    key_version: int
+    _aad: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("tenant", "namespace", "storage_key", "model_fingerprint"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise InvalidParameter(f"EnvelopeContext.{name} must be a non-empty str")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise InvalidParameter(f"EnvelopeContext.{name} is not valid UTF-8") from None
+        kv = self.key_version
+        if isinstance(kv, bool) or not isinstance(kv, int) or not 0 <= kv <= _MAX_U32:
+            raise InvalidParameter("EnvelopeContext.key_version must be an int in [0, 2**32)")
+        object.__setattr__(self, "_aad", self._encode())
+
+    def aad(self) -> bytes:
+        """Canonical bytes: a label, each text field as u32 length || UTF-8, u32 key_version."""
+        return self._aad
+
+    def _encode(self) -> bytes:
+        parts = [_CONTEXT_LABEL]
+        for value in (self.tenant, self.namespace, self.storage_key, self.model_fingerprint):
+            encoded = value.encode("utf-8")
+            parts.append(_U32.pack(len(encoded)))
+            parts.append(encoded)
+        parts.append(_U32.pack(self.key_version))
+        return b"".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvelopeHeader:
+    """A parsed, size-checked (not yet authenticated) envelope header."""
+
+    key_version: int
+    salt: bytes
+    segment_count: int
+    segment_bytes: int
+    plaintext_length: int
+
+    @property
+    def envelope_length(self) -> int:
+        return HEADER_BYTES + self.plaintext_length + TAG_BYTES * self.segment_count
+
+
+def _segments_for(plaintext_len: int, segment_bytes: int) -> int:
+    return max(1, -(-plaintext_len // segment_bytes))
+
+
+def envelope_size(plaintext_len: int, segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> int:
+    """Bytes of the envelope of a ``plaintext_len``-byte plaintext."""
+    if plaintext_len < 0 or not 1 <= segment_bytes <= MAX_SEGMENT_BYTES:
+        raise InvalidParameter("plaintext_len must be >= 0 and segment_bytes in [1, 2**30]")
+    return HEADER_BYTES + plaintext_len + TAG_BYTES * _segments_for(plaintext_len, segment_bytes)
+
+
+def read_header(envelope: Buffer) -> EnvelopeHeader:
+    """Parse and size-check the header; ``DecryptionFailed`` on anything malformed."""
+    try:
+        view = memoryview(envelope)
+    except TypeError:
+        raise DecryptionFailed from None
+    with view:
+        size = view.nbytes
+        if size < HEADER_BYTES or not view.c_contiguous:
+            raise DecryptionFailed
+        with view.cast("B") as flat:
+            magic, version, key_version, salt, count, seg_bytes, pt_len = _HEADER.unpack_from(flat)
+    if magic != MAGIC or version != VERSION or not 1 <= seg_bytes <= MAX_SEGMENT_BYTES:
+        raise DecryptionFailed
+    if count != _segments_for(pt_len, seg_bytes):
+        raise DecryptionFailed
+    header = EnvelopeHeader(key_version, salt, count, seg_bytes, pt_len)
+    if header.envelope_length != size:
+        raise DecryptionFailed
+    return header
+
+
+def peek_key_version(envelope: Buffer) -> int:
+    """The DEK version an envelope claims (unauthenticated: only to choose the key)."""
+    return read_header(envelope).key_version
+
+
+def plaintext_length(envelope: Buffer) -> int:
+    """Plaintext bytes the envelope holds (never more than ``len(envelope)``)."""
+    return read_header(envelope).plaintext_length
+
+
+def _nonce(index: int) -> bytes:
+    return index.to_bytes(NONCE_BYTES, "big")
+
+
+def _flat_view(buf: Buffer, *, writable: bool, what: str) -> memoryview:
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise InvalidParameter(f"{what} must support the buffer protocol") from None
+    if not view.c_contiguous or (writable and view.readonly):
+        view.release()
+        kind = "a writable, C-contiguous" if writable else "a C-contiguous"
+        raise InvalidParameter(f"{what} must be {kind} buffer")
+    return view.cast("B")
+
+
+class ChunkCipher:
+    """Seals and opens chunk envelopes (format v1) with an injectable AEAD and salt source."""
+
+    __slots__ = ("_aead_factory", "_salt_source", "_segment_bytes")
+
+    def __init__(
+        self,
+        aead_factory: AeadFactory = CpuAesGcm,
+        *,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        salt_source: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int):
+            raise InvalidParameter("segment_bytes must be an int")
+        if not 1 <= segment_bytes <= MAX_SEGMENT_BYTES:
+            raise InvalidParameter(f"segment_bytes must be in [1, {MAX_SEGMENT_BYTES}]")
+        self._aead_factory = aead_factory
+        self._segment_bytes = segment_bytes
+        self._salt_source = salt_source
+
+    @property
+    def segment_bytes(self) -> int:
+        return self._segment_bytes
+
+    def envelope_size(self, plaintext_len: int) -> int:
+        return envelope_size(plaintext_len, self._segment_bytes)
+
+    def _segment_key(self, dek: bytes, binding_secret: bytes, salt: bytes) -> bytes:
+        if len(dek) != KEY_BYTES:
+            raise InvalidParameter(f"dek must be {KEY_BYTES} bytes, got {len(dek)}")
+        if len(binding_secret) < MIN_BINDING_SECRET_BYTES:
+            raise InvalidParameter(
+                f"binding_secret must be at least {MIN_BINDING_SECRET_BYTES} bytes"
+            )
+        hkdf = HKDF(algorithm=SHA256(), length=KEY_BYTES, salt=salt, info=_HKDF_INFO)
+        return hkdf.derive(bytes(dek) + bytes(binding_secret))
+
+    def seal_into(
+        self,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        plaintext: Buffer,
+        out: WritableBuffer,
+    ) -> int:
+        """Write the envelope of ``plaintext`` into ``out[:n]`` and return ``n``.
+
+        ``out`` must hold ``envelope_size(len(plaintext))`` bytes and not overlap ``plaintext``.
+        """
+        seg = self._segment_bytes
+        with _flat_view(plaintext, writable=False, what="plaintext") as pt:
+            pt_len = pt.nbytes
+            count = _segments_for(pt_len, seg)
+            if count > _MAX_U32:
+                raise InvocationLimitReached("plaintext needs more than 2**32 - 1 segments")
+            size = HEADER_BYTES + pt_len + TAG_BYTES * count
+            salt = self._salt_source(SALT_BYTES)
+            if not isinstance(salt, bytes) or len(salt) != SALT_BYTES:
+                raise InvalidParameter(f"salt_source must return {SALT_BYTES} bytes")
+            aead = self._aead_factory(self._segment_key(dek, binding_secret, salt))
+            header = _HEADER.pack(MAGIC, VERSION, ctx.key_version, salt, count, seg, pt_len)
+            prefix = header + ctx.aad()
+            with _flat_view(out, writable=True, what="out") as dst:
+                if dst.nbytes < size:
+                    raise InvalidParameter(f"out must hold {size} bytes, has {dst.nbytes}")
+                dst[:HEADER_BYTES] = header
+                src_pos, dst_pos = 0, HEADER_BYTES
+                for i in range(count):
+                    n = min(seg, pt_len - src_pos)
+                    aead.seal_into(
+                        _nonce(i),
+                        pt[src_pos : src_pos + n],
+                        prefix + _SEGMENT_AAD.pack(i, count),
+                        dst[dst_pos : dst_pos + n + TAG_BYTES],
+                    )
+                    src_pos += n
+                    dst_pos += n + TAG_BYTES
+        return size
+
+    def seal(
+        self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, plaintext: Buffer
+    ) -> bytearray:
+        """Allocate the envelope once and seal into it."""
+        with _flat_view(plaintext, writable=False, what="plaintext") as pt:
+            out = bytearray(self.envelope_size(pt.nbytes))
+            self.seal_into(dek, binding_secret, ctx, pt, out)
+        return out
+
+    def open_into(
+        self,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        envelope: Buffer,
+        out: WritableBuffer,
+    ) -> int:
+        """Verify every segment, write the plaintext into ``out[:n]`` and return ``n``.
+
+        ``out`` must hold ``plaintext_length(envelope)`` bytes. On ``DecryptionFailed`` nothing of
+        the plaintext is left in ``out``.
+        """
+        header = read_header(envelope)
+        if header.key_version != ctx.key_version:
+            raise DecryptionFailed
+        key = self._segment_key(dek, binding_secret, header.salt)
+        ok = self._open_segments(key, header, ctx, envelope, out)
+        if not ok:  # raised here, outside any handler, so no buffer view survives in a traceback
+            raise DecryptionFailed
+        return header.plaintext_length
+
+    def _open_segments(
+        self,
+        key: bytes,
+        header: EnvelopeHeader,
+        ctx: EnvelopeContext,
+        envelope: Buffer,
+        out: WritableBuffer,
+    ) -> bool:
+        pt_len, seg, count = header.plaintext_length, header.segment_bytes, header.segment_count
+        with (
+            _flat_view(envelope, writable=False, what="envelope") as src,
+            _flat_view(out, writable=True, what="out") as dst,
+        ):
+            if dst.nbytes < pt_len:
+                raise InvalidParameter(f"out must hold {pt_len} bytes, has {dst.nbytes}")
+            aead = self._aead_factory(key)
+            prefix = bytes(src[:HEADER_BYTES]) + ctx.aad()
+            src_pos, dst_pos = HEADER_BYTES, 0
+            try:
+                for i in range(count):
+                    n = min(seg, pt_len - dst_pos)
+                    aead.open_into(
+                        _nonce(i),
+                        src[src_pos : src_pos + n + TAG_BYTES],
+                        prefix + _SEGMENT_AAD.pack(i, count),
+                        dst[dst_pos : dst_pos + n],
+                    )
+                    src_pos += n + TAG_BYTES
+                    dst_pos += n
+            except DecryptionFailed:
+                wipe(dst[:pt_len])
+                return False
+            except BaseException:
+                wipe(dst[:pt_len])
+                raise
+        return True
+
+    def open(
+        self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, envelope: Buffer
+    ) -> bytearray:
+        """Allocate the plaintext once (sized from the checked header) and open into it."""
+        out = bytearray(plaintext_length(envelope))
+        self.open_into(dek, binding_secret, ctx, envelope, out)
+        return out

@@ -1,0 +1,60 @@
+"""Exceptions raised by the ``crypto`` package.
+
+Errors of the libraries below (``cryptography``'s ``InvalidTag``, ``ValueError`` and friends,
+``OSError`` from key files) are translated here, at the package boundary; callers only ever see
+this tree::
+
+    CryptoError                      every error this package raises on purpose
+    ├── DecryptionFailed             the ONE error for any open/parse/authentication failure
+    ├── KeyUnavailable               a key version is unknown or has been destroyed
+    ├── InvocationLimitReached       a key has been used as often as it may be: rotate it
+    ├── KekError                     the key-encryption-key provider failed (file, perms, unwrap)
+    └── InvalidParameter             a caller's mistake: wrong key length, bad buffer, bad context
+        (also a ValueError)
+
+``DecryptionFailed`` deliberately carries no detail about which check failed (bad magic,
+truncation, wrong context, bad tag ...), as ``cryptography.fernet.InvalidToken`` does: an attacker
+who feeds envelopes in learns one bit, "not valid", and nothing else. ``InvalidParameter`` is for
+inputs the caller controls and can fix (it is never raised because of attacker-controlled bytes).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CryptoError",
+    "DecryptionFailed",
+    "InvalidParameter",
+    "InvocationLimitReached",
+    "KekError",
+    "KeyUnavailable",
+]
+
+
+class CryptoError(Exception):
+    """Base class of every error the ``crypto`` package raises."""
+
+
+class DecryptionFailed(CryptoError):
+    """The data could not be opened: malformed, truncated, tampered, or the wrong key/context.
+
+    One error for every failure, with no detail about which check failed.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("decryption failed")
+
+
+class KeyUnavailable(CryptoError):
+    """A key version is unknown or has been destroyed (crypto-shredded)."""
+
+
+class InvocationLimitReached(CryptoError):
+    """A key reached its hard invocation limit; it must be rotated before further use."""
+
+
+class KekError(CryptoError):
+    """The KEK provider failed: missing, unreadable or invalid key file, or unwrap failed."""
+
+
+class InvalidParameter(CryptoError, ValueError):
+    """A caller-supplied parameter is invalid (key length, buffer size, context field)."""

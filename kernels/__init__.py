@@ -1,0 +1,37 @@
+"""Paged KV cache <-> contiguous chunk, in torch (CPU and CUDA alike). Imports nothing of the project.
+
+    KVLayout, KVGeometry        the two paged layouts vLLM uses and a model's KV shape facts
+    PagedKV                     a model's per-layer paged tensors, checked once (register time)
+    slots_from_block_ids        block table (+ start token, count) -> slot mapping
+    pack / unpack               every layer's slots <-> one [layers, 2, n, heads, head_size] chunk
+    StagingPool, StagingLease   bounded, reusable staging buffers for chunk after chunk
+    errors                      KVKernelError > KVLayoutError, StagingError > StagingExhausted, ...
+
+Moving bytes is exact for every dtype (fp8 included): pack and unpack copy machine words, never
+floats. A chunk does not depend on the paged layout or block size it came from.
+"""
+
+from .errors import KVKernelError, KVLayoutError, StagingClosed, StagingError, StagingExhausted
+from .layouts import CHUNK_LAYOUT, KVGeometry, KVLayout
+from .pack import KVLayers, SlotsLike, pack, slots_from_block_ids, unpack
+from .paged import PagedKV
+from .staging import StagingLease, StagingPool
+
+__all__ = [
+    "CHUNK_LAYOUT",
+    "KVGeometry",
+    "KVKernelError",
+    "KVLayers",
+    "KVLayout",
+    "KVLayoutError",
+    "PagedKV",
+    "SlotsLike",
+    "StagingClosed",
+    "StagingError",
+    "StagingExhausted",
+    "StagingLease",
+    "StagingPool",
+    "pack",
+    "slots_from_block_ids",
+    "unpack",
+]
