@@ -1,0 +1,200 @@
+"""Export: stream audit rows as JSON Lines or CSV, then sign a manifest that binds them.
+
+    export = AuditExport(store, signing_key, format="jsonl", since=t0, until=t1, tenant=None)
+    async for chunk in export.stream():   # bytes, a few hundred rows at a time
+        sink.write(chunk)
+    manifest = export.manifest_bytes()    # available once the stream is exhausted
+
+Rows come in seq order from one database snapshot and are never all in memory.
+
+Why each row carries ``prev_hash`` and ``hash`` (and how filtered exports verify): an export
+filtered by tenant leaves holes in the chain, so a verifier cannot recompute the chain from one
+row to the next everywhere. Instead every row is self-checking (its hash is recomputed from its
+own fields and prev_hash) and, wherever two exported rows have consecutive seqs, the link
+(``prev_hash`` = previous ``hash``) is checked too. The signed manifest then binds the set as a
+whole: the sha256 of the exact bytes, the row count, first/last seq and hash, and whether the
+export must be contiguous. Without a tenant filter it must be: the time window is on
+``recorded_at``, which is monotonic along seq (audit.store), so the rows are a gapless run of
+the chain, every link is checked and any missing row is named. ``first_prev_hash`` lets an
+auditor join consecutive windows: the next export's first_prev_hash is this one's last_hash.
+A filtered export proves each row authentic and the set exactly what the signer exported;
+proving the filter was complete needs an unfiltered export of the same window.
+
+Manifest (JSON, signed with Ed25519 over its canonical JSON without ``signature``)::
+
+    {"kind": "kvgate.audit.export", "manifest_version": 1, "record_version": 1,
+     "format": "jsonl"|"csv", "created_at": TIME,
+     "filter": {"since": TIME|null, "until": TIME|null, "tenant": str|null},
+     "contiguous": bool, "count": int, "first_seq", "last_seq": int|null,
+     "first_prev_hash", "first_hash", "last_hash": hex|null,
+     "export_sha256": hex, "export_bytes": int,
+     "signature_algorithm": "Ed25519", "key_id": hex, "signature": base64}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from audit.errors import ExportError
+from audit.formats import FORMATS, csv_header, encode_csv, encode_jsonl
+from audit.record import RECORD_VERSION, canonical_json, format_time
+from audit.signing import AuditSigningKey
+from audit.store import AuditStore
+
+__all__ = ["MANIFEST_KIND", "MANIFEST_VERSION", "AuditExport", "export_to_files", "sign_manifest"]
+
+MANIFEST_KIND = "kvgate.audit.export"
+MANIFEST_VERSION = 1
+_CHUNK_BYTES = 64 * 1024
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def manifest_path_for(export_path: str | os.PathLike[str]) -> Path:
+    """The conventional manifest path next to an export: ``<export>.manifest.json``."""
+    p = Path(export_path)
+    return p.with_name(p.name + ".manifest.json")
+
+
+def sign_manifest(body: dict[str, Any], key: AuditSigningKey) -> dict[str, Any]:
+    """Add key id and Ed25519 signature over the canonical JSON of ``body``."""
+    unsigned = {k: v for k, v in body.items() if k != "signature"}
+    unsigned.update(signature_algorithm="Ed25519", key_id=key.key_id)
+    signature = key.sign(canonical_json(unsigned).encode("utf-8"))
+    return {**unsigned, "signature": base64.b64encode(signature).decode("ascii")}
+
+
+class AuditExport:
+    """One export run: iterate :meth:`stream` once, then read :meth:`manifest`."""
+
+    def __init__(
+        self,
+        source: AuditStore | AsyncEngine,
+        key: AuditSigningKey,
+        *,
+        format: str = "jsonl",
+        since: datetime | None = None,
+        until: datetime | None = None,
+        tenant: str | None = None,
+        clock: Callable[[], datetime] = _utcnow,
+    ) -> None:
+        if format not in FORMATS:
+            raise ExportError(f"unknown export format {format!r}; use one of {', '.join(FORMATS)}")
+        for name, t in (("since", since), ("until", until)):
+            if t is not None and (not isinstance(t, datetime) or t.tzinfo is None):
+                raise ExportError(f"{name} must be a timezone-aware datetime")
+        if since is not None and until is not None and since >= until:
+            raise ExportError("since must be before until")
+        if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            raise ExportError("tenant must be a non-empty string")
+        if not isinstance(key, AuditSigningKey):
+            raise ExportError("key must be an AuditSigningKey")
+        self._store = source if isinstance(source, AuditStore) else AuditStore(source)
+        self._key = key
+        self.format = format
+        self._since, self._until, self._tenant = since, until, tenant
+        self._clock = clock
+        self._started = False
+        self._manifest: dict[str, Any] | None = None
+
+    async def stream(self) -> AsyncIterator[bytes]:
+        """The export's bytes, in chunks of about 64 KiB."""
+        if self._started:
+            raise ExportError("an AuditExport can be streamed once")
+        self._started = True
+        created_at = self._clock()
+        digest = hashlib.sha256()
+        size = count = 0
+        first: Any = None
+        last: Any = None
+        encode = encode_jsonl if self.format == "jsonl" else encode_csv
+        parts: list[bytes] = [csv_header()] if self.format == "csv" else []
+        pending = sum(map(len, parts))
+        async for rec in self._store.iter_records(since=self._since, until=self._until, tenant=self._tenant):
+            line = encode(rec)
+            parts.append(line)
+            pending += len(line)
+            count += 1
+            first = first or rec
+            last = rec
+            if pending >= _CHUNK_BYTES:
+                chunk = b"".join(parts)
+                digest.update(chunk)
+                size += len(chunk)
+                parts, pending = [], 0
+                yield chunk
+        if parts:
+            chunk = b"".join(parts)
+            digest.update(chunk)
+            size += len(chunk)
+            yield chunk
+        body = {
+            "kind": MANIFEST_KIND,
+            "manifest_version": MANIFEST_VERSION,
+            "record_version": RECORD_VERSION,
+            "format": self.format,
+            "created_at": format_time(created_at),
+            "filter": {
+                "since": format_time(self._since) if self._since else None,
+                "until": format_time(self._until) if self._until else None,
+                "tenant": self._tenant,
+            },
+            "contiguous": self._tenant is None,
+            "count": count,
+            "first_seq": first.seq if first else None,
+            "last_seq": last.seq if last else None,
+            "first_prev_hash": first.prev_hash if first else None,
+            "first_hash": first.hash if first else None,
+            "last_hash": last.hash if last else None,
+            "export_sha256": digest.hexdigest(),
+            "export_bytes": size,
+        }
+        self._manifest = sign_manifest(body, self._key)
+
+    def manifest(self) -> dict[str, Any]:
+        if self._manifest is None:
+            raise ExportError("the manifest exists once the export stream has been read to its end")
+        return dict(self._manifest)
+
+    def manifest_bytes(self) -> bytes:
+        return (json.dumps(self.manifest(), indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+
+async def export_to_files(
+    source: AuditStore | AsyncEngine,
+    key: AuditSigningKey,
+    export_path: str | os.PathLike[str],
+    manifest_path: str | os.PathLike[str],
+    **options: Any,
+) -> dict[str, Any]:
+    """Write the export and its manifest; returns the manifest. Files appear only when complete."""
+    export = AuditExport(source, key, **options)
+    out, man = Path(export_path), Path(manifest_path)
+    tmp_out = out.with_name(f".{out.name}.partial")
+    try:
+        f = await asyncio.to_thread(open, tmp_out, "wb")
+        try:
+            async for chunk in export.stream():
+                await asyncio.to_thread(f.write, chunk)
+            await asyncio.to_thread(os.fsync, f.fileno())
+        finally:
+            f.close()
+        os.replace(tmp_out, out)
+        await asyncio.to_thread(man.write_bytes, export.manifest_bytes())
+    except OSError as exc:
+        raise ExportError(f"cannot write the export: {exc}") from exc
+    finally:
+        tmp_out.unlink(missing_ok=True)
+    return export.manifest()
