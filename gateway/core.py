@@ -30,11 +30,12 @@ from crypto.envelope import EnvelopeContext
 from crypto.errors import DecryptionFailed, KeyUnavailable
 from crypto.kek import KekProvider
 from gateway.chunking import Chunk, InvalidTokens, ModelFingerprint, chain_hashes
-from gateway.datapath import DataPath
+from gateway.datapath import DataPath, OpenJob, SealJob
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
 from kernels.errors import KVLayoutError
 from kernels.layouts import CHUNK_LAYOUT, KVGeometry
 from kernels.pack import slots_from_block_ids
+from kernels.paged import PagedKV
 from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound, TierError
 from tenancy.capabilities import CapabilityAuthority, read_unverified
@@ -67,10 +68,12 @@ class KVModel:
     tp_size: int = 1
     vocab_size: int | None = None
 
-    @property
-    def fingerprint(self) -> ModelFingerprint:
+    fingerprint: ModelFingerprint = field(init=False, repr=False, compare=False)
+    fingerprint_digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
         g = self.geometry
-        return ModelFingerprint(
+        fp = ModelFingerprint(
             model=self.name,
             dtype=str(g.dtype).removeprefix("torch."),
             num_layers=g.num_layers,
@@ -78,8 +81,10 @@ class KVModel:
             head_size=g.head_size,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
-            layout_version=1 if CHUNK_LAYOUT.endswith(":v1") else 2,
+            layout_version=int(CHUNK_LAYOUT.rsplit(":v", 1)[1]),
         )
+        object.__setattr__(self, "fingerprint", fp)
+        object.__setattr__(self, "fingerprint_digest", fp.digest)
 
 
 @dataclass(slots=True)
@@ -126,6 +131,7 @@ class _Plan:
     chunks: list[Chunk]
     keys: list[ChunkKey]
     slots: torch.Tensor | None
+    kv: PagedKV | None
 
 
 class Gateway:
@@ -256,31 +262,31 @@ class Gateway:
         except InvalidTokens as exc:
             raise InvalidRequest(str(exc)) from None
         cap = self.authorize(token, op, chunks=[c.chained_hash.hex() for c in chunks])
-        slots = None
+        slots = kv = None
         if kv_layers is not None:
-            slots = self._slots(model.geometry, kv_layers, chunks[-1].end, block_ids, slot_mapping)
+            kv, slots = self._slots(model.geometry, kv_layers, chunks[-1].end, block_ids, slot_mapping)
         try:
             ns = await self.namespace_keys(cap.tenant, cap.namespace)
         except TenantUnavailable:
             self.stats["denials"] += 1
             raise AccessDenied("tenant unavailable") from None
         keys = [ChunkKey(ns.owner, ns.group, ns.storage_key(c.chained_hash)) for c in chunks]
-        return _Plan(cap, ns, chunks, keys, slots)
+        return _Plan(cap, ns, chunks, keys, slots, kv)
 
     @staticmethod
     def _slots(
         geometry: KVGeometry,
-        kv_layers: Sequence[torch.Tensor],
+        kv_layers: Sequence[torch.Tensor] | PagedKV,
         num_tokens: int,
         block_ids: Sequence[int] | torch.Tensor | None,
         slot_mapping: Sequence[int] | torch.Tensor | None,
-    ) -> torch.Tensor:
+    ) -> tuple[PagedKV, torch.Tensor]:
         """All slots of the request, validated up front so a bad one stores nothing at all."""
         if (block_ids is None) == (slot_mapping is None):
             raise InvalidRequest("give exactly one of block_ids and slot_mapping")
         try:
-            num_blocks = geometry.validate_layers(kv_layers)
-            device = kv_layers[0].device
+            kv = PagedKV.of(kv_layers, geometry)
+            num_blocks, device = kv.num_blocks, kv.device
             if block_ids is not None:
                 slots = slots_from_block_ids(block_ids, geometry.block_size, 0, num_tokens, device=device)
             else:
@@ -297,14 +303,14 @@ class Gateway:
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= num_blocks * geometry.block_size:
             raise InvalidRequest(f"slots must lie in [0, {num_blocks * geometry.block_size}), got [{lo}, {hi}]")
-        return slots
+        return kv, slots
 
     def _context(self, plan: _Plan, key: ChunkKey, model: KVModel, version: int) -> EnvelopeContext:
         return EnvelopeContext(
             tenant=plan.cap.tenant,
             namespace=plan.cap.namespace,
             storage_key=key.digest,
-            model_fingerprint=model.fingerprint.digest,
+            model_fingerprint=model.fingerprint_digest,
             key_version=version,
         )
 
@@ -324,34 +330,33 @@ class Gateway:
         plan = await self._plan(
             token, "put", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
         )
-        assert plan.slots is not None
+        assert plan.slots is not None and plan.kv is not None
         todo = list(range(len(plan.chunks)))
         if skip_existing:
             present = await self.tiers.contains_many(plan.keys)
             todo = [i for i in todo if not present[i]]
+        jobs: list[SealJob] = []
+        for i in todo:
+            c = plan.chunks[i]
+            if self.datapath.encrypt:
+                version, dek = await self.keyring.encryption_key(plan.cap.tenant)
+            else:  # the benchmark's plaintext baseline
+                version, dek = 0, b""
+            ctx = self._context(plan, plan.keys[i], model, version)
+            jobs.append(SealJob(plan.slots[c.start : c.end], dek, ctx))
         stored_bytes = 0
-        window = asyncio.Semaphore(max(2, self.datapath.threads + 1))
+        gate = asyncio.Semaphore(max(1, self.datapath.threads))
 
-        async def one(i: int) -> int:
-            async with window:
-                c, key = plan.chunks[i], plan.keys[i]
-                if self.datapath.encrypt:
-                    version, dek = await self.keyring.encryption_key(plan.cap.tenant)
-                else:  # the benchmark's plaintext baseline
-                    version, dek = 0, b""
-                envelope = await self.datapath.run(
-                    self.datapath.seal_chunk,
-                    kv_layers,
-                    plan.slots[c.start : c.end],
-                    model.geometry,
-                    dek,
-                    plan.ns.binding_secret,
-                    self._context(plan, key, model, version),
+        async def run(batch: list[int]) -> int:
+            async with gate:
+                envelopes = await self.datapath.run(
+                    self.datapath.seal_batch, plan.kv, plan.ns.binding_secret, [jobs[k] for k in batch]
                 )
-                await self.tiers.put(key, envelope)
-                return len(envelope)
+            for k, env in zip(batch, envelopes):
+                await self.tiers.put(plan.keys[todo[k]], env)
+            return sum(e.nbytes for e in envelopes)
 
-        for n in await asyncio.gather(*(one(i) for i in todo)):
+        for n in await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, plan))):
             stored_bytes += n
         self.stats["chunks_stored"] += len(todo)
         self.stats["bytes_in"] += stored_bytes
@@ -362,6 +367,15 @@ class Gateway:
             skipped=len(plan.chunks) - len(todo),
             bytes_stored=stored_bytes,
         )
+
+    def _batches(self, n: int, model: KVModel, plan: _Plan) -> list[list[int]]:
+        """Split n chunks into batches for the CPU pool: at most ~16 MiB each (so tier I/O
+        overlaps the next batch's CPU work) and at least one per thread when there is enough."""
+        chunk_bytes = model.geometry.chunk_nbytes(plan.chunks[0].num_tokens)
+        by_size = max(1, (16 << 20) // chunk_bytes)
+        by_threads = max(1, -(-n // max(1, self.datapath.threads)))
+        size = min(by_size, by_threads)
+        return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
     async def lookup(self, token: str, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> LookupResult:
         """How many leading tokens are stored (prefix walk, stops at the first miss)."""
@@ -396,58 +410,55 @@ class Gateway:
         plan = await self._plan(
             token, "get", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
         )
-        assert plan.slots is not None
-        slots = plan.slots
+        assert plan.slots is not None and plan.kv is not None
+        slots, kv = plan.slots, plan.kv
         stats = {"failures": 0, "unavailable": 0}
+        gate = asyncio.Semaphore(max(1, self.datapath.threads))
 
-        async def one(i: int) -> int:
-            """Bytes loaded for chunk i, or 0 if it ends the prefix."""
-            c, key = plan.chunks[i], plan.keys[i]
-            try:
-                found = await self.tiers.get(key)
-            except ChunkNotFound:
+        async def run(batch: list[int]) -> int:
+            """How many leading chunks of the batch were loaded."""
+            jobs: list[OpenJob] = []
+            tiers: list[str] = []
+            for i in batch:
+                c, key = plan.chunks[i], plan.keys[i]
+                try:
+                    found = await self.tiers.get(key)
+                except ChunkNotFound:
+                    break
+                except TierError:
+                    stats["unavailable"] += 1
+                    break
+                try:
+                    version = self.datapath.key_version(found.data)
+                    dek = await self.keyring.decryption_key(plan.cap.tenant, version) if self.datapath.encrypt else b""
+                except KeyUnavailable:
+                    stats["unavailable"] += 1
+                    self.stats["key_unavailable"] += 1
+                    break
+                except DecryptionFailed:  # not even a parsable header
+                    jobs.append(OpenJob(found.data, slots[c.start : c.end], b"", self._context(plan, key, model, 1)))
+                    tiers.append(found.tier)
+                    break
+                jobs.append(OpenJob(found.data, slots[c.start : c.end], dek, self._context(plan, key, model, version)))
+                tiers.append(found.tier)
+            if not jobs:
                 return 0
-            except TierError:
-                stats["unavailable"] += 1
-                return 0
-            try:
-                version = self.datapath.key_version(found.data)
-                dek = await self.keyring.decryption_key(plan.cap.tenant, version) if self.datapath.encrypt else b""
-                await self.datapath.run(
-                    self.datapath.open_chunk,
-                    found.data,
-                    kv_layers,
-                    slots[c.start : c.end],
-                    model.geometry,
-                    dek,
-                    plan.ns.binding_secret,
-                    self._context(plan, key, model, version),
-                )
-            except KeyUnavailable:
-                stats["unavailable"] += 1
-                self.stats["key_unavailable"] += 1
-                return 0
-            except DecryptionFailed:
+            async with gate:
+                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, plan.ns.binding_secret, jobs)
+            if failed:
                 stats["failures"] += 1
-                await self._integrity_failure(plan, key, found.tier, i)
-                return 0
-            return found.nbytes
+                await self._integrity_failure(plan, plan.keys[batch[loaded]], tiers[loaded], batch[loaded])
+            self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
+            return loaded
 
-        # Chunks are loaded in windows (one per CPU thread, plus one fetching) and the prefix
-        # ends at the first chunk that did not load. A chunk past that point may have been
-        # unpacked already; it is authentic KV in slots the engine recomputes anyway.
+        # Batches run concurrently; the prefix ends at the first chunk that did not load. A chunk
+        # past that point may have been unpacked already: authentic KV in slots the engine
+        # recomputes anyway.
         loaded = 0
-        window = max(1, self.datapath.threads) + 1
-        done = False
-        for start in range(0, len(plan.chunks), window):
-            batch = range(start, min(start + window, len(plan.chunks)))
-            for n in await asyncio.gather(*(one(i) for i in batch)):
-                if done or n == 0:
-                    done = True
-                    continue
-                loaded += 1
-                self.stats["bytes_out"] += n
-            if done:
+        batches = self._batches(len(plan.chunks), model, plan)
+        for batch, n in zip(batches, await asyncio.gather(*(run(b) for b in batches))):
+            loaded += n
+            if n < len(batch):
                 break
         failures, unavailable = stats["failures"], stats["unavailable"]
         self.stats["chunks_loaded"] += loaded

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,10 +85,8 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         master = await _gateway_secret(registry, kek, "namespace-master")
         cap_key = await _gateway_secret(registry, kek, "capability-key")
         revocations = RevocationList()
-        import time
-
         revocations.load(
-            {"tenant": t, "cap_id": c, "not_before": nb, "until": exp}
+            {"kind": "id", "cap_id": c, "until": exp} if c else {"kind": "tenant", "tenant": t, "before": nb}
             for t, c, nb, exp in await registry.live_revocations(time.time())
         )
         authority = CapabilityAuthority(

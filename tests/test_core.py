@@ -279,3 +279,15 @@ async def test_invocation_limit_forces_a_new_key_version(tmp_path):
         assert all(k.invocations <= 3 for k in keys)
         dst = zero_cache(g, NUM_BLOCKS)
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=list(range(32)))).loaded_tokens == 128
+
+
+async def test_revocations_survive_a_restart(tmp_path):
+    g = small_geometry()
+    model = model_for(g)
+    async with gateway_runtime(tmp_path) as rt:
+        (cap,) = await _setup(rt, "acme")
+        assert (await rt.gateway.lookup(cap, model, [1, 2, 3])).hit_tokens == 0  # valid now
+        await rt.admin.clear("acme")
+    async with gateway_runtime(tmp_path, migrate_first=False) as rt:
+        with pytest.raises(AccessDenied):
+            await rt.gateway.lookup(cap, model, [1, 2, 3])

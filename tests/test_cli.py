@@ -1,0 +1,73 @@
+"""The kvgate command line, run as a real subprocess against a fresh state directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KVGATE = [sys.executable, "-m", "gateway"]
+
+
+def run(state: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    e = {**os.environ, "KVGATE_STATE_DIR": str(state), "COLUMNS": "200", **(env or {})}
+    proc = subprocess.run([*KVGATE, *args], capture_output=True, text=True, env=e, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kvgate {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_schema_behind_is_refused_until_migrate(tmp_path):
+    proc = run(tmp_path, "tenants", "list", check=False)
+    assert proc.returncode == 3 and "kvgate migrate" in proc.stdout
+    run(tmp_path, "migrate")
+    assert run(tmp_path, "tenants", "list").returncode == 0
+
+
+def test_production_refuses_development_parts(tmp_path):
+    proc = run(tmp_path, "migrate", check=False, env={"KVGATE_MODE": "production"})
+    assert proc.returncode == 2 and "development only" in proc.stdout
+
+
+def test_tenants_keys_clear_audit_export_and_verify(tmp_path):
+    run(tmp_path, "migrate")
+    run(tmp_path, "tenants", "create", "acme")
+    assert "acme" in run(tmp_path, "tenants", "list").stdout
+    assert "version 2" in run(tmp_path, "keys", "rotate", "acme").stdout
+    out = run(tmp_path, "clear", "acme").stdout
+    assert '"destroyed_key_versions": [' in out
+    run(tmp_path, "tenants", "disable", "acme")
+    export = tmp_path / "audit.jsonl"
+    pub = tmp_path / "audit_public.pem"
+    run(tmp_path, "audit", "export", "--output", str(export), "--public-key", str(pub))
+    rows = [json.loads(line) for line in export.read_text().splitlines()]
+    actions = [r.get("action") or r.get("activity_name") for r in rows]
+    assert len(rows) >= 6, actions
+    assert "OK" in run(tmp_path, "audit", "verify", str(export), "--public-key", str(pub)).stdout
+    # a modified row is caught offline
+    lines = export.read_text().splitlines()
+    lines[1] = lines[1].replace("acme", "acmf", 1)
+    export.write_text("\n".join(lines) + "\n")
+    bad = run(tmp_path, "audit", "verify", str(export), "--public-key", str(pub), check=False)
+    assert bad.returncode == 1 and "FAILED" in bad.stdout
+
+
+@pytest.mark.slow
+def test_demo_runs_every_check(tmp_path):
+    proc = run(tmp_path, "demo", "--tokens", "1024", "--layers", "4", check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("PASS") >= 9 and "FAIL" not in proc.stdout
+
+
+def test_bench_quick_writes_the_result_file(tmp_path):
+    out = tmp_path / "bench.json"
+    run(tmp_path, "bench", "--quick", "--reps", "1", "--json", str(out))
+    data = json.loads(out.read_text())
+    assert data["results"]
+    for r in data["results"]:
+        assert r["op"] in ("store", "load") and r["gbps"] > 0
+        assert r["ceiling"]["name"] == ("aes_gcm" if r["encrypted"] else "memcpy") and r["ceiling"]["gbps"] > 0
