@@ -45,10 +45,17 @@ async def _disk_sha256(tmp_path: Path, fx: dict[str, Any]) -> Tier:
     return await DiskTier.open(tmp_path / "disk", fsync=False, checksum="sha256")
 
 
+async def _redis(tmp_path: Path, fx: dict[str, Any]) -> Tier:
+    from storage.redis import RedisTier
+
+    return RedisTier(fx["redis_url"], prefix=fx["redis_prefix"])
+
+
 SPECS: dict[str, TierSpec] = {
     "memory": TierSpec(_memory),
     "disk": TierSpec(_disk),
     "disk-sha256-nofsync": TierSpec(_disk_sha256),
+    "redis": TierSpec(_redis, fixtures=("redis_url", "redis_prefix"), marks=(pytest.mark.redis,)),
 }
 
 

@@ -1,0 +1,143 @@
+"""The redis-py side of the Redis tier: the client we build and the errors we translate.
+
+This is the only place (with :mod:`storage.redis`) that imports redis-py, and nothing here runs
+at import time beyond class definitions.
+
+Client configuration, and why:
+
+- ``retry=Retry(NoBackoff(), 0)``: redis-py 6+ retries 3 times with backoff by default; a cache
+  lookup must instead fail within its budget and let the circuit breaker decide.
+- :class:`_Connection` sends a command's pieces one by one instead of ``writelines`` (which on
+  Python 3.11 joins the whole pipeline into one new bytes object, a full copy of every payload).
+  redis-py's asyncio packer already passes ``memoryview`` arguments through uncopied.
+- ``socket_read_size`` of 1 MiB: fewer parser round trips per multi-megabyte segment.
+- Replies are parsed by hiredis when it is installed (redis-py's default); the tier keeps values
+  at ``segment_bytes`` (2 MiB) where hiredis is fast, instead of one 33.5 MB value.
+- A ``BlockingConnectionPool``: a burst of coroutines waits for a connection (within each
+  operation's timeout) instead of failing with "too many connections".
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    OutOfMemoryError,
+    RedisError,
+    ResponseError,
+)
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+)
+from redis.exceptions import (
+    TimeoutError as RedisTimeoutError,
+)
+
+from storage._redis_breaker import CircuitBreaker
+from storage.types import TierError, TierFull, TierUnavailable
+
+__all__ = ["OOM", "UNREACHABLE", "Guard", "classify", "make_client"]
+
+T = TypeVar("T")
+
+_DRAIN_AT = 256 * 1024
+UNREACHABLE = "unreachable"
+OOM = "oom"
+REFUSED = "refused"
+
+
+class _Connection(aioredis.Connection):
+    async def _send_packed_command(self, command: Iterable[bytes]) -> None:
+        writer = self._writer
+        assert writer is not None  # send_packed_command connects first
+        for piece in command:
+            writer.write(piece)
+            if len(piece) >= _DRAIN_AT:  # bound what the transport copies into its buffer
+                await writer.drain()
+        await writer.drain()
+
+
+def make_client(
+    url: str, *, connect_timeout_s: float, socket_timeout_s: float, max_connections: int
+) -> aioredis.Redis:
+    """A client for ``url`` (redis:// or rediss://; unix sockets via unix://). No I/O here."""
+    kwargs: dict[str, Any] = {
+        "max_connections": max_connections,
+        "timeout": None,  # waiting for a free connection is bounded by each operation's timeout
+        "socket_connect_timeout": connect_timeout_s,
+        "socket_timeout": socket_timeout_s,  # a last-resort bound; operations have tighter ones
+        "socket_read_size": 1024 * 1024,
+        "retry": Retry(NoBackoff(), 0),
+        "health_check_interval": 0,
+    }
+    pool = aioredis.BlockingConnectionPool.from_url(url, **kwargs)
+    if pool.connection_class is aioredis.Connection:
+        pool.connection_class = _Connection
+    return aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+
+
+def classify(exc: BaseException) -> str | None:
+    """What a redis-py or socket error means for the tier: UNREACHABLE (the breaker counts it),
+    OOM (the server refuses writes: maxmemory), REFUSED (any other server-side error reply),
+    or None (not an error of the server or the link)."""
+    if isinstance(exc, (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError, TimeoutError)):
+        return UNREACHABLE
+    if isinstance(exc, AuthenticationError):
+        return UNREACHABLE
+    if isinstance(exc, OutOfMemoryError) or (isinstance(exc, ResponseError) and str(exc).startswith("OOM")):
+        return OOM
+    if isinstance(exc, ResponseError):
+        return REFUSED
+    if isinstance(exc, RedisError):
+        return UNREACHABLE
+    if isinstance(exc, asyncio.IncompleteReadError):
+        return UNREACHABLE
+    return None
+
+
+class Guard:
+    """Runs every call of a tier under a deadline and the breaker, and is where redis-py's errors
+    become the tier's (the package boundary): unreachable or too slow -> TierUnavailable (a
+    breaker failure); out of memory -> TierFull; any other error reply -> TierUnavailable."""
+
+    def __init__(self, breaker: CircuitBreaker, counts: dict[str, int]) -> None:
+        self.breaker = breaker
+        self._n = counts  # "errors", "fast", "rejected" are counted here
+
+    async def run(self, what: str, timeout: float, fn: Callable[[], Awaitable[T]]) -> T:
+        if not self.breaker.allow():
+            self._n["fast"] += 1
+            raise TierUnavailable(f"redis {what}: circuit open after repeated failures, failing fast")
+        try:
+            async with asyncio.timeout(timeout):
+                result = await fn()
+        except TierError:  # the server answered (a miss, say)
+            self.breaker.success()
+            raise
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
+        except BaseException as exc:
+            kind = classify(exc)
+            if kind is None:
+                self.breaker.abandon()
+                raise
+            self._n["errors"] += 1
+            if kind == UNREACHABLE:
+                self.breaker.failure()
+                reason = f"timed out after {timeout * 1000:.0f} ms" if isinstance(exc, TimeoutError) else "unreachable"
+                raise TierUnavailable(f"redis {what} failed: {reason} ({type(exc).__name__})") from exc
+            self.breaker.success()
+            if kind == OOM:
+                self._n["rejected"] += 1
+                raise TierFull(f"redis {what} refused: the server is out of memory") from exc
+            raise TierUnavailable(f"redis {what} refused by the server: {exc}") from exc
+        self.breaker.success()
+        return result

@@ -1,0 +1,355 @@
+"""The Redis tier (redis-py asyncio): envelopes under opaque namespaced keys, shared by workers.
+
+Key layout and the 28-byte chunk header are in :mod:`storage._redis_layout`; the client
+configuration and error mapping in :mod:`storage._redis_client`; the breaker in
+:mod:`storage._redis_breaker`.
+
+Storage of one chunk:
+
+- up to ``segment_bytes`` (2 MiB): one value, header + payload (one GET to read);
+- larger: the header in the head key, the payload in ``ceil(len / segment_bytes)`` segment keys
+  named after a random per-put *version*. A put writes the new segments, swaps the head and adds
+  the index entries in one MULTI/EXEC, then unlinks the old version's segments. Segments are never
+  rewritten, so a reader that read head version v either gets every segment of v (a whole chunk)
+  or finds one missing (v was replaced or deleted meanwhile) and reads the head again. Readers
+  never see a torn or mixed chunk, with any number of concurrent writers, without locks.
+
+Reads: a get is one round trip for small chunks, two for segmented ones (head, then one pipeline
+of segment GETs). Copies achieved: a small chunk comes back as a read-only view of the reply bytes
+(none of ours); a segmented one is joined once into one buffer. redis-py's asyncio reader itself
+copies each reply a few times (transport -> StreamReader buffer -> hiredis -> bytes); a
+``recv_into`` reader into a preallocated buffer would remove those and is not built. Writes pass
+the caller's buffer as memoryview slices straight to the socket (no join; see _redis_client).
+Measured on the 2-core dev machine, same run, GB/s (tier vs best raw redis-py asyncio client):
+put 2 MiB 1.56 vs 2.53 SET, 33.5 MiB 1.87 vs 1.32; get 2 MiB 1.56 vs 1.53, 33.5 MiB 0.66 vs 0.75.
+
+Faults: every call runs under a deadline -- ``op_timeout_s`` (50 ms) for lookups, plus
+``len / min_bytes_per_s`` for the payload of a large get; ``put_timeout_s`` (+ the same payload
+allowance) for writes; ``clear_timeout_s`` per batch of a group clear. redis-py never retries on
+its own. Connection errors and timeouts raise :class:`TierUnavailable` (never a redis-py
+exception) and feed a circuit breaker: after ``breaker_failures`` consecutive failures calls fail
+fast for ``breaker_cooldown_s``, then one probe is let through, and success closes the circuit.
+
+Namespace clear (``delete_group``/``delete_owner``): each (owner, group) has a set of every key it
+wrote; the clear SSCANs it in batches and UNLINKs + SREMs each batch in one pipelined round trip
+(no KEYS, no server-side blocking), repeating until the set is empty. Crash-safe: members leave
+the set only together with their keys, so a clear that dies half-way resumes where it stopped.
+
+Eviction and TTL: the tier evicts nothing itself. ``ttl_s`` puts an expiry on chunk keys; pin
+removes it (PERSIST) and remembers the pin, so a replacing put keeps the chunk persistent; unpin
+restores it. Redis's own ``maxmemory-policy`` may still evict: operators should configure
+``noeviction`` (puts then fail with TierFull when full) or a ``volatile-*`` policy together with
+``ttl_s`` (only chunks with a TTL, never pinned ones, are then evicted). ``allkeys-*`` policies
+could evict index sets or pinned chunks and must not be used. Index entries of chunks that
+expired stay until their group is cleared; :attr:`used_bytes` is the shared payload counter
+(puts minus deletes through any client of this prefix; expiry is not subtracted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from storage._index import byte_view
+from storage._redis_breaker import CircuitBreaker
+from storage._redis_clear import Clearer
+from storage._redis_client import Guard, make_client
+from storage._redis_layout import HEADER_SIZE, BadHeader, Header, Layout, unpack_header
+from storage._redis_write import delete_chunk, put_chunk
+from storage.base import Tier
+from storage.types import (
+    ChunkKey,
+    ChunkNotFound,
+    InvalidChunk,
+    StoredChunk,
+    TierFull,
+    TierUnavailable,
+)
+
+__all__ = ["RedisTier", "RedisTierStats"]
+
+T = TypeVar("T")
+MiB = 1024 * 1024
+_READ_ATTEMPTS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierStats:
+    """A snapshot of one client's counters (``used_bytes`` is the shared counter as last seen)."""
+
+    hits: int
+    misses: int
+    puts: int
+    errors: int
+    fast_failures: int
+    rejected_puts: int
+    corrupt: int
+    retried_reads: int
+    bytes_in: int
+    bytes_out: int
+    used_bytes: int
+    breaker_state: str
+    breaker_trips: int
+
+
+class RedisTier(Tier):
+    """Envelopes in Redis under ``prefix``."""
+
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "kvgate:",
+        segment_bytes: int = 2 * MiB,
+        ttl_s: int | None = None,
+        op_timeout_s: float = 0.05,
+        put_timeout_s: float = 0.5,
+        clear_timeout_s: float = 5.0,
+        min_bytes_per_s: float = 128 * MiB,
+        breaker_failures: int = 5,
+        breaker_cooldown_s: float = 2.0,
+        max_value_bytes: int = 512 * MiB,
+        max_connections: int = 64,
+        clear_batch: int = 2000,
+    ) -> None:
+        """No I/O here: the first call connects (or :meth:`start` checks the server early)."""
+        _positive_int(segment_bytes=segment_bytes, max_value_bytes=max_value_bytes,
+                      max_connections=max_connections, clear_batch=clear_batch)
+        if ttl_s is not None:
+            _positive_int(ttl_s=ttl_s)
+        for field, value in (("op_timeout_s", op_timeout_s), ("put_timeout_s", put_timeout_s),
+                             ("clear_timeout_s", clear_timeout_s), ("min_bytes_per_s", min_bytes_per_s)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{field} must be a positive number")
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("url must be a redis://, rediss:// or unix:// URL")
+        self.url_scheme = url.split(":", 1)[0]
+        self.prefix = prefix
+        self.segment_bytes = segment_bytes
+        self.ttl_s = ttl_s
+        self.op_timeout_s = float(op_timeout_s)
+        self.put_timeout_s = float(put_timeout_s)
+        self.clear_timeout_s = float(clear_timeout_s)
+        self.min_bytes_per_s = float(min_bytes_per_s)
+        self.max_value_bytes = max_value_bytes
+        self._layout = Layout(prefix)
+        self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
+        self._n = dict.fromkeys(("hits", "misses", "puts", "errors", "fast", "rejected", "corrupt",
+                                 "retried", "in", "out"), 0)
+        self._guard = Guard(self.breaker, self._n)
+        self._redis: Any = make_client(url, connect_timeout_s=self.op_timeout_s,
+                                  socket_timeout_s=max(30.0, self.clear_timeout_s),
+                                  max_connections=max_connections)
+        self._clearer = Clearer(self._redis, self._layout, clear_batch, self._call, self.clear_timeout_s,
+                                self._set_used)
+        self._closed = False
+        self._used = 0
+
+    @classmethod
+    async def open(cls, url: str, **kwargs: Any) -> RedisTier:
+        tier = cls(url, **kwargs)
+        await tier.start()
+        return tier
+
+    async def start(self) -> None:
+        """Check that the server answers (TierUnavailable if not) and read the byte counter."""
+        raw = await self._call("start", self.op_timeout_s, lambda: self._redis.get(self._layout.bytes))
+        self._used = int(raw or 0)
+
+    async def __aenter__(self) -> RedisTier:  # noqa: PYI034 (as DiskTier)
+        return self
+
+    # -- the Tier interface --------------------------------------------------------------------
+    async def get(self, key: ChunkKey) -> StoredChunk:
+        head = self._head(key)
+        for _ in range(_READ_ATTEMPTS):
+            raw: bytes | None = await self._call("get", self.op_timeout_s, lambda: self._redis.get(head))
+            if raw is None:
+                break
+            try:
+                header = unpack_header(raw)
+                if header.inline and len(raw) != HEADER_SIZE + header.length:
+                    raise BadHeader("inline length mismatch")
+            except BadHeader:
+                self._n["corrupt"] += 1
+                break
+            data: memoryview | None
+            if header.inline:
+                data = memoryview(raw)[HEADER_SIZE:]  # a view of the reply: no copy
+            else:
+                budget = self.op_timeout_s + header.length / self.min_bytes_per_s
+                parts = await self._call("get", budget, partial(self._segments, head, header))
+                if parts is None:  # that version was replaced or deleted meanwhile: read again
+                    self._n["retried"] += 1
+                    continue
+                data = _join(parts, header.length)
+            if data is None:
+                self._n["corrupt"] += 1
+                break
+            self._n["hits"] += 1
+            self._n["out"] += data.nbytes
+            return StoredChunk(key=key, data=data, tier=self.name)
+        self._n["misses"] += 1
+        raise ChunkNotFound(key, self.name)
+
+    async def put(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> None:
+        view = byte_view(key, data)
+        self._check_open()
+        size = view.nbytes
+        if size > self.max_value_bytes:
+            self._n["rejected"] += 1
+            raise TierFull(f"chunk of {size} bytes exceeds max_value_bytes={self.max_value_bytes}")
+        budget = self.put_timeout_s + size / self.min_bytes_per_s
+        self._used = await self._call("put", budget, lambda: put_chunk(
+            self._redis, self._layout, key, view, segment_bytes=self.segment_bytes, ttl_s=self.ttl_s))
+        self._n["puts"] += 1
+        self._n["in"] += size
+
+    async def delete(self, key: ChunkKey) -> bool:
+        self._head(key)
+        removed, used = await self._call("delete", self.put_timeout_s,
+                                         lambda: delete_chunk(self._redis, self._layout, key))
+        if used is not None:
+            self._used = used
+        return removed
+
+    async def contains(self, key: ChunkKey) -> bool:
+        head = self._head(key)
+        return bool(await self._call("contains", self.op_timeout_s, lambda: self._redis.exists(head)))
+
+    async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        heads = [self._head(k) for k in keys]
+        self._check_open()
+        if not heads:
+            return []
+
+        async def run() -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for head in heads:
+                pipe.exists(head)
+            return await pipe.execute()
+
+        return [bool(n) for n in await self._call("contains", self.op_timeout_s, run)]
+
+    async def delete_group(self, group: str) -> int:
+        self._check_open()
+        return await self._clearer.delete_group(group)
+
+    async def delete_owner(self, owner: str) -> int:
+        self._check_open()
+        return await self._clearer.delete_owner(owner)
+
+    async def pin(self, key: ChunkKey) -> None:
+        head = self._head(key)
+
+        async def run() -> None:
+            raw = await self._redis.getrange(head, 0, HEADER_SIZE - 1)
+            if not raw:
+                raise ChunkNotFound(key, self.name)
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.sadd(self._layout.pins, head)
+            for name in [head, *self._segment_names(head, raw)]:
+                pipe.persist(name)
+            await pipe.execute()
+
+        await self._call("pin", self.op_timeout_s, run)
+
+    async def unpin(self, key: ChunkKey) -> None:
+        head = self._head(key)
+
+        async def run() -> None:
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.srem(self._layout.pins, head)
+            pipe.getrange(head, 0, HEADER_SIZE - 1)
+            raw: bytes
+            _, raw = await pipe.execute()
+            if raw and self.ttl_s is not None:
+                pipe = self._redis.pipeline(transaction=False)
+                for name in [head, *self._segment_names(head, raw)]:
+                    pipe.expire(name, self.ttl_s)
+                await pipe.execute()
+
+        await self._call("unpin", self.op_timeout_s, run)
+
+    async def list_keys(self, group: str | None = None) -> list[ChunkKey]:
+        self._check_open()
+        return await self._clearer.list_keys(group)
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    async def aclose(self) -> None:
+        """Close the connections; later calls raise TierUnavailable. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._redis.aclose()
+
+    # -- extras --------------------------------------------------------------------------------
+    async def is_pinned(self, key: ChunkKey) -> bool:
+        head = self._head(key)
+        return bool(await self._call("pin", self.op_timeout_s, lambda: self._redis.sismember(self._layout.pins, head)))
+
+    def stats(self) -> RedisTierStats:
+        n = self._n
+        return RedisTierStats(
+            hits=n["hits"], misses=n["misses"], puts=n["puts"], errors=n["errors"],
+            fast_failures=n["fast"], rejected_puts=n["rejected"], corrupt=n["corrupt"],
+            retried_reads=n["retried"], bytes_in=n["in"], bytes_out=n["out"], used_bytes=self._used,
+            breaker_state=self.breaker.state, breaker_trips=self.breaker.trips,
+        )
+
+    # -- internals -----------------------------------------------------------------------------
+    def _head(self, key: ChunkKey) -> str:
+        if not isinstance(key, ChunkKey):
+            raise InvalidChunk(f"key must be a ChunkKey, not {type(key).__name__}")
+        self._check_open()
+        return self._layout.head(key)
+
+    def _segment_names(self, head: str, raw: bytes) -> list[str]:
+        try:
+            return self._layout.segments(head, unpack_header(raw))
+        except BadHeader:
+            return []
+
+    async def _segments(self, head: str, header: Header) -> list[bytes] | None:
+        pipe = self._redis.pipeline(transaction=False)
+        for name in self._layout.segments(head, header):
+            pipe.get(name)
+        parts = await pipe.execute()
+        return None if any(p is None for p in parts) else parts
+
+    def _set_used(self, value: int) -> None:
+        self._used = value
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierUnavailable("the redis tier is closed")
+
+    async def _call(self, what: str, timeout: float, fn: Callable[[], Awaitable[T]]) -> T:
+        self._check_open()
+        return await self._guard.run(what, timeout, fn)
+
+
+def _join(parts: list[bytes], length: int) -> memoryview | None:
+    if sum(len(p) for p in parts) != length:
+        return None
+    if len(parts) == 1:
+        return memoryview(parts[0])
+    buf = bytearray(length)
+    offset = 0
+    for part in parts:
+        buf[offset:offset + len(part)] = part
+        offset += len(part)
+    return memoryview(buf).toreadonly()
+
+
+def _positive_int(**values: int) -> None:
+    for field, value in values.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{field} must be a positive int")
