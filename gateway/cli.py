@@ -100,6 +100,49 @@ def bench(
         console.print(f"wrote {json_path}")
 
 
+@app.command()
+def serve(
+    host: Annotated[Optional[str], typer.Option(help="bind address (default from settings: 127.0.0.1)")] = None,
+    port: Annotated[Optional[int], typer.Option(help="port (default from settings: 8420)")] = None,
+) -> None:
+    """Run the REST server under uvicorn (graceful shutdown drains requests and flushes the audit queue)."""
+    import uvicorn
+
+    from gateway.server import create_app
+
+    settings = _settings()
+    h, p = host or settings.host, port or settings.port
+    overrides = {}
+    if settings.public_url == "http://127.0.0.1:8420" and (h, p) != ("127.0.0.1", 8420):
+        overrides["public_url"] = f"http://{'127.0.0.1' if h in ('0.0.0.0', '::') else h}:{p}"
+    if overrides:
+        settings = settings.model_copy(update=overrides)
+    uvicorn.run(
+        create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
+        h11_max_incomplete_event_size=16 * 1024, proxy_headers=False, server_header=False,
+    )
+
+
+@token_app.command("mint")
+def token_mint(
+    tenant: Annotated[str, typer.Option(help="tenant claim")],
+    roles: Annotated[list[str], typer.Option("--roles", "--role", help="kv.worker, kv.admin, kv.operator")] = ["kv.worker"],
+    ttl: Annotated[int, typer.Option(help="seconds")] = 3600,
+    subject: Annotated[Optional[str], typer.Option(help="sub claim")] = None,
+) -> None:
+    """Mint an access token from the development issuer (refused in production)."""
+    from gateway.server.app import dev_issuer_for
+
+    settings = _settings()
+    try:
+        dev = dev_issuer_for(settings)
+        token = dev.mint(tenant, roles, subject=subject, ttl=ttl)
+    except Exception as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    print(token)
+
+
 @tenants_app.command("create")
 def tenants_create(tenant: str) -> None:
     async def go(rt):

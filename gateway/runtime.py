@@ -55,6 +55,11 @@ async def _tiers(settings: Settings) -> list[Tier]:
             tiers.append(
                 await DiskTier.open(settings.chunk_dir, capacity_bytes=settings.disk_bytes, fsync=settings.disk_fsync)
             )
+        elif name == "redis":
+            from storage.redis import RedisTier  # redis-py only where the tier is chosen
+
+            assert settings.redis_url is not None  # validated by Settings
+            tiers.append(await RedisTier.open(settings.redis_url, prefix=settings.redis_prefix))
         else:  # pragma: no cover - validated by Settings
             raise ValueError(f"tier {name!r} is not available in this build")
     return tiers

@@ -1,0 +1,197 @@
+"""Admin routes: secure clear, move, tenants, key rotation, audit export (DESIGN section 4).
+
+Roles: kv.admin acts on its own tenant only, kv.operator on any tenant (and alone manages
+tenants). Every action is audited by the core; every refusal is audited here."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+
+from audit import AuditExport, AuditSigningKey
+from gateway.envelopes import parse_hash
+from gateway.errors import InvalidRequest, TenantUnavailable
+from gateway.server.deps import PrincipalDep, StateDep, actor_of, authorize_action
+from gateway.server.problems import Conflict
+from storage.types import ChunkKey
+from tenancy.roles import Action, parse_roles, Role
+
+router = APIRouter(prefix="/v1/admin")
+
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ClearRequest(BaseModel):
+    tenant: Name | None = None
+    namespace: Name | None = None
+    hashes: list[Hash] | None = Field(default=None, max_length=100_000, description="chunk list (needs namespace)")
+
+
+class ClearResponse(BaseModel):
+    job_id: str
+    tenant: str
+    namespace: str | None
+    scope: str
+    deleted_chunk_copies: int
+    destroyed_key_versions: list[int]
+    epochs: dict[str, int]
+
+
+class MoveRequest(BaseModel):
+    tenant: Name | None = None
+    namespace: Name
+    hashes: list[Hash] = Field(min_length=1, max_length=100_000)
+    source: Literal["memory", "disk", "redis"] = Field(alias="from")
+    destination: Literal["memory", "disk", "redis"] = Field(alias="to")
+
+
+class MoveResponse(BaseModel):
+    requested: int
+    moved: int
+
+
+class TenantRequest(BaseModel):
+    tenant: Name
+
+
+class TenantResponse(BaseModel):
+    tenant: str
+    status: str
+    key_version: int | None = None
+
+
+class RotateResponse(BaseModel):
+    tenant: str
+    key_version: int
+
+
+async def _keys(state, tenant: str, namespace: str, hashes: list[str]) -> list[ChunkKey]:
+    try:
+        ns = await state.runtime.gateway.namespace_keys(tenant, namespace)
+    except TenantUnavailable:
+        raise
+    return [ChunkKey(ns.owner, ns.group, ns.storage_key(parse_hash(h))) for h in hashes]
+
+
+@router.post("/clear", response_model=ClearResponse)
+async def clear(body: ClearRequest, principal: PrincipalDep, state: StateDep, request: Request) -> ClearResponse:
+    """Secure clear of a tenant, a namespace or a list of chunks: crypto-shred, delete, audit."""
+    tenant = body.tenant or principal.tenant
+    authorize_action(state, principal, tenant, Action.CLEAR, request)
+    chunks = None
+    if body.hashes is not None:
+        if body.namespace is None:
+            raise InvalidRequest("a chunk-list clear needs the namespace")
+        chunks = await _keys(state, tenant, body.namespace, body.hashes)
+    res = await state.runtime.admin.clear(
+        tenant, None if chunks is not None else body.namespace, chunks=chunks, actor=actor_of(principal, request)
+    )
+    scope = "chunks" if chunks is not None else ("namespace" if body.namespace else "tenant")
+    return ClearResponse(
+        job_id=res.job_id, tenant=res.tenant, namespace=body.namespace, scope=scope,
+        deleted_chunk_copies=res.deleted_chunks, destroyed_key_versions=res.destroyed_key_versions, epochs=res.epochs,
+    )
+
+
+@router.post("/move", response_model=MoveResponse)
+async def move(body: MoveRequest, principal: PrincipalDep, state: StateDep, request: Request) -> MoveResponse:
+    tenant = body.tenant or principal.tenant
+    authorize_action(state, principal, tenant, Action.MOVE, request)
+    keys = await _keys(state, tenant, body.namespace, body.hashes)
+    moved = await state.runtime.gateway.move(keys, body.source, body.destination, actor=actor_of(principal, request))
+    return MoveResponse(requested=len(keys), moved=moved)
+
+
+@router.post("/tenants", response_model=TenantResponse, status_code=201)
+async def create_tenant(body: TenantRequest, principal: PrincipalDep, state: StateDep, request: Request) -> TenantResponse:
+    authorize_action(state, principal, body.tenant, Action.MANAGE_TENANTS, request)
+    try:
+        version = await state.runtime.admin.create_tenant(body.tenant, actor=actor_of(principal, request))
+    except InvalidRequest:
+        raise Conflict("tenant exists") from None
+    return TenantResponse(tenant=body.tenant, status="active", key_version=version)
+
+
+@router.delete("/tenants/{tenant}", response_model=TenantResponse)
+async def disable_tenant(
+    tenant: Annotated[str, Path(min_length=1, max_length=128)], principal: PrincipalDep, state: StateDep, request: Request
+) -> TenantResponse:
+    authorize_action(state, principal, tenant, Action.MANAGE_TENANTS, request)
+    await state.runtime.admin.disable_tenant(tenant, actor=actor_of(principal, request))
+    return TenantResponse(tenant=tenant, status="disabled")
+
+
+@router.post("/tenants/{tenant}/keys/rotate", response_model=RotateResponse)
+async def rotate(
+    tenant: Annotated[str, Path(min_length=1, max_length=128)], principal: PrincipalDep, state: StateDep, request: Request
+) -> RotateResponse:
+    authorize_action(state, principal, tenant, Action.ROTATE_KEYS, request)
+    version = await state.runtime.admin.rotate_key(tenant, actor=actor_of(principal, request))
+    return RotateResponse(tenant=tenant, key_version=version)
+
+
+def _export_params(principal, state, request, since, until, tenant) -> dict:
+    is_operator = Role.OPERATOR in parse_roles(principal.roles)
+    if tenant is None and not is_operator:
+        tenant = principal.tenant
+    authorize_action(state, principal, tenant or principal.tenant, Action.EXPORT_AUDIT, request)
+    if tenant is None and not is_operator:  # pragma: no cover - guarded above
+        raise InvalidRequest("tenant required")
+    # A fixed window makes the export reproducible, so its manifest can be fetched separately.
+    until = until or (datetime.now(timezone.utc) - timedelta(seconds=1)).replace(microsecond=0)
+    for name, t in (("since", since), ("until", until)):
+        if t is not None and t.tzinfo is None:
+            raise InvalidRequest(f"{name} must carry a time zone")
+    return {"since": since, "until": until, "tenant": tenant}
+
+
+ExportFormat = Annotated[Literal["jsonl", "csv"], Query()]
+
+
+@router.get("/audit/export", response_class=Response, responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}})
+async def audit_export(
+    principal: PrincipalDep,
+    state: StateDep,
+    request: Request,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+    format: ExportFormat = "jsonl",
+) -> Response:
+    """The audit rows of a fixed time window, streamed. The signed manifest of the same window is
+    at ``/v1/admin/audit/export/manifest`` (the window is echoed in ``X-KV-Until``)."""
+    params = _export_params(principal, state, request, since, until, tenant)
+    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
+    export = AuditExport(state.runtime.audit.store, key, format=format, **params)
+    media = "application/x-ndjson" if format == "jsonl" else "text/csv"
+    return StreamingResponse(export.stream(), media_type=media, headers={"X-KV-Until": params["until"].isoformat()})
+
+
+@router.get("/audit/export/manifest")
+async def audit_manifest(
+    principal: PrincipalDep,
+    state: StateDep,
+    request: Request,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+    format: ExportFormat = "jsonl",
+) -> JSONResponse:
+    params = _export_params(principal, state, request, since, until, tenant)
+    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
+    export = AuditExport(state.runtime.audit.store, key, format=format, **params)
+    async for _ in export.stream():
+        pass
+    return JSONResponse(export.manifest())
+
+
+@router.get("/audit/public-key", response_class=Response)
+async def audit_public_key(principal: PrincipalDep, state: StateDep, request: Request) -> Response:
+    authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
+    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
+    return Response(key.public_key_pem(), media_type="application/x-pem-file")

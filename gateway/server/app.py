@@ -1,0 +1,161 @@
+"""The kvgate server: ``create_app(settings)`` builds a FastAPI app whose resources (the gateway
+runtime, the OIDC verifier, telemetry) live in the lifespan; nothing happens at import time.
+
+``kvgate serve`` runs it under uvicorn; on shutdown uvicorn drains requests in flight, then the
+lifespan closes the runtime, which flushes the audit queue. CORS is off (no middleware added).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from gateway.config import Settings
+from gateway.envelopes import EnvelopePlane
+from gateway.runtime import open_runtime
+from gateway.server import admin_routes, data
+from gateway.server.deps import PrincipalDep, ServerState, StateDep, authorize_action
+from gateway.server.problems import install_problem_handlers, problem
+from gateway.server.telemetry import Telemetry
+from tenancy.oidc import IssuerConfig, OidcVerifier
+from tenancy.roles import Action
+
+__all__ = ["create_app", "DEV_ISSUER_PATH"]
+
+DEV_ISSUER_PATH = "/dev-issuer"
+
+
+def _issuers(settings: Settings, dev) -> list[IssuerConfig]:
+    out = [
+        IssuerConfig(
+            issuer=i.issuer, audience=i.audience, tenant_claim=i.tenant_claim, roles_claim=i.roles_claim,
+            algorithms=frozenset(i.algorithms), required_typ=i.required_typ, jwks_lifespan=i.jwks_lifespan_s,
+            refetch_cooldown=i.refetch_cooldown_s, leeway=i.leeway_s,
+            allow_http=settings.mode == "development",
+        )
+        for i in settings.issuers
+    ]
+    if dev is not None:
+        out.append(dev.issuer_config(allow_http=True))
+    return out
+
+
+def dev_issuer_for(settings: Settings):
+    """The development issuer (development mode only; it refuses production itself)."""
+    from tenancy.devissuer import DevIssuer
+
+    return DevIssuer(
+        settings.state_dir, issuer_url=settings.public_url.rstrip("/") + DEV_ISSUER_PATH,
+        production=settings.mode == "production",
+    )
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        telemetry = Telemetry()
+        runtime = await open_runtime(settings)
+        try:
+            dev = dev_issuer_for(settings) if settings.dev_issuer else None
+            verifier = OidcVerifier(_issuers(settings, dev))
+            plane = EnvelopePlane(runtime.gateway, max_chunk_bytes=settings.max_chunk_bytes)
+            state = ServerState(settings, runtime, plane, verifier, telemetry, dev)
+            _observe(state)
+            app.state.kvgate = state
+            yield
+        finally:
+            with contextlib.suppress(Exception):
+                await app.state.kvgate.verifier.aclose()
+            await runtime.aclose()
+            telemetry.shutdown()
+
+    app = FastAPI(
+        title="kvgate", version="0.1.0", lifespan=lifespan,
+        description="A secure, multi-tenant KV-cache gateway: capabilities, chunk data plane, admin API.",
+    )
+    install_problem_handlers(app)
+    app.include_router(data.router)
+    app.include_router(admin_routes.router)
+
+    @app.middleware("http")
+    async def observe(request: Request, call_next):
+        state: ServerState | None = getattr(request.app.state, "kvgate", None)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > settings.max_chunk_bytes + (1 << 20):
+            return problem(413, "Content Too Large", "the body is larger than the configured limit")
+        t0 = time.perf_counter()
+        if state is None:
+            return await call_next(request)
+        with state.telemetry.tracer.start_as_current_span(f"{request.method} {request.url.path[:40]}") as span:
+            response: Response = await call_next(request)
+            route = request.scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            span.set_attribute("http.status_code", response.status_code)
+            attrs = {"method": request.method, "route": path, "status": str(response.status_code)}
+            state.telemetry.requests.add(1, attrs)
+            state.telemetry.latency.record(time.perf_counter() - t0, {"method": request.method, "route": path})
+        return response
+
+    @app.get("/healthz", include_in_schema=True)
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz(state: StateDep) -> JSONResponse:
+        checks: dict[str, str] = {}
+        try:
+            async with state.runtime.registry.engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+            checks["database"] = "ok"
+        except Exception:
+            checks["database"] = "unavailable"
+        for tier in state.runtime.gateway.tiers.tiers:
+            if tier.name == "redis":
+                ok = getattr(getattr(tier, "breaker", None), "state", "closed") != "open"
+                checks["redis"] = "ok" if ok else "unavailable"
+        ready = all(v == "ok" for v in checks.values())
+        return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics(principal: PrincipalDep, state: StateDep, request: Request) -> Response:
+        """Prometheus text format. Needs an operator token (it spans every tenant)."""
+        authorize_action(state, principal, "*", Action.MANAGE_TENANTS, request)
+        return Response(state.telemetry.scrape(), media_type="text/plain; version=0.0.4")
+
+    @app.get(DEV_ISSUER_PATH + "/.well-known/openid-configuration", include_in_schema=False)
+    async def dev_discovery(state: StateDep) -> JSONResponse:
+        if state.dev_issuer is None:
+            return problem(404, "Not Found")
+        return JSONResponse(state.dev_issuer.discovery_document())
+
+    @app.get(DEV_ISSUER_PATH + "/.well-known/jwks.json", include_in_schema=False)
+    async def dev_jwks(state: StateDep) -> JSONResponse:
+        if state.dev_issuer is None:
+            return problem(404, "Not Found")
+        return JSONResponse(state.dev_issuer.jwks())
+
+    return app
+
+
+def _observe(state: ServerState) -> None:
+    """Gauges read at scrape time from the core, the tiers and the audit writer."""
+    gw, audit, tel = state.runtime.gateway, state.runtime.audit, state.telemetry
+    counters = (
+        ("kvgate_lookups", "lookup calls by result", lambda: [(gw.stats["lookup_hits"], {"result": "hit"}), (gw.stats["lookup_misses"], {"result": "miss"})]),
+        ("kvgate_loads", "retrieve calls by result", lambda: [(gw.stats["load_hits"], {"result": "hit"}), (gw.stats["load_misses"], {"result": "miss"})]),
+        ("kvgate_chunks", "chunks stored and loaded", lambda: [(gw.stats["chunks_stored"], {"op": "store"}), (gw.stats["chunks_loaded"], {"op": "load"})]),
+        ("kvgate_core_bytes", "bytes through the core", lambda: [(gw.stats["bytes_in"], {"direction": "in"}), (gw.stats["bytes_out"], {"direction": "out"})]),
+        ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(gw.stats["integrity_failures"], {})]),
+        ("kvgate_capability_denials", "capability checks denied", lambda: [(gw.stats["denials"], {})]),
+        ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
+        ("kvgate_audit_spool_bytes", "audit spool size", lambda: [(audit.spool_bytes, {})]),
+        ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in gw.tiers.tiers]),
+        ("kvgate_tier_errors", "tier failures passed over as misses", lambda: [(n, {"tier": name}) for name, n in gw.tiers.errors.items()] or [(0, {"tier": "none"})]),
+    )
+    for name, description, fn in counters:
+        tel.observe(name, description, fn)

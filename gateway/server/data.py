@@ -1,0 +1,196 @@
+"""Data-plane routes: capabilities, lookup, chunks, pins and key leases (DESIGN section 4)."""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Path, Request, Response
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from gateway.errors import InvalidRequest
+from gateway.server.deps import CapabilityDep, PrincipalDep, ServerState, StateDep, actor_of, authorize_action
+from gateway.server.problems import TooLarge
+from tenancy.capabilities import read_unverified
+from tenancy.errors import CapabilityDenied, PermissionDenied
+from tenancy.roles import Action, allowed_capability_ops
+from tenancy.types import Principal
+
+router = APIRouter(prefix="/v1")
+
+HashPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="chained sha256 of the chunk, hex")]
+Op = Literal["lookup", "get", "put", "pin"]
+
+
+class CapabilityRequest(BaseModel):
+    namespace: str = Field(min_length=1, max_length=128)
+    ops: list[Op] = Field(min_length=1, max_length=4)
+    ttl: int | None = Field(default=None, ge=1, le=86400)
+    tenant: str | None = Field(default=None, min_length=1, max_length=128, description="operators only; default: the caller's")
+
+
+class CapabilityResponse(BaseModel):
+    capability: str
+    cap_id: str
+    tenant: str
+    namespace: str
+    ops: list[str]
+    expires_at: float
+
+
+class LookupRequest(BaseModel):
+    hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
+    chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+    last_chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+
+
+class LookupResponse(BaseModel):
+    hit_chunks: int
+    hit_tokens: int | None
+    locations: list[list[str]]
+
+
+class PinRequest(BaseModel):
+    hash: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
+class LeaseResponse(BaseModel):
+    tenant: str
+    namespace: str
+    key_version: int
+    invocations: int
+    dek: str  # base64
+    binding_secret: str
+    index_key: str
+    expires_at: float
+
+
+def _same_tenant(state: ServerState, principal: Principal, token: str, action: Action, request: Request) -> None:
+    """The caller's roles must allow ``action`` on the tenant the capability names: a capability
+    never crosses tenants, whoever holds it."""
+    try:
+        tenant = read_unverified(token).tenant
+    except CapabilityDenied:
+        tenant = principal.tenant  # a garbled token: the capability check itself will deny it
+    authorize_action(state, principal, tenant, action, request)
+
+
+@router.post("/capabilities", response_model=CapabilityResponse, status_code=201)
+async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, state: StateDep, request: Request) -> CapabilityResponse:
+    tenant = body.tenant or principal.tenant
+    allowed = allowed_capability_ops(principal, tenant)
+    if not set(body.ops) <= allowed:
+        authorize_action(state, principal, tenant, Action(sorted(set(body.ops) - allowed)[0]), request)
+    token = await state.runtime.gateway.mint_capability(
+        tenant, body.namespace, body.ops, body.ttl, actor=actor_of(principal, request)
+    )
+    cap = read_unverified(token)
+    return CapabilityResponse(
+        capability=token, cap_id=cap.cap_id, tenant=cap.tenant, namespace=cap.namespace,
+        ops=sorted(cap.ops), expires_at=cap.expires_at,
+    )
+
+
+@router.post("/lookup", response_model=LookupResponse)
+async def lookup(body: LookupRequest, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> LookupResponse:
+    _same_tenant(state, principal, cap, Action.LOOKUP, request)
+    answer = await state.plane.lookup(cap, body.hashes)
+    hit_tokens = None
+    if body.chunk_tokens is not None:
+        hit_tokens = answer.hit_chunks * body.chunk_tokens
+        if answer.hit_chunks == len(body.hashes) and body.last_chunk_tokens is not None:
+            hit_tokens += body.last_chunk_tokens - body.chunk_tokens
+    return LookupResponse(hit_chunks=answer.hit_chunks, hit_tokens=hit_tokens, locations=answer.locations)
+
+
+@router.put("/chunks/{chunk_hash}", status_code=204, responses={413: {"description": "too large"}})
+async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+    """The body is the envelope (application/octet-stream), read straight into one buffer."""
+    _same_tenant(state, principal, cap, Action.PUT, request)
+    limit = state.settings.max_chunk_bytes
+    declared = request.headers.get("content-length")
+    if declared is None:
+        raise InvalidRequest("Content-Length is required")
+    try:
+        size = int(declared)
+    except ValueError:
+        raise InvalidRequest("bad Content-Length") from None
+    if size > limit:
+        raise TooLarge()
+    if size < 0:
+        raise InvalidRequest("bad Content-Length")
+    buf = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    filled = 0
+    async for part in request.stream():
+        if filled + len(part) > size:
+            raise InvalidRequest("body longer than Content-Length")
+        buf[filled : filled + len(part)] = part
+        filled += len(part)
+    if filled != size:
+        raise InvalidRequest("body shorter than Content-Length")
+    await state.plane.put(cap, chunk_hash, buf.toreadonly())
+    state.telemetry.bytes.add(size, {"direction": "in", "tier": "rest"})
+    return Response(status_code=204)
+
+
+@router.get("/chunks/{chunk_hash}", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
+async def get_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+    _same_tenant(state, principal, cap, Action.GET, request)
+    found = await state.plane.get(cap, chunk_hash)
+    data = found.data
+    state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": found.tier})
+
+    async def body():
+        step = 1 << 20
+        for off in range(0, data.nbytes, step):
+            yield data[off : off + step]
+
+    return StreamingResponse(
+        body(), media_type="application/octet-stream",
+        headers={"Content-Length": str(data.nbytes), "X-KV-Tier": found.tier},
+    )
+
+
+@router.head("/chunks/{chunk_hash}")
+async def head_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+    _same_tenant(state, principal, cap, Action.LOOKUP, request)
+    where = await state.plane.head(cap, chunk_hash)
+    return Response(status_code=200, headers={"X-KV-Tiers": ",".join(where)})
+
+
+@router.delete("/chunks/{chunk_hash}", status_code=204)
+async def delete_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+    _same_tenant(state, principal, cap, Action.PUT, request)
+    await state.plane.delete(cap, chunk_hash)
+    return Response(status_code=204)
+
+
+@router.post("/pins", status_code=204)
+async def pin(body: PinRequest, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+    _same_tenant(state, principal, cap, Action.PIN, request)
+    await state.plane.pin(cap, body.hash, pin=True)
+    return Response(status_code=204)
+
+
+@router.delete("/pins/{chunk_hash}", status_code=204)
+async def unpin(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+    _same_tenant(state, principal, cap, Action.PIN, request)
+    await state.plane.pin(cap, chunk_hash, pin=False)
+    return Response(status_code=204)
+
+
+@router.post("/keys/lease", response_model=LeaseResponse)
+async def lease(principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> LeaseResponse:
+    _same_tenant(state, principal, cap, Action.LEASE_KEY, request)
+    got = await state.plane.lease_key(cap, actor=actor_of(principal, request))
+    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    return LeaseResponse(
+        tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,
+        dek=b64(got.dek), binding_secret=b64(got.binding_secret), index_key=b64(got.index_key),
+        expires_at=got.expires_at,
+    )
+
+
+__all__ = ["router", "PermissionDenied"]
