@@ -34,6 +34,11 @@ __all__ = ["Admin"]
 class Admin:
     def __init__(self, gateway: Gateway) -> None:
         self.gw = gateway
+        self.broadcaster = None  # gateway.broadcast.Broadcaster when scale-out is configured
+
+    async def _publish(self, kind: str, tenant: str, **fields) -> None:
+        if self.broadcaster is not None:
+            await self.broadcaster.publish(kind, tenant, **fields)
 
     # -- tenants -----------------------------------------------------------------------------
     async def create_tenant(self, tenant: str, *, actor: Actor | None = None) -> int:
@@ -53,9 +58,10 @@ class Admin:
             await self.gw.registry.disable_tenant(tenant)
         except UnknownTenant:
             raise TenantUnavailable("unknown tenant") from None
-        await self._revoke_tenant(tenant, actor)
+        before = await self._revoke_tenant(tenant, actor)
         self.gw.forget_namespace(tenant)
         self.gw.keyring.forget(tenant)
+        await self._publish("disable", tenant, revoke_before=before)
         self.gw.audit.emit(AuditEvent(Actions.TENANT_DISABLE, actor=actor or Actor(), target=Target(tenant=tenant)))
 
     async def rotate_key(self, tenant: str, *, actor: Actor | None = None) -> int:
@@ -64,12 +70,13 @@ class Admin:
         except Exception:
             raise TenantUnavailable("tenant unavailable") from None
         version = await self.gw.keyring.rotate(tenant)
+        await self._publish("rotate", tenant, version=version)
         self.gw.audit.emit(
             AuditEvent(Actions.KEY_ROTATE, actor=actor or Actor(), target=Target(tenant=tenant), details={"version": version})
         )
         return version
 
-    async def _revoke_tenant(self, tenant: str, actor: Actor | None) -> None:
+    async def _revoke_tenant(self, tenant: str, actor: Actor | None) -> float:
         now = time.time()
         until = now + self.gw.authority.max_ttl + 60
         self.gw.authority.revocations.revoke_tenant(tenant, before=now)
@@ -82,6 +89,7 @@ class Admin:
                 details={"scope": "tenant", "before": now},
             )
         )
+        return now
 
     # -- secure clear ------------------------------------------------------------------------
     async def clear(
@@ -141,15 +149,20 @@ class Admin:
                 await gw.registry.bump_epoch(tenant, name, new, salt)
                 epochs[name] = new
             gw.forget_namespace(tenant, job.namespace if job.scope != "tenant" else None)
+            revoke_before = None
             if job.scope == "tenant":
                 destroyed = await gw.keyring.destroy(tenant, job.details.get("key_versions", []))
-                await self._revoke_tenant(tenant, actor)
+                revoke_before = await self._revoke_tenant(tenant, actor)
                 if destroyed:
                     gw.audit.emit(
                         AuditEvent(Actions.KEY_DESTROY, actor=actor or Actor(), target=Target(tenant=tenant),
                                    details={"versions": destroyed, "job_id": job.id})
                     )
             await gw.registry.update_clear_job(job.id, state="shredded")
+            fields = {"namespace": job.namespace} if job.scope == "namespace" else {}
+            if revoke_before is not None:
+                fields["revoke_before"] = revoke_before
+            await self._publish("clear", tenant, **fields)
         deleted = 0
         if job.scope == "tenant":
             deleted = await gw.tiers.delete_owner(gw.deriver.owner_label(tenant))

@@ -17,6 +17,7 @@ from audit.writer import AuditWriter
 from crypto.envelope import ChunkCipher
 from crypto.kek import KekProvider, LocalFileKek
 from gateway.admin import Admin
+from gateway.broadcast import Broadcaster
 from gateway.config import Settings
 from gateway.core import Gateway
 from gateway.datapath import DataPath
@@ -72,8 +73,11 @@ class Runtime:
     gateway: Gateway
     admin: Admin
     audit: AuditWriter
+    broadcaster: "Broadcaster | None" = None
 
     async def aclose(self) -> None:
+        if self.broadcaster is not None:
+            await self.broadcaster.aclose()
         await self.gateway.aclose()
         await self.audit.aclose()
         await self.registry.aclose()
@@ -114,8 +118,13 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         chunk_tokens=settings.chunk_tokens,
     )
     admin = Admin(gateway)
+    broadcaster = None
+    if settings.redis_url:
+        broadcaster = Broadcaster(gateway, settings.redis_url, prefix=settings.redis_prefix)
+        await broadcaster.start()
+        admin.broadcaster = broadcaster
     await admin.resume_clears()
-    return Runtime(settings, registry, gateway, admin, audit)
+    return Runtime(settings, registry, gateway, admin, audit, broadcaster)
 
 
 def new_state_dir(base: Path) -> Path:
