@@ -56,6 +56,7 @@ class Settings(BaseSettings):
     tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=lambda: ["memory", "disk"])
     memory_bytes: int = 4 << 30
     memory_owner_quota_bytes: int | None = None
+    write_back_tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=list)
     disk_dir: Path | None = None  # default: state_dir / "chunks"
     disk_bytes: int | None = None
     disk_fsync: bool = True

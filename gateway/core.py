@@ -352,9 +352,14 @@ class Gateway:
                 envelopes = await self.datapath.run(
                     self.datapath.seal_batch, plan.kv, plan.ns.binding_secret, [jobs[k] for k in batch]
                 )
+            stored = 0
             for k, env in zip(batch, envelopes):
-                await self.tiers.put(plan.keys[todo[k]], env)
-            return sum(e.nbytes for e in envelopes)
+                try:
+                    await self.tiers.put(plan.keys[todo[k]], env)
+                    stored += env.nbytes
+                except TierError:  # no tier took it: the cache loses this chunk, the engine goes on
+                    self.stats["store_failures"] += 1
+            return stored
 
         for n in await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, plan))):
             stored_bytes += n

@@ -111,7 +111,9 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         keyring=Keyring(registry, kek, invocation_limit=settings.invocation_limit),
         kek=kek,
         deriver=NamespaceDeriver(master),
-        tiers=TierManager(tiers if tiers is not None else await _tiers(settings)),
+        tiers=TierManager(
+            tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers
+        ),
         datapath=DataPath(ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt),
         authority=authority,
         audit=audit,

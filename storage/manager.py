@@ -1,5 +1,9 @@
-"""The tier manager: ordered tiers (fastest first), write-through puts, first-hit gets with
-promotion into faster tiers, and group/owner deletion across all of them.
+"""The tier manager: ordered tiers (fastest first), write-through or write-back puts per tier,
+first-hit gets with promotion into faster tiers, and group/owner deletion across all of them.
+
+Write-back tiers get their copy from a background task after ``put`` returned (bounded: past
+``max_pending`` queued bytes a write-back copy is dropped and counted, since a cache may always
+lose a copy). ``aclose`` and ``flush`` wait for the copies in flight.
 
 A tier that fails (TierUnavailable, or any TierError on a read) is counted and passed over: for
 a cache, an unreachable tier is a miss, never an error for the engine.
@@ -21,7 +25,14 @@ log = logging.getLogger("kvgate.storage")
 
 
 class TierManager:
-    def __init__(self, tiers: Sequence[Tier], *, promote: bool = True) -> None:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        promote: bool = True,
+        write_back: Sequence[str] = (),
+        max_pending_bytes: int = 1 << 30,
+    ) -> None:
         if not tiers:
             raise ValueError("at least one tier is needed")
         names = [t.name for t in tiers]
@@ -29,7 +40,17 @@ class TierManager:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers: list[Tier] = list(tiers)
         self.promote = promote
+        unknown = set(write_back) - set(names)
+        if unknown:
+            raise ValueError(f"write_back names unknown tiers: {sorted(unknown)}")
+        if write_back and set(write_back) == set(names):
+            raise ValueError("at least one tier must be written through")
+        self.write_back = frozenset(write_back)
+        self.max_pending_bytes = max_pending_bytes
         self.errors: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+        self._pending: set[asyncio.Task[None]] = set()
+        self._pending_bytes = 0
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -47,6 +68,10 @@ class TierManager:
         targets = self.tiers if only is None else [self.tier(n) for n in only]
         written: list[str] = []
         last: TierError | None = None
+        if only is None and self.write_back:
+            for t in [t for t in targets if t.name in self.write_back]:
+                self._write_back(t, key, data)
+            targets = [t for t in targets if t.name not in self.write_back]
         for t in targets:
             try:
                 await t.put(key, data)
@@ -58,6 +83,30 @@ class TierManager:
         if not written and last is not None:
             raise last
         return written
+
+    def _write_back(self, tier: Tier, key: ChunkKey, data: bytes | bytearray | memoryview) -> None:
+        size = memoryview(data).nbytes
+        if self._pending_bytes + size > self.max_pending_bytes:
+            self.dropped[tier.name] += 1
+            return
+        self._pending_bytes += size
+
+        async def copy() -> None:
+            try:
+                await tier.put(key, data)
+            except TierError:
+                self.errors[tier.name] += 1
+            finally:
+                self._pending_bytes -= size
+
+        task = asyncio.get_running_loop().create_task(copy())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def flush(self) -> None:
+        """Wait for every write-back copy in flight."""
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
 
     async def get(self, key: ChunkKey) -> StoredChunk:
         misses: list[Tier] = []
@@ -110,13 +159,16 @@ class TierManager:
         return out
 
     async def delete(self, key: ChunkKey) -> int:
+        await self.flush()
         results = await asyncio.gather(*(t.delete(key) for t in self.tiers))
         return sum(1 for r in results if r)
 
     async def delete_group(self, group: str) -> int:
+        await self.flush()  # a copy in flight must not land after the delete
         return sum(await asyncio.gather(*(t.delete_group(group) for t in self.tiers)))
 
     async def delete_owner(self, owner: str) -> int:
+        await self.flush()
         return sum(await asyncio.gather(*(t.delete_owner(owner) for t in self.tiers)))
 
     async def move(self, key: ChunkKey, src: str, dst: str) -> int:
@@ -146,5 +198,6 @@ class TierManager:
             await t.unpin(key)
 
     async def aclose(self) -> None:
+        await self.flush()
         for t in self.tiers:
             await t.aclose()
