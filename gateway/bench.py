@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from gateway import dbschema
+from gateway import bench_net, dbschema
 from gateway.config import Settings
 from gateway.core import KVModel
 from gateway.runtime import open_runtime
@@ -118,7 +118,8 @@ def memcpy_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) 
 
 
 async def _gateway_figures(
-    base: Path, db_url: str, tier: str, encrypted: bool, chunk_tokens: int, threads: int, n_chunks: int, reps: int
+    base: Path, db_url: str, tier: str, encrypted: bool, chunk_tokens: int, threads: int, n_chunks: int, reps: int,
+    redis_url: str | None = None,
 ) -> tuple[float, float]:
     """(store GB/s, load GB/s) through the gateway core for one configuration."""
     settings = Settings(state_dir=base, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=threads, tiers=[tier])
@@ -126,6 +127,10 @@ async def _gateway_figures(
     tokens_n = chunk_tokens * n_chunks
     if tier == "memory":
         tiers = [MemoryTier(chunk_bytes * n_chunks * 3 + (64 << 20))]
+    elif tier == "redis":
+        from storage.redis import RedisTier
+
+        tiers = [RedisTier(redis_url, prefix=f"kvgate-bench:{os.urandom(4).hex()}:", op_timeout_s=2.0, put_timeout_s=10.0)]
     else:
         shutil.rmtree(base / "bench-disk", ignore_errors=True)
         tiers = [await DiskTier.open(base / "bench-disk", fsync=True)]
@@ -159,7 +164,47 @@ async def _gateway_figures(
         total = chunk_bytes * n_chunks
         return total / store_s / 1e9, total / load_s / 1e9
     finally:
+        if tier == "redis":
+            for t in rt.gateway.tiers.tiers:
+                await t.delete_owner(rt.gateway.deriver.owner_label(tenant))
         await rt.aclose()
+
+
+async def _lookup_latency(base: Path, db_url: str, reps: int = 300) -> dict[str, float]:
+    """In-process lookup of a 32K-token prefix (128 chunks of 256 tokens), all stored: p50/p99 ms."""
+    settings = Settings(state_dir=base, database_url=db_url, tiers=["memory"], chunk_tokens=256)
+    rt = await open_runtime(settings, tiers=[MemoryTier(1 << 30)])
+    try:
+        await rt.admin.create_tenant("bench-lookup")
+        cap = await rt.gateway.mint_capability("bench-lookup", "default", ["lookup", "put"], 600)
+        tokens = list(range(32768))
+        keys = await rt.gateway.keys_for("bench-lookup", "default", MODEL, tokens)
+        for k in keys:  # presence is all a lookup reads
+            await rt.gateway.tiers.put(k, b"x")
+        lat = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            res = await rt.gateway.lookup(cap, MODEL, tokens)
+            lat.append(time.perf_counter() - t0)
+        assert res.hit_tokens == 32768
+        lat.sort()
+        return {"p50": round(lat[len(lat) // 2] * 1e3, 3), "p99": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
+    finally:
+        await rt.aclose()
+
+
+def _redis_url() -> str | None:
+    url = os.environ.get("KVGATE_BENCH_REDIS_URL") or os.environ.get("KVGATE_REDIS_URL") or "redis://127.0.0.1:6379/0"
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    try:
+        import socket
+
+        socket.create_connection((u.hostname or "127.0.0.1", u.port or 6379), 1).close()
+        return url
+    except OSError:
+        return None
 
 
 async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | None = None) -> dict[str, Any]:
@@ -167,20 +212,27 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
     reps = 3 if quick else reps
     sizes = [16, 256]
     thread_counts = [1] if quick else [1, 2]
-    tiers = ["memory"] if quick else ["memory", "disk"]
+    redis_url = _redis_url()
+    tiers = ["memory"] if quick else ["memory", "disk"] + (["redis"] if redis_url else [])
     target_bytes = 64 << 20 if quick else 256 << 20
     results: list[dict[str, Any]] = []
     base = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     db_url = f"sqlite+aiosqlite:///{base / 'bench.db'}"
     try:
         await asyncio.to_thread(dbschema.upgrade, db_url)
-        configs = [(c, t, tier, e) for c in sizes for t in thread_counts for tier in tiers for e in (True, False)]
+        configs = [
+            (c, t, tier, e) for c in sizes for t in thread_counts for tier in tiers for e in (True, False)
+            if tier != "redis" or t == 1  # the raw redis-py ceiling is one client: compare like with like
+        ]
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("bench", total=len(configs))
             ceilings: dict[tuple[int, int], dict[str, float]] = {}
             for chunk_tokens, threads, tier, encrypted in configs:
                 chunk_bytes = GEOMETRY.chunk_nbytes(chunk_tokens)
                 n_chunks = max(2, target_bytes // chunk_bytes) if tier == "memory" else max(2, (target_bytes // 4) // chunk_bytes)
+                if tier == "redis" and ("redis", chunk_tokens) not in ceilings:
+                    rs, rg = await bench_net.redis_ceilings(redis_url, chunk_bytes, n_chunks, reps)
+                    ceilings[("redis", chunk_tokens)] = {"redis_set": rs, "redis_get": rg}
                 total = chunk_bytes * n_chunks
                 if (chunk_tokens, threads) not in ceilings:
                     seal, open_ = aes_ceiling(total, chunk_bytes, threads, reps)
@@ -190,9 +242,14 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
                     }
                 ceil = ceilings[(chunk_tokens, threads)]
                 progress.update(task, description=f"{tier} {chunk_bytes >> 20} MiB x{threads} {'enc' if encrypted else 'plain'}")
-                store, load = await _gateway_figures(base, db_url, tier, encrypted, chunk_tokens, threads, n_chunks, reps)
+                store, load = await _gateway_figures(
+                    base, db_url, tier, encrypted, chunk_tokens, threads, n_chunks, reps, redis_url
+                )
                 for op, gbps in (("store", store), ("load", load)):
-                    if encrypted:
+                    if tier == "redis":
+                        name = "redis_set" if op == "store" else "redis_get"
+                        ceiling = {"name": name, "gbps": round(ceilings[("redis", chunk_tokens)][name], 3)}
+                    elif encrypted:
                         ceiling = {"name": "aes_gcm", "gbps": round(ceil["aes_gcm_seal" if op == "store" else "aes_gcm_open"], 3)}
                     else:
                         ceiling = {"name": "memcpy", "gbps": round(ceil["memcpy"], 3)}
@@ -201,6 +258,20 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
                         "threads": threads, "gbps": round(gbps, 3), "ceiling": ceiling,
                     })
                 progress.advance(task)
+            latency = {"lookup_32k_tokens_in_process_ms": await _lookup_latency(base, db_url)}
+            if not quick:
+                progress.update(task, description="REST data plane")
+                byte_sizes = [GEOMETRY.chunk_nbytes(c) for c in sizes]
+                counts = {b: max(2, (target_bytes // 4) // b) for b in byte_sizes}
+                rest = await bench_net.rest_figures(base, byte_sizes, counts, reps)
+                latency["lookup_32k_tokens_rest_ms"] = rest["lookup_ms"]
+                for b in byte_sizes:
+                    send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps)
+                    for op, gbps, ceil in (("store", rest["put"][b], send), ("load", rest["get"][b], recv)):
+                        results.append({
+                            "op": op, "tier": "rest", "encrypted": True, "chunk_bytes": b, "threads": 1,
+                            "gbps": round(gbps, 3), "ceiling": {"name": "socket", "gbps": round(ceil, 3)},
+                        })
     finally:
         shutil.rmtree(base, ignore_errors=True)
     out = {
@@ -208,8 +279,11 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
                     "torch": torch.__version__},
         "reps": reps,
         "results": results,
+        "latency": latency,
     }
     _print_table(console, results)
+    for name, v in latency.items():
+        console.print(f"{name}: p50 {v['p50']} ms, p99 {v['p99']} ms")
     return out
 
 

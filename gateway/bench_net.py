@@ -1,0 +1,224 @@
+"""Network figures for `kvgate bench`: the Redis tier beside raw redis-py, the REST data plane
+beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chunks).
+
+Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
+the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;
+``socket`` is one TCP connection over loopback to a separate process that reads into (or writes
+from) a preallocated buffer, the most any HTTP server on this machine could move.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from crypto.envelope import ChunkCipher, EnvelopeContext
+
+__all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
+
+_SINK = r"""
+import socket, sys
+size = int(sys.argv[1]); mode = sys.argv[2]
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 0)); srv.listen(1); print(srv.getsockname()[1], flush=True)
+conn, _ = srv.accept(); buf = bytearray(size); view = memoryview(buf)
+while True:
+    if mode == "recv":
+        got = 0
+        while got < size:
+            n = conn.recv_into(view[got:])
+            if not n: sys.exit(0)
+            got += n
+        conn.sendall(b"k")
+    else:
+        if not conn.recv(1): sys.exit(0)
+        conn.sendall(view)
+"""
+
+
+def _median_gbps(fn, nbytes: int, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def socket_ceiling(size: int, count: int, reps: int) -> tuple[float, float]:
+    """GB/s sending ``count`` bodies of ``size`` bytes to another process, and receiving them."""
+    out = []
+    for mode in ("recv", "send"):
+        proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode], stdout=subprocess.PIPE, text=True)
+        try:
+            port = int(proc.stdout.readline())
+            sock = socket.create_connection(("127.0.0.1", port))
+            payload = memoryview(os.urandom(size))
+            buf = memoryview(bytearray(size))
+
+            def send() -> None:
+                for _ in range(count):
+                    sock.sendall(payload)
+                    sock.recv(1)
+
+            def recv() -> None:
+                for _ in range(count):
+                    sock.sendall(b"g")
+                    got = 0
+                    while got < size:
+                        got += sock.recv_into(buf[got:])
+
+            out.append(_median_gbps(send if mode == "recv" else recv, size * count, reps))
+            sock.close()
+        finally:
+            proc.terminate()
+            proc.wait(5)
+    return out[0], out[1]
+
+
+async def redis_ceilings(url: str, size: int, count: int, reps: int) -> tuple[float, float]:
+    """(SET GB/s, GET GB/s): the best raw redis-py client on the same server and bytes."""
+    import redis.asyncio as aioredis
+
+    from storage._redis_client import make_client  # the tuned client the tier uses
+
+    payload = os.urandom(size)
+    prefix = f"kvgate-bench-raw:{secrets.token_hex(4)}:"
+    keys = [f"{prefix}{i}" for i in range(count)]
+    best_set = best_get = 0.0
+    clients = [aioredis.from_url(url), make_client(url, connect_timeout_s=2, socket_timeout_s=60, max_connections=8)]
+    try:
+        for client in clients:
+            async def run(op) -> float:
+                await op()
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    await op()
+                    times.append(time.perf_counter() - t0)
+                return size * count / statistics.median(times) / 1e9
+
+            async def sets() -> None:
+                for k in keys:
+                    await client.set(k, payload)
+
+            async def gets() -> None:
+                for k in keys:
+                    await client.get(k)
+
+            best_set = max(best_set, await run(sets))
+            best_get = max(best_get, await run(gets))
+        await clients[0].delete(*keys)
+    finally:
+        for c in clients:
+            await c.aclose()
+    return best_set, best_get
+
+
+def _envelope(size: int) -> bytes:
+    """A well-formed envelope of about ``size`` bytes (the server checks only the header)."""
+    ctx = EnvelopeContext("bench", "default", "ab" * 32, "cd" * 32, 1)
+    return bytes(ChunkCipher().seal(os.urandom(32), os.urandom(32), ctx, os.urandom(size - 56 - 16 * (-(-size // (2 << 20))))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
+    """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size and
+    lookup latency for 128 chained hashes."""
+    from gateway import dbschema
+    from tenancy.devissuer import DevIssuer
+
+    state = base / "rest"
+    state.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url,
+        "KVGATE_TIERS": '["memory"]', "KVGATE_MEMORY_BYTES": str(4 << 30),
+        "KVGATE_MAX_CHUNK_BYTES": str(max(sizes) + (1 << 20)),
+    }
+    env.pop("KVGATE_DATABASE_URL", None)
+    await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[str, Any] = {"put": {}, "get": {}}
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
+            for _ in range(150):
+                try:
+                    if (await http.get("/healthz")).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(0.2)
+            dev = DevIssuer(state, issuer_url=url + "/dev-issuer")
+            op = {"Authorization": "Bearer " + dev.mint("ops", ["kv.operator"])}
+            (await http.post("/v1/admin/tenants", json={"tenant": "bench"}, headers=op)).raise_for_status()
+            user = {"Authorization": "Bearer " + dev.mint("bench", ["kv.worker", "kv.admin"])}
+            r = await http.post("/v1/capabilities", json={"namespace": "default", "ops": ["lookup", "get", "put"]}, headers=user)
+            r.raise_for_status()
+            capability = {**user, "X-KV-Capability": r.json()["capability"]}
+            hdr = {**capability, "Content-Type": "application/octet-stream"}
+            for size in sizes:
+                body = _envelope(size)
+                hashes = [secrets.token_hex(32) for _ in range(counts[size])]
+
+                async def timed(fn) -> float:
+                    await fn()
+                    times = []
+                    for _ in range(reps):
+                        t0 = time.perf_counter()
+                        await fn()
+                        times.append(time.perf_counter() - t0)
+                    return len(body) * len(hashes) / statistics.median(times) / 1e9
+
+                async def puts() -> None:
+                    for h in hashes:
+                        (await http.put(f"/v1/chunks/{h}", content=body, headers=hdr)).raise_for_status()
+
+                async def gets() -> None:
+                    for h in hashes:
+                        async with http.stream("GET", f"/v1/chunks/{h}", headers=hdr) as resp:
+                            resp.raise_for_status()
+                            async for _ in resp.aiter_raw(1 << 20):
+                                pass
+
+                out["put"][size] = await timed(puts)
+                out["get"][size] = await timed(gets)
+                out.setdefault("bytes", {})[size] = len(body)
+            # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
+            small = _envelope(4096)
+            hashes = [secrets.token_hex(32) for _ in range(128)]
+            for h in hashes:
+                (await http.put(f"/v1/chunks/{h}", content=small, headers=hdr)).raise_for_status()
+            lat = []
+            for _ in range(300):
+                t0 = time.perf_counter()
+                r = await http.post("/v1/lookup", json={"hashes": hashes, "chunk_tokens": 256}, headers=capability)
+                lat.append(time.perf_counter() - t0)
+                assert r.status_code == 200 and r.json()["hit_chunks"] == 128, r.text
+            lat.sort()
+            out["lookup_ms"] = {"p50": round(lat[len(lat) // 2] * 1e3, 3), "p99": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
