@@ -1,0 +1,76 @@
+"""Errors raised by the ``tenancy`` package.
+
+Library errors (joserfc, httpx, cryptography) are translated into these at the package
+boundary; nothing outside ``tenancy`` needs to catch a library's exception type.
+
+Exception tree::
+
+    TenancyError
+    ├── AuthenticationFailed        an OIDC token was rejected (any reason: see ``.reason``)
+    ├── CapabilityDenied            a capability token was rejected or does not cover the request
+    ├── CapabilityRequestInvalid    a mint request is malformed (bad ops, TTL over the maximum, ...)
+    ├── PermissionDenied            an authenticated principal's roles do not allow the action
+    ├── IssuerConfigError           an issuer or verifier configuration is invalid (also ValueError)
+    └── DevIssuerError              the development issuer cannot run (production, unsafe key file)
+
+``AuthenticationFailed`` and ``CapabilityDenied`` keep the precise reason in ``.reason`` for logs
+and the audit trail; ``str()`` of either is a fixed, uninformative message, so that a handler that
+echoes the exception to a client tells an attacker nothing about which check failed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthenticationFailed",
+    "CapabilityDenied",
+    "CapabilityRequestInvalid",
+    "DevIssuerError",
+    "IssuerConfigError",
+    "PermissionDenied",
+    "TenancyError",
+]
+
+
+class TenancyError(Exception):
+    """Base class of every error raised by ``tenancy``."""
+
+
+class _Denial(TenancyError):
+    public_message = "denied"
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(self.public_message)
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(reason={self.reason!r})"
+
+
+class AuthenticationFailed(_Denial):
+    """An access token was rejected. ``reason`` says why (for logs and audit, not for clients)."""
+
+    public_message = "authentication failed"
+
+
+class CapabilityDenied(_Denial):
+    """A capability token was rejected or does not cover the request. See ``reason``."""
+
+    public_message = "capability denied"
+
+
+class CapabilityRequestInvalid(TenancyError, ValueError):
+    """A request to mint or attenuate a capability is malformed."""
+
+
+class PermissionDenied(_Denial):
+    """The principal is authenticated but its roles do not allow this action on this tenant."""
+
+    public_message = "permission denied"
+
+
+class IssuerConfigError(TenancyError, ValueError):
+    """An issuer or verifier configuration is invalid."""
+
+
+class DevIssuerError(TenancyError):
+    """The development issuer refused to run (production configuration, unsafe key file, ...)."""
