@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from audit.types import Actions, Actor, AuditEvent, Target
 from crypto.envelope import read_header
-from crypto.errors import DecryptionFailed
+from crypto.errors import DecryptionFailed, KeyUnavailable
 from gateway.core import Gateway
-from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest
+from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, TenantUnavailable
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk
 from tenancy.types import Capability
 
@@ -89,12 +89,14 @@ class EnvelopePlane:
             if not p:
                 break
             hits += 1
+        self.gw.stats["lookup_hits" if hits else "lookup_misses"] += 1
         locations = [await self.gw.tiers.locate(k) for k in keys[:hits]]
         return LookupAnswer(hits, locations)
 
-    async def put(self, token: str, chunk_hash: str, envelope: memoryview) -> int:
-        """Store an envelope the worker sealed. Only its header is checked here (the server holds
-        no plaintext and does not need to decrypt); a bad envelope fails authentication at load."""
+    async def put(self, token: str, chunk_hash: str, envelope: memoryview) -> list[str]:
+        """Store an envelope the worker sealed; returns the tiers that took it. Only its header is
+        checked here (the server holds no plaintext and does not need to decrypt); a bad envelope
+        fails authentication at load."""
         _cap, (key,) = await self._authorized(token, "put", [chunk_hash])
         if envelope.nbytes > self.max_chunk_bytes:
             raise InvalidRequest("envelope larger than the configured limit")
@@ -104,17 +106,20 @@ class EnvelopePlane:
             raise InvalidRequest("not a kvgate envelope") from None
         if header.envelope_length != envelope.nbytes:
             raise InvalidRequest("envelope length does not match its header")
-        await self.gw.tiers.put(key, envelope)
+        written = await self.gw.tiers.put(key, envelope)
         self.gw.stats["chunks_stored"] += 1
         self.gw.stats["bytes_in"] += envelope.nbytes
-        return envelope.nbytes
+        return written
 
     async def get(self, token: str, chunk_hash: str) -> StoredChunk:
         _cap, (key,) = await self._authorized(token, "get", [chunk_hash])
         try:
             found = await self.gw.tiers.get(key)
         except ChunkNotFound:
+            self.gw.stats["load_misses"] += 1
             raise ChunkMissing("not found") from None
+        self.gw.stats["load_hits"] += 1
+        self.gw.stats["chunks_loaded"] += 1
         self.gw.stats["bytes_out"] += found.nbytes
         return found
 
@@ -158,19 +163,33 @@ class EnvelopePlane:
             )
         )
 
-    async def lease_key(self, token: str, *, actor: Actor | None = None) -> KeyLease:
-        """A worker's lease on its tenant's current data key (remote mode): capability-checked
-        (put), short-lived and audited."""
-        cap = self.gw.authorize(token, "put")
-        version, dek, granted = await self.gw.keyring.reserve(cap.tenant, self.lease_invocations)
-        ns = await self.gw.namespace_keys(cap.tenant, cap.namespace)
+    async def lease_key(self, token: str, *, version: int | None = None, actor: Actor | None = None) -> KeyLease:
+        """A worker's lease on its tenant's data key (remote mode), short-lived and audited.
+
+        Without ``version``: the current key, to seal with (capability op ``put``; reserves
+        invocations against the key's limit). With ``version``: that key, to open envelopes sealed
+        before a rotation (op ``get``; no invocations). A destroyed or unknown version is
+        ``ChunkMissing``."""
+        cap = self.gw.authorize(token, "put" if version is None else "get")
+        if version is None:
+            version, dek, granted = await self.gw.keyring.reserve(cap.tenant, self.lease_invocations)
+        else:
+            try:
+                dek, granted = await self.gw.keyring.decryption_key(cap.tenant, version), 0
+            except KeyUnavailable:
+                raise ChunkMissing("no such key version") from None
+        try:
+            ns = await self.gw.namespace_keys(cap.tenant, cap.namespace)
+        except TenantUnavailable:
+            raise AccessDenied("tenant unavailable") from None
         expires = min(cap.expires_at, time.time() + self.lease_ttl_s)
         self.gw.audit.emit(
             AuditEvent(
                 Actions.KEY_LEASE,
                 actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),
                 target=Target(tenant=cap.tenant, namespace=cap.namespace),
-                details={"version": version, "invocations": granted, "expires_at": expires},
+                details={"version": version, "invocations": granted, "expires_at": expires,
+                         "purpose": "seal" if granted else "open"},
             )
         )
         return KeyLease(cap.tenant, cap.namespace, version, granted, dek, ns.binding_secret, ns.index_key, expires)

@@ -12,15 +12,15 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from audit import AuditExport, AuditSigningKey
+from audit import AuditExport, AuditSigningKey, ExportError
 from gateway.envelopes import parse_hash
 from gateway.errors import InvalidRequest, TenantUnavailable
 from gateway.server.deps import PrincipalDep, StateDep, actor_of, authorize_action
-from gateway.server.problems import Conflict
+from gateway.server.problems import COMMON_PROBLEMS, Conflict, problem_responses
 from storage.types import ChunkKey
-from tenancy.roles import Action, parse_roles, Role
+from tenancy.roles import Action, Role, parse_roles
 
-router = APIRouter(prefix="/v1/admin")
+router = APIRouter(prefix="/v1/admin", responses=problem_responses(*COMMON_PROBLEMS))
 
 Name = Annotated[str, Field(min_length=1, max_length=128)]
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -107,7 +107,7 @@ async def move(body: MoveRequest, principal: PrincipalDep, state: StateDep, requ
     return MoveResponse(requested=len(keys), moved=moved)
 
 
-@router.post("/tenants", response_model=TenantResponse, status_code=201)
+@router.post("/tenants", response_model=TenantResponse, status_code=201, responses=problem_responses(409))
 async def create_tenant(body: TenantRequest, principal: PrincipalDep, state: StateDep, request: Request) -> TenantResponse:
     authorize_action(state, principal, body.tenant, Action.MANAGE_TENANTS, request)
     try:
@@ -147,7 +147,17 @@ def _export_params(principal, state, request, since, until, tenant) -> dict:
     for name, t in (("since", since), ("until", until)):
         if t is not None and t.tzinfo is None:
             raise InvalidRequest(f"{name} must carry a time zone")
+    if since is not None and since >= until:
+        raise InvalidRequest("since must be before until")
     return {"since": since, "until": until, "tenant": tenant}
+
+
+def _export(state, format: str, params: dict) -> AuditExport:
+    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
+    try:
+        return AuditExport(state.runtime.audit.store, key, format=format, **params)
+    except ExportError as exc:  # a window or format the exporter refuses: the caller's input
+        raise InvalidRequest(str(exc)) from None
 
 
 ExportFormat = Annotated[Literal["jsonl", "csv"], Query()]
@@ -166,8 +176,7 @@ async def audit_export(
     """The audit rows of a fixed time window, streamed. The signed manifest of the same window is
     at ``/v1/admin/audit/export/manifest`` (the window is echoed in ``X-KV-Until``)."""
     params = _export_params(principal, state, request, since, until, tenant)
-    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
-    export = AuditExport(state.runtime.audit.store, key, format=format, **params)
+    export = _export(state, format, params)
     media = "application/x-ndjson" if format == "jsonl" else "text/csv"
     return StreamingResponse(export.stream(), media_type=media, headers={"X-KV-Until": params["until"].isoformat()})
 
@@ -183,8 +192,7 @@ async def audit_manifest(
     format: ExportFormat = "jsonl",
 ) -> JSONResponse:
     params = _export_params(principal, state, request, since, until, tenant)
-    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
-    export = AuditExport(state.runtime.audit.store, key, format=format, **params)
+    export = _export(state, format, params)
     async for _ in export.stream():
         pass
     return JSONResponse(export.manifest())

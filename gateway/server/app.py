@@ -20,7 +20,7 @@ from gateway.envelopes import EnvelopePlane
 from gateway.runtime import open_runtime
 from gateway.server import admin_routes, data
 from gateway.server.deps import PrincipalDep, ServerState, StateDep, authorize_action
-from gateway.server.problems import install_problem_handlers, problem
+from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.telemetry import Telemetry
 from tenancy.oidc import IssuerConfig, OidcVerifier
 from tenancy.roles import Action
@@ -105,7 +105,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={503: {"description": "a dependency is unavailable"}})
     async def readyz(state: StateDep) -> JSONResponse:
         checks: dict[str, str] = {}
         try:
@@ -121,7 +121,10 @@ def create_app(settings: Settings) -> FastAPI:
         ready = all(v == "ok" for v in checks.values())
         return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
 
-    @app.get("/metrics", response_class=Response)
+    @app.get(
+        "/metrics", response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **problem_responses(401, 403, 429)},
+    )
     async def metrics(principal: PrincipalDep, state: StateDep, request: Request) -> Response:
         """Prometheus text format. Needs an operator token (it spans every tenant)."""
         authorize_action(state, principal, "*", Action.MANAGE_TENANTS, request)
@@ -152,10 +155,15 @@ def _observe(state: ServerState) -> None:
         ("kvgate_core_bytes", "bytes through the core", lambda: [(gw.stats["bytes_in"], {"direction": "in"}), (gw.stats["bytes_out"], {"direction": "out"})]),
         ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(gw.stats["integrity_failures"], {})]),
         ("kvgate_capability_denials", "capability checks denied", lambda: [(gw.stats["denials"], {})]),
-        ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
-        ("kvgate_audit_spool_bytes", "audit spool size", lambda: [(audit.spool_bytes, {})]),
-        ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in gw.tiers.tiers]),
         ("kvgate_tier_errors", "tier failures passed over as misses", lambda: [(n, {"tier": name}) for name, n in gw.tiers.errors.items()] or [(0, {"tier": "none"})]),
     )
+    gauges = (
+        ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
+        ("kvgate_audit_spool_bytes", "audit spool size", lambda: [(audit.spool_bytes, {})]),
+        ("kvgate_audit_spool_events", "audit events in the spool", lambda: [(audit.spool_events, {})]),
+        ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in gw.tiers.tiers]),
+    )
     for name, description, fn in counters:
+        tel.observe(name, description, fn, monotonic=True)
+    for name, description, fn in gauges:
         tel.observe(name, description, fn)

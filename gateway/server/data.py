@@ -11,14 +11,28 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from gateway.errors import InvalidRequest
-from gateway.server.deps import CapabilityDep, PrincipalDep, ServerState, StateDep, actor_of, authorize_action
-from gateway.server.problems import TooLarge
+from gateway.server.deps import (
+    CapabilityDep,
+    PrincipalDep,
+    ServerState,
+    StateDep,
+    actor_of,
+    authorize_action,
+)
+from gateway.server.problems import COMMON_PROBLEMS, TooLarge, problem_responses
 from tenancy.capabilities import read_unverified
 from tenancy.errors import CapabilityDenied, PermissionDenied
 from tenancy.roles import Action, allowed_capability_ops
 from tenancy.types import Principal
 
-router = APIRouter(prefix="/v1")
+router = APIRouter(prefix="/v1", responses=problem_responses(*COMMON_PROBLEMS))
+_NOT_FOUND = problem_responses(404)
+_ENVELOPE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
 
 HashPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="chained sha256 of the chunk, hex")]
 Op = Literal["lookup", "get", "put", "pin"]
@@ -56,6 +70,13 @@ class PinRequest(BaseModel):
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class LeaseRequest(BaseModel):
+    version: int | None = Field(
+        default=None, ge=1, le=2**32 - 1,
+        description="a key version to open envelopes with (capability op get); default: the current key, to seal with (op put)",
+    )
+
+
 class LeaseResponse(BaseModel):
     tenant: str
     namespace: str
@@ -65,6 +86,7 @@ class LeaseResponse(BaseModel):
     binding_secret: str
     index_key: str
     expires_at: float
+    chunk_tokens: int = Field(description="tokens per chunk; a worker must chain-hash with the same")
 
 
 def _same_tenant(state: ServerState, principal: Principal, token: str, action: Action, request: Request) -> None:
@@ -105,7 +127,7 @@ async def lookup(body: LookupRequest, principal: PrincipalDep, cap: CapabilityDe
     return LookupResponse(hit_chunks=answer.hit_chunks, hit_tokens=hit_tokens, locations=answer.locations)
 
 
-@router.put("/chunks/{chunk_hash}", status_code=204, responses={413: {"description": "too large"}})
+@router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
 async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
     """The body is the envelope (application/octet-stream), read straight into one buffer."""
     _same_tenant(state, principal, cap, Action.PUT, request)
@@ -130,12 +152,15 @@ async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: Capabili
         filled += len(part)
     if filled != size:
         raise InvalidRequest("body shorter than Content-Length")
-    await state.plane.put(cap, chunk_hash, buf.toreadonly())
-    state.telemetry.bytes.add(size, {"direction": "in", "tier": "rest"})
+    for tier in await state.plane.put(cap, chunk_hash, buf.toreadonly()):
+        state.telemetry.bytes.add(size, {"direction": "in", "tier": tier})
     return Response(status_code=204)
 
 
-@router.get("/chunks/{chunk_hash}", response_class=Response, responses={200: {"content": {"application/octet-stream": {}}}})
+@router.get(
+    "/chunks/{chunk_hash}", response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}, **_NOT_FOUND},
+)
 async def get_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
     _same_tenant(state, principal, cap, Action.GET, request)
     found = await state.plane.get(cap, chunk_hash)
@@ -153,43 +178,46 @@ async def get_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: Capabili
     )
 
 
-@router.head("/chunks/{chunk_hash}")
+@router.head("/chunks/{chunk_hash}", responses=_NOT_FOUND)
 async def head_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
     _same_tenant(state, principal, cap, Action.LOOKUP, request)
     where = await state.plane.head(cap, chunk_hash)
     return Response(status_code=200, headers={"X-KV-Tiers": ",".join(where)})
 
 
-@router.delete("/chunks/{chunk_hash}", status_code=204)
+@router.delete("/chunks/{chunk_hash}", status_code=204, responses=_NOT_FOUND)
 async def delete_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
     _same_tenant(state, principal, cap, Action.PUT, request)
     await state.plane.delete(cap, chunk_hash)
     return Response(status_code=204)
 
 
-@router.post("/pins", status_code=204)
+@router.post("/pins", status_code=204, responses=_NOT_FOUND)
 async def pin(body: PinRequest, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
     _same_tenant(state, principal, cap, Action.PIN, request)
     await state.plane.pin(cap, body.hash, pin=True)
     return Response(status_code=204)
 
 
-@router.delete("/pins/{chunk_hash}", status_code=204)
+@router.delete("/pins/{chunk_hash}", status_code=204, responses=_NOT_FOUND)
 async def unpin(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
     _same_tenant(state, principal, cap, Action.PIN, request)
     await state.plane.pin(cap, chunk_hash, pin=False)
     return Response(status_code=204)
 
 
-@router.post("/keys/lease", response_model=LeaseResponse)
-async def lease(principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> LeaseResponse:
+@router.post("/keys/lease", response_model=LeaseResponse, responses=_NOT_FOUND)
+async def lease(
+    principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request, body: LeaseRequest | None = None
+) -> LeaseResponse:
     _same_tenant(state, principal, cap, Action.LEASE_KEY, request)
-    got = await state.plane.lease_key(cap, actor=actor_of(principal, request))
+    version = body.version if body is not None else None
+    got = await state.plane.lease_key(cap, version=version, actor=actor_of(principal, request))
     b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
     return LeaseResponse(
         tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,
         dek=b64(got.dek), binding_secret=b64(got.binding_secret), index_key=b64(got.index_key),
-        expires_at=got.expires_at,
+        expires_at=got.expires_at, chunk_tokens=state.settings.chunk_tokens,
     )
 
 

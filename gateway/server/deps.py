@@ -34,9 +34,12 @@ __all__ = [
 ]
 
 
+_ADDRESS_FACTOR = 5.0
+
+
 class FailureLimiter:
-    """A token bucket per key (the tenant a failed token claims, else the client address):
-    ``limit`` failures per ``window_s``, then 429 until the bucket refills."""
+    """A leaky bucket per key: ``limit`` failures per ``window_s`` (times ``factor`` where a caller
+    asks for a looser bucket), then 429 until it drains."""
 
     def __init__(self, limit: int = 20, window_s: float = 60.0, max_keys: int = 10_000) -> None:
         self.limit, self.window_s, self.max_keys = limit, window_s, max_keys
@@ -46,8 +49,10 @@ class FailureLimiter:
         level, at = self._buckets.get(key, (0.0, now))
         return max(0.0, level - (now - at) * self.limit / self.window_s)
 
-    def blocked(self, key: str) -> bool:
-        return self._level(key, time.monotonic()) >= self.limit
+    def blocked(self, key: str, factor: float = 1.0) -> bool:
+        # "one more failure would overflow": with the bucket draining continuously, ``level >=
+        # limit`` would let one extra failure through whenever a little time passed
+        return self._level(key, time.monotonic()) + 1.0 > self.limit * factor
 
     def fail(self, key: str) -> None:
         now = time.monotonic()
@@ -93,15 +98,20 @@ async def get_principal(
     token = None
     if authorization and authorization[:7].lower() == "bearer ":
         token = authorization[7:].strip()
-    key = f"t:{_claimed_tenant(token)}" if token and _claimed_tenant(token) else f"a:{client}"
-    if state.limiter.blocked(key):
+    # Two buckets: the client address with the tenant the token claims (unverified), and the
+    # address alone, looser (a client rotating made-up claims is still stopped). Never the claim
+    # alone: anyone can forge one, and one client could lock a whole tenant out.
+    claimed = (_claimed_tenant(token) if token else None) or "-"
+    keys = (f"a:{client}|t:{claimed}", f"a:{client}")
+    if state.limiter.blocked(keys[0]) or state.limiter.blocked(keys[1], _ADDRESS_FACTOR):
         raise RateLimited()
     try:
         if not token:
             raise AuthenticationFailed("no bearer token")
         return await state.verifier.verify(token)
     except AuthenticationFailed as exc:
-        state.limiter.fail(key)
+        for key in keys:
+            state.limiter.fail(key)
         state.telemetry.auth_denials.add(1, {"kind": "authentication"})
         state.runtime.audit.emit(
             AuditEvent(Actions.AUTHN_FAILED, outcome="denied", actor=Actor(source=client), details={"reason": exc.reason[:200]})

@@ -10,16 +10,40 @@ another tenant is a 403 whether or not that tenant exists.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, NotReady, TenantUnavailable
-from tenancy.errors import AuthenticationFailed, CapabilityDenied, CapabilityRequestInvalid, PermissionDenied
+from gateway.errors import (
+    AccessDenied,
+    ChunkMissing,
+    InvalidRequest,
+    NotReady,
+    TenantUnavailable,
+)
+from storage.types import TierError
+from tenancy.errors import (
+    AuthenticationFailed,
+    CapabilityDenied,
+    CapabilityRequestInvalid,
+    PermissionDenied,
+)
 
-__all__ = ["problem", "install_problem_handlers", "Conflict", "TooLarge", "Unauthenticated", "RateLimited"]
+__all__ = [
+    "COMMON_PROBLEMS",
+    "Conflict",
+    "Problem",
+    "RateLimited",
+    "TooLarge",
+    "Unauthenticated",
+    "install_problem_handlers",
+    "problem",
+    "problem_responses",
+]
 
 log = logging.getLogger("kvgate.server")
 PROBLEM = "application/problem+json"
@@ -39,6 +63,36 @@ class Unauthenticated(Exception):
 
 class RateLimited(Exception):
     pass
+
+
+class Problem(BaseModel):
+    """An RFC 9457 problem document, as every error of this API is sent."""
+
+    type: str
+    title: str
+    status: int
+    detail: str | None = None
+    errors: list[dict[str, Any]] | None = None
+
+
+_TITLES = {
+    400: "the body could not be parsed", 401: "a valid bearer token is required", 403: "not allowed", 404: "no such resource", 409: "conflict",
+    413: "the body is larger than the configured limit", 422: "the request is invalid",
+    429: "too many failed authentications", 503: "not ready, or no storage tier available",
+}
+
+
+def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` entries: each code answered with a problem+json document."""
+    schema = Problem.model_json_schema()
+    return {
+        code: {"description": _TITLES.get(code, "error"), "content": {PROBLEM: {"schema": schema}}}
+        for code in codes
+    }
+
+
+# What any authenticated route can answer.
+COMMON_PROBLEMS = (400, 401, 403, 413, 422, 429, 503)
 
 
 def problem(status: int, title: str, detail: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -76,6 +130,9 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def not_ready(_r: Request, _e: Exception) -> JSONResponse:
         return problem(503, "Service Unavailable", "not ready")
 
+    async def tier_unavailable(_r: Request, _e: Exception) -> JSONResponse:
+        return problem(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"})
+
     async def validation(_r: Request, e: RequestValidationError) -> JSONResponse:
         errors = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in e.errors()][:20]
         resp = problem(422, "Unprocessable Content", "the request does not match the schema")
@@ -106,6 +163,7 @@ def install_problem_handlers(app: FastAPI) -> None:
         (TooLarge, too_large),
         (RateLimited, rate_limited),
         (NotReady, not_ready),
+        (TierError, tier_unavailable),
         (RequestValidationError, validation),
         (StarletteHTTPException, http_exc),
         (Exception, unexpected),

@@ -65,13 +65,18 @@ class Telemetry:
             return "-"
         return hmac.new(self._label_key, tenant.encode(), hashlib.sha256).hexdigest()[:12]
 
-    def observe(self, name: str, description: str, fn: Callable[[], Iterable[tuple[float, dict[str, str]]]]) -> None:
-        """An observable gauge whose values come from ``fn`` at scrape time."""
+    def observe(
+        self, name: str, description: str, fn: Callable[[], Iterable[tuple[float, dict[str, str]]]],
+        *, monotonic: bool = False,
+    ) -> None:
+        """An instrument whose values come from ``fn`` at scrape time: a counter (``_total`` in
+        Prometheus, so ``rate()`` applies) where the value only grows, else a gauge."""
 
         def callback(_options: CallbackOptions) -> Iterable[Observation]:
             return [Observation(value, attrs) for value, attrs in fn()]
 
-        self._gauges.append(self.meter.create_observable_gauge(name, callbacks=[callback], description=description))
+        create = self.meter.create_observable_counter if monotonic else self.meter.create_observable_gauge
+        self._gauges.append(create(name, callbacks=[callback], description=description))
 
     def scrape(self) -> bytes:
         return generate_latest(self.registry)
