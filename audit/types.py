@@ -25,6 +25,8 @@ class Actions:
     KEY_ROTATE = "key.rotate"
     KEY_DESTROY = "key.destroy"
     KEY_LEASE = "key.lease"
+    KEK_ROTATE = "kek.rotate"
+    CHUNK_DELETE = "chunk.delete"
     TENANT_CREATE = "tenant.create"
     TENANT_DISABLE = "tenant.disable"
     CAPABILITY_MINT = "capability.mint"

@@ -181,6 +181,30 @@ def keys_rotate(tenant: str) -> None:
     asyncio.run(_with_runtime(_settings(), go))
 
 
+@keys_app.command("rotate-kek")
+def keys_rotate_kek(
+    from_kek_file: Annotated[list[Path], typer.Option(help="an old KEK key file that may still unwrap rows (repeatable)")] = [],
+    batch_size: Annotated[int, typer.Option(min=1, help="rows per transaction")] = 500,
+) -> None:
+    """Rewrap every data key, gateway secret and namespace salt under the configured KEK (resumable;
+    chunk envelopes are not touched). Exit 1 if some rows could not be rewrapped: run it again."""
+    from crypto.errors import KekError
+    from gateway.dbschema import SchemaBehind
+    from gateway.kekrotate import rotate_from_settings
+
+    settings = _settings()
+    try:
+        report = asyncio.run(rotate_from_settings(settings, previous_kek_files=from_kek_file, batch_size=batch_size))
+    except (KekError, SchemaBehind) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(3) from None
+    console.print_json(json.dumps({
+        "kek_id": report.kek_id, "data_keys": report.data_keys, "secrets": report.secrets, "salts": report.salts,
+        "already_current": report.already_current, "failed": report.failed[:50], "complete": report.complete,
+    }))
+    raise typer.Exit(0 if report.complete else 1)
+
+
 @app.command()
 def clear(
     tenant: str,

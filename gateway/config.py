@@ -66,8 +66,20 @@ class Settings(BaseSettings):
     segment_bytes: int = 2 << 20
     cpu_threads: int = 2
     invocation_limit: int = 2**32
-    kek_provider: Literal["file"] = "file"
+    kek_provider: Literal["file", "pkcs11", "kms"] = "file"
     kek_file: Path | None = None  # default: state_dir / "kek.key"
+    # kek_provider = "pkcs11" (see docs/kek.md): module, token and PIN; the key label is the KEK version
+    pkcs11_module: Path | None = None
+    pkcs11_token_label: str | None = None
+    pkcs11_pin: SecretStr | None = None
+    pkcs11_key_label: str = "kvgate-kek-1"
+    # kek_provider = "kms": key id, ARN or alias; older keys that may still unwrap during a rotation
+    kms_key_id: str | None = None
+    kms_region: str | None = None
+    kms_endpoint_url: str | None = None
+    kms_previous_key_ids: list[str] = Field(default_factory=list)
+    kms_key_state_ttl_s: float = 60.0  # how long a DescribeKey "Enabled" answer is trusted
+    kek_cache_ttl_s: float = 300.0  # unwrapped data keys stay in memory this long at most
 
     # identity
     issuers: list[IssuerSettings] = Field(default_factory=list)
@@ -105,6 +117,14 @@ class Settings(BaseSettings):
                 )
             if self.dev_issuer:
                 raise ValueError("the development OIDC issuer refuses to run in production mode")
+        if self.kek_provider == "pkcs11":
+            missing = [n for n in ("pkcs11_module", "pkcs11_token_label", "pkcs11_pin") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"kek_provider 'pkcs11' needs {', '.join(missing)}")
+        if self.kek_provider == "kms" and not self.kms_key_id:
+            raise ValueError("kek_provider 'kms' needs kms_key_id")
+        if self.kek_cache_ttl_s <= 0:
+            raise ValueError("kek_cache_ttl_s must be positive")
         if "redis" in self.tiers and not self.redis_url:
             raise ValueError("the redis tier needs redis_url")
         return self

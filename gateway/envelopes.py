@@ -137,7 +137,7 @@ class EnvelopePlane:
             raise ChunkMissing("not found")
         self.gw.audit.emit(
             AuditEvent(
-                "chunk.delete",
+                Actions.CHUNK_DELETE,
                 actor=Actor(tenant=cap.tenant, token_id=cap.cap_id),
                 target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=1),
             )

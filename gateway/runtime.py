@@ -35,6 +35,24 @@ __all__ = ["Runtime", "open_runtime", "make_kek"]
 
 
 def make_kek(settings: Settings) -> KekProvider:
+    """The configured KEK provider (HSM and KMS libraries are imported only when chosen)."""
+    if settings.kek_provider == "pkcs11":
+        from crypto.kek import Secret
+        from crypto.kek_pkcs11 import Pkcs11Kek
+
+        assert settings.pkcs11_module and settings.pkcs11_token_label and settings.pkcs11_pin  # validated
+        return Pkcs11Kek(
+            settings.pkcs11_module, settings.pkcs11_token_label,
+            Secret(settings.pkcs11_pin.get_secret_value().encode("utf-8")), settings.pkcs11_key_label,
+        )
+    if settings.kek_provider == "kms":
+        from crypto.kek_kms import KmsKek
+
+        assert settings.kms_key_id  # validated
+        return KmsKek(
+            settings.kms_key_id, region=settings.kms_region, endpoint_url=settings.kms_endpoint_url,
+            previous_key_ids=settings.kms_previous_key_ids, state_ttl_s=settings.kms_key_state_ttl_s,
+        )
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     return LocalFileKek(settings.kek_path)
 
@@ -81,6 +99,9 @@ class Runtime:
         await self.gateway.aclose()
         await self.audit.aclose()
         await self.registry.aclose()
+        close = getattr(self.gateway.kek, "close", None)  # an HSM session, say
+        if close is not None:
+            close()
 
 
 async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, encrypt: bool = True) -> Runtime:
@@ -108,7 +129,7 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         raise
     gateway = Gateway(
         registry=registry,
-        keyring=Keyring(registry, kek, invocation_limit=settings.invocation_limit),
+        keyring=Keyring(registry, kek, invocation_limit=settings.invocation_limit, cache_ttl=settings.kek_cache_ttl_s),
         kek=kek,
         deriver=NamespaceDeriver(master),
         tiers=TierManager(

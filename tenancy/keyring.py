@@ -8,13 +8,18 @@ keyring rotates to a new version. (Each envelope derives its own AES key from th
 256-bit salt, so GCM nonces never repeat under one AES key; the DEK limit bounds how much any one
 DEK protects, well below NIST SP 800-38D's 2^32 random-IV bound per key.)
 
-Unwrapped DEKs live in process memory only, in a bounded cache; destroy and forget drop them.
+Unwrapped DEKs live in process memory only, in a cache bounded in size (LRU) and in time
+(``cache_ttl`` seconds after the unwrap, the active version's encryption budget included); destroy
+and forget drop them. After the TTL the DEK is unwrapped again from the registry, so a KEK that
+was disabled or became unreachable stops serving within one TTL, and a chunk whose key cannot be
+unwrapped is a miss (``KeyUnavailable``), never plaintext.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +43,7 @@ class _Budget:
     version: int
     dek: bytes
     remaining: int
+    expires: float
 
 
 class Keyring:
@@ -49,16 +55,22 @@ class Keyring:
         invocation_limit: int = DEFAULT_INVOCATION_LIMIT,
         reserve_block: int = 1024,
         cache_size: int = 4096,
+        cache_ttl: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if invocation_limit < 1 or reserve_block < 1:
             raise ValueError("invocation_limit and reserve_block must be positive")
+        if cache_ttl <= 0 or cache_size < 1:
+            raise ValueError("cache_ttl and cache_size must be positive")
         self._registry = registry
         self._kek = kek
         self.invocation_limit = invocation_limit
         self._block = reserve_block
         self._budgets: dict[str, _Budget] = {}
-        self._cache: OrderedDict[tuple[str, int], bytes] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, int], tuple[bytes, float]] = OrderedDict()
         self._cache_size = cache_size
+        self._ttl = cache_ttl
+        self._clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
 
     def __repr__(self) -> str:
@@ -71,7 +83,7 @@ class Keyring:
         return lock
 
     def _remember(self, tenant: str, version: int, dek: bytes) -> None:
-        self._cache[(tenant, version)] = dek
+        self._cache[(tenant, version)] = (dek, self._clock() + self._ttl)
         self._cache.move_to_end((tenant, version))
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
@@ -104,12 +116,12 @@ class Keyring:
     async def encryption_key(self, tenant: str) -> tuple[int, bytes]:
         """The active version and its DEK, with one invocation taken from its budget."""
         budget = self._budgets.get(tenant)
-        if budget is not None and budget.remaining > 0:
+        if budget is not None and budget.remaining > 0 and budget.expires > self._clock():
             budget.remaining -= 1
             return budget.version, budget.dek
         async with self._lock(tenant):
             budget = self._budgets.get(tenant)
-            if budget is not None and budget.remaining > 0:
+            if budget is not None and budget.remaining > 0 and budget.expires > self._clock():
                 budget.remaining -= 1
                 return budget.version, budget.dek
             for _ in range(8):
@@ -121,7 +133,7 @@ class Keyring:
                 take = min(self._block, left)
                 if take > 0 and await self._registry.reserve_invocations(tenant, rec.version, take):
                     dek = await self.decryption_key(tenant, rec.version)
-                    self._budgets[tenant] = _Budget(rec.version, dek, take - 1)
+                    self._budgets[tenant] = _Budget(rec.version, dek, take - 1, self._clock() + self._ttl)
                     return rec.version, dek
                 if take <= 0 or (await self._registry.get_key(tenant, rec.version)).state == "active":
                     # spent (or raced to spent): force a new version
@@ -148,8 +160,10 @@ class Keyring:
     async def decryption_key(self, tenant: str, version: int) -> bytes:
         cached = self._cache.get((tenant, version))
         if cached is not None:
-            self._cache.move_to_end((tenant, version))
-            return cached
+            if cached[1] > self._clock():
+                self._cache.move_to_end((tenant, version))
+                return cached[0]
+            del self._cache[(tenant, version)]  # expired: unwrap again (the KEK decides)
         rec = await self._registry.get_key(tenant, version)
         if rec is None or rec.state == "destroyed" or rec.wrapped_key is None:
             raise KeyUnavailable("key version unavailable")

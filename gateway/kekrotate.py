@@ -1,0 +1,298 @@
+"""KEK rotation: rewrap every KEK-wrapped secret under the configured (new) KEK version.
+
+What is rewrapped, in this order, each row in its own small conditional UPDATE:
+
+1. data keys (``kv_data_keys.wrapped_key``, context ``lp("kvgate/dek/v1", tenant, version)``);
+2. gateway secrets (``kv_secrets``: the namespace master secret, the capability key);
+3. namespace epoch salts (``kv_namespaces.wrapped_salt``).
+
+The DEKs themselves do not change, so chunk envelopes are not touched and every chunk written
+before the rotation still opens after it. Only the wrapping changes.
+
+Resumable: data-key and secret rows carry ``kek_id``; a pass selects only rows whose ``kek_id`` is
+not the new KEK's, so a restart after a crash rewraps only what is left. Salt rows carry no
+``kek_id``; a salt counts as done when the new provider says it wrapped it (``key_id_of``, for the
+HSM and KMS providers) or, for a provider without ``key_id_of`` (the key file), when the new KEK
+unwraps it. Every UPDATE is conditional on the old blob (and epoch) it read, so a key destroyed or
+an epoch bumped by a concurrent secure clear is never resurrected or overwritten.
+
+Which provider unwraps an old row: the one in ``previous`` whose ``key_id`` matches the row, else
+any that can (HSM and KMS providers unwrap their own older versions: the blob names its key).
+
+Audited as ``kek.rotate`` (phase ``started`` and ``completed`` / ``incomplete``, with counts).
+
+The SQL here touches tenancy's tables directly (through ``tenancy.models``); it belongs in
+``tenancy.registry`` and should move there (see ``_Rows``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from sqlalchemy import Table, and_, bindparam, select, tuple_, update
+
+from audit.types import Actions, Actor, AuditEvent, AuditSink
+from crypto.errors import KekError
+from crypto.kek import KekProvider, LocalFileKek
+from tenancy.keyring import dek_context
+from tenancy.models import DataKey, Namespace, WrappedSecret
+from tenancy.namespaces import lp
+from tenancy.registry import Registry
+
+if TYPE_CHECKING:
+    from gateway.config import Settings
+
+__all__ = ["ROTATE_ACTION", "RotationReport", "rotate_from_settings", "rotate_kek"]
+
+ROTATE_ACTION = Actions.KEK_ROTATE
+
+
+@dataclass
+class RotationReport:
+    kek_id: str
+    data_keys: int = 0
+    secrets: int = 0
+    salts: int = 0
+    already_current: int = 0
+    failed: list[str] = field(default_factory=list)  # row names, never key material
+
+    @property
+    def rewrapped(self) -> int:
+        return self.data_keys + self.secrets + self.salts
+
+    @property
+    def complete(self) -> bool:
+        return not self.failed
+
+
+def salt_context(tenant: str, namespace: str, epoch: int) -> bytes:
+    return lp("kvgate/ns-salt/v1", tenant, namespace, epoch)  # as gateway.core.Gateway._salt_context
+
+
+def secret_context(name: str) -> bytes:
+    return lp("kvgate/secret/v1", name)  # as gateway.runtime._gateway_secret
+
+
+class _Rewrapper:
+    """Unwraps with whichever provider can, wraps with the new KEK (synchronous provider calls)."""
+
+    def __init__(self, kek: KekProvider, previous: Sequence[KekProvider]) -> None:
+        self.kek = kek
+        self.previous = list(previous)
+
+    def is_current(self, blob: bytes, context: bytes) -> bool:
+        key_id_of = getattr(self.kek, "key_id_of", None)
+        try:
+            if key_id_of is not None:
+                return key_id_of(blob) == self.kek.key_id
+            self.kek.unwrap(blob, context)
+            return True
+        except KekError:
+            return False
+
+    def rewrap(self, blob: bytes, context: bytes, kek_id: str | None) -> bytes:
+        order = sorted([*self.previous, self.kek], key=lambda p: p.key_id != kek_id)
+        for provider in order:
+            try:
+                plain = provider.unwrap(blob, context)
+            except KekError:
+                continue
+            return self.kek.wrap(plain, context)
+        raise KekError(f"no configured KEK can unwrap this row (wrapped under {kek_id or 'an unknown KEK'})")
+
+
+class _Rows:
+    """The registry queries a rotation needs (to move into tenancy.registry.Registry)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self.engine = registry.engine
+
+    async def data_keys(self, new_id: str, after: tuple[str, int] | None, limit: int) -> list[Any]:
+        q = select(DataKey.tenant_id, DataKey.version, DataKey.wrapped_key, DataKey.kek_id).where(
+            DataKey.kek_id != new_id, DataKey.wrapped_key.is_not(None)
+        )
+        if after is not None:
+            q = q.where(tuple_(DataKey.tenant_id, DataKey.version) > tuple_(*after))
+        q = q.order_by(DataKey.tenant_id, DataKey.version).limit(limit)
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(q)).all())
+
+    async def update_data_keys(self, new_id: str, rows: list[dict]) -> int:
+        t = cast(Table, DataKey.__table__)
+        stmt = (
+            update(t)
+            .where(and_(t.c.tenant_id == bindparam("t"), t.c.version == bindparam("v"),
+                        t.c.kek_id == bindparam("old_id"), t.c.wrapped_key == bindparam("old")))
+            .values(wrapped_key=bindparam("new"), kek_id=new_id)
+        )
+        return await self._many(stmt, rows)
+
+    async def secrets(self, new_id: str) -> list[Any]:
+        q = select(WrappedSecret.name, WrappedSecret.version, WrappedSecret.wrapped, WrappedSecret.kek_id).where(
+            WrappedSecret.kek_id != new_id
+        ).order_by(WrappedSecret.name, WrappedSecret.version)
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(q)).all())
+
+    async def update_secrets(self, new_id: str, rows: list[dict]) -> int:
+        t = cast(Table, WrappedSecret.__table__)
+        stmt = (
+            update(t)
+            .where(and_(t.c.name == bindparam("n"), t.c.version == bindparam("v"),
+                        t.c.kek_id == bindparam("old_id"), t.c.wrapped == bindparam("old")))
+            .values(wrapped=bindparam("new"), kek_id=new_id)
+        )
+        return await self._many(stmt, rows)
+
+    async def salts(self, after: tuple[str, str] | None, limit: int) -> list[Any]:
+        q = select(Namespace.tenant_id, Namespace.name, Namespace.epoch, Namespace.wrapped_salt)
+        if after is not None:
+            q = q.where(tuple_(Namespace.tenant_id, Namespace.name) > tuple_(*after))
+        q = q.order_by(Namespace.tenant_id, Namespace.name).limit(limit)
+        async with self.engine.connect() as conn:
+            return list((await conn.execute(q)).all())
+
+    async def update_salts(self, rows: list[dict]) -> int:
+        t = cast(Table, Namespace.__table__)
+        stmt = (
+            update(t)
+            .where(and_(t.c.tenant_id == bindparam("t"), t.c.name == bindparam("n"),
+                        t.c.epoch == bindparam("e"), t.c.wrapped_salt == bindparam("old")))
+            .values(wrapped_salt=bindparam("new"))
+        )
+        return await self._many(stmt, rows)
+
+    async def _many(self, stmt: Any, rows: list[dict]) -> int:
+        if not rows:
+            return 0
+        async with self.engine.begin() as conn:
+            res = await conn.execute(stmt, rows)
+        count = res.rowcount
+        return len(rows) if count is None or count < 0 else count  # some drivers do not count executemany
+
+
+async def rotate_kek(
+    registry: Registry,
+    kek: KekProvider,
+    *,
+    previous: Sequence[KekProvider] = (),
+    audit: AuditSink | None = None,
+    actor: Actor | None = None,
+    batch_size: int = 500,
+) -> RotationReport:
+    """Rewrap every wrapped data key, gateway secret and namespace salt under ``kek``.
+
+    Safe to run again at any time (it resumes, or finds nothing to do). Rows no provider can
+    unwrap are listed in ``report.failed`` and left as they are."""
+    if batch_size < 1:
+        raise ValueError("batch_size must be positive")
+    rows, rw, report = _Rows(registry), _Rewrapper(kek, previous), RotationReport(kek.key_id)
+    actor = actor or Actor(subject="kvgate:kek-rotate")
+    _emit(audit, actor, "success", {"phase": "started", "to": kek.key_id, "from": [p.key_id for p in previous]})
+    try:
+        await _rotate_data_keys(rows, rw, report, batch_size)
+        await _rotate_secrets(rows, rw, report)
+        await _rotate_salts(rows, rw, report, batch_size)
+    except BaseException as exc:
+        _emit(audit, actor, "failure", _details(report, "interrupted") | {"error": type(exc).__name__})
+        raise
+    _emit(audit, actor, "success" if report.complete else "failure",
+          _details(report, "completed" if report.complete else "incomplete"))
+    return report
+
+
+def _details(report: RotationReport, phase: str) -> dict:
+    return {"phase": phase, "to": report.kek_id, "data_keys": report.data_keys, "secrets": report.secrets,
+            "salts": report.salts, "already_current": report.already_current, "failed": len(report.failed)}
+
+
+def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: dict) -> None:
+    if audit is not None:
+        audit.emit(AuditEvent(ROTATE_ACTION, outcome=outcome, actor=actor, details=details))
+
+
+def _rewrap_batch(rw: _Rewrapper, items: list[tuple[str, bytes, bytes, str | None]], failed: list[str]) -> list[bytes | None]:
+    out: list[bytes | None] = []
+    for name, blob, context, kek_id in items:
+        try:
+            out.append(rw.rewrap(blob, context, kek_id))
+        except KekError:
+            failed.append(name)
+            out.append(None)
+    return out
+
+
+async def _rotate_data_keys(rows: _Rows, rw: _Rewrapper, report: RotationReport, batch: int) -> None:
+    after: tuple[str, int] | None = None
+    while page := await rows.data_keys(rw.kek.key_id, after, batch):
+        after = (page[-1].tenant_id, page[-1].version)
+        items = [(f"data_key:{r.tenant_id}/{r.version}", r.wrapped_key, dek_context(r.tenant_id, r.version), r.kek_id) for r in page]
+        new = await asyncio.to_thread(_rewrap_batch, rw, items, report.failed)
+        report.data_keys += await rows.update_data_keys(rw.kek.key_id, [
+            {"t": r.tenant_id, "v": r.version, "old_id": r.kek_id, "old": r.wrapped_key, "new": n}
+            for r, n in zip(page, new) if n is not None
+        ])
+
+
+async def _rotate_secrets(rows: _Rows, rw: _Rewrapper, report: RotationReport) -> None:
+    page = await rows.secrets(rw.kek.key_id)
+    items = [(f"secret:{r.name}/{r.version}", r.wrapped, secret_context(r.name), r.kek_id) for r in page]
+    new = await asyncio.to_thread(_rewrap_batch, rw, items, report.failed)
+    report.secrets += await rows.update_secrets(rw.kek.key_id, [
+        {"n": r.name, "v": r.version, "old_id": r.kek_id, "old": r.wrapped, "new": n}
+        for r, n in zip(page, new) if n is not None
+    ])
+
+
+async def _rotate_salts(rows: _Rows, rw: _Rewrapper, report: RotationReport, batch: int) -> None:
+    after: tuple[str, str] | None = None
+    while page := await rows.salts(after, batch):
+        after = (page[-1].tenant_id, page[-1].name)
+
+        def work(page: list[Any] = page) -> list[tuple[Any, bytes]]:
+            todo = []
+            for r in page:
+                context = salt_context(r.tenant_id, r.name, r.epoch)
+                if rw.is_current(r.wrapped_salt, context):
+                    report.already_current += 1
+                    continue
+                (new,) = _rewrap_batch(rw, [(f"salt:{r.tenant_id}/{r.name}", r.wrapped_salt, context, None)], report.failed)
+                if new is not None:
+                    todo.append((r, new))
+            return todo
+
+        todo = await asyncio.to_thread(work)
+        report.salts += await rows.update_salts([
+            {"t": r.tenant_id, "n": r.name, "e": r.epoch, "old": r.wrapped_salt, "new": n} for r, n in todo
+        ])
+
+
+async def rotate_from_settings(
+    settings: Settings, *, previous_kek_files: Sequence[Path] = (), batch_size: int = 500
+) -> RotationReport:
+    """``kvgate keys rotate-kek``: the configured KEK is the new one; old key files (a move off
+    the development provider, or between key files) are given as ``previous_kek_files``."""
+    from audit.writer import AuditWriter
+    from gateway.dbschema import check_schema
+    from gateway.runtime import make_kek
+
+    previous = [LocalFileKek(p, create=False) for p in previous_kek_files]
+    kek = make_kek(settings)
+    registry = Registry.from_url(settings.db_url)
+    try:
+        await check_schema(registry.engine)
+        audit = AuditWriter(settings.db_url, spool_dir=settings.state_dir / "audit-spool")
+        await audit.start()
+        try:
+            return await rotate_kek(registry, kek, previous=previous, audit=audit, batch_size=batch_size)
+        finally:
+            await audit.aclose()
+    finally:
+        await registry.aclose()
+        close = getattr(kek, "close", None)
+        if close is not None:
+            close()
