@@ -21,8 +21,7 @@ any that can (HSM and KMS providers unwrap their own older versions: the blob na
 
 Audited as ``kek.rotate`` (phase ``started`` and ``completed`` / ``incomplete``, with counts).
 
-The SQL here touches tenancy's tables directly (through ``tenancy.models``); it belongs in
-``tenancy.registry`` and should move there (see ``_Rows``).
+The queries live in ``tenancy.rewrap`` (tenancy owns the tables).
 """
 
 from __future__ import annotations
@@ -31,17 +30,16 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table, and_, bindparam, select, tuple_, update
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink
 from crypto.errors import KekError
 from crypto.kek import KekProvider, LocalFileKek
 from tenancy.keyring import dek_context
-from tenancy.models import DataKey, Namespace, WrappedSecret
 from tenancy.namespaces import lp
 from tenancy.registry import Registry
+from tenancy.rewrap import RewrapQueries
 
 if TYPE_CHECKING:
     from gateway.config import Settings
@@ -105,76 +103,6 @@ class _Rewrapper:
         raise KekError(f"no configured KEK can unwrap this row (wrapped under {kek_id or 'an unknown KEK'})")
 
 
-class _Rows:
-    """The registry queries a rotation needs (to move into tenancy.registry.Registry)."""
-
-    def __init__(self, registry: Registry) -> None:
-        self.engine = registry.engine
-
-    async def data_keys(self, new_id: str, after: tuple[str, int] | None, limit: int) -> list[Any]:
-        q = select(DataKey.tenant_id, DataKey.version, DataKey.wrapped_key, DataKey.kek_id).where(
-            DataKey.kek_id != new_id, DataKey.wrapped_key.is_not(None)
-        )
-        if after is not None:
-            q = q.where(tuple_(DataKey.tenant_id, DataKey.version) > tuple_(*after))
-        q = q.order_by(DataKey.tenant_id, DataKey.version).limit(limit)
-        async with self.engine.connect() as conn:
-            return list((await conn.execute(q)).all())
-
-    async def update_data_keys(self, new_id: str, rows: list[dict]) -> int:
-        t = cast(Table, DataKey.__table__)
-        stmt = (
-            update(t)
-            .where(and_(t.c.tenant_id == bindparam("t"), t.c.version == bindparam("v"),
-                        t.c.kek_id == bindparam("old_id"), t.c.wrapped_key == bindparam("old")))
-            .values(wrapped_key=bindparam("new"), kek_id=new_id)
-        )
-        return await self._many(stmt, rows)
-
-    async def secrets(self, new_id: str) -> list[Any]:
-        q = select(WrappedSecret.name, WrappedSecret.version, WrappedSecret.wrapped, WrappedSecret.kek_id).where(
-            WrappedSecret.kek_id != new_id
-        ).order_by(WrappedSecret.name, WrappedSecret.version)
-        async with self.engine.connect() as conn:
-            return list((await conn.execute(q)).all())
-
-    async def update_secrets(self, new_id: str, rows: list[dict]) -> int:
-        t = cast(Table, WrappedSecret.__table__)
-        stmt = (
-            update(t)
-            .where(and_(t.c.name == bindparam("n"), t.c.version == bindparam("v"),
-                        t.c.kek_id == bindparam("old_id"), t.c.wrapped == bindparam("old")))
-            .values(wrapped=bindparam("new"), kek_id=new_id)
-        )
-        return await self._many(stmt, rows)
-
-    async def salts(self, after: tuple[str, str] | None, limit: int) -> list[Any]:
-        q = select(Namespace.tenant_id, Namespace.name, Namespace.epoch, Namespace.wrapped_salt)
-        if after is not None:
-            q = q.where(tuple_(Namespace.tenant_id, Namespace.name) > tuple_(*after))
-        q = q.order_by(Namespace.tenant_id, Namespace.name).limit(limit)
-        async with self.engine.connect() as conn:
-            return list((await conn.execute(q)).all())
-
-    async def update_salts(self, rows: list[dict]) -> int:
-        t = cast(Table, Namespace.__table__)
-        stmt = (
-            update(t)
-            .where(and_(t.c.tenant_id == bindparam("t"), t.c.name == bindparam("n"),
-                        t.c.epoch == bindparam("e"), t.c.wrapped_salt == bindparam("old")))
-            .values(wrapped_salt=bindparam("new"))
-        )
-        return await self._many(stmt, rows)
-
-    async def _many(self, stmt: Any, rows: list[dict]) -> int:
-        if not rows:
-            return 0
-        async with self.engine.begin() as conn:
-            res = await conn.execute(stmt, rows)
-        count = res.rowcount
-        return len(rows) if count is None or count < 0 else count  # some drivers do not count executemany
-
-
 async def rotate_kek(
     registry: Registry,
     kek: KekProvider,
@@ -190,7 +118,7 @@ async def rotate_kek(
     unwrap are listed in ``report.failed`` and left as they are."""
     if batch_size < 1:
         raise ValueError("batch_size must be positive")
-    rows, rw, report = _Rows(registry), _Rewrapper(kek, previous), RotationReport(kek.key_id)
+    rows, rw, report = RewrapQueries(registry), _Rewrapper(kek, previous), RotationReport(kek.key_id)
     actor = actor or Actor(subject="kvgate:kek-rotate")
     _emit(audit, actor, "success", {"phase": "started", "to": kek.key_id, "from": [p.key_id for p in previous]})
     try:
