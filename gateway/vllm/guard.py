@@ -1,0 +1,150 @@
+"""The tenant checks shared by the ASGI middleware and the reverse proxy.
+
+``TenantGuard.admit(authorization, body)`` does, for one inference request:
+
+    1. verify the bearer token (OIDC, ``tenancy.oidc.OidcVerifier``) -> the tenant; else 401
+    2. mint a capability for (tenant, namespace, lookup/get/put): through the kvgate server's
+       ``POST /v1/capabilities`` with the caller's own token (so the server's role checks and
+       audit apply), or in process with ``mint=`` (a coroutine); refused -> 403
+    3. strip any client-supplied ``cache_salt`` and ``kv_transfer_params`` from the JSON body and
+       set ``cache_salt`` (``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability}
+
+and returns the new body. ``GuardConfig.from_env()`` reads ``KVGATE_VLLM_*`` (see docs/vllm.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from gateway.vllm.errors import (
+    BadRequest,
+    ConnectorConfigError,
+    Forbidden,
+    Unauthorized,
+)
+from gateway.vllm.salt import cache_salt
+from tenancy.errors import AuthenticationFailed
+from tenancy.oidc import IssuerConfig, OidcVerifier
+from tenancy.types import Principal
+
+__all__ = ["CAPABILITY_PARAM", "GUARDED_PATHS", "GuardConfig", "TenantGuard"]
+
+CAPABILITY_PARAM = "kvgate_capability"
+GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate")
+MintFn = Callable[[Principal, str], Awaitable[str]]
+
+
+def _loopback(url: str) -> bool:
+    return (urlsplit(url).hostname or "") in ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    issuers: list[IssuerConfig]
+    salt_secret: bytes = field(repr=False)
+    gateway_url: str | None = None  # the kvgate server that mints capabilities
+    namespace: str = "default"
+    salt_epoch: int = 0
+    capability_ttl: int = 300
+    max_body_bytes: int = 16 << 20
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> GuardConfig:
+        env = dict(os.environ if env is None else env)
+        issuer = env.get("KVGATE_VLLM_ISSUER")
+        if not issuer:
+            raise ConnectorConfigError("KVGATE_VLLM_ISSUER (the OIDC issuer URL) is required")
+        secret_hex = env.get("KVGATE_VLLM_SALT_SECRET")
+        if not secret_hex and env.get("KVGATE_VLLM_SALT_SECRET_FILE"):
+            with open(env["KVGATE_VLLM_SALT_SECRET_FILE"], encoding="ascii") as f:
+                secret_hex = f.read().strip()
+        try:
+            secret = bytes.fromhex(secret_hex or "")
+        except ValueError:
+            raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must be hex") from None
+        if len(secret) < 32:
+            raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must hold at least 32 bytes (64 hex digits)")
+        cfg = IssuerConfig(
+            issuer=issuer,
+            audience=env.get("KVGATE_VLLM_AUDIENCE", "kvgate"),
+            tenant_claim=env.get("KVGATE_VLLM_TENANT_CLAIM", "tenant"),
+            roles_claim=env.get("KVGATE_VLLM_ROLES_CLAIM", "roles"),
+            required_typ=env.get("KVGATE_VLLM_REQUIRED_TYP", "at+jwt") or None,
+            allow_http=_loopback(issuer),
+        )
+        return cls(
+            issuers=[cfg], salt_secret=secret, gateway_url=env.get("KVGATE_VLLM_GATEWAY_URL"),
+            namespace=env.get("KVGATE_VLLM_NAMESPACE", "default"), salt_epoch=int(env.get("KVGATE_VLLM_SALT_EPOCH", "0")),
+            capability_ttl=int(env.get("KVGATE_VLLM_CAPABILITY_TTL", "300")),
+        )
+
+
+class TenantGuard:
+    def __init__(self, config: GuardConfig, *, mint: MintFn | None = None, http: httpx.AsyncClient | None = None) -> None:
+        if mint is None and not config.gateway_url:
+            raise ConnectorConfigError("give a kvgate server URL (KVGATE_VLLM_GATEWAY_URL) or an in-process mint")
+        self.config = config
+        self._mint = mint
+        self._http = http or httpx.AsyncClient(timeout=10.0, follow_redirects=False)
+        self.verifier = OidcVerifier(config.issuers, http=self._http)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def principal(self, authorization: str | None) -> tuple[Principal, str]:
+        if not authorization or authorization[:7].lower() != "bearer ":
+            raise Unauthorized("a bearer token is required")
+        token = authorization[7:].strip()
+        try:
+            return await self.verifier.verify(token), token
+        except AuthenticationFailed:
+            raise Unauthorized("the bearer token was not accepted") from None
+
+    async def capability(self, principal: Principal, token: str) -> str:
+        if self._mint is not None:
+            try:
+                return await self._mint(principal, self.config.namespace)
+            except Exception:  # noqa: BLE001 - any failure to mint is a 403
+                raise Forbidden("no capability for this tenant") from None
+        body = {"namespace": self.config.namespace, "ops": ["lookup", "get", "put"], "ttl": self.config.capability_ttl}
+        try:
+            r = await self._http.post(
+                self.config.gateway_url.rstrip("/") + "/v1/capabilities",  # type: ignore[union-attr]
+                json=body, headers={"Authorization": f"Bearer {token}"},
+            )
+        except httpx.HTTPError:
+            raise Forbidden("the kvgate server could not be reached") from None
+        if r.status_code != 201:
+            raise Forbidden("no capability for this tenant")
+        return str(r.json()["capability"])
+
+    async def admit(self, authorization: str | None, body: bytes) -> tuple[Principal, bytes]:
+        """Authenticate, mint, rewrite: the body to forward (or a TenantRequestError)."""
+        principal, token = await self.principal(authorization)
+        try:
+            doc: Any = json.loads(body or b"{}")
+        except (ValueError, UnicodeError):
+            raise BadRequest("the request body must be a JSON object") from None
+        if not isinstance(doc, dict):
+            raise BadRequest("the request body must be a JSON object")
+        cap = await self.capability(principal, token)
+        doc.pop("cache_salt", None)
+        doc.pop("kv_transfer_params", None)
+        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, self.config.salt_epoch)
+        doc["kv_transfer_params"] = {CAPABILITY_PARAM: cap}
+        return principal, json.dumps(doc).encode()
+
+
+def problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
+    headers = [(b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="kvgate"'))
+    return headers, body

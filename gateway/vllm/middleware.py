@@ -1,0 +1,100 @@
+"""``KvgateMiddleware``: tenant checks inside vLLM's OpenAI server (``--middleware``).
+
+vLLM builds it as ``KvgateMiddleware(app)``; its configuration comes from ``KVGATE_VLLM_*``
+(``guard.GuardConfig.from_env``), read at the first request, never at import. Every request to a
+path under ``/v1`` needs a valid bearer token (401 otherwise); a POST to an inference path
+(``guard.GUARDED_PATHS``) also gets a capability and the tenant's cache_salt in its body (403 if
+no capability can be minted, 400 for a body that is not a JSON object, 413 past the size limit).
+Other paths (``/health``, ``/metrics``) pass untouched. Answers are problem+json.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gateway.vllm.errors import TenantRequestError
+from gateway.vllm.guard import GUARDED_PATHS, GuardConfig, TenantGuard, problem
+
+__all__ = ["KvgateMiddleware"]
+
+Scope = dict[str, Any]
+
+
+class KvgateMiddleware:
+    def __init__(self, app: Any, guard: TenantGuard | None = None) -> None:
+        self.app = app
+        self._guard = guard
+        self._lock = asyncio.Lock()
+
+    async def guard(self) -> TenantGuard:
+        if self._guard is None:
+            async with self._lock:
+                if self._guard is None:
+                    self._guard = TenantGuard(GuardConfig.from_env())
+        return self._guard
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1") and scope["path"] not in GUARDED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        guard = await self.guard()
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1") or None
+        try:
+            if scope["method"] == "POST" and scope["path"] in GUARDED_PATHS:
+                body = await _read_body(receive, guard.config.max_body_bytes)
+                _, body = await guard.admit(auth, body)
+                scope = dict(scope)
+                scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"transfer-encoding")]
+                scope["headers"].append((b"content-length", str(len(body)).encode()))
+                receive = _replay(body)
+            else:
+                await guard.principal(auth)
+        except TenantRequestError as exc:
+            await _answer(send, exc.status, exc.title, exc.detail)
+            return
+        except _TooLarge:
+            await _answer(send, 413, "Content Too Large", "the request body is too large")
+            return
+        await self.app(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Any, limit: int) -> bytes:
+    chunks, size = [], 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            break
+        chunk = msg.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not msg.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes) -> Any:
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # like a client that stays connected
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+async def _answer(send: Any, status: int, title: str, detail: str) -> None:
+    headers, body = problem(status, title, detail)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,72 @@
+"""A standalone tenant proxy in front of a vLLM OpenAI server (for deployments that cannot add
+``--middleware``): the same checks as ``KvgateMiddleware``, then the request is forwarded with
+httpx and the answer streamed back (server-sent events included).
+
+    uvicorn --factory gateway.vllm.proxy:app_from_env   # KVGATE_VLLM_UPSTREAM=http://127.0.0.1:8000
+
+The upstream must be reachable only through the proxy, or clients could bypass it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from gateway.vllm.errors import ConnectorConfigError
+from gateway.vllm.guard import GuardConfig, TenantGuard
+from gateway.vllm.middleware import KvgateMiddleware
+
+__all__ = ["app_from_env", "create_proxy"]
+
+_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"host", b"content-length"}
+
+
+def create_proxy(upstream: str, guard: TenantGuard | None = None, *, timeout: float = 600.0) -> Any:
+    """An ASGI app: KvgateMiddleware around a forwarder to ``upstream``."""
+    base = upstream.rstrip("/")
+    client = httpx.AsyncClient(timeout=timeout, follow_redirects=False)
+
+    async def forward(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await client.aclose()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP and k.lower() != b"authorization"]
+        url = base + scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        req = client.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            r = await client.send(req, stream=True)
+        except httpx.HTTPError:
+            await send({"type": "http.response.start", "status": 502, "headers": [(b"content-type", b"text/plain")]})
+            await send({"type": "http.response.body", "body": b"upstream unavailable"})
+            return
+        try:
+            out = [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP]
+            await send({"type": "http.response.start", "status": r.status_code, "headers": out})
+            async for chunk in r.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await r.aclose()
+
+    return KvgateMiddleware(forward, guard)
+
+
+def app_from_env() -> Any:
+    upstream = os.environ.get("KVGATE_VLLM_UPSTREAM")
+    if not upstream:
+        raise ConnectorConfigError("KVGATE_VLLM_UPSTREAM (the vLLM server URL) is required")
+    return create_proxy(upstream, TenantGuard(GuardConfig.from_env()))

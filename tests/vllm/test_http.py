@@ -1,0 +1,135 @@
+"""Through vLLM's OpenAI server with the tenant middleware, the connector in remote mode.
+
+A live kvgate server (tests/server_fixture.py: the development issuer, capabilities, the remote
+data plane) and ``python -m vllm.entrypoints.openai.api_server`` with ``--middleware
+gateway.vllm.middleware.KvgateMiddleware`` and the connector talking to that server. vLLM's own
+prefix cache is on here: the middleware's cache_salt is what keeps tenants apart in it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.vllm.engine_env import PYTHON, engine_env, require_vllm
+from tests.vllm.tiny_model import build_tiny_llama, prompt_words
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory):
+    require_vllm()
+    from tests.conftest import free_port
+    from tests.server_fixture import running_server
+
+    work = tmp_path_factory.mktemp("vllm-http")
+    model_dir = build_tiny_llama(work / "model")
+    trace = work / "trace.jsonl"
+    secret = secrets.token_hex(32)
+    with running_server(work / "kvgate", chunk_tokens=64) as live:
+        import asyncio
+
+        async def tenants() -> None:
+            async with live.client() as http:
+                for t in ("acme", "globex"):
+                    await live.create_tenant(http, t)
+
+        asyncio.run(tenants())
+        port = free_port()
+        ktc = {
+            "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "mode": "remote", "remote_url": live.base_url, "remote_token": live.operator_token(),
+                "chunk_tokens": 64, "trace_path": str(trace), "model_name": "tiny-llama",
+            },
+        }
+        cmd = [
+            PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
+            "--port", str(port), "--enforce-eager", "--block-size", "32", "--dtype", "float32", "--max-model-len", "1024",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny",
+            "--middleware", "gateway.vllm.middleware.KvgateMiddleware", "--kv-transfer-config", json.dumps(ktc),
+        ]
+        env = engine_env(
+            KVGATE_VLLM_ISSUER=live.base_url + "/dev-issuer", KVGATE_VLLM_GATEWAY_URL=live.base_url,
+            KVGATE_VLLM_SALT_SECRET=secret,
+        )
+        log = open(work / "vllm.log", "w")
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parents[2]))
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 240
+            while True:
+                if proc.poll() is not None:
+                    raise AssertionError("vLLM server exited:\n" + (work / "vllm.log").read_text()[-6000:])
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise AssertionError("vLLM server did not start:\n" + (work / "vllm.log").read_text()[-6000:])
+                time.sleep(1)
+            yield {"url": url, "live": live, "secret": bytes.fromhex(secret), "trace": trace}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _complete(stack, token: str | None, prompt: str, **extra) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
+    return httpx.post(stack["url"] + "/v1/completions", json=body, headers=headers, timeout=120)
+
+
+def _cached(r: httpx.Response) -> int:
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+def test_no_or_bad_token_is_401_problem(stack):
+    for token in (None, "not-a-jwt"):
+        r = _complete(stack, token, prompt_words(10))
+        assert r.status_code == 401, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert r.headers["www-authenticate"].lower().startswith("bearer")
+
+
+def test_copied_cache_salt_gives_the_other_tenant_no_hit(stack):
+    from gateway.vllm.salt import cache_salt
+
+    live = stack["live"]
+    a, b = live.token("acme", ("kv.worker",)), live.token("globex", ("kv.worker",))
+    prompt = prompt_words(300, seed=7)
+    first = _complete(stack, a, prompt)
+    second = _complete(stack, a, prompt)
+    assert first.status_code == second.status_code == 200, (first.text, second.text)
+    assert _cached(second) >= 256  # positive control: A hits (vLLM's cache, kvgate behind it)
+    assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+    salt_a = cache_salt(stack["secret"], "acme", "default")
+    forged = {"cache_salt": salt_a, "kv_transfer_params": {"kvgate_capability": "forged"}}
+    r = _complete(stack, b, prompt, **forged)
+    assert r.status_code == 200, r.text
+    assert _cached(r) == 0
+    assert r.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    events = [json.loads(x) for x in stack["trace"].read_text().splitlines()]
+    assert any(e["event"] == "store" and e["stored_chunks"] == 4 for e in events)  # remote mode stored A's prefix
+    lookups = [e for e in events if e["event"] == "lookup"]
+    assert lookups[-1]["hit_tokens"] == 0  # B's lookup, in B's namespace, found nothing
+
+
+def test_worker_without_kvgate_role_is_403(stack):
+    live = stack["live"]
+    r = _complete(stack, live.token("acme", ("kv.admin",)), prompt_words(10))  # admin cannot mint get/put
+    assert r.status_code == 403, r.text
