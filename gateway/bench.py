@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from gateway import bench_net, dbschema
+from gateway import bench_net, bench_suite, dbschema
 from gateway.config import Settings
 from gateway.core import KVModel
 from gateway.runtime import open_runtime
@@ -122,7 +122,10 @@ async def _gateway_figures(
     redis_url: str | None = None,
 ) -> tuple[float, float]:
     """(store GB/s, load GB/s) through the gateway core for one configuration."""
-    settings = Settings(state_dir=base, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=threads, tiers=[tier])
+    settings = Settings(
+        state_dir=base, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=threads, tiers=[tier],
+        redis_url=redis_url if tier == "redis" else None,  # the redis tier now requires its URL in Settings
+    )
     chunk_bytes = GEOMETRY.chunk_nbytes(chunk_tokens)
     tokens_n = chunk_tokens * n_chunks
     if tier == "memory":
@@ -274,15 +277,23 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
                         })
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    # issue 9: tenants, lookups per tier, LMCache side by side, workloads, the timing attack
+    suite = await bench_suite.run_suite(results, quick=quick, redis_url=redis_url, console=console)
+    latency["lookup_ms_by_tier"] = suite.pop("lookup_ms_by_tier")
+    if "lookup_32k_tokens_rest_ms" in latency:
+        latency["lookup_ms_by_tier"]["rest"] = latency["lookup_32k_tokens_rest_ms"]
     out = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
         "reps": reps,
         "results": results,
         "latency": latency,
+        **suite,
     }
     _print_table(console, results)
     for name, v in latency.items():
+        if name == "lookup_ms_by_tier":
+            continue
         console.print(f"{name}: p50 {v['p50']} ms, p99 {v['p99']} ms")
     return out
 

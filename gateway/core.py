@@ -21,7 +21,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -147,7 +147,12 @@ class Gateway:
         authority: CapabilityAuthority,
         audit: AuditSink,
         chunk_tokens: int = 256,
+        _bench_shared_tenant: str | None = None,
     ) -> None:
+        # Benchmark only (`kvgate bench` timing attack, shared-cache baseline): when set, every
+        # verified capability is mapped to this one pseudo-tenant for namespace keys, keyring and
+        # envelope context, i.e. isolation is OFF. Never set from Settings or configuration.
+        self._bench_shared_tenant = _bench_shared_tenant
         self.registry = registry
         self.keyring = keyring
         self.kek = kek
@@ -262,6 +267,8 @@ class Gateway:
         except InvalidTokens as exc:
             raise InvalidRequest(str(exc)) from None
         cap = self.authorize(token, op, chunks=[c.chained_hash.hex() for c in chunks])
+        if self._bench_shared_tenant is not None:  # benchmark baseline only: no namespaces
+            cap = replace(cap, tenant=self._bench_shared_tenant, namespace="default")
         slots = kv = None
         if kv_layers is not None:
             kv, slots = self._slots(model.geometry, kv_layers, chunks[-1].end, block_ids, slot_mapping)

@@ -1,0 +1,164 @@
+"""The prefix-cache timing attack, reproduced the way the published audits run it.
+
+Gu et al., "Auditing Prompt Caching in Language Model APIs" (ICML 2025): the attacker sends
+``hit`` prompts that share a long prefix (95%) with a prompt the victim just sent, and ``miss``
+prompts that share nothing, 250 of each in shuffled order, and compares the two latency
+distributions with a one-sided two-sample Kolmogorov-Smirnov test. A tiny p-value means the
+cache leaks whether the victim's prompt is cached.
+
+Here the victim is tenant A, who stores the KV of a long prompt through the gateway core. The
+attacker times what an inference worker does before prefill: ``lookup`` then ``retrieve`` of the
+candidate prompt. Direction of the one-sided test: on the gateway's path a hit is *slower* (the
+load moves and decrypts the hit chunks; an engine would then skip their prefill, so time to
+first token would be faster): alternative "hit samples are stochastically larger".
+
+Targets:
+
+- ``shared-baseline``: a shared cache without namespaces, i.e. kvgate with isolation switched
+  off by the bench-only ``Gateway._bench_shared_tenant`` flag (every capability maps to one
+  pseudo-tenant). Expected: p tiny (and the attacker even reads ``loaded_tokens`` directly).
+- ``kvgate``: kvgate as shipped; B's storage keys are HMACs under B's namespace secret, so both
+  kinds of prompt miss in the same way. Expected: p >= 0.01.
+- ``same-tenant-control``: the victim times its own prompts (positive control: the test can see
+  a real difference on this machine). Expected: p tiny.
+
+Before every sample, hit or miss, the victim stores a fresh prompt (untimed), so the work done
+before each timed call is the same; only whether the probe shares its prefix differs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from scipy.stats import ks_2samp
+
+from gateway import dbschema
+from gateway.config import Settings
+from gateway.core import KVModel
+from gateway.runtime import open_runtime
+from kernels.layouts import KVGeometry, KVLayout
+from storage.memory import MemoryTier
+
+__all__ = ["TARGETS", "AttackResult", "run_attack", "run_attacks"]
+
+TARGETS = ("shared-baseline", "kvgate", "same-tenant-control")
+# a small model so 500 samples of long prompts fit in seconds: 2 KiB of KV per token
+ATTACK_GEOMETRY = KVGeometry(4, 2, 64, torch.float16, 16, KVLayout.KV_FIRST)
+ATTACK_MODEL = KVModel("bench-attack-model", ATTACK_GEOMETRY)
+_SHARED = "shared-pseudo-tenant"
+
+
+@dataclass(frozen=True, slots=True)
+class AttackResult:
+    name: str
+    target: str
+    p_value: float
+    samples: int  # per class (hit and miss each)
+    hit_median_ms: float
+    miss_median_ms: float
+    direct_hits: int  # hit probes whose RetrieveResult itself reported loaded tokens
+
+    def as_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def run_attack(
+    target: str,
+    *,
+    samples: int = 250,
+    prompt_tokens: int = 4096,
+    shared_fraction: float = 0.95,
+    chunk_tokens: int = 256,
+    seed: int = 0,
+    base: Path | None = None,
+) -> AttackResult:
+    """One attack against one target; ``samples`` hit and ``samples`` miss probes, shuffled."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, got {target!r}")
+    own_base = base is None
+    base = Path(tempfile.mkdtemp(prefix="kvgate-attack-")) if base is None else base
+    state = base / f"attack-{target}"
+    shutil.rmtree(state, ignore_errors=True)
+    db_url = f"sqlite+aiosqlite:///{state / 'bench.db'}"
+    state.mkdir(parents=True)
+    await asyncio.to_thread(dbschema.upgrade, db_url)
+    g = ATTACK_GEOMETRY
+    prompt_bytes = g.chunk_nbytes(prompt_tokens)
+    settings = Settings(state_dir=state, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=1, tiers=["memory"])
+    rt = await open_runtime(settings, tiers=[MemoryTier(max(64 << 20, prompt_bytes * 24))])
+    try:
+        if target == "shared-baseline":
+            await rt.admin.create_tenant(_SHARED)
+            rt.gateway._bench_shared_tenant = _SHARED  # bench-only: isolation OFF
+        for t in ("tenant-a", "tenant-b"):
+            await rt.admin.create_tenant(t)
+        victim = await rt.gateway.mint_capability("tenant-a", "default", ["put", "get", "lookup"], 600)
+        attacker_tenant = "tenant-a" if target == "same-tenant-control" else "tenant-b"
+        attacker = await rt.gateway.mint_capability(attacker_tenant, "default", ["get", "lookup"], 600)
+
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        blocks_n = -(-prompt_tokens // g.block_size)
+        src = [torch.randn(g.layer_shape(blocks_n), generator=gen).to(g.dtype) for _ in range(g.num_layers)]
+        dst = [torch.zeros_like(x) for x in src]
+        blocks = list(range(blocks_n))
+        shared = int(prompt_tokens * shared_fraction)
+
+        def fresh() -> list[int]:
+            return [rng.randrange(32000) for _ in range(prompt_tokens)]
+
+        async def probe(prompt: list[int]) -> tuple[int, int]:
+            t0 = time.perf_counter_ns()
+            await rt.gateway.lookup(attacker, ATTACK_MODEL, prompt)
+            res = await rt.gateway.retrieve(attacker, ATTACK_MODEL, prompt, dst, block_ids=blocks)
+            return time.perf_counter_ns() - t0, res.loaded_tokens
+
+        # warm-up: staging buffers, key caches, the first namespace derivations
+        for _ in range(5):
+            p = fresh()
+            await rt.gateway.store(victim, ATTACK_MODEL, p, src, block_ids=blocks)
+            await probe(p[:shared] + fresh()[shared:])
+            await probe(fresh())
+
+        order = [True] * samples + [False] * samples
+        rng.shuffle(order)
+        hits: list[int] = []
+        misses: list[int] = []
+        direct = 0
+        for is_hit in order:
+            victim_prompt = fresh()
+            await rt.gateway.store(victim, ATTACK_MODEL, victim_prompt, src, block_ids=blocks)
+            candidate = victim_prompt[:shared] + fresh()[shared:] if is_hit else fresh()
+            ns, loaded = await probe(candidate)
+            (hits if is_hit else misses).append(ns)
+            if is_hit and loaded:
+                direct += 1
+        p = float(ks_2samp(hits, misses, alternative="less").pvalue)
+        return AttackResult(
+            name=f"prefix-timing-{prompt_tokens}tok-{int(shared_fraction * 100)}pct",
+            target=target,
+            p_value=p,
+            samples=samples,
+            hit_median_ms=round(sorted(hits)[len(hits) // 2] / 1e6, 4),
+            miss_median_ms=round(sorted(misses)[len(misses) // 2] / 1e6, 4),
+            direct_hits=direct,
+        )
+    finally:
+        await rt.aclose()
+        if own_base:
+            shutil.rmtree(base, ignore_errors=True)
+        else:
+            shutil.rmtree(state, ignore_errors=True)
+
+
+async def run_attacks(*, samples: int = 250, prompt_tokens: int = 4096, seed: int = 0) -> list[AttackResult]:
+    """The three targets in turn, each in a fresh runtime."""
+    return [await run_attack(t, samples=samples, prompt_tokens=prompt_tokens, seed=seed + i) for i, t in enumerate(TARGETS)]
