@@ -32,20 +32,43 @@ another envelope fails authentication. Every failure is the one ``DecryptionFail
 Buffers: ``seal_into``/``open_into`` write into caller-owned buffers; the payload is touched only by
 the AEAD and per-call work is a few small objects per segment. Header lengths are checked against
 the envelope's actual size before anything is allocated or decrypted.
+
+Fused data path (same format, same bytes):
+
+- ``seal_pieces_into`` seals the concatenation of a list of buffers (a chunk's contiguous runs
+  straight out of a paged KV cache) without gathering them first: with the default CPU AEAD each
+  segment is one streaming GCM operation of ``cryptography`` (``update_into`` per piece), which is
+  bit-identical to ``AESGCM`` over the joined bytes. Other AEADs get each segment gathered into a
+  segment-sized buffer first.
+- ``open_segments`` verifies and decrypts one segment at a time into a small caller-owned scratch
+  buffer and hands each verified segment to a callback, so the caller can scatter it while it is
+  still in cache. Every segment is authenticated on its own and bound to its index and the segment
+  count, so the segments delivered before a failure are authentic.
+- ``seal_into``/``seal_pieces_into`` take an optional per-envelope ``segment_bytes`` (the header
+  carries it, so opening needs nothing new).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from crypto.aead import KEY_BYTES, NONCE_BYTES, TAG_BYTES, AeadFactory, CpuAesGcm, wipe
+from crypto.aead import (
+    KEY_BYTES,
+    NONCE_BYTES,
+    TAG_BYTES,
+    Aead,
+    AeadFactory,
+    CpuAesGcm,
+    wipe,
+)
 from crypto.errors import DecryptionFailed, InvalidParameter, InvocationLimitReached
 
 if TYPE_CHECKING:
@@ -68,6 +91,7 @@ __all__ = [
     "peek_key_version",
     "plaintext_length",
     "read_header",
+    "segment_scratch_bytes",
 ]
 
 MAGIC = b"KVG"
@@ -222,8 +246,33 @@ class ChunkCipher:
     def segment_bytes(self) -> int:
         return self._segment_bytes
 
-    def envelope_size(self, plaintext_len: int) -> int:
-        return envelope_size(plaintext_len, self._segment_bytes)
+    def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int:
+        """Bytes of the envelope of ``plaintext_len`` bytes (``segment_bytes``: the override)."""
+        return envelope_size(plaintext_len, self._segment_size(segment_bytes))
+
+    def _segment_size(self, segment_bytes: int | None) -> int:
+        if segment_bytes is None:
+            return self._segment_bytes
+        if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int):
+            raise InvalidParameter("segment_bytes must be an int")
+        if not 1 <= segment_bytes <= MAX_SEGMENT_BYTES:
+            raise InvalidParameter(f"segment_bytes must be in [1, {MAX_SEGMENT_BYTES}]")
+        return segment_bytes
+
+    def _begin(
+        self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, pt_len: int, seg: int
+    ) -> tuple[bytes, bytes, bytes, int, int]:
+        """(segment key, header, AAD prefix, segment count, envelope size) of a new envelope."""
+        count = _segments_for(pt_len, seg)
+        if count > _MAX_U32:
+            raise InvocationLimitReached("plaintext needs more than 2**32 - 1 segments")
+        size = HEADER_BYTES + pt_len + TAG_BYTES * count
+        salt = self._salt_source(SALT_BYTES)
+        if not isinstance(salt, bytes) or len(salt) != SALT_BYTES:
+            raise InvalidParameter(f"salt_source must return {SALT_BYTES} bytes")
+        key = self._segment_key(dek, binding_secret, salt)
+        header = _HEADER.pack(MAGIC, VERSION, ctx.key_version, salt, count, seg, pt_len)
+        return key, header, header + ctx.aad(), count, size
 
     def _segment_key(self, dek: bytes, binding_secret: bytes, salt: bytes) -> bytes:
         if len(dek) != KEY_BYTES:
@@ -242,24 +291,19 @@ class ChunkCipher:
         ctx: EnvelopeContext,
         plaintext: Buffer,
         out: WritableBuffer,
+        *,
+        segment_bytes: int | None = None,
     ) -> int:
         """Write the envelope of ``plaintext`` into ``out[:n]`` and return ``n``.
 
-        ``out`` must hold ``envelope_size(len(plaintext))`` bytes and not overlap ``plaintext``.
+        ``out`` must hold ``envelope_size(len(plaintext), segment_bytes)`` bytes and not overlap
+        ``plaintext``. ``segment_bytes`` overrides the cipher's segment size for this envelope.
         """
-        seg = self._segment_bytes
+        seg = self._segment_size(segment_bytes)
         with _flat_view(plaintext, writable=False, what="plaintext") as pt:
             pt_len = pt.nbytes
-            count = _segments_for(pt_len, seg)
-            if count > _MAX_U32:
-                raise InvocationLimitReached("plaintext needs more than 2**32 - 1 segments")
-            size = HEADER_BYTES + pt_len + TAG_BYTES * count
-            salt = self._salt_source(SALT_BYTES)
-            if not isinstance(salt, bytes) or len(salt) != SALT_BYTES:
-                raise InvalidParameter(f"salt_source must return {SALT_BYTES} bytes")
-            aead = self._aead_factory(self._segment_key(dek, binding_secret, salt))
-            header = _HEADER.pack(MAGIC, VERSION, ctx.key_version, salt, count, seg, pt_len)
-            prefix = header + ctx.aad()
+            key, header, prefix, count, size = self._begin(dek, binding_secret, ctx, pt_len, seg)
+            aead = self._aead_factory(key)
             with _flat_view(out, writable=True, what="out") as dst:
                 if dst.nbytes < size:
                     raise InvalidParameter(f"out must hold {size} bytes, has {dst.nbytes}")
@@ -352,3 +396,201 @@ class ChunkCipher:
         out = bytearray(plaintext_length(envelope))
         self.open_into(dek, binding_secret, ctx, envelope, out)
         return out
+
+    # -- the fused data path -----------------------------------------------------------------
+
+    def seal_pieces_into(
+        self,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        pieces: Sequence[Buffer],
+        plaintext_len: int,
+        out: WritableBuffer,
+        *,
+        segment_bytes: int | None = None,
+    ) -> int:
+        """``seal_into`` of ``b"".join(pieces)`` without joining them: the same envelope, byte for
+        byte (one salt drawn the same way; a piece across a segment boundary is split).
+
+        ``plaintext_len`` must equal the pieces' total size (checked before anything is written).
+        ``out`` must hold ``envelope_size(plaintext_len, segment_bytes)`` bytes and overlap no
+        piece. Returns the envelope's size."""
+        seg = self._segment_size(segment_bytes)
+        views = _piece_views(pieces, plaintext_len)
+        key, header, prefix, count, size = self._begin(dek, binding_secret, ctx, plaintext_len, seg)
+        with _flat_view(out, writable=True, what="out") as dst:
+            if dst.nbytes < size:
+                raise InvalidParameter(f"out must hold {size} bytes, has {dst.nbytes}")
+            dst[:HEADER_BYTES] = header
+            ok = False
+            try:
+                if self._aead_factory is CpuAesGcm:
+                    _seal_streaming(key, prefix, count, seg, plaintext_len, views, dst)
+                else:
+                    _seal_gathered(self._aead_factory(key), prefix, count, seg, plaintext_len, views, dst)
+                ok = True
+            except (ValueError, TypeError, OverflowError):  # cryptography refusing a buffer
+                pass
+            finally:
+                if not ok:
+                    wipe(dst[:size])
+            if not ok:  # raised outside the handler: no library exception chained to ours
+                raise InvalidParameter("cannot seal the pieces (a piece overlaps out, or is not a byte buffer)")
+        return size
+
+    def open_segments(
+        self,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        envelope: Buffer,
+        scratch: WritableBuffer,
+        on_segment: Callable[[int, int, memoryview], None],
+    ) -> int:
+        """Verify and decrypt the envelope one segment at a time into ``scratch``; return the
+        plaintext length.
+
+        After segment ``i``'s tag checked, ``on_segment(start, end, view)`` gets the plaintext
+        bytes ``[start, end)`` in ``view`` (a view of ``scratch``, valid only during the call).
+        ``scratch`` must hold ``min(segment_bytes, plaintext_len)`` bytes (``segment_scratch_bytes``).
+        On ``DecryptionFailed`` the segments before the failing one have been delivered (each is
+        authenticated on its own, bound to its index and the count) and ``scratch`` is zeroed; an
+        exception from ``on_segment`` also zeroes ``scratch`` and propagates."""
+        header = read_header(envelope)
+        if header.key_version != ctx.key_version:
+            raise DecryptionFailed
+        key = self._segment_key(dek, binding_secret, header.salt)
+        ok = self._open_each(key, header, ctx, envelope, scratch, on_segment)
+        if not ok:  # raised here, outside any handler, so no buffer view survives in a traceback
+            raise DecryptionFailed
+        return header.plaintext_length
+
+    def _open_each(
+        self,
+        key: bytes,
+        header: EnvelopeHeader,
+        ctx: EnvelopeContext,
+        envelope: Buffer,
+        scratch: WritableBuffer,
+        on_segment: Callable[[int, int, memoryview], None],
+    ) -> bool:
+        pt_len, seg, count = header.plaintext_length, header.segment_bytes, header.segment_count
+        need = min(seg, pt_len)
+        with (
+            _flat_view(envelope, writable=False, what="envelope") as src,
+            _flat_view(scratch, writable=True, what="scratch") as dst,
+        ):
+            if dst.nbytes < need:
+                raise InvalidParameter(f"scratch must hold {need} bytes, has {dst.nbytes}")
+            aead = self._aead_factory(key)
+            prefix = bytes(src[:HEADER_BYTES]) + ctx.aad()
+            src_pos, start = HEADER_BYTES, 0
+            try:
+                for i in range(count):
+                    n = min(seg, pt_len - start)
+                    part = dst[:n]
+                    aead.open_into(
+                        _nonce(i),
+                        src[src_pos : src_pos + n + TAG_BYTES],
+                        prefix + _SEGMENT_AAD.pack(i, count),
+                        part,
+                    )
+                    on_segment(start, start + n, part)
+                    src_pos += n + TAG_BYTES
+                    start += n
+            except DecryptionFailed:
+                wipe(dst[:need])
+                return False
+            except BaseException:
+                wipe(dst[:need])
+                raise
+        return True
+
+
+def segment_scratch_bytes(envelope: Buffer) -> int:
+    """Bytes of scratch ``ChunkCipher.open_segments`` needs for this envelope (its largest
+    segment, from the size-checked header; ``DecryptionFailed`` if the header is malformed)."""
+    header = read_header(envelope)
+    return min(header.segment_bytes, header.plaintext_length)
+
+
+def _piece_views(pieces: Sequence[Buffer], plaintext_len: int) -> list[memoryview]:
+    """The non-empty pieces as flat byte views; their total must be ``plaintext_len``."""
+    if isinstance(plaintext_len, bool) or not isinstance(plaintext_len, int) or plaintext_len < 0:
+        raise InvalidParameter("plaintext_len must be an int >= 0")
+    views: list[memoryview] = []
+    total = 0
+    for p in pieces:
+        # fast path: the data path hands over flat byte views already
+        if type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.c_contiguous:
+            v = p
+        else:
+            v = _flat_view(p, writable=False, what="each piece")
+        if v.nbytes:
+            views.append(v)
+            total += v.nbytes
+    if total != plaintext_len:
+        raise InvalidParameter(f"the pieces hold {total} bytes, plaintext_len is {plaintext_len}")
+    return views
+
+
+def _seal_streaming(
+    key: bytes, prefix: bytes, count: int, seg: int, pt_len: int, views: list[memoryview], dst: memoryview
+) -> None:
+    """Each segment as one streaming AES-GCM operation fed piece by piece (bit-identical to
+    ``AESGCM`` over the joined segment). ``update_into`` wants 15 bytes of room past its output;
+    every segment's ciphertext is followed by its 16-byte tag, written after ``finalize``, so the
+    envelope itself has that room. The loop is the hot path (one turn per piece): whole pieces
+    go straight through; only a piece across a segment boundary is sliced."""
+    aes = algorithms.AES(key)
+    vi, off, pos, dst_pos = 0, 0, 0, HEADER_BYTES
+    for i in range(count):
+        seg_end = min(pos + seg, pt_len)
+        enc = Cipher(aes, modes.GCM(_nonce(i))).encryptor()
+        enc.authenticate_additional_data(prefix + _SEGMENT_AAD.pack(i, count))
+        update = enc.update_into
+        while pos < seg_end:
+            v = views[vi]
+            take = v.nbytes - off
+            if off == 0 and pos + take <= seg_end:  # a whole piece
+                part = v
+                vi += 1
+            else:
+                take = min(take, seg_end - pos)
+                part = v[off : off + take]
+                off += take
+                if off == v.nbytes:
+                    vi, off = vi + 1, 0
+            if update(part, dst[dst_pos : dst_pos + take + 15]) != take:
+                raise InvalidParameter("the AES-GCM stream did not encrypt a piece whole")
+            pos += take
+            dst_pos += take
+        enc.finalize()
+        dst[dst_pos : dst_pos + TAG_BYTES] = enc.tag
+        dst_pos += TAG_BYTES
+
+
+def _seal_gathered(
+    aead: Aead, prefix: bytes, count: int, seg: int, pt_len: int, views: list[memoryview], dst: memoryview
+) -> None:
+    """Any other AEAD: gather each segment into one segment-sized buffer, then seal it."""
+    buf = memoryview(bytearray(min(seg, pt_len)))
+    vi, off, dst_pos, start = 0, 0, HEADER_BYTES, 0
+    for i in range(count):
+        n = min(seg, pt_len - start)
+        pos = 0
+        while pos < n:
+            v = views[vi]
+            take = min(v.nbytes - off, n - pos)
+            buf[pos : pos + take] = v[off : off + take]
+            pos += take
+            off += take
+            if off == v.nbytes:
+                vi, off = vi + 1, 0
+        aead.seal_into(
+            _nonce(i), buf[:n], prefix + _SEGMENT_AAD.pack(i, count), dst[dst_pos : dst_pos + n + TAG_BYTES]
+        )
+        dst_pos += n + TAG_BYTES
+        start += n
+    wipe(buf)

@@ -1,0 +1,182 @@
+"""A chunk as the contiguous byte runs it occupies in a CPU paged KV cache (the fused data path).
+
+``pack`` copies a chunk into one contiguous buffer before it is sealed; on the CPU that copy costs
+more than AES-GCM itself. The fused path skips it: ``ChunkPieces`` lists, in exact chunk order
+``[layer][k|v][token][head][dim]``, the byte runs of the chunk inside each layer's tensor, as
+memoryviews the cipher reads straight out of the cache (``chunk_pieces``), and scatters a byte range
+of the chunk layout (one decrypted segment) back into the cache (``unpack_range``).
+
+Runs. A layer's run list is computed once per chunk from the slots (Python ints; no per-piece
+torch call) and is the same for every layer. Consecutive rows coalesce:
+
+- ``KV_FIRST`` ``[2][num_blocks][block_size]`` rows: a slot's K row is ``slot``, its V row
+  ``num_slots + slot``. Tokens ``t..t+m`` of one block are one run, and so are consecutive blocks
+  (block ``b`` then ``b + 1``) of the same K or V half.
+- ``BLOCK_FIRST`` ``[num_blocks][2][block_size]`` rows: K row ``block * 2 * bs + offset``, V row
+  ``+ bs``. Consecutive blocks never coalesce (the V rows of ``b`` lie between the K rows of ``b``
+  and ``b + 1``), but a chunk that is exactly one full block is one run per layer: its K rows are
+  followed by its V rows.
+
+``FlatKV`` views each layer once as a flat, writable byte memoryview; build it once per cache (or
+per batch) and reuse it. CPU tensors only: a CUDA cache keeps the torch ``pack``/``unpack`` path.
+Every argument is validated before any byte moves; an error (``KVLayoutError``) means nothing was
+written.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import KVLayoutError
+from .layouts import KVGeometry, KVLayout
+from .pack import SlotsLike, _as_index
+from .paged import PagedKV
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = ["ChunkPieces", "FlatKV", "chunk_pieces", "unpack_range"]
+
+
+class FlatKV:
+    """Every layer of a CPU ``PagedKV`` as one flat, writable byte memoryview (built once).
+
+    The views keep the layer tensors alive; they are views, so writes land in the cache."""
+
+    __slots__ = ("kv", "views")
+
+    def __init__(self, kv: PagedKV) -> None:
+        if not isinstance(kv, PagedKV):
+            raise KVLayoutError(f"kv must be a PagedKV, got {type(kv).__name__}")
+        if kv.device.type != "cpu":
+            raise KVLayoutError(f"the fused path reads CPU caches only, this one is on {kv.device}")
+        try:
+            views = tuple(rows.numpy().data.cast("B") for rows in kv.rows(torch.uint8))
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise KVLayoutError(f"cannot view the cache's bytes: {exc}") from None
+        self.kv = kv
+        self.views: tuple[memoryview, ...] = views
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return self.kv.geometry
+
+
+def _slot_list(slots: SlotsLike, num_slots: int, *, unique: bool) -> list[int]:
+    s = _as_index(slots, "slots")
+    values: list[int] = s.tolist()
+    lo, hi = min(values), max(values)
+    if lo < 0 or hi >= num_slots:
+        bad = lo if lo < 0 else hi
+        raise KVLayoutError(f"slot {bad} is out of range: the cache holds slots 0..{num_slots - 1}")
+    if unique and len(set(values)) != len(values):
+        raise KVLayoutError("slots must be distinct to scatter into them")
+    return values
+
+
+def _layer_runs(slots: list[int], geometry: KVGeometry, num_slots: int) -> list[tuple[int, int]]:
+    """(byte offset, byte length) runs of one layer, in chunk order: K rows then V rows."""
+    bs = geometry.block_size
+    if geometry.layout is KVLayout.KV_FIRST:
+        k_rows = slots
+        v_rows = [s + num_slots for s in slots]
+    else:
+        k_rows = [s + (s // bs) * bs for s in slots]
+        v_rows = [r + bs for r in k_rows]
+    r_bytes = geometry.row_nbytes
+    runs: list[tuple[int, int]] = []
+    first, count = k_rows[0], 0
+    for r in k_rows + v_rows:
+        if r == first + count:
+            count += 1
+            continue
+        runs.append((first * r_bytes, count * r_bytes))
+        first, count = r, 1
+    runs.append((first * r_bytes, count * r_bytes))
+    return runs
+
+
+class ChunkPieces:
+    """Where the chunk of ``slots`` lies in a ``FlatKV``: per-layer runs, in chunk order.
+
+    ``unique=True`` (needed to scatter) also rejects repeated slots."""
+
+    __slots__ = ("flat", "layer_nbytes", "nbytes", "runs", "starts")
+
+    def __init__(self, flat: FlatKV, slots: SlotsLike, *, unique: bool = False) -> None:
+        kv = flat.kv
+        values = _slot_list(slots, kv.num_slots, unique=unique)
+        geometry = kv.geometry
+        self.flat = flat
+        self.runs = _layer_runs(values, geometry, kv.num_slots)
+        starts, pos = [], 0
+        for _, n in self.runs:
+            starts.append(pos)
+            pos += n
+        self.starts: list[int] = starts
+        self.layer_nbytes: int = pos  # 2 * len(slots) * row_nbytes
+        self.nbytes: int = pos * geometry.num_layers
+
+    def pieces(self) -> list[memoryview]:
+        """The chunk's bytes as views into the cache, in chunk order (they concatenate to
+        ``pack``'s output). Read them only: they are views of the live cache."""
+        runs = self.runs
+        return [v[a : a + n] for v in self.flat.views for a, n in runs]
+
+    def scatter(self, src: Buffer, start: int, end: int) -> None:
+        """Write bytes ``[start, end)`` of the chunk layout, held in ``src``, into the cache."""
+        try:
+            data = memoryview(src)
+        except TypeError:
+            raise KVLayoutError("src must support the buffer protocol") from None
+        if not data.c_contiguous:
+            raise KVLayoutError("src must be C-contiguous")
+        data = data.cast("B")
+        for name, value in (("start", start), ("end", end)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise KVLayoutError(f"{name} must be an int, got {value!r}")
+        if not 0 <= start <= end <= self.nbytes:
+            raise KVLayoutError(f"range [{start}, {end}) is not within the chunk's {self.nbytes} bytes")
+        if data.nbytes != end - start:
+            raise KVLayoutError(f"src holds {data.nbytes} bytes, the range [{start}, {end}) {end - start}")
+        runs, starts, views, lb = self.runs, self.starts, self.flat.views, self.layer_nbytes
+        pos = start
+        while pos < end:
+            layer, within = divmod(pos, lb)
+            view = views[layer]
+            j = bisect_right(starts, within) - 1
+            rel = within - starts[j]
+            while j < len(runs) and pos < end:
+                a, n = runs[j]
+                take = min(n - rel, end - pos)
+                s = pos - start
+                view[a + rel : a + rel + take] = data[s : s + take]
+                pos += take
+                j += 1
+                rel = 0
+
+
+def chunk_pieces(
+    kv_layers: Sequence[torch.Tensor] | PagedKV, slots: SlotsLike, geometry: KVGeometry
+) -> list[memoryview]:
+    """The chunk of ``slots`` as contiguous byte runs of the cache, in chunk order."""
+    return ChunkPieces(FlatKV(PagedKV.of(kv_layers, geometry)), slots).pieces()
+
+
+def unpack_range(
+    chunk_bytes_view: Buffer,
+    plain_start: int,
+    plain_end: int,
+    kv_layers: Sequence[torch.Tensor] | PagedKV,
+    slots: SlotsLike,
+    geometry: KVGeometry,
+) -> None:
+    """Scatter bytes ``[plain_start, plain_end)`` of a chunk (held in ``chunk_bytes_view``, which
+    is exactly that long) into the cache at ``slots`` (distinct). Scattering every range of a
+    partition of the chunk equals ``unpack`` of the whole chunk."""
+    pieces = ChunkPieces(FlatKV(PagedKV.of(kv_layers, geometry)), slots, unique=True)
+    pieces.scatter(chunk_bytes_view, plain_start, plain_end)
