@@ -6,6 +6,9 @@ in the same run on the same bytes with the same number of threads.
 - ``memcpy``: a plain copy of the same bytes (torch ``copy_`` into a preallocated tensor); bounds
   the plaintext results.
 
+Both ceilings run over as many distinct buffers as the gateway run has chunks (the same bytes, the
+same amount of memory streamed), never one buffer that stays hot in the CPU cache.
+
 Each figure is the median of ``reps`` repetitions (the machine is small and noisy). Chunk sizes
 are those of Llama-3-8B geometry (32 layers, 8 KV heads, head size 128, fp16): 16 tokens = 2 MiB
 and 256 tokens = 32 MiB (33.5 MB). Results use the JSON shape later benchmarks extend:
@@ -73,24 +76,29 @@ def _parallel(threads: int, work: Callable[[int], None]) -> Callable[[], None]:
 
 
 def aes_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) -> tuple[float, float]:
-    """GB/s of AES-256-GCM seal and open over ``total_bytes`` in ``chunk_bytes`` pieces."""
+    """GB/s of AES-256-GCM seal and open over ``total_bytes`` in ``chunk_bytes`` pieces.
+
+    The same bytes as the gateway run: as many distinct source and output buffers as the run has
+    chunks (not one hot buffer encrypted again and again, which stays in the CPU cache and would
+    measure the cache, not the memory the gateway actually streams through)."""
+    import numpy as np
+
     aead = AESGCM(os.urandom(32))
     n_chunks = max(1, total_bytes // chunk_bytes)
     per_thread = [list(range(i, n_chunks, threads)) for i in range(threads)]
-    src = [bytearray(os.urandom(1024)) * (chunk_bytes // 1024) for _ in range(threads)]
-    sealed = [bytearray(chunk_bytes + 16) for _ in range(threads)]
-    opened = [bytearray(chunk_bytes) for _ in range(threads)]
+    rng = np.random.default_rng(0)
+    src = [memoryview(rng.integers(0, 256, chunk_bytes, dtype=np.uint8)) for _ in range(n_chunks)]
+    sealed = [memoryview(np.empty(chunk_bytes + 16, np.uint8)) for _ in range(n_chunks)]
+    opened = [memoryview(np.empty(chunk_bytes, np.uint8)) for _ in range(n_chunks)]
     nonce = os.urandom(12)
-    for i in range(threads):
-        aead.encrypt_into(nonce, src[i], None, sealed[i])
 
     def seal(i: int) -> None:
-        for _ in per_thread[i]:
-            aead.encrypt_into(nonce, src[i], None, sealed[i])
+        for k in per_thread[i]:
+            aead.encrypt_into(nonce, src[k], None, sealed[k])
 
     def open_(i: int) -> None:
-        for _ in per_thread[i]:
-            aead.decrypt_into(nonce, sealed[i], None, opened[i])
+        for k in per_thread[i]:
+            aead.decrypt_into(nonce, sealed[k], None, opened[k])
 
     done = n_chunks * chunk_bytes
     return (
@@ -100,17 +108,18 @@ def aes_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) -> 
 
 
 def memcpy_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) -> float:
+    """GB/s of a plain copy of the same bytes (distinct buffers, as above)."""
     n_chunks = max(1, total_bytes // chunk_bytes)
     per_thread = [list(range(i, n_chunks, threads)) for i in range(threads)]
-    src = [torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8) for _ in range(threads)]
+    src = [torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8) for _ in range(n_chunks)]
     dst = [torch.empty_like(s) for s in src]
     old = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
 
         def copy(i: int) -> None:
-            for _ in per_thread[i]:
-                dst[i].copy_(src[i])
+            for k in per_thread[i]:
+                dst[k].copy_(src[k])
 
         return n_chunks * chunk_bytes / _median_time(_parallel(threads, copy), reps) / 1e9
     finally:
