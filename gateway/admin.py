@@ -21,6 +21,8 @@ import os
 import time
 from collections.abc import Sequence
 
+from opentelemetry import trace
+
 from audit.types import Actions, Actor, AuditEvent, Target
 from gateway.core import ClearResult, Gateway, _check_name
 from gateway.errors import InvalidRequest, TenantUnavailable
@@ -29,6 +31,8 @@ from tenancy.models import utcnow
 from tenancy.registry import ClearJobRecord, TenantExists, UnknownTenant
 
 __all__ = ["Admin"]
+
+_tracer = trace.get_tracer("kvgate.admin")
 
 
 class Admin:
@@ -123,6 +127,11 @@ class Admin:
                 "epochs": {n.name: n.epoch for n in nss},
                 "key_versions": [k.version for k in keys if k.state != "destroyed"],
             }
+        with _tracer.start_as_current_span("kvgate.clear") as span:
+            span.set_attributes({"kvgate.tenant": self.gw.deriver.owner_label(tenant)[:16], "kvgate.scope": scope})
+            return await self._record_and_run(tenant, namespace, scope, details, chunks, actor)
+
+    async def _record_and_run(self, tenant, namespace, scope, details, chunks, actor) -> ClearResult:
         job = await self.gw.registry.create_clear_job(tenant, namespace, scope, details)
         self.gw.audit.emit(
             AuditEvent(

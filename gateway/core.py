@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
+from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import EnvelopeContext
-from crypto.errors import DecryptionFailed, KeyUnavailable
+from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from crypto.kek import KekProvider
 from gateway.chunking import Chunk, InvalidTokens, ModelFingerprint, chain_hashes
 from gateway.datapath import DataPath, OpenJob, SealJob
@@ -48,6 +49,8 @@ from tenancy.types import Capability
 __all__ = ["Gateway", "KVModel", "StoreResult", "LookupResult", "RetrieveResult", "ClearResult"]
 
 log = logging.getLogger("kvgate.core")
+# OpenTelemetry API only: a no-op until the process installs a tracer provider (the server does)
+_tracer = trace.get_tracer("kvgate.core")
 
 _NAME_MAX = 128
 
@@ -120,6 +123,14 @@ class ClearResult:
     deleted_chunks: int
     destroyed_key_versions: list[int]
     epochs: dict[str, int]
+
+
+class _KeysUnavailable(Exception):
+    """Namespace or data keys cannot be unwrapped now (KEK provider down): a miss, not an error."""
+
+    def __init__(self, chunks: int) -> None:
+        super().__init__("keys unavailable")
+        self.chunks = chunks
 
 
 @dataclass(slots=True)
@@ -277,7 +288,11 @@ class Gateway:
         except TenantUnavailable:
             self.stats["denials"] += 1
             raise AccessDenied("tenant unavailable") from None
+        except (KekError, KeyUnavailable) as exc:  # the KEK provider is unreachable
+            self.stats["key_unavailable"] += 1
+            raise _KeysUnavailable(len(chunks)) from exc
         keys = [ChunkKey(ns.owner, ns.group, ns.storage_key(c.chained_hash)) for c in chunks]
+        trace.get_current_span().set_attribute("kvgate.tenant", ns.owner[:16])  # opaque, not the name
         return _Plan(cap, ns, chunks, keys, slots, kv)
 
     @staticmethod
@@ -322,7 +337,7 @@ class Gateway:
         )
 
     # -- data operations ---------------------------------------------------------------------
-    async def store(
+    async def _store(
         self,
         token: str,
         model: KVModel,
@@ -334,19 +349,29 @@ class Gateway:
         skip_existing: bool = True,
     ) -> StoreResult:
         """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``."""
-        plan = await self._plan(
-            token, "put", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
-        )
+        try:
+            plan = await self._plan(
+                token, "put", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
+            )
+        except _KeysUnavailable as exc:  # nothing can be sealed now; the engine goes on
+            self.stats["store_failures"] += exc.chunks
+            return StoreResult(tokens=len(tokens), chunks=exc.chunks, stored=0, skipped=0, bytes_stored=0)
         assert plan.slots is not None and plan.kv is not None
         todo = list(range(len(plan.chunks)))
         if skip_existing:
             present = await self.tiers.contains_many(plan.keys)
             todo = [i for i in todo if not present[i]]
         jobs: list[SealJob] = []
-        for i in todo:
+        for n, i in enumerate(todo):
             c = plan.chunks[i]
             if self.datapath.encrypt:
-                version, dek = await self.keyring.encryption_key(plan.cap.tenant)
+                try:
+                    version, dek = await self.keyring.encryption_key(plan.cap.tenant)
+                except (KekError, KeyUnavailable):  # the KEK provider is unreachable: store less
+                    self.stats["store_failures"] += len(todo) - n
+                    self.stats["key_unavailable"] += 1
+                    todo = todo[:n]
+                    break
             else:  # the benchmark's plaintext baseline
                 version, dek = 0, b""
             ctx = self._context(plan, plan.keys[i], model, version)
@@ -389,9 +414,13 @@ class Gateway:
         size = min(by_size, by_threads)
         return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
-    async def lookup(self, token: str, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> LookupResult:
+    async def _lookup(self, token: str, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> LookupResult:
         """How many leading tokens are stored (prefix walk, stops at the first miss)."""
-        plan = await self._plan(token, "lookup", model, tokens)
+        try:
+            plan = await self._plan(token, "lookup", model, tokens)
+        except _KeysUnavailable as exc:
+            self.stats["lookup_misses"] += 1
+            return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=exc.chunks)
         present = await self.tiers.contains_many(plan.keys)
         hits = 0
         for p in present:
@@ -405,7 +434,7 @@ class Gateway:
             total_chunks=len(plan.chunks),
         )
 
-    async def retrieve(
+    async def _retrieve(
         self,
         token: str,
         model: KVModel,
@@ -419,9 +448,13 @@ class Gateway:
 
         Chunks are fetched, authenticated and unpacked in order; the first miss, failed tag,
         unavailable key or unreachable tier ends the prefix. Returns how many tokens were loaded."""
-        plan = await self._plan(
-            token, "get", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
-        )
+        try:
+            plan = await self._plan(
+                token, "get", model, tokens, kv_layers=kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
+            )
+        except _KeysUnavailable:
+            self.stats["load_misses"] += 1
+            return RetrieveResult(loaded_tokens=0, loaded_chunks=0, integrity_failures=0, unavailable=1)
         assert plan.slots is not None and plan.kv is not None
         slots, kv = plan.slots, plan.kv
         stats = {"failures": 0, "unavailable": 0}
@@ -481,6 +514,32 @@ class Gateway:
             integrity_failures=failures,
             unavailable=unavailable,
         )
+
+    # -- traced entry points: a span each, the tenant only as its opaque owner label -----------
+    async def store(self, token: str, model: KVModel, tokens, kv_layers, **kw) -> StoreResult:
+        """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``
+        (``block_ids`` or ``slot_mapping``; ``skip_existing``). See ``_store``."""
+        with _tracer.start_as_current_span("kvgate.store") as span:
+            res = await self._store(token, model, tokens, kv_layers, **kw)
+            span.set_attributes({"kvgate.chunks": res.chunks, "kvgate.stored": res.stored, "kvgate.bytes": res.bytes_stored})
+            return res
+
+    async def lookup(self, token: str, model: KVModel, tokens) -> LookupResult:
+        """How many leading tokens are stored (prefix walk, stops at the first miss)."""
+        with _tracer.start_as_current_span("kvgate.lookup") as span:
+            res = await self._lookup(token, model, tokens)
+            span.set_attributes({"kvgate.chunks": res.total_chunks, "kvgate.hit_chunks": res.hit_chunks})
+            return res
+
+    async def retrieve(self, token: str, model: KVModel, tokens, kv_layers, **kw) -> RetrieveResult:
+        """Load the longest stored prefix of ``tokens`` into ``kv_layers``. See ``_retrieve``."""
+        with _tracer.start_as_current_span("kvgate.load") as span:
+            res = await self._retrieve(token, model, tokens, kv_layers, **kw)
+            span.set_attributes({
+                "kvgate.loaded_chunks": res.loaded_chunks, "kvgate.integrity_failures": res.integrity_failures,
+                "kvgate.unavailable": res.unavailable,
+            })
+            return res
 
     async def _integrity_failure(self, plan: _Plan, key: ChunkKey, tier: str, index: int) -> None:
         """A stored envelope failed authentication: count, audit, and drop every copy of it so

@@ -291,3 +291,32 @@ async def test_revocations_survive_a_restart(tmp_path):
     async with gateway_runtime(tmp_path, migrate_first=False) as rt:
         with pytest.raises(AccessDenied):
             await rt.gateway.lookup(cap, model, [1, 2, 3])
+
+
+async def test_spans_for_store_load_and_clear_carry_no_tenant_name(tmp_path, monkeypatch):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    import gateway.admin
+    import gateway.core
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(gateway.core, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(gateway.admin, "_tracer", provider.get_tracer("test"))
+    g = small_geometry()
+    model = model_for(g)
+    async with gateway_runtime(tmp_path) as rt:
+        (cap,) = await _setup(rt, "acme")
+        await rt.gateway.store(cap, model, list(range(32)), random_cache(g, NUM_BLOCKS), block_ids=list(range(8)))
+        await rt.gateway.retrieve(cap, model, list(range(32)), zero_cache(g, NUM_BLOCKS), block_ids=list(range(8)))
+        await rt.admin.clear("acme")
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert {"kvgate.store", "kvgate.load", "kvgate.clear"} <= set(spans)
+    assert spans["kvgate.store"].attributes["kvgate.stored"] == 2
+    assert spans["kvgate.load"].attributes["kvgate.loaded_chunks"] == 2
+    for span in spans.values():
+        values = " ".join(str(v) for v in span.attributes.values())
+        assert "acme" not in values and span.attributes.get("kvgate.tenant")

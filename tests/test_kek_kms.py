@@ -170,6 +170,12 @@ async def test_disabled_key_turns_loads_into_misses(kms: dict, tmp_path: Path) -
         assert all(not x.any() for x in dst)
         with pytest.raises(KekError, match="Disabled"):
             rt.gateway.kek.health()
+        # nothing reaches the engine when even the namespace keys cannot be unwrapped
+        rt.gateway.forget_namespace("acme")
+        assert (await rt.gateway.lookup(cap, model, tokens)).hit_tokens == 0
+        assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)).loaded_tokens == 0
+        stored = await rt.gateway.store(cap, model, tokens, src, block_ids=blocks, skip_existing=False)
+        assert stored.stored == 0 and rt.gateway.stats["store_failures"] >= 3
 
         kms["client"].enable_key(KeyId=arn.rsplit("/", 1)[1])  # and back: loads hit again
         await asyncio.sleep(0.01)

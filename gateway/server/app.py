@@ -59,6 +59,10 @@ def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         telemetry = Telemetry()
+        from opentelemetry import trace
+
+        if isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider):  # settable once per process
+            trace.set_tracer_provider(telemetry.tracer_provider)
         runtime = await open_runtime(settings)
         try:
             dev = dev_issuer_for(settings) if settings.dev_issuer else None
