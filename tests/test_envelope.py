@@ -86,7 +86,9 @@ def test_round_trip(n: int) -> None:
     out = bytearray(n)
     assert CIPHER.open_into(DEK, SECRET, CTX, env, out) == n
     assert out == pt
-    assert pt not in env[HEADER_BYTES:] or n == 0
+    # the plaintext does not appear in the envelope (short ones can by chance: 16 bytes or more
+    # colliding with ciphertext has probability ~2^-128)
+    assert pt not in env[HEADER_BYTES:] or n < 16
 
 
 @pytest.mark.parametrize("n", [DEFAULT_SEGMENT_BYTES - 1, DEFAULT_SEGMENT_BYTES + 1])
