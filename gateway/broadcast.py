@@ -12,14 +12,13 @@ drops every cached namespace and data key (they are re-read from the registry on
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import os
 from typing import Any
 
 from gateway.core import Gateway
+from storage.events import RedisEventChannel
 
 __all__ = ["Broadcaster"]
 
@@ -28,61 +27,28 @@ log = logging.getLogger("kvgate.broadcast")
 
 class Broadcaster:
     def __init__(self, gateway: Gateway, redis_url: str, *, prefix: str = "kvgate:") -> None:
-        import redis.asyncio as aioredis  # redis-py only where scale-out is configured
-
         self.gw = gateway
-        self.channel = f"{prefix}events"
         self.origin = f"{os.getpid()}:{os.urandom(4).hex()}"
-        self._client = aioredis.from_url(redis_url, socket_timeout=2.0, socket_connect_timeout=2.0)
-        self._task: asyncio.Task[None] | None = None
-        self._ready = asyncio.Event()
+        self._events = RedisEventChannel(redis_url, f"{prefix}events")
         self.received = 0
 
+    @property
+    def channel(self) -> str:
+        return self._events.channel
+
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._listen(), name="kvgate-broadcast")
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), 5.0)
+        await self._events.subscribe(self._apply, self._forget_all)
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
-        await self._client.aclose()
+        await self._events.aclose()
 
     async def publish(self, kind: str, tenant: str, **fields: Any) -> None:
         """Tell every other process; failures are logged, never raised (the registry is the truth)."""
-        message = json.dumps({"kind": kind, "tenant": tenant, "origin": self.origin, **fields})
-        try:
-            await self._client.publish(self.channel, message)
-        except Exception as exc:  # redis down: others catch up from the registry on reconnect
-            log.warning("could not publish %s: %s", kind, type(exc).__name__)
-
-    async def _listen(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                async with self._client.pubsub() as ps:
-                    await ps.subscribe(self.channel)
-                    if self._ready.is_set():  # a reconnect: messages may have been missed
-                        self._forget_all()
-                    self._ready.set()
-                    backoff = 0.2
-                    async for msg in ps.listen():
-                        if msg.get("type") == "message":
-                            await self._apply(msg.get("data"))
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.warning("broadcast subscription lost (%s); retrying", type(exc).__name__)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+        await self._events.publish(json.dumps({"kind": kind, "tenant": tenant, "origin": self.origin, **fields}))
 
     def _forget_all(self) -> None:
-        self.gw._ns_cache.clear()
-        self.gw.keyring._cache.clear()
-        self.gw.keyring._budgets.clear()
+        self.gw.forget_namespace(None)
+        self.gw.keyring.forget(None)
 
     async def _apply(self, raw: bytes | str | None) -> None:
         try:

@@ -254,9 +254,13 @@ class Gateway:
             self._ns_cache[(tenant, namespace)] = keys
             return keys
 
-    def forget_namespace(self, tenant: str, namespace: str | None = None) -> None:
-        """Drop cached namespace keys (after a clear here or, via broadcast, elsewhere)."""
-        for key in [k for k in self._ns_cache if k[0] == tenant and (namespace is None or k[1] == namespace)]:
+    def forget_namespace(self, tenant: str | None, namespace: str | None = None) -> None:
+        """Drop cached namespace keys (after a clear here or, via broadcast, elsewhere); all of
+        them when ``tenant`` is None."""
+        for key in [
+            k for k in self._ns_cache
+            if tenant is None or (k[0] == tenant and (namespace is None or k[1] == namespace))
+        ]:
             del self._ns_cache[key]
 
     # -- planning ----------------------------------------------------------------------------

@@ -180,8 +180,13 @@ class Keyring:
         self.forget(tenant)
         return destroyed
 
-    def forget(self, tenant: str) -> None:
-        """Drop every cached DEK and budget of a tenant (after a clear elsewhere)."""
+    def forget(self, tenant: str | None) -> None:
+        """Drop every cached DEK and budget of a tenant (after a clear elsewhere); of every
+        tenant when ``tenant`` is None (a missed broadcast)."""
+        if tenant is None:
+            self._budgets.clear()
+            self._cache.clear()
+            return
         self._budgets.pop(tenant, None)
         for key in [k for k in self._cache if k[0] == tenant]:
             del self._cache[key]

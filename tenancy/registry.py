@@ -133,6 +133,14 @@ class Registry:
     async def aclose(self) -> None:
         await self.engine.dispose()
 
+    async def ping(self) -> None:
+        """Raise RegistryError unless the database answers (readiness)."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(select(1))
+        except Exception as exc:
+            raise RegistryError("the registry database is unreachable") from exc
+
     # -- tenants -----------------------------------------------------------------------------
     async def create_tenant(self, tenant: str) -> None:
         try:

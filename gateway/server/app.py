@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 
 from gateway.config import Settings
 from gateway.envelopes import EnvelopePlane
@@ -113,8 +112,7 @@ def create_app(settings: Settings) -> FastAPI:
     async def readyz(state: StateDep) -> JSONResponse:
         checks: dict[str, str] = {}
         try:
-            async with state.runtime.registry.engine.connect() as conn:
-                await conn.execute(text("SELECT 1"))
+            await state.runtime.registry.ping()
             checks["database"] = "ok"
         except Exception:
             checks["database"] = "unavailable"
