@@ -321,6 +321,20 @@ class ChunkCipher:
                     dst_pos += n + TAG_BYTES
         return size
 
+    def seal_device_into(self, dek, binding_secret, ctx, plaintext, plaintext_len, out, *, to_host, segment_bytes=None) -> int:  # type: ignore[no-untyped-def]
+        """Seal a device-resident plaintext in place with an in-place AEAD; see crypto._device."""
+        from crypto._device import seal_device_into
+
+        return seal_device_into(
+            self, dek, binding_secret, ctx, plaintext, plaintext_len, out, to_host=to_host, segment_bytes=segment_bytes
+        )
+
+    def open_device_into(self, dek, binding_secret, ctx, envelope, out, *, to_device, zero) -> int:  # type: ignore[no-untyped-def]
+        """Open an envelope into a device buffer, decrypting there; see crypto._device."""
+        from crypto._device import open_device_into
+
+        return open_device_into(self, dek, binding_secret, ctx, envelope, out, to_device=to_device, zero=zero)
+
     def seal(
         self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, plaintext: Buffer
     ) -> bytearray:

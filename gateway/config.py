@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     chunk_tokens: int = 256
     segment_bytes: int = 2 << 20
     cpu_threads: int = 2
+    # auto: KV on a GPU is encrypted there (only ciphertext reaches the host); host: the explicit
+    # switch that lets plaintext KV cross to the host to be encrypted there (logged at start)
+    device_cipher: Literal["auto", "host"] = "auto"
     invocation_limit: int = 2**32
     kek_provider: Literal["file", "pkcs11", "kms"] = "file"
     kek_file: Path | None = None  # default: state_dir / "kek.key"

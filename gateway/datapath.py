@@ -36,8 +36,10 @@ has let go of them (replaced or evicted): 32 MiB stores went from 0.55-2 to 3.6 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,6 +61,8 @@ from kernels.layouts import KVGeometry
 from kernels.pack import pack, unpack
 from kernels.paged import PagedKV
 from kernels.pieces import ChunkPieces, FlatKV
+
+log = logging.getLogger("kvgate.datapath")
 
 __all__ = ["DataPath", "OpenJob", "SealJob"]
 
@@ -122,17 +126,47 @@ class _Recycler:
             self._held = 0
 
 
+def _to_host(part: torch.Tensor, dst: memoryview) -> None:
+    torch.from_numpy(np.frombuffer(dst, dtype=np.uint8)).copy_(part)
+
+
+def _to_device(src: memoryview, part: torch.Tensor) -> None:
+    with warnings.catch_warnings():  # a read-only envelope: torch only reads it here
+        warnings.simplefilter("ignore", UserWarning)
+        part.copy_(torch.from_numpy(np.frombuffer(src, dtype=np.uint8)))
+
+
+def _zero_(t: torch.Tensor) -> None:
+    t.zero_()
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
     return t.view(-1).view(torch.uint8).numpy().data
 
 
 class DataPath:
     def __init__(
-        self, cipher: ChunkCipher, threads: int = 2, *, encrypt: bool = True, reserve_bytes: int = 256 << 20
+        self,
+        cipher: ChunkCipher,
+        threads: int = 2,
+        *,
+        encrypt: bool = True,
+        reserve_bytes: int = 256 << 20,
+        device_cipher: str = "auto",
     ) -> None:
+        """``device_cipher``: ``auto`` encrypts on the device where the KV lives (CUDA: torch
+        AES-GCM in place, only ciphertext is copied to the host); ``host`` is the explicit switch
+        that lets plaintext KV cross to the host to be encrypted there (logged at start);
+        ``always`` takes the device path even for CPU tensors (tests and the device check)."""
+        if device_cipher not in ("auto", "host", "always"):
+            raise ValueError("device_cipher must be auto, host or always")
         self.cipher = cipher
         self.threads = threads
         self.encrypt = encrypt  # False only for the benchmark's plaintext baseline
+        self.device_cipher = device_cipher
+        self._device_ciphers: dict[str, ChunkCipher] = {}
+        if device_cipher == "host":
+            log.warning("device_cipher=host: plaintext KV of CUDA caches is copied to the host and encrypted there")
         self._envelopes = _Recycler(reserve_bytes)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvgate-cpu") if threads else None
         self._local = threading.local()
@@ -181,7 +215,9 @@ class DataPath:
 
     def seal_batch(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
         """Seal each chunk's KV into a new envelope (the tier keeps it)."""
-        if kv.device.type != "cpu":
+        if self.encrypt and self._on_device(kv):
+            return self._seal_device(kv, binding, jobs)
+        if kv.device.type != "cpu":  # device_cipher=host (the explicit switch) or the plaintext baseline
             return self._seal_packed(kv, binding, jobs)
         flat = FlatKV(kv)
         out: list[memoryview] = []
@@ -200,6 +236,66 @@ class DataPath:
                     pos += p.nbytes
             out.append(env)
         return out
+
+    # -- the device path: encrypt where the KV lives, only ciphertext crosses --------------------
+
+    def _on_device(self, kv: PagedKV) -> bool:
+        return self.device_cipher == "always" or (kv.device.type != "cpu" and self.device_cipher == "auto")
+
+    def _device_cipher(self, device: torch.device) -> ChunkCipher:
+        cipher = self._device_ciphers.get(str(device))
+        if cipher is None:
+            from kernels.aes_gcm import TorchAesGcm
+
+            cipher = ChunkCipher(
+                lambda key: TorchAesGcm(key, device, failure=DecryptionFailed), segment_bytes=self.cipher.segment_bytes
+            )
+            self._device_ciphers[str(device)] = cipher
+        return cipher
+
+    def _device_staging(self, geometry: KVGeometry, n: int, device: torch.device) -> torch.Tensor:
+        bufs: dict | None = getattr(self._local, "dev", None)
+        if bufs is None:
+            bufs = self._local.dev = {}
+        key = (geometry.chunk_shape(n), geometry.dtype, str(device))
+        buf = bufs.get(key)
+        if buf is None:
+            if len(bufs) >= 4:
+                bufs.pop(next(iter(bufs)))
+            buf = bufs[key] = torch.empty(key[0], dtype=geometry.dtype, device=device)
+        return buf
+
+    def _seal_device(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+        """Pack into a device staging buffer, encrypt it there in place, copy ciphertext out."""
+        cipher = self._device_cipher(kv.device)
+        out: list[memoryview] = []
+        for job in jobs:
+            staging = self._device_staging(kv.geometry, job.slots.numel(), kv.device)
+            pack(kv, job.slots, kv.geometry, out=staging)
+            plain = staging.view(-1).view(torch.uint8)
+            seg = self.segment_bytes(plain.numel() // kv.geometry.num_layers)  # as the CPU path
+            env = self._envelopes.take(cipher.envelope_size(plain.numel(), seg))
+            cipher.seal_device_into(
+                job.dek, binding, job.ctx, plain, plain.numel(), env, to_host=_to_host, segment_bytes=seg
+            )
+            out.append(env)
+        return out
+
+    def _open_device(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+        """Copy ciphertext to a device staging buffer, check every tag and decrypt there, then
+        unpack on the device."""
+        cipher = self._device_cipher(kv.device)
+        for i, job in enumerate(jobs):
+            staging = self._device_staging(kv.geometry, job.slots.numel(), kv.device)
+            plain = staging.view(-1).view(torch.uint8)
+            try:
+                if plaintext_length(job.envelope) != plain.numel():
+                    raise DecryptionFailed
+                cipher.open_device_into(job.dek, binding, job.ctx, job.envelope, plain, to_device=_to_device, zero=_zero_)
+            except DecryptionFailed:
+                return i, True
+            unpack(staging, kv, job.slots, kv.geometry)
+        return len(jobs), False
 
     def _seal_packed(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
         """A CUDA cache without the device cipher: pack, copy to the host, seal the copy."""
@@ -225,6 +321,8 @@ class DataPath:
         Returns (chunks loaded, whether the next one failed authentication); it stops at the
         first failure. Nothing of a segment reaches ``kv`` before its tag was checked, and the
         slots of a chunk that failed are left zeroed where earlier segments had landed."""
+        if self.encrypt and self._on_device(kv):
+            return self._open_device(kv, binding, jobs)
         if kv.device.type != "cpu":
             return self._open_packed(kv, binding, jobs)
         flat = FlatKV(kv)

@@ -135,7 +135,10 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         tiers=TierManager(
             tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers
         ),
-        datapath=DataPath(ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt),
+        datapath=DataPath(
+            ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt,
+            device_cipher=settings.device_cipher,
+        ),
         authority=authority,
         audit=audit,
         chunk_tokens=settings.chunk_tokens,
