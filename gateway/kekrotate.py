@@ -154,7 +154,7 @@ def _rewrap_batch(rw: _Rewrapper, items: list[tuple[str, bytes, bytes, str | Non
     return out
 
 
-async def _rotate_data_keys(rows: _Rows, rw: _Rewrapper, report: RotationReport, batch: int) -> None:
+async def _rotate_data_keys(rows: RewrapQueries, rw: _Rewrapper, report: RotationReport, batch: int) -> None:
     after: tuple[str, int] | None = None
     while page := await rows.data_keys(rw.kek.key_id, after, batch):
         after = (page[-1].tenant_id, page[-1].version)
@@ -166,7 +166,7 @@ async def _rotate_data_keys(rows: _Rows, rw: _Rewrapper, report: RotationReport,
         ])
 
 
-async def _rotate_secrets(rows: _Rows, rw: _Rewrapper, report: RotationReport) -> None:
+async def _rotate_secrets(rows: RewrapQueries, rw: _Rewrapper, report: RotationReport) -> None:
     page = await rows.secrets(rw.kek.key_id)
     items = [(f"secret:{r.name}/{r.version}", r.wrapped, secret_context(r.name), r.kek_id) for r in page]
     new = await asyncio.to_thread(_rewrap_batch, rw, items, report.failed)
@@ -176,7 +176,7 @@ async def _rotate_secrets(rows: _Rows, rw: _Rewrapper, report: RotationReport) -
     ])
 
 
-async def _rotate_salts(rows: _Rows, rw: _Rewrapper, report: RotationReport, batch: int) -> None:
+async def _rotate_salts(rows: RewrapQueries, rw: _Rewrapper, report: RotationReport, batch: int) -> None:
     after: tuple[str, str] | None = None
     while page := await rows.salts(after, batch):
         after = (page[-1].tenant_id, page[-1].name)

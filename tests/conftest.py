@@ -10,7 +10,9 @@ import asyncio
 import os
 import secrets
 import socket
+import threading
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from urllib.parse import urlparse
 
 import pytest
@@ -47,51 +49,59 @@ def _with_db(url: str, dbname: str) -> str:
     return u._replace(path="/" + dbname).geturl()
 
 
-@pytest.fixture(scope="session")
-def pg_database_url() -> Iterator[str]:
-    """A Postgres database created for this test session and dropped after it.
-
-    Returns an SQLAlchemy async URL (postgresql+asyncpg://...)."""
-    _need("PostgreSQL", PG_ADMIN_URL, 5432)
+def _admin_sql(sql: str) -> None:
+    """Run one statement on the admin database, in a thread of its own (callers may be inside a
+    running event loop)."""
     import asyncpg
 
-    name = f"kvgate_test_{os.getpid()}_{secrets.token_hex(4)}"
     plain = PG_ADMIN_URL.replace("postgresql+asyncpg://", "postgresql://")
+    errors: list[BaseException] = []
 
-    async def run(sql: str) -> None:
+    async def run() -> None:
         conn = await asyncpg.connect(plain)
         try:
             await conn.execute(sql)
         finally:
             await conn.close()
 
-    asyncio.run(run(f'CREATE DATABASE "{name}"'))
+    def target() -> None:
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    t = threading.Thread(target=target)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
+@contextmanager
+def scratch_database(prefix: str = "kvgate_t") -> Iterator[str]:
+    """A Postgres database of its own, dropped afterwards; yields its SQLAlchemy async URL."""
+    _need("PostgreSQL", PG_ADMIN_URL, 5432)
+    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(4)}"
+    _admin_sql(f'CREATE DATABASE "{name}"')
     try:
         yield _with_db(PG_ADMIN_URL, name)
     finally:
-        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _admin_sql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def pg_database_url() -> Iterator[str]:
+    """A Postgres database created for this test session and dropped after it (an SQLAlchemy
+    async URL, postgresql+asyncpg://...)."""
+    with scratch_database("kvgate_test") as url:
+        yield url
 
 
 @pytest.fixture
 def fresh_pg_url(pg_database_url: str) -> Iterator[str]:
     """A Postgres database of its own for one test (for schema and migration tests)."""
-    import asyncpg
-
-    name = f"kvgate_t_{os.getpid()}_{secrets.token_hex(4)}"
-    plain = PG_ADMIN_URL.replace("postgresql+asyncpg://", "postgresql://")
-
-    async def run(sql: str) -> None:
-        conn = await asyncpg.connect(plain)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    asyncio.run(run(f'CREATE DATABASE "{name}"'))
-    try:
-        yield _with_db(PG_ADMIN_URL, name)
-    finally:
-        asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with scratch_database() as url:
+        yield url
 
 
 @pytest.fixture

@@ -249,29 +249,10 @@ def live_server_pg(tmp_path: Path, fresh_pg_url: str) -> Iterator[LiveServer]:
 def scratch_pg_database() -> Iterator[str]:
     """A Postgres database of its own (a server's KEK-wrapped secrets live in it, so two servers
     with different state directories must not share one)."""
-    import asyncpg
+    from tests.conftest import scratch_database
 
-    from tests.conftest import PG_ADMIN_URL, _need, _with_db
-
-    _need("PostgreSQL", PG_ADMIN_URL, 5432)
-    name = f"kvgate_srv_{secrets.token_hex(5)}"
-    plain = PG_ADMIN_URL.replace("postgresql+asyncpg://", "postgresql://")
-
-    async def run(sql: str) -> None:
-        conn = await asyncpg.connect(plain)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
-
-    def sync(sql: str) -> None:
-        _off_loop(lambda: asyncio.run(run(sql)))
-
-    sync(f'CREATE DATABASE "{name}"')
-    try:
-        yield _with_db(PG_ADMIN_URL, name)
-    finally:
-        sync(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with scratch_database("kvgate_srv") as url:
+        yield url
 
 
 @pytest.fixture(scope="module", params=["sqlite", "postgres"])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import random
 import time
 
-import pytest
 from scipy.stats import ks_2samp
 
 from gateway.errors import AccessDenied
