@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, Target
-from gateway.core import ClearResult, Gateway, _check_name
+from gateway.core import Gateway
+from gateway.types import ClearResult, check_name
 from gateway.errors import InvalidRequest, TenantUnavailable
 from storage.types import ChunkKey
 from tenancy.models import utcnow
@@ -47,7 +48,7 @@ class Admin:
     # -- tenants -----------------------------------------------------------------------------
     async def create_tenant(self, tenant: str, *, actor: Actor | None = None) -> int:
         """Register a tenant and its first data-key version; returns that version."""
-        _check_name(tenant, "tenant")
+        check_name(tenant, "tenant")
         try:
             await self.gw.registry.create_tenant(tenant)
         except TenantExists:
@@ -105,7 +106,7 @@ class Admin:
         actor: Actor | None = None,
     ) -> ClearResult:
         """Clear a tenant, one namespace, or a list of chunks (of that tenant)."""
-        _check_name(tenant, "tenant")
+        check_name(tenant, "tenant")
         try:
             await self.gw.registry.tenant_status(tenant)
         except UnknownTenant:
@@ -116,7 +117,7 @@ class Admin:
                 raise InvalidRequest("every chunk must belong to the tenant being cleared")
             scope, details = "chunks", {"digests": sorted(k.digest for k in chunks), "groups": sorted({k.group for k in chunks})}
         elif namespace is not None:
-            _check_name(namespace, "namespace")
+            check_name(namespace, "namespace")
             rec = await self.gw.registry.get_namespace(tenant, namespace)
             scope, details = "namespace", {"epochs": {namespace: rec.epoch} if rec else {}}
         else:

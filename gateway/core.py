@@ -21,7 +21,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 from opentelemetry import trace
@@ -30,11 +30,12 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import EnvelopeContext
 from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from crypto.kek import KekProvider
-from gateway.chunking import Chunk, InvalidTokens, ModelFingerprint, chain_hashes
+from gateway.chunking import Chunk, InvalidTokens, chain_hashes
 from gateway.datapath import DataPath, OpenJob, SealJob
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
+from gateway.types import ClearResult, KVModel, LookupResult, RetrieveResult, StoreResult, check_name
 from kernels.errors import KVLayoutError
-from kernels.layouts import CHUNK_LAYOUT, KVGeometry
+from kernels.layouts import KVGeometry
 from kernels.pack import slots_from_block_ids
 from kernels.paged import PagedKV
 from storage.manager import TierManager
@@ -51,79 +52,6 @@ __all__ = ["Gateway", "KVModel", "StoreResult", "LookupResult", "RetrieveResult"
 log = logging.getLogger("kvgate.core")
 # OpenTelemetry API only: a no-op until the process installs a tracer provider (the server does)
 _tracer = trace.get_tracer("kvgate.core")
-
-_NAME_MAX = 128
-
-
-def _check_name(value: str, what: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > _NAME_MAX or not value.isprintable():
-        raise InvalidRequest(f"{what} must be a printable string of 1..{_NAME_MAX} characters")
-    return value
-
-
-@dataclass(frozen=True, slots=True)
-class KVModel:
-    """The model whose KV a worker moves: a name (what the operator calls it) and its geometry."""
-
-    name: str
-    geometry: KVGeometry
-    tp_rank: int = 0
-    tp_size: int = 1
-    vocab_size: int | None = None
-
-    fingerprint: ModelFingerprint = field(init=False, repr=False, compare=False)
-    fingerprint_digest: str = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        g = self.geometry
-        fp = ModelFingerprint(
-            model=self.name,
-            dtype=str(g.dtype).removeprefix("torch."),
-            num_layers=g.num_layers,
-            num_kv_heads=g.num_kv_heads,
-            head_size=g.head_size,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            layout_version=int(CHUNK_LAYOUT.rsplit(":v", 1)[1]),
-        )
-        object.__setattr__(self, "fingerprint", fp)
-        object.__setattr__(self, "fingerprint_digest", fp.digest)
-
-
-@dataclass(slots=True)
-class StoreResult:
-    tokens: int
-    chunks: int
-    stored: int
-    skipped: int
-    bytes_stored: int
-
-
-@dataclass(slots=True)
-class LookupResult:
-    hit_tokens: int
-    hit_chunks: int
-    total_chunks: int
-    locations: list[list[str]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class RetrieveResult:
-    loaded_tokens: int
-    loaded_chunks: int
-    integrity_failures: int
-    unavailable: int  # key destroyed/unwrappable or tier unreachable
-
-
-@dataclass(slots=True)
-class ClearResult:
-    job_id: str
-    tenant: str
-    namespace: str | None
-    deleted_chunks: int
-    destroyed_key_versions: list[int]
-    epochs: dict[str, int]
-
 
 class _KeysUnavailable(Exception):
     """Namespace or data keys cannot be unwrapped now (KEK provider down): a miss, not an error."""
@@ -188,8 +116,8 @@ class Gateway:
         actor: Actor | None = None,
     ) -> str:
         """Mint a capability for an authenticated principal (the caller has checked its roles)."""
-        _check_name(tenant, "tenant")
-        _check_name(namespace, "namespace")
+        check_name(tenant, "tenant")
+        check_name(namespace, "namespace")
         try:
             await self.registry.require_active(tenant)
         except (UnknownTenant, TenantDisabled) as exc:

@@ -1,0 +1,84 @@
+"""The gateway's value types: the model a worker moves KV for, and the results of the core's
+operations. Imports no I/O; the core re-exports them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gateway.chunking import ModelFingerprint
+from gateway.errors import InvalidRequest
+from kernels.layouts import CHUNK_LAYOUT, KVGeometry
+
+__all__ = ["KVModel", "StoreResult", "LookupResult", "RetrieveResult", "ClearResult", "check_name"]
+
+_NAME_MAX = 128
+
+
+def check_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > _NAME_MAX or not value.isprintable():
+        raise InvalidRequest(f"{what} must be a printable string of 1..{_NAME_MAX} characters")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class KVModel:
+    """The model whose KV a worker moves: a name (what the operator calls it) and its geometry."""
+
+    name: str
+    geometry: KVGeometry
+    tp_rank: int = 0
+    tp_size: int = 1
+    vocab_size: int | None = None
+
+    fingerprint: ModelFingerprint = field(init=False, repr=False, compare=False)
+    fingerprint_digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        g = self.geometry
+        fp = ModelFingerprint(
+            model=self.name,
+            dtype=str(g.dtype).removeprefix("torch."),
+            num_layers=g.num_layers,
+            num_kv_heads=g.num_kv_heads,
+            head_size=g.head_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            layout_version=int(CHUNK_LAYOUT.rsplit(":v", 1)[1]),
+        )
+        object.__setattr__(self, "fingerprint", fp)
+        object.__setattr__(self, "fingerprint_digest", fp.digest)
+
+
+@dataclass(slots=True)
+class StoreResult:
+    tokens: int
+    chunks: int
+    stored: int
+    skipped: int
+    bytes_stored: int
+
+
+@dataclass(slots=True)
+class LookupResult:
+    hit_tokens: int
+    hit_chunks: int
+    total_chunks: int
+    locations: list[list[str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class RetrieveResult:
+    loaded_tokens: int
+    loaded_chunks: int
+    integrity_failures: int
+    unavailable: int  # key destroyed/unwrappable or tier unreachable
+
+
+@dataclass(slots=True)
+class ClearResult:
+    job_id: str
+    tenant: str
+    namespace: str | None
+    deleted_chunks: int
+    destroyed_key_versions: list[int]
+    epochs: dict[str, int]
