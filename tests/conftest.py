@@ -44,6 +44,13 @@ def _need(service: str, url: str, port: int) -> None:
     pytest.skip(msg)
 
 
+def missing(what: str) -> None:
+    """A tool a test needs is absent: fail under CI=true (CI must install it), skip elsewhere."""
+    if IN_CI:
+        pytest.fail(f"{what} (CI=true: required)")
+    pytest.skip(what)
+
+
 def _with_db(url: str, dbname: str) -> str:
     u = urlparse(url)
     return u._replace(path="/" + dbname).geturl()

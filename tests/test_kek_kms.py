@@ -21,7 +21,7 @@ import torch
 
 from crypto.errors import KekError
 from tenancy.keyring import dek_context
-from tests.conftest import free_port
+from tests.conftest import free_port, missing
 from tests.gw import (
     ALL_OPS,
     gateway_runtime,
@@ -37,9 +37,7 @@ NUM_BLOCKS = 32
 
 
 def _missing(what: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} (CI must install it: pip install boto3 'moto[server]')")
-    pytest.skip(what)
+    missing(f"{what} (install: pip install boto3 'moto[server]')")
 
 
 @pytest.fixture(scope="module")

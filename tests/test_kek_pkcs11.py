@@ -19,6 +19,7 @@ import torch
 
 from crypto.errors import KekError
 from crypto.kek import Secret
+from tests.conftest import missing
 from tests.gw import (
     ALL_OPS,
     gateway_runtime,
@@ -41,9 +42,7 @@ NUM_BLOCKS = 32
 
 
 def _missing(what: str) -> None:
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{what} (CI must install it: apt-get install -y softhsm2; pip install python-pkcs11)")
-    pytest.skip(what)
+    missing(f"{what} (install: apt-get install -y softhsm2; pip install python-pkcs11)")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from storage import ChunkKey, ChunkNotFound, InvalidChunk, TierFull, TierUnavail
 from storage._redis_breaker import CircuitBreaker
 from storage._redis_layout import Header, Layout, pack_header
 from storage.redis import RedisTier
-from tests.conftest import IN_CI, free_port
+from tests.conftest import free_port, missing
 
 pytestmark = pytest.mark.redis
 KiB, MiB = 1024, 1024 * 1024
@@ -326,7 +326,7 @@ class Server:
 @pytest.fixture
 def server() -> Iterator[Server]:
     if shutil.which("redis-server") is None:
-        (pytest.fail if IN_CI else pytest.skip)("redis-server is not installed")
+        missing("redis-server is not installed")
     srv = Server()
     srv.start()
     try:
@@ -414,7 +414,7 @@ async def test_slow_server_times_out_at_op_timeout(server: Server) -> None:
 
 async def test_full_server_refuses_puts_with_tier_full() -> None:
     if shutil.which("redis-server") is None:
-        (pytest.fail if IN_CI else pytest.skip)("redis-server is not installed")
+        missing("redis-server is not installed")
     srv = Server("--maxmemory", "4mb", "--maxmemory-policy", "noeviction")
     srv.start()
     tier = RedisTier(srv.url, breaker_failures=1, put_timeout_s=5.0, op_timeout_s=2.0)  # no timing asserted here

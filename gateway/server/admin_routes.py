@@ -5,10 +5,11 @@ tenants). Every action is audited by the core; every refusal is audited here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -163,8 +164,15 @@ def _export(state, format: str, params: dict) -> AuditExport:
 ExportFormat = Annotated[Literal["jsonl", "csv"], Query()]
 
 
-@router.get("/audit/export", response_class=Response, responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}})
-async def audit_export(
+@dataclass(frozen=True)
+class _ExportWindow:
+    """The query both export routes take, authorized and resolved to a fixed window once."""
+
+    format: str
+    params: dict
+
+
+def _export_window(
     principal: PrincipalDep,
     state: StateDep,
     request: Request,
@@ -172,27 +180,27 @@ async def audit_export(
     until: datetime | None = None,
     tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
     format: ExportFormat = "jsonl",
-) -> Response:
+) -> _ExportWindow:
+    return _ExportWindow(format, _export_params(principal, state, request, since, until, tenant))
+
+
+ExportWindow = Annotated[_ExportWindow, Depends(_export_window)]
+
+
+@router.get("/audit/export", response_class=Response, responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}})
+async def audit_export(window: ExportWindow, state: StateDep) -> Response:
     """The audit rows of a fixed time window, streamed. The signed manifest of the same window is
     at ``/v1/admin/audit/export/manifest`` (the window is echoed in ``X-KV-Until``)."""
-    params = _export_params(principal, state, request, since, until, tenant)
-    export = _export(state, format, params)
-    media = "application/x-ndjson" if format == "jsonl" else "text/csv"
-    return StreamingResponse(export.stream(), media_type=media, headers={"X-KV-Until": params["until"].isoformat()})
+    export = _export(state, window.format, window.params)
+    media = "application/x-ndjson" if window.format == "jsonl" else "text/csv"
+    return StreamingResponse(
+        export.stream(), media_type=media, headers={"X-KV-Until": window.params["until"].isoformat()}
+    )
 
 
 @router.get("/audit/export/manifest")
-async def audit_manifest(
-    principal: PrincipalDep,
-    state: StateDep,
-    request: Request,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
-    format: ExportFormat = "jsonl",
-) -> JSONResponse:
-    params = _export_params(principal, state, request, since, until, tenant)
-    export = _export(state, format, params)
+async def audit_manifest(window: ExportWindow, state: StateDep) -> JSONResponse:
+    export = _export(state, window.format, window.params)
     async for _ in export.stream():
         pass
     return JSONResponse(export.manifest())
