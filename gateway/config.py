@@ -60,6 +60,12 @@ class Settings(BaseSettings):
     disk_dir: Path | None = None  # default: state_dir / "chunks"
     disk_bytes: int | None = None
     disk_fsync: bool = True
+    # deadlines of a remote tier (Redis), seconds: a lookup (presence check), a read (plus the
+    # payload at 128 MiB/s) and a write (likewise). A missed deadline is a miss, counted; it
+    # never fails the engine. The scheduler waits for lookups, so keep that one short.
+    tier_lookup_timeout_s: float = 0.1
+    tier_read_timeout_s: float = 0.25
+    tier_write_timeout_s: float = 1.0
 
     # chunking and crypto
     chunk_tokens: int = 256
@@ -128,6 +134,9 @@ class Settings(BaseSettings):
             raise ValueError("kek_provider 'kms' needs kms_key_id")
         if self.kek_cache_ttl_s <= 0:
             raise ValueError("kek_cache_ttl_s must be positive")
+        for name in ("tier_lookup_timeout_s", "tier_read_timeout_s", "tier_write_timeout_s"):
+            if not 0 < getattr(self, name) <= 60:
+                raise ValueError(f"{name} must be in (0, 60] seconds")
         if "redis" in self.tiers and not self.redis_url:
             raise ValueError("the redis tier needs redis_url")
         return self

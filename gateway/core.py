@@ -39,7 +39,7 @@ from kernels.layouts import KVGeometry
 from kernels.pack import slots_from_block_ids
 from kernels.paged import PagedKV
 from storage.manager import TierManager
-from storage.types import ChunkKey, ChunkNotFound, TierError
+from storage.types import ChunkKey, ChunkNotFound, TierError, TierTimeout
 from tenancy.capabilities import CapabilityAuthority, read_unverified
 from tenancy.errors import CapabilityDenied, CapabilityRequestInvalid
 from tenancy.keyring import Keyring
@@ -352,18 +352,24 @@ class Gateway:
             plan = await self._plan(token, "lookup", model, tokens)
         except _KeysUnavailable as exc:
             self.stats["lookup_misses"] += 1
-            return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=exc.chunks)
-        present = await self.tiers.contains_many(plan.keys)
+            self.stats["lookup_degraded_key_unavailable"] += 1
+            return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=exc.chunks, degraded="key_unavailable")
+        present, errors = await self.tiers.contains_many_checked(plan.keys)
         hits = 0
         for p in present:
             if not p:
                 break
             hits += 1
+        degraded = ""
+        if errors and hits < len(plan.chunks):  # a tier that could not answer may hold the rest
+            degraded = "tier_timeout" if any(isinstance(e, TierTimeout) for e in errors) else "tier_unavailable"
+            self.stats[f"lookup_degraded_{degraded}"] += 1
         self.stats["lookup_hits" if hits else "lookup_misses"] += 1
         return LookupResult(
             hit_tokens=plan.chunks[hits - 1].end if hits else 0,
             hit_chunks=hits,
             total_chunks=len(plan.chunks),
+            degraded=degraded,
         )
 
     async def _retrieve(
@@ -386,10 +392,14 @@ class Gateway:
             )
         except _KeysUnavailable:
             self.stats["load_misses"] += 1
-            return RetrieveResult(loaded_tokens=0, loaded_chunks=0, integrity_failures=0, unavailable=1)
+            self.stats["load_failed_key_unavailable"] += 1
+            return RetrieveResult(
+                loaded_tokens=0, loaded_chunks=0, integrity_failures=0, unavailable=1, reason="key_unavailable"
+            )
         assert plan.slots is not None and plan.kv is not None
         slots, kv = plan.slots, plan.kv
         stats = {"failures": 0, "unavailable": 0}
+        ended: dict[int, str] = {}  # chunk index -> why the prefix ended there (per batch)
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
 
         async def run(batch: list[int]) -> int:
@@ -400,17 +410,21 @@ class Gateway:
                 c, key = plan.chunks[i], plan.keys[i]
                 try:
                     found = await self.tiers.get(key)
-                except ChunkNotFound:
+                except ChunkNotFound as exc:
+                    # the manager says "all" missed; a tier that failed on the way is the reason
+                    ended[i] = self._read_failure(exc)
                     break
-                except TierError:
+                except TierError as exc:
                     stats["unavailable"] += 1
+                    ended[i] = "tier_timeout" if isinstance(exc, TierTimeout) else "tier_unavailable"
                     break
                 try:
                     version = self.datapath.key_version(found.data)
                     dek = await self.keyring.decryption_key(plan.cap.tenant, version) if self.datapath.encrypt else b""
-                except KeyUnavailable:
+                except (KeyUnavailable, KekError):
                     stats["unavailable"] += 1
                     self.stats["key_unavailable"] += 1
+                    ended[i] = "key_unavailable"
                     break
                 except DecryptionFailed:  # not even a parsable header
                     jobs.append(OpenJob(found.data, slots[c.start : c.end], b"", self._context(plan, key, model, 1)))
@@ -424,6 +438,7 @@ class Gateway:
                 loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, plan.ns.binding_secret, jobs)
             if failed:
                 stats["failures"] += 1
+                ended[batch[loaded]] = "integrity"
                 await self._integrity_failure(plan, plan.keys[batch[loaded]], tiers[loaded], batch[loaded])
             self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
             return loaded
@@ -438,6 +453,11 @@ class Gateway:
             if n < len(batch):
                 break
         failures, unavailable = stats["failures"], stats["unavailable"]
+        reason = ""
+        if loaded < len(plan.chunks):
+            reason = ended.get(loaded, "miss")
+            self.stats[f"load_failed_{reason}"] += 1
+            log.warning("load ended at chunk %d of %d: %s", loaded, len(plan.chunks), reason)
         self.stats["chunks_loaded"] += loaded
         self.stats["load_misses" if loaded < len(plan.chunks) else "load_hits"] += 1
         return RetrieveResult(
@@ -445,7 +465,15 @@ class Gateway:
             loaded_chunks=loaded,
             integrity_failures=failures,
             unavailable=unavailable,
+            reason=reason,
         )
+
+    def _read_failure(self, exc: ChunkNotFound) -> str:
+        """Why a get found nothing: "miss", unless a tier failed during it (the manager counts
+        tier errors and falls through to the next tier, ending in ChunkNotFound)."""
+        if any(isinstance(e, TierTimeout) for e in exc.tier_errors):
+            return "tier_timeout"
+        return "tier_unavailable" if exc.tier_errors else "miss"
 
     # -- traced entry points: a span each, the tenant only as its opaque owner label -----------
     async def store(self, token: str, model: KVModel, tokens, kv_layers, **kw) -> StoreResult:

@@ -305,10 +305,12 @@ class RemoteGateway:
         gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
         fetches = [asyncio.ensure_future(self._fetch(f"/v1/chunks/{c.chained_hash.hex()}", gate)) for c in chunks]
         loaded = failures = unavailable = 0
+        reason = ""
         try:
             for c, fut in zip(chunks, fetches):
                 r = await fut
                 if r is None:
+                    reason = "miss"
                     break
                 envelope = r.content
                 try:
@@ -316,6 +318,7 @@ class RemoteGateway:
                     lease = await self._opening_lease(version)
                     if lease is None:  # that key version is destroyed (or never existed)
                         unavailable += 1
+                        reason = "key_unavailable"
                         self.stats["unavailable"] += 1
                         break
                     plain = torch.empty(model.geometry.chunk_shape(c.num_tokens), dtype=model.geometry.dtype)
@@ -326,6 +329,7 @@ class RemoteGateway:
                     await asyncio.to_thread(self._cipher.open_into, lease.dek, lease.binding_secret, ctx, envelope, out)
                 except DecryptionFailed:
                     failures += 1
+                    reason = "integrity"
                     self.stats["integrity_failures"] += 1
                     await self._drop(c)
                     break
@@ -337,7 +341,7 @@ class RemoteGateway:
             await asyncio.gather(*fetches, return_exceptions=True)
         return RetrieveResult(
             loaded_tokens=chunks[loaded - 1].end if loaded else 0, loaded_chunks=loaded,
-            integrity_failures=failures, unavailable=unavailable,
+            integrity_failures=failures, unavailable=unavailable, reason=reason if loaded < len(chunks) else "",
         )
 
     async def _opening_lease(self, version: int) -> KeyLease | None:

@@ -78,7 +78,10 @@ async def _tiers(settings: Settings) -> list[Tier]:
             from storage.redis import RedisTier  # redis-py only where the tier is chosen
 
             assert settings.redis_url is not None  # validated by Settings
-            tiers.append(await RedisTier.open(settings.redis_url, prefix=settings.redis_prefix))
+            tiers.append(await RedisTier.open(
+                settings.redis_url, prefix=settings.redis_prefix, op_timeout_s=settings.tier_lookup_timeout_s,
+                read_timeout_s=settings.tier_read_timeout_s, put_timeout_s=settings.tier_write_timeout_s,
+            ))
         else:  # pragma: no cover - validated by Settings
             raise ValueError(f"tier {name!r} is not available in this build")
     return tiers

@@ -64,6 +64,9 @@ class LookupResult:
     hit_chunks: int
     total_chunks: int
     locations: list[list[str]] = field(default_factory=list)
+    # why the answer may be short although chunks are stored: "" (it is not), "tier_timeout",
+    # "tier_unavailable" (a tier missed its lookup deadline or is down), "key_unavailable"
+    degraded: str = ""
 
 
 @dataclass(slots=True)
@@ -72,6 +75,9 @@ class RetrieveResult:
     loaded_chunks: int
     integrity_failures: int
     unavailable: int  # key destroyed/unwrappable or tier unreachable
+    # why the prefix ended before the last chunk: "" (it did not), "miss" (gone since the
+    # lookup), "integrity", "tier_timeout", "tier_unavailable", "key_unavailable"
+    reason: str = ""
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ from redis.exceptions import (
 )
 
 from storage._redis_breaker import CircuitBreaker
-from storage.types import TierError, TierFull, TierUnavailable
+from storage.types import TierError, TierFull, TierTimeout, TierUnavailable
 
 __all__ = ["OOM", "UNREACHABLE", "Guard", "classify", "make_client"]
 
@@ -132,8 +132,11 @@ class Guard:
             self._n["errors"] += 1
             if kind == UNREACHABLE:
                 self.breaker.failure()
-                reason = f"timed out after {timeout * 1000:.0f} ms" if isinstance(exc, TimeoutError) else "unreachable"
-                raise TierUnavailable(f"redis {what} failed: {reason} ({type(exc).__name__})") from exc
+                if isinstance(exc, TimeoutError):
+                    self._n["timeouts"] = self._n.get("timeouts", 0) + 1
+                    self._n[f"timeouts_{what}"] = self._n.get(f"timeouts_{what}", 0) + 1
+                    raise TierTimeout(f"redis {what} failed: timed out after {timeout * 1000:.0f} ms") from exc
+                raise TierUnavailable(f"redis {what} failed: unreachable ({type(exc).__name__})") from exc
             self.breaker.success()
             if kind == OOM:
                 self._n["rejected"] += 1

@@ -110,19 +110,21 @@ class TierManager:
 
     async def get(self, key: ChunkKey) -> StoredChunk:
         misses: list[Tier] = []
+        failed: list[TierError] = []
         for t in self.tiers:
             try:
                 found = await t.get(key)
             except ChunkNotFound:
                 misses.append(t)
                 continue
-            except TierError:
+            except TierError as exc:
                 self.errors[t.name] += 1
+                failed.append(exc)
                 continue
             if self.promote and misses:
                 await self._promote(key, found, misses)
             return found
-        raise ChunkNotFound(key, "all")
+        raise ChunkNotFound(key, "all", tier_errors=failed)
 
     async def _promote(self, key: ChunkKey, found: StoredChunk, into: list[Tier]) -> None:
         for t in into:
@@ -134,19 +136,26 @@ class TierManager:
                 self.errors[t.name] += 1
 
     async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        return (await self.contains_many_checked(keys))[0]
+
+    async def contains_many_checked(self, keys: Sequence[ChunkKey]) -> tuple[list[bool], list[TierError]]:
+        """Presence of each key in any tier, and the errors of tiers that could not answer (a
+        key they hold then reads as absent: the caller may say why its answer is short)."""
         present = [False] * len(keys)
+        errors: list[TierError] = []
         for t in self.tiers:
             todo = [i for i, p in enumerate(present) if not p]
             if not todo:
                 break
             try:
                 found = await t.contains_many([keys[i] for i in todo])
-            except TierError:
+            except TierError as exc:
                 self.errors[t.name] += 1
+                errors.append(exc)
                 continue
             for i, f in zip(todo, found):
                 present[i] = present[i] or f
-        return present
+        return present, errors
 
     async def locate(self, key: ChunkKey) -> list[str]:
         out = []

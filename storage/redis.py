@@ -23,10 +23,13 @@ the caller's buffer as memoryview slices straight to the socket (no join; see _r
 Measured on the 2-core dev machine, same run, GB/s (tier vs best raw redis-py asyncio client):
 put 2 MiB 1.56 vs 2.53 SET, 33.5 MiB 1.87 vs 1.32; get 2 MiB 1.56 vs 1.53, 33.5 MiB 0.66 vs 0.75.
 
-Faults: every call runs under a deadline -- ``op_timeout_s`` (50 ms) for lookups, plus
-``len / min_bytes_per_s`` for the payload of a large get; ``put_timeout_s`` (+ the same payload
-allowance) for writes; ``clear_timeout_s`` per batch of a group clear. redis-py never retries on
-its own. Connection errors and timeouts raise :class:`TierUnavailable` (never a redis-py
+Faults: every call runs under a deadline -- ``op_timeout_s`` for lookups (``contains``), pins and
+small calls; ``read_timeout_s`` (default: ``op_timeout_s``) for a get, plus ``len /
+min_bytes_per_s`` for the payload of a large one; ``put_timeout_s`` (+ the same payload
+allowance) for writes; ``clear_timeout_s`` per batch of a group clear (the gateway sets them from
+``tier_lookup_timeout_s``, ``tier_read_timeout_s`` and ``tier_write_timeout_s``). redis-py never
+retries on its own. Connection errors raise :class:`TierUnavailable`, deadlines
+:class:`TierTimeout` (counted per operation in ``stats().timeouts``; never a redis-py
 exception) and feed a circuit breaker: after ``breaker_failures`` consecutive failures calls fail
 fast for ``breaker_cooldown_s``, then one probe is let through, and success closes the circuit.
 
@@ -49,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -64,6 +68,7 @@ from storage.types import (
     ChunkNotFound,
     InvalidChunk,
     StoredChunk,
+    TierError,
     TierFull,
     TierUnavailable,
 )
@@ -92,6 +97,7 @@ class RedisTierStats:
     used_bytes: int
     breaker_state: str
     breaker_trips: int
+    timeouts: dict[str, int] = dc_field(default_factory=dict)  # deadlines missed, by operation
 
 
 class RedisTier(Tier):
@@ -107,6 +113,7 @@ class RedisTier(Tier):
         segment_bytes: int = 2 * MiB,
         ttl_s: int | None = None,
         op_timeout_s: float = 0.05,
+        read_timeout_s: float | None = None,
         put_timeout_s: float = 0.5,
         clear_timeout_s: float = 5.0,
         min_bytes_per_s: float = 128 * MiB,
@@ -132,6 +139,9 @@ class RedisTier(Tier):
         self.segment_bytes = segment_bytes
         self.ttl_s = ttl_s
         self.op_timeout_s = float(op_timeout_s)
+        if read_timeout_s is not None and not (isinstance(read_timeout_s, (int, float)) and read_timeout_s > 0):
+            raise ValueError("read_timeout_s must be a positive number")
+        self.read_timeout_s = float(op_timeout_s if read_timeout_s is None else read_timeout_s)
         self.put_timeout_s = float(put_timeout_s)
         self.clear_timeout_s = float(clear_timeout_s)
         self.min_bytes_per_s = float(min_bytes_per_s)
@@ -167,7 +177,7 @@ class RedisTier(Tier):
     async def get(self, key: ChunkKey) -> StoredChunk:
         head = self._head(key)
         for _ in range(_READ_ATTEMPTS):
-            raw: bytes | None = await self._call("get", self.op_timeout_s, lambda: self._redis.get(head))
+            raw: bytes | None = await self._call("get", self.read_timeout_s, lambda: self._redis.get(head))
             if raw is None:
                 break
             try:
@@ -176,12 +186,13 @@ class RedisTier(Tier):
                     raise BadHeader("inline length mismatch")
             except BadHeader:
                 self._n["corrupt"] += 1
+                await self._drop_corrupt(key)
                 break
             data: memoryview | None
             if header.inline:
                 data = memoryview(raw)[HEADER_SIZE:]  # a view of the reply: no copy
             else:
-                budget = self.op_timeout_s + header.length / self.min_bytes_per_s
+                budget = self.read_timeout_s + header.length / self.min_bytes_per_s
                 parts = await self._call("get", budget, partial(self._segments, head, header))
                 if parts is None:  # that version was replaced or deleted meanwhile: read again
                     self._n["retried"] += 1
@@ -189,6 +200,7 @@ class RedisTier(Tier):
                 data = _join(parts, header.length)
             if data is None:
                 self._n["corrupt"] += 1
+                await self._drop_corrupt(key)
                 break
             self._n["hits"] += 1
             self._n["out"] += data.nbytes
@@ -302,9 +314,18 @@ class RedisTier(Tier):
             fast_failures=n["fast"], rejected_puts=n["rejected"], corrupt=n["corrupt"],
             retried_reads=n["retried"], bytes_in=n["in"], bytes_out=n["out"], used_bytes=self._used,
             breaker_state=self.breaker.state, breaker_trips=self.breaker.trips,
+            timeouts={k[len("timeouts_"):]: v for k, v in n.items() if k.startswith("timeouts_")},
         )
 
     # -- internals -----------------------------------------------------------------------------
+    async def _drop_corrupt(self, key: ChunkKey) -> None:
+        """A value that is not a whole chunk (torn, foreign, half-evicted) answers EXISTS but can
+        never load: delete it, or every lookup would report a hit whose load fails. Best effort."""
+        try:
+            await self.delete(key)
+        except TierError:
+            pass
+
     def _head(self, key: ChunkKey) -> str:
         if not isinstance(key, ChunkKey):
             raise InvalidChunk(f"key must be a ChunkKey, not {type(key).__name__}")

@@ -7,6 +7,7 @@ per-owner quotas and for deleting a whole namespace without listing every key.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "TierError",
     "ChunkNotFound",
     "TierUnavailable",
+    "TierTimeout",
     "TierFull",
     "InvalidChunk",
 ]
@@ -63,20 +65,27 @@ class TierError(Exception):
     TierError
      +-- ChunkNotFound     the key is not in this tier (a miss; a typed result, never None)
      +-- TierUnavailable   the tier cannot be reached or timed out (a miss for loads)
+     |    +-- TierTimeout  it did not answer within the operation's deadline
      +-- TierFull          the chunk cannot fit (larger than the budget, or every byte pinned)
      +-- InvalidChunk      the bytes or key handed to put are not acceptable
     """
 
 
 class ChunkNotFound(TierError):
-    def __init__(self, key: ChunkKey, tier: str = "") -> None:
+    def __init__(self, key: ChunkKey, tier: str = "", *, tier_errors: Sequence[TierError] = ()) -> None:
         super().__init__(f"chunk not found in tier {tier or '?'}")
         self.key = key
         self.tier = tier
+        # from a tier manager: the tiers that could not answer (so the key may exist there)
+        self.tier_errors = tuple(tier_errors)
 
 
 class TierUnavailable(TierError):
     pass
+
+
+class TierTimeout(TierUnavailable):
+    """The tier did not answer within the operation's deadline."""
 
 
 class TierFull(TierError):

@@ -26,8 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from gateway.core import KVModel, LookupResult, RetrieveResult, StoreResult
-from gateway.errors import GatewayError
-from gateway.vllm.errors import ConnectorConfigError
+from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 
 __all__ = ["Backend", "EmbeddedBackend", "RemoteBackend", "backend_for"]
 
@@ -54,7 +53,7 @@ class Backend:
             return fut.result(self.timeout_s if timeout is None else timeout)
         except FutureTimeout:
             fut.cancel()
-            raise GatewayError("the gateway did not answer in time") from None
+            raise GatewayTimeout(f"the gateway did not answer in {self.timeout_s if timeout is None else timeout:g} s") from None
 
     async def open(self) -> None:
         raise NotImplementedError

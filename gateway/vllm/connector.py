@@ -1,22 +1,33 @@
 """``KvgateConnector``: a vLLM 0.32 KV connector (KVConnectorBase_V1) on the kvgate core.
 
 Hooks, by side (each side opens what it needs from ``kv_connector_extra_config``; in one process
-they share a backend, see ``backend.py``):
+they share a backend, see ``backend.py``). The bookkeeping of both sides lives in ``ledger.py``
+(no vLLM needed there, unit-tested on its own); this module adapts vLLM's types to it and does
+the I/O:
 
     scheduler  get_num_new_matched_tokens   lookup (chunk-aligned prefix, at least one token
                                             left to compute); no capability: 0, no lookup
                update_state_after_alloc     remember the blocks a hit loads into
                build_connector_meta         per request: one load, and one store once the
                                             prompt's full chunks are computed
+               update_connector_output      blocks whose load failed: their requests never
+                                            store them, nor anything after them
                request_finished             kv_transfer_params {"kvgate": {hit_tokens}} out
     worker     register_kv_caches           the paged tensors, seen as blocks (``layout.py``)
                start_load_kv                retrieve into a compact buffer, scatter back only
-                                            what authenticated; the rest is a load error
+                                            what authenticated; the rest is a load error,
+                                            logged at WARNING with its reason and counted
                wait_for_layer_load          nothing left to wait for (loads are synchronous)
                save_kv_layer                nothing (the core seals every layer of a chunk at once)
-               wait_for_save                gather the request's blocks, store (encrypt, put)
+               wait_for_save                gather the request's blocks, store (encrypt, put),
+                                            cut before any block whose load failed
                get_block_ids_with_load_errors  failed blocks; vLLM recomputes them with
                                             ``kv_load_failure_policy: "recompute"``
+               get_finished                 forget finished requests' failed-load marks
+
+A chunk is stored only from KV the engine computed or kvgate authenticated for that request
+(DESIGN section 2, rule 9): never from blocks whose load failed or was partial, nor from blocks
+computed over them in the same step (``ledger.py`` says why that matters and where it is cut).
 
 The tenant comes only from the capability in ``kv_transfer_params["kvgate_capability"]`` (set
 by the tenant middleware); a refused capability, a miss, a failed tag or an unreachable gateway
@@ -29,6 +40,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +55,8 @@ from gateway.errors import GatewayError
 from gateway.vllm.backend import Backend, backend_for, release
 from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.layout import BlockView
+from gateway.vllm.ledger import LoadOp, SchedulerLedger, StepRequest, StoreOp, WorkerLedger
+from gateway.vllm.logs import RateLimitedLogger, ensure_visible_logging, miss_reason
 from kernels.layouts import KVGeometry, KVLayout
 
 if TYPE_CHECKING:
@@ -52,37 +66,20 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["CAPABILITY_PARAM", "KvgateConnector", "KvgateMetadata"]
 
 log = logging.getLogger("kvgate.vllm")
+_LOOKUP_LOG = RateLimitedLogger(log, interval_s=10.0)  # an outage degrades every lookup: say so, not each
 CAPABILITY_PARAM = "kvgate_capability"
 
 
 @dataclass
-class _Op:
-    req_id: str
-    capability: str
-    tokens: list[int]  # the tokens to load or store (chunk-aligned)
-    block_ids: list[int]
-    skip_blocks: int = 0  # load: blocks the engine computed itself, never written
-
-
-@dataclass
 class KvgateMetadata(KVConnectorMetadata):
-    loads: list[_Op] = field(default_factory=list)
-    stores: list[_Op] = field(default_factory=list)
-
-
-@dataclass
-class _Tracked:
-    capability: str
-    prompt: list[int]
-    store_tokens: int
-    block_ids: list[int] = field(default_factory=list)
-    hit_tokens: int = 0
-    done: bool = False
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
 
 
 def _capability(request: Request) -> str | None:
@@ -98,6 +95,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self._block_size = vllm_config.cache_config.block_size
         self._layout = str(extra.get("layout", "auto"))
         self._trace_path = extra.get("trace_path")
+        ensure_visible_logging()
         self._backend: Backend = backend_for(extra)
         self._chunk = self._backend.chunk_tokens
         if self._chunk % self._block_size:
@@ -107,11 +105,9 @@ class KvgateConnector(KVConnectorBase_V1):
         mc = vllm_config.model_config
         self._model_name = str(extra.get("model_name") or mc.served_model_name or mc.model)
         self._model = self._scheduler_model(vllm_config) if role == KVConnectorRole.SCHEDULER else None
-        # scheduler state
-        self._tracked: dict[str, _Tracked] = {}
-        self._load_plans: dict[str, tuple[int, list[int], int]] = {}
-        self._local: dict[str, int] = {}  # locally computed tokens at the last lookup
-        # worker state
+        self.stats: Counter[str] = Counter()  # miss and failure reasons, loads and stores
+        self._sched = SchedulerLedger(self._chunk, self._block_size)
+        self._work = WorkerLedger(self._chunk, self._block_size)
         self._blocks: BlockView | None = None
         self._load_errors: set[int] = set()
 
@@ -140,79 +136,61 @@ class KvgateConnector(KVConnectorBase_V1):
         prompt = list(request.prompt_token_ids or [])
         if cap is None or not prompt:
             return 0, False
-        limit = (len(prompt) - 1) // self._chunk * self._chunk  # vLLM must compute one token
+        limit = self._sched.lookup_limit(len(prompt))
         if limit <= num_computed_tokens:
             return 0, False
         assert self._model is not None
         t0 = time.perf_counter()
+        reason = ""
         try:
-            hit = self._backend.call(self._backend.lookup(cap, self._model, prompt[:limit])).hit_tokens
+            result = self._backend.call(self._backend.lookup(cap, self._model, prompt[:limit]))
+            hit, reason = result.hit_tokens, result.degraded
         except (GatewayError, ValueError) as exc:  # refused, expired, unreachable: a miss
-            log.info("kvgate lookup for %s: %s", request.request_id, type(exc).__name__)
-            hit = 0
-        self._trace("lookup", req=request.request_id, hit_tokens=hit, ms=(time.perf_counter() - t0) * 1e3)
+            hit, reason = 0, miss_reason(exc)
+        if reason:
+            self.stats[f"lookup_{reason}"] += 1
+            _LOOKUP_LOG.warning("kvgate lookup for %s degraded to %d hit tokens: %s", request.request_id, hit, reason)
+        self._trace("lookup", req=request.request_id, hit_tokens=hit, reason=reason, ms=(time.perf_counter() - t0) * 1e3)
         hit -= hit % self._block_size
-        self._local[request.request_id] = num_computed_tokens
+        self._sched.looked_up(request.request_id, num_computed_tokens)
         return max(0, hit - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         cap = _capability(request)
         if cap is None:
             return
-        prompt = list(request.prompt_token_ids or [])
-        tracked = self._tracked.setdefault(
-            request.request_id, _Tracked(cap, prompt, len(prompt) // self._chunk * self._chunk)
-        )
-        local = self._local.pop(request.request_id, 0)
-        if num_external_tokens > 0:
-            total = local + num_external_tokens
-            tracked.hit_tokens = total
-            block_ids = list(blocks.get_block_ids()[0])
-            self._load_plans[request.request_id] = (total, block_ids, local // self._block_size)
+        block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens > 0 else []
+        self._sched.allocated(request.request_id, cap, list(request.prompt_token_ids or []), block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KvgateMetadata()
-        steps: dict[str, int] = {}
-        for new in scheduler_output.scheduled_new_reqs:
-            tracked = self._tracked.get(new.req_id)
-            if tracked is None:
-                continue
-            tracked.block_ids = list(new.block_ids[0])
-            steps[new.req_id] = new.num_computed_tokens
+        n_sched = scheduler_output.num_scheduled_tokens
+        step = [
+            StepRequest(new.req_id, new.num_computed_tokens, n_sched.get(new.req_id, 0), list(new.block_ids[0]), new=True)
+            for new in scheduler_output.scheduled_new_reqs
+            if self._sched.tracked(new.req_id)
+        ]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            tracked = self._tracked.get(req_id)
-            if tracked is None:
+            if not self._sched.tracked(req_id):
                 continue
             ids = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                tracked.block_ids = list(ids[0]) if ids else []
-            elif ids:
-                tracked.block_ids.extend(ids[0])
-            steps[req_id] = cached.num_computed_tokens[i]
-        for req_id, computed in steps.items():
-            tracked = self._tracked[req_id]
-            plan = self._load_plans.pop(req_id, None)
-            if plan is not None:
-                total, block_ids, skip = plan
-                meta.loads.append(_Op(req_id, tracked.capability, tracked.prompt[:total], block_ids, skip))
-            done = computed + scheduler_output.num_scheduled_tokens.get(req_id, 0)
-            if not tracked.done and tracked.store_tokens and done >= tracked.store_tokens:
-                tracked.done = True
-                if tracked.hit_tokens < tracked.store_tokens:
-                    n_blocks = tracked.store_tokens // self._block_size
-                    meta.stores.append(
-                        _Op(req_id, tracked.capability, tracked.prompt[: tracked.store_tokens], tracked.block_ids[:n_blocks])
-                    )
-        return meta
+            step.append(StepRequest(
+                req_id, cached.num_computed_tokens[i], n_sched.get(req_id, 0), list(ids[0]) if ids else [],
+                resumed=req_id in cached.resumed_req_ids,
+            ))
+        loads, stores = self._sched.build(step)
+        return KvgateMetadata(loads=loads, stores=stores)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """vLLM's report of the step: blocks whose load failed keep their requests from storing
+        them (and anything after them) at any later step; see ``ledger.py``."""
+        hit = self._sched.load_errors(connector_output.invalid_block_ids or ())
+        if hit:
+            self._trace("load_errors_reported", reqs=sorted(hit), blocks=len(connector_output.invalid_block_ids))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        tracked = self._tracked.pop(request.request_id, None)
-        self._load_plans.pop(request.request_id, None)
-        self._local.pop(request.request_id, None)
-        if tracked is None:
-            return False, None
-        return False, {"kvgate": {"hit_tokens": tracked.hit_tokens}}
+        hit = self._sched.finished(request.request_id)
+        return (False, None) if hit is None else (False, {"kvgate": {"hit_tokens": hit}})
 
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -226,6 +204,7 @@ class KvgateConnector(KVConnectorBase_V1):
         )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._work.new_step()
         meta = self._connector_metadata
         if not isinstance(meta, KvgateMetadata) or not meta.loads:
             return
@@ -235,21 +214,30 @@ class KvgateConnector(KVConnectorBase_V1):
             want = -(-len(op.tokens) // bs)
             t0 = time.perf_counter()
             loaded = failures = 0
+            reason = ""
             try:
                 compact = self._blocks.empty(want)
                 result = self._backend.call(
                     self._backend.retrieve(op.capability, self._model, op.tokens, compact, range(want))
                 )
-                loaded, failures = result.loaded_tokens // bs, result.integrity_failures
+                loaded, failures, reason = result.loaded_tokens // bs, result.integrity_failures, result.reason
                 self._blocks.scatter(compact, range(op.skip_blocks, min(loaded, want)), op.block_ids)
             except (GatewayError, ValueError) as exc:
-                log.warning("kvgate load for %s failed: %s", op.req_id, type(exc).__name__)
-                loaded = 0
-            failed = set(op.block_ids[max(loaded, op.skip_blocks) : want])
+                loaded, reason = 0, miss_reason(exc)
+            first_failed = max(loaded, op.skip_blocks)
+            failed = self._work.load_failed(op.req_id, op.block_ids, first_failed, want)
             self._load_errors |= failed
+            if failed:
+                reason = reason or "miss"
+                self.stats[f"load_{reason}"] += 1
+                log.warning(
+                    "kvgate load for %s: %d of %d tokens loaded (%s); vLLM recomputes %d blocks, none of them "
+                    "is stored by this request", op.req_id, min(loaded, want) * bs, want * bs, reason, len(failed),
+                )
             self._trace(
                 "load", req=op.req_id, tokens=len(op.tokens), loaded_tokens=min(loaded, want) * bs,
-                failed_blocks=len(failed), integrity_failures=failures, ms=(time.perf_counter() - t0) * 1e3,
+                failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
+                ms=(time.perf_counter() - t0) * 1e3,
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -265,16 +253,27 @@ class KvgateConnector(KVConnectorBase_V1):
         assert self._blocks is not None and self._model is not None
         for op in meta.stores:
             t0 = time.perf_counter()
+            cut = self._work.store_cut(op)
             stored = 0
-            try:
-                compact = self._blocks.gather(op.block_ids)
-                result = self._backend.call(
-                    self._backend.store(op.capability, self._model, op.tokens, compact, range(len(op.block_ids)))
-                )
-                stored = result.stored
-            except (GatewayError, ValueError) as exc:
-                log.warning("kvgate store for %s failed: %s", op.req_id, type(exc).__name__)
-            self._trace("store", req=op.req_id, tokens=len(op.tokens), stored_chunks=stored, ms=(time.perf_counter() - t0) * 1e3)
+            if cut < len(op.tokens):  # a load of this request (or of these blocks) failed
+                self.stats["store_cut_after_failed_load"] += 1
+                self._trace("store_cut", req=op.req_id, tokens=len(op.tokens), cut_tokens=cut)
+            if cut:
+                blocks = op.block_ids[: cut // self._block_size]
+                try:
+                    compact = self._blocks.gather(blocks)
+                    result = self._backend.call(
+                        self._backend.store(op.capability, self._model, op.tokens[:cut], compact, range(len(blocks)))
+                    )
+                    stored = result.stored
+                except (GatewayError, ValueError) as exc:
+                    self.stats[f"store_{miss_reason(exc)}"] += 1
+                    log.warning("kvgate store for %s failed: %s", op.req_id, miss_reason(exc))
+            self._trace("store", req=op.req_id, tokens=cut, stored_chunks=stored, ms=(time.perf_counter() - t0) * 1e3)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._work.finished(finished_req_ids)
+        return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -3,6 +3,7 @@
     GatewayError                       (gateway.errors)
      +-- ConnectorConfigError          bad kv_connector_extra_config, chunk size not a multiple
      |                                 of vLLM's block size, an unsupported paged-KV layout
+     +-- GatewayTimeout                the connector's backend did not answer within timeout_s
      +-- TenantRequestError            a request the middleware answers itself
           +-- Unauthorized  (401)      no, malformed or unverifiable bearer token
           +-- Forbidden     (403)      authenticated, but no capability could be minted for it
@@ -17,11 +18,16 @@ from __future__ import annotations
 
 from gateway.errors import GatewayError
 
-__all__ = ["BadRequest", "ConnectorConfigError", "Forbidden", "TenantRequestError", "Unauthorized"]
+__all__ = ["BadRequest", "ConnectorConfigError", "GatewayTimeout", "Forbidden", "TenantRequestError", "Unauthorized"]
 
 
 class ConnectorConfigError(GatewayError, ValueError):
     pass
+
+
+class GatewayTimeout(GatewayError):
+    """The gateway (in-process core or remote server) did not answer within the backend's
+    timeout; the operation is abandoned and counts as a miss."""
 
 
 class TenantRequestError(GatewayError):

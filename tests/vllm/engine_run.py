@@ -29,6 +29,98 @@ async def _clear(settings: dict, tenant: str, namespace: str) -> str:
         await rt.aclose()
 
 
+def tiny_kv_model():
+    """The KVModel the connector derives for tests.vllm.tiny_model (its chunk keys)."""
+    import torch
+
+    from gateway.core import KVModel
+    from kernels.layouts import KVGeometry, KVLayout
+
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=32,
+                   layout=KVLayout.BLOCK_FIRST)
+    return KVModel("tiny-llama", g)
+
+
+async def _tamper(settings: dict, tokens: list[int], chunk: int, how: str) -> None:
+    """Fault injection from outside the engine, as an attacker or a failing tier would:
+    ``flip``: flip a ciphertext bit of chunk ``chunk`` in every tier holding it (consistently);
+    ``corrupt_head``: leave a Redis head that EXISTS but does not parse (a torn or foreign
+    value), and delete every other tier's copy, so a lookup sees the chunk and its load fails."""
+    from gateway.config import Settings
+    from gateway.runtime import open_runtime
+    from storage.types import ChunkNotFound
+    rt = await open_runtime(Settings(**settings))
+    try:
+        keys = await rt.gateway.keys_for("acme", "default", tiny_kv_model(), tokens)
+        for tier in rt.gateway.tiers.tiers:
+            try:
+                raw = bytearray((await tier.get(keys[chunk])).data)
+            except ChunkNotFound:
+                continue
+            if how == "flip":
+                raw[-20] ^= 0x80
+                await tier.put(keys[chunk], raw)
+            elif tier.name == "redis":
+                await tier._redis.set(tier._layout.head(keys[chunk]), b"not a kvgate header")
+            else:
+                await tier.delete(keys[chunk])
+    finally:
+        await rt.aclose()
+
+
+def _fault_tamper(plan: dict, step: dict) -> None:
+    asyncio.run(_tamper(plan["settings"], step["ids"], step["chunk"], step.get("how", "flip")))
+
+
+def _fault_kms(plan: dict, step: dict) -> None:
+    import boto3
+
+    s = plan["settings"]
+    kms = boto3.client("kms", region_name=s["kms_region"], endpoint_url=s["kms_endpoint_url"])
+    key = s["kms_key_id"].rsplit("/", 1)[-1]
+    (kms.disable_key if step["op"] == "kms_disable" else kms.enable_key)(KeyId=key)
+
+
+def _fault_sleep(plan: dict, step: dict) -> None:
+    time.sleep(float(step["s"]))
+
+
+_FAULTS = {"tamper": _fault_tamper, "kms_disable": _fault_kms, "kms_enable": _fault_kms, "sleep": _fault_sleep}
+
+
+def _stall_on_lookup(plan: dict, step: dict):
+    """SIGSTOP the Redis server ``stall_redis_pid`` as soon as the connector's trace shows this
+    request's lookup hit (so the load that follows meets a stalled tier), SIGCONT it after
+    ``stall_s``. Returns the watcher thread."""
+    import os
+    import signal
+    import threading
+
+    trace = plan["kv_transfer_config"]["kv_connector_extra_config"]["trace_path"]
+    start = os.path.getsize(trace) if os.path.exists(trace) else 0
+    pid, hold = int(step["stall_redis_pid"]), float(step.get("stall_s", 1.0))
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with open(trace, "rb") as f:
+                f.seek(start)
+                if any(b'"event": "lookup"' in line and b'"hit_tokens": 0,' not in line for line in f):
+                    break
+            time.sleep(0.0001)
+        else:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(hold)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
 def main(plan_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -42,6 +134,11 @@ def main(plan_path: str, out_path: str) -> None:
     )
     results = []
     for step in plan["steps"]:
+        if step["op"] in _FAULTS:
+            _FAULTS[step["op"]](plan, step)
+            results.append({"name": step.get("name", step["op"]), "op": step["op"]})
+            continue
+        stall = _stall_on_lookup(plan, step) if step.get("stall_redis_pid") else None
         if step["op"] == "clear":
             caps[step["new_cap"]] = asyncio.run(_clear(plan["settings"], step["tenant"], "default"))
             results.append({"name": step.get("name", "clear"), "op": "clear"})
@@ -50,8 +147,10 @@ def main(plan_path: str, out_path: str) -> None:
         sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), extra_args={"kv_transfer_params": params})
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=step["ids"])], sp, use_tqdm=False)[0]
+        if stall is not None:
+            stall.join(30)
         results.append({
-            "name": step["name"], "op": "gen", "s": time.perf_counter() - t0,
+            "name": step["name"], "op": "gen", "s": time.perf_counter() - t0, "req": out.request_id,
             "tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
             "kv": out.kv_transfer_params,
         })

@@ -1,0 +1,191 @@
+"""The connector's bookkeeping, without vLLM: which loads and stores a step carries, and which
+KV a store may take (DESIGN section 2, rule 9: a cache never makes an answer wrong).
+
+Two ledgers, one per side of the connector:
+
+    SchedulerLedger   per request: capability, prompt, blocks, hit; decides per step the load
+                      (once, where a lookup hit) and the store (once, when the prompt's full
+                      chunks are computed); learns load failures back from the workers'
+                      ``invalid_block_ids`` and then never lets that request store from the
+                      first failed block on.
+    WorkerLedger      per step: the blocks whose load failed here; per request: where its first
+                      failed load began. ``store_cut`` trims a store to the chunks before both.
+
+Why a failed load must limit the stores (the defect of issue 13). A load that fails in step S
+leaves its blocks holding whatever they held before; vLLM learns of it only after the step
+(``get_block_ids_with_load_errors``) and then recomputes from the first failed block. In step S
+itself the forward pass ran over those blocks, and a store scheduled in the same step (a hit
+shorter than the prompt's full chunks is exactly that case) gathered them: the failed chunk was
+rewritten from stale KV and every chunk after it from KV computed against it. Later hits
+authenticated that ciphertext and answered wrong from the first token. Attention is causal, so
+chunks wholly before the first failed block are sound; nothing at or after it is. The worker
+knows the failure before its ``wait_for_save`` of the same step and cuts there; the scheduler
+learns it one step later and keeps the request from storing those chunks at any later step
+(after preemption, chunked prefill or async scheduling alike). Chunks past a gap are unreachable
+by the prefix walk anyway; the next request for the prompt recomputes and stores them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["LoadOp", "SchedulerLedger", "StepRequest", "StoreOp", "WorkerLedger"]
+
+
+@dataclass(frozen=True)
+class LoadOp:
+    req_id: str
+    capability: str
+    tokens: list[int]  # chunk-aligned prefix to load
+    block_ids: list[int]  # the request's blocks, from block 0
+    skip_blocks: int = 0  # leading blocks the engine computed itself (never written)
+
+
+@dataclass(frozen=True)
+class StoreOp:
+    req_id: str
+    capability: str
+    tokens: list[int]  # chunk-aligned prefix to store
+    block_ids: list[int]  # its blocks, one per ``block_size`` tokens
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One request as a scheduler step sees it (vLLM's new or cached request data, flattened)."""
+
+    req_id: str
+    num_computed_tokens: int  # before this step
+    num_scheduled_tokens: int  # in this step
+    block_ids: Sequence[int] = ()  # new: all blocks; cached: blocks added this step
+    new: bool = False
+    resumed: bool = False  # after preemption: ``block_ids`` replaces the old list
+
+
+@dataclass
+class _Request:
+    capability: str
+    prompt: list[int]
+    store_tokens: int  # full chunks of the prompt; lowered by a failed load
+    block_ids: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+    stored: bool = False
+    load: tuple[int, list[int], int] | None = None  # (tokens, block ids, skip blocks), once
+
+
+class SchedulerLedger:
+    def __init__(self, chunk_tokens: int, block_size: int) -> None:
+        if chunk_tokens <= 0 or block_size <= 0 or chunk_tokens % block_size:
+            raise ValueError("chunk_tokens must be a positive multiple of block_size")
+        self.chunk, self.block = chunk_tokens, block_size
+        self._reqs: dict[str, _Request] = {}
+        self._local: dict[str, int] = {}  # tokens the engine had computed at the last lookup
+        self.failed_loads = 0  # requests that learned of a failed load (for the trace and tests)
+
+    # -- lookup and allocation ----------------------------------------------------------------
+    def lookup_limit(self, prompt_len: int) -> int:
+        """The longest chunk-aligned prefix worth a lookup (vLLM must compute one token)."""
+        return (prompt_len - 1) // self.chunk * self.chunk if prompt_len > 0 else 0
+
+    def looked_up(self, req_id: str, num_computed_tokens: int) -> None:
+        self._local[req_id] = num_computed_tokens
+
+    def allocated(
+        self, req_id: str, capability: str, prompt: Sequence[int], block_ids: Sequence[int], num_external: int
+    ) -> None:
+        """After vLLM allocated blocks; ``num_external`` tokens come from kvgate (a load)."""
+        req = self._reqs.get(req_id)
+        if req is None:
+            req = self._reqs[req_id] = _Request(capability, list(prompt), len(prompt) // self.chunk * self.chunk)
+        local = self._local.pop(req_id, 0)
+        if num_external > 0:
+            total = local + num_external
+            req.hit_tokens = total
+            req.load = (total, list(block_ids), local // self.block)
+
+    # -- one step -----------------------------------------------------------------------------
+    def build(self, step: Iterable[StepRequest]) -> tuple[list[LoadOp], list[StoreOp]]:
+        loads: list[LoadOp] = []
+        stores: list[StoreOp] = []
+        for s in step:
+            req = self._reqs.get(s.req_id)
+            if req is None:
+                continue
+            if s.new or s.resumed:
+                req.block_ids = list(s.block_ids)
+            else:
+                req.block_ids.extend(s.block_ids)
+            if req.load is not None:
+                total, block_ids, skip = req.load
+                req.load = None
+                loads.append(LoadOp(s.req_id, req.capability, req.prompt[:total], block_ids, skip))
+            done = s.num_computed_tokens + s.num_scheduled_tokens
+            if not req.stored and req.store_tokens and done >= req.store_tokens:
+                req.stored = True
+                if req.hit_tokens < req.store_tokens:
+                    n = req.store_tokens // self.block
+                    stores.append(StoreOp(s.req_id, req.capability, req.prompt[: req.store_tokens], req.block_ids[:n]))
+        return loads, stores
+
+    def load_errors(self, invalid_block_ids: Iterable[int]) -> set[str]:
+        """Blocks the workers reported as failed loads (vLLM's ``invalid_block_ids``): every
+        request holding one stores nothing from its first failed block on. Returns those ids."""
+        bad = set(invalid_block_ids)
+        hit: set[str] = set()
+        if not bad:
+            return hit
+        for req_id, req in self._reqs.items():
+            first = next((i for i, b in enumerate(req.block_ids) if b in bad), None)
+            if first is None:
+                continue
+            cut = first * self.block // self.chunk * self.chunk
+            if cut < req.store_tokens:
+                req.store_tokens = cut
+                self.failed_loads += 1
+                hit.add(req_id)
+        return hit
+
+    def finished(self, req_id: str) -> int | None:
+        """Forget the request; its hit tokens (None if kvgate never tracked it)."""
+        self._local.pop(req_id, None)
+        req = self._reqs.pop(req_id, None)
+        return None if req is None else req.hit_tokens
+
+    def tracked(self, req_id: str) -> bool:
+        return req_id in self._reqs
+
+
+class WorkerLedger:
+    """The worker's memory of failed loads: within a step (by block) and per request (by
+    token position, which survives a preemption that hands the request new blocks)."""
+
+    def __init__(self, chunk_tokens: int, block_size: int) -> None:
+        self.chunk, self.block = chunk_tokens, block_size
+        self._step_failed: set[int] = set()
+        self._failed_from: dict[str, int] = {}  # req id -> first token whose load failed
+
+    def new_step(self) -> None:
+        self._step_failed = set()
+
+    def load_failed(self, req_id: str, block_ids: Sequence[int], first_failed: int, end: int) -> set[int]:
+        """Blocks ``block_ids[first_failed:end]`` of ``req_id`` did not load; returns them."""
+        failed = set(block_ids[first_failed:end])
+        if failed:
+            self._step_failed |= failed
+            token = first_failed * self.block
+            self._failed_from[req_id] = min(token, self._failed_from.get(req_id, token))
+        return failed
+
+    def store_cut(self, op: StoreOp) -> int:
+        """How many leading tokens of ``op`` may be stored: the chunks wholly before the
+        request's first failed load and before any block that failed to load in this step."""
+        limit = min(len(op.tokens), self._failed_from.get(op.req_id, len(op.tokens)))
+        for i, b in enumerate(op.block_ids):
+            if b in self._step_failed:
+                limit = min(limit, i * self.block)
+                break
+        return limit // self.chunk * self.chunk
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        for r in req_ids:
+            self._failed_from.pop(r, None)

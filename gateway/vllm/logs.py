@@ -1,0 +1,73 @@
+"""Logging of the vLLM integration: visible under vLLM's own configuration, never a flood.
+
+vLLM configures its ``vllm`` logger and leaves the root logger bare, so a ``kvgate.*`` record
+would reach only Python's last-resort handler (unformatted) or nothing. ``ensure_visible_logging``
+gives the ``kvgate`` logger one stderr handler at WARNING when nobody configured logging for it
+(an application that did keeps its own). Logger tree: ``kvgate.vllm`` (connector, middleware),
+``kvgate.core`` (the gateway core), ``kvgate.storage`` and ``kvgate.audit`` below the same root.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+__all__ = ["RateLimitedLogger", "ensure_visible_logging", "miss_reason"]
+
+_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
+_lock = threading.Lock()
+
+
+def ensure_visible_logging() -> None:
+    """Give the ``kvgate`` logger a WARNING stderr handler unless logging is configured for it."""
+    root, kv = logging.getLogger(), logging.getLogger("kvgate")
+    with _lock:
+        if kv.handlers or root.handlers:
+            return
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(_FORMAT))
+        handler.setLevel(logging.WARNING)
+        kv.addHandler(handler)
+        if kv.level == logging.NOTSET:
+            kv.setLevel(logging.INFO)
+
+
+class RateLimitedLogger:
+    """At most one WARNING per ``interval_s`` for one kind of event; the next one says how many
+    were held back (an outage degrades every request, and the log must stay readable)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._log, self._interval = logger, interval_s
+        self._next = 0.0
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._held += 1
+                return
+            held, self._held, self._next = self._held, 0, now + self._interval
+        if held:
+            msg += " (%d more like this in the last %.0f s)"
+            args = (*args, held, self._interval)
+        self._log.warning(msg, *args)
+
+
+def miss_reason(exc: BaseException) -> str:
+    """A short, stable reason for a lookup, load or store that raised (for logs and counters)."""
+    from gateway.errors import AccessDenied, TenantUnavailable
+    from gateway.vllm.errors import GatewayTimeout
+
+    if isinstance(exc, AccessDenied):
+        return "denied"
+    if isinstance(exc, TenantUnavailable):
+        return "tenant_unavailable"
+    if isinstance(exc, GatewayTimeout):
+        return "gateway_timeout"
+    if isinstance(exc, ValueError):
+        return "invalid_request"
+    return "gateway_error"
