@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,7 +16,9 @@ from rich.table import Table
 
 from gateway.config import Settings, load_settings
 
-app = typer.Typer(help="kvgate: a secure, multi-tenant KV-cache gateway", no_args_is_help=True)
+app = typer.Typer(
+    help="kvgate: a secure, multi-tenant KV-cache gateway", no_args_is_help=True, pretty_exceptions_enable=False
+)
 tenants_app = typer.Typer(help="Tenant lifecycle", no_args_is_help=True)
 keys_app = typer.Typer(help="Data-key management", no_args_is_help=True)
 audit_app = typer.Typer(help="Audit export and offline verification", no_args_is_help=True)
@@ -25,25 +29,27 @@ app.add_typer(audit_app, name="audit")
 app.add_typer(token_app, name="token")
 
 console = Console()
+_DEBUG = {"on": os.environ.get("KVGATE_DEBUG", "") not in ("", "0", "false")}
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="show tracebacks (also KVGATE_DEBUG=1)")] = False,
+) -> None:
+    """kvgate: a secure, multi-tenant KV-cache gateway. Errors are one line and exit 2; --debug
+    shows the traceback."""
+    if debug:
+        _DEBUG["on"] = True
 
 
 def _settings(**overrides: object) -> Settings:
-    try:
-        return load_settings(**overrides)
-    except Exception as exc:  # pydantic ValidationError or a missing config file
-        console.print(f"[red]configuration error:[/red] {exc}")
-        raise typer.Exit(2) from None
+    return load_settings(**overrides)  # a bad setting: main() says which, in one line
 
 
 async def _with_runtime(settings: Settings, fn):
-    from gateway.dbschema import SchemaBehind
     from gateway.runtime import open_runtime
 
-    try:
-        rt = await open_runtime(settings)
-    except SchemaBehind as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(3) from None
+    rt = await open_runtime(settings, auto_migrate=True)  # Postgres: SchemaBehind names `kvgate migrate`
     try:
         return await fn(rt)
     finally:
@@ -110,17 +116,68 @@ def serve(
 
     from gateway.server import create_app
 
+    from gateway.logs import configure_logging
+
     settings = _settings()
+    configure_logging(settings.log_level, settings.log_format)
     h, p = host or settings.host, port or settings.port
     overrides = {}
     if settings.public_url == "http://127.0.0.1:8420" and (h, p) != ("127.0.0.1", 8420):
         overrides["public_url"] = f"http://{'127.0.0.1' if h in ('0.0.0.0', '::') else h}:{p}"
     if overrides:
         settings = settings.model_copy(update=overrides)
-    uvicorn.run(
-        create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
-        h11_max_incomplete_event_size=16 * 1024, proxy_headers=False, server_header=False,
-    )
+    # pre-flight, so a problem is one line here and not a traceback from the server's lifespan:
+    # the database (SQLite is migrated, Postgres must be), the KEK, the tiers, the port
+    asyncio.run(_with_runtime(settings, _noop))
+    _check_port_free(h, p)
+    from gateway.serverinfo import publish_server, unpublish_server
+
+    publish_server(settings, h, p)
+    # uvicorn re-raises SIGTERM after its graceful shutdown; exit normally instead, so the
+    # finally below runs (and the published URL of this server is withdrawn)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        uvicorn.run(
+            create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
+            h11_max_incomplete_event_size=16 * 1024, proxy_headers=False, server_header=False,
+        )
+    finally:
+        unpublish_server(settings)
+
+
+@app.command()
+def doctor() -> None:
+    """Check settings, files, database and schema, Redis, the KEK, the OIDC issuers and the
+    signing key; a table of what is fine and what is not, with the fix. Exit 1 if anything fails."""
+    from gateway.doctor import FAIL, WARN, run_checks
+
+    checks = asyncio.run(run_checks(load_settings))
+    table = Table("check", "status", "detail", "fix")
+    colour = {FAIL: "red", WARN: "yellow"}
+    for c in checks:
+        table.add_row(c.name, f"[{colour.get(c.status, 'green')}]{c.status}[/]", c.detail, c.fix)
+    console.print(table)
+    failed = sum(c.status == FAIL for c in checks)
+    console.print(f"{len(checks)} checks: {failed} failed, {sum(c.status == WARN for c in checks)} warnings")
+    raise typer.Exit(1 if failed else 0)
+
+
+async def _noop(rt) -> None:
+    return None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            from gateway.clierrors import CliError
+
+            raise CliError(f"cannot listen on {host}:{port} ({exc.strerror}): another process uses it; pick --port") from None
 
 
 @token_app.command("mint")
@@ -132,14 +189,14 @@ def token_mint(
 ) -> None:
     """Mint an access token from the development issuer (refused in production)."""
     from gateway.server.app import dev_issuer_for
+    from gateway.serverinfo import published_public_url
 
     settings = _settings()
-    try:
-        dev = dev_issuer_for(settings)
-        token = dev.mint(tenant, roles, subject=subject, ttl=ttl)
-    except Exception as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
+    url = published_public_url(settings)  # the running `kvgate serve` of this state dir, if any
+    if url is not None:
+        settings = settings.model_copy(update={"public_url": url})
+    dev = dev_issuer_for(settings)  # refused in production: main() says so in one line
+    token = dev.mint(tenant, roles, subject=subject, ttl=ttl)
     print(token)
 
 
@@ -294,3 +351,11 @@ def main() -> None:  # console script entry point
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the one place that turns any error into one line
+        if _DEBUG["on"]:
+            raise
+        from gateway.clierrors import explain
+
+        err = Console(stderr=True)
+        err.print(f"[red]kvgate:[/red] {explain(exc)}", highlight=False, soft_wrap=True)
+        sys.exit(2)

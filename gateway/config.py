@@ -97,6 +97,10 @@ class Settings(BaseSettings):
     capability_max_ttl_s: int = 600
     audit_key_file: Path | None = None  # default: state_dir / "audit_ed25519.pem"
 
+    # logging (gateway/logs.py): the kvgate logger tree, text or one JSON object a line
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["text", "json"] = "text"
+
     # server
     host: str = "127.0.0.1"
     port: int = 8420

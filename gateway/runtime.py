@@ -7,6 +7,7 @@ interrupted secure clear, and returns a Runtime to close when done.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import time
@@ -107,11 +108,19 @@ class Runtime:
             close()
 
 
-async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, encrypt: bool = True) -> Runtime:
+async def open_runtime(
+    settings: Settings, *, tiers: list[Tier] | None = None, encrypt: bool = True, auto_migrate: bool = False
+) -> Runtime:
     """Open everything; ``tiers`` overrides the configured tiers (tests and benchmarks).
-    ``encrypt=False`` exists for the benchmark's plaintext baseline only."""
+    ``encrypt=False`` exists for the benchmark's plaintext baseline only. ``auto_migrate``: an
+    embedded SQLite database is brought to the current schema here (nobody else shares it); any
+    other database behind the schema raises SchemaBehind, which names `kvgate migrate`."""
     settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     kek = make_kek(settings)
+    if auto_migrate and settings.db_url.startswith("sqlite"):
+        from gateway import dbschema
+
+        await asyncio.to_thread(dbschema.upgrade, settings.db_url)
     registry = Registry.from_url(settings.db_url)
     try:
         await check_schema(registry.engine)

@@ -24,8 +24,8 @@ Measured on the 2-core dev machine, same run, GB/s (tier vs best raw redis-py as
 put 2 MiB 1.56 vs 2.53 SET, 33.5 MiB 1.87 vs 1.32; get 2 MiB 1.56 vs 1.53, 33.5 MiB 0.66 vs 0.75.
 
 Faults: every call runs under a deadline -- ``op_timeout_s`` for lookups (``contains``), pins and
-small calls; ``read_timeout_s`` (default: ``op_timeout_s``) for a get, plus ``len /
-min_bytes_per_s`` for the payload of a large one; ``put_timeout_s`` (+ the same payload
+small calls (default 0.1 s); ``read_timeout_s`` (0.25 s; None: ``op_timeout_s``) for a get, plus ``len /
+min_bytes_per_s`` for the payload of a large one; ``put_timeout_s`` (1 s, + the same payload
 allowance) for writes; ``clear_timeout_s`` per batch of a group clear (the gateway sets them from
 ``tier_lookup_timeout_s``, ``tier_read_timeout_s`` and ``tier_write_timeout_s``). redis-py never
 retries on its own. Connection errors raise :class:`TierUnavailable`, deadlines
@@ -112,9 +112,9 @@ class RedisTier(Tier):
         prefix: str = "kvgate:",
         segment_bytes: int = 2 * MiB,
         ttl_s: int | None = None,
-        op_timeout_s: float = 0.05,
-        read_timeout_s: float | None = None,
-        put_timeout_s: float = 0.5,
+        op_timeout_s: float = 0.1,
+        read_timeout_s: float | None = 0.25,
+        put_timeout_s: float = 1.0,
         clear_timeout_s: float = 5.0,
         min_bytes_per_s: float = 128 * MiB,
         breaker_failures: int = 5,

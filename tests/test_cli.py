@@ -21,16 +21,23 @@ def run(state: Path, *args: str, check: bool = True, env: dict | None = None) ->
     return proc
 
 
-def test_schema_behind_is_refused_until_migrate(tmp_path):
-    proc = run(tmp_path, "tenants", "list", check=False)
-    assert proc.returncode == 3 and "kvgate migrate" in proc.stdout
-    run(tmp_path, "migrate")
-    assert run(tmp_path, "tenants", "list").returncode == 0
+def test_postgres_schema_behind_is_refused_until_migrate(tmp_path, fresh_pg_url):
+    env = {"KVGATE_DATABASE_URL": fresh_pg_url}
+    proc = run(tmp_path, "tenants", "list", check=False, env=env)
+    assert proc.returncode == 2 and "kvgate migrate" in proc.stderr and "Traceback" not in proc.stderr
+    run(tmp_path, "migrate", env=env)
+    assert run(tmp_path, "tenants", "list", env=env).returncode == 0  # positive control
+
+
+def test_embedded_sqlite_is_migrated_by_the_commands_themselves(tmp_path):
+    assert run(tmp_path, "tenants", "list").returncode == 0  # a fresh state dir, no migrate first
+    run(tmp_path, "tenants", "create", "acme")
+    assert "acme" in run(tmp_path, "tenants", "list").stdout
 
 
 def test_production_refuses_development_parts(tmp_path):
     proc = run(tmp_path, "migrate", check=False, env={"KVGATE_MODE": "production"})
-    assert proc.returncode == 2 and "development only" in proc.stdout
+    assert proc.returncode == 2 and "development only" in proc.stderr
 
 
 def test_tenants_keys_clear_audit_export_and_verify(tmp_path):

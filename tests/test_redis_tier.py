@@ -336,7 +336,7 @@ def server() -> Iterator[Server]:
 
 
 async def test_kill_during_gets_then_breaker_then_recovery(server: Server) -> None:
-    tier = RedisTier(server.url, segment_bytes=256 * KiB, op_timeout_s=0.05,
+    tier = RedisTier(server.url, segment_bytes=256 * KiB, op_timeout_s=0.05, read_timeout_s=0.05,
                      breaker_failures=3, breaker_cooldown_s=0.3)
     k = key()
     payload = secrets.token_bytes(4 * MiB)
@@ -392,7 +392,7 @@ async def test_unreachable_server_is_a_prompt_typed_error() -> None:
 
 
 async def test_slow_server_times_out_at_op_timeout(server: Server) -> None:
-    tier = RedisTier(server.url, op_timeout_s=0.05, breaker_failures=10)
+    tier = RedisTier(server.url, op_timeout_s=0.05, read_timeout_s=0.05, breaker_failures=10)
     admin = aioredis.from_url(server.url)
     k = key()
     try:

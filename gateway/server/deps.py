@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from tenancy.errors import AuthenticationFailed, PermissionDenied
 from tenancy.oidc import OidcVerifier
 from tenancy.roles import Action, can_act_on
 from tenancy.types import Principal
+
+log = logging.getLogger("kvgate.server")
 
 __all__ = [
     "ServerState",
@@ -110,6 +113,8 @@ async def get_principal(
             raise AuthenticationFailed("no bearer token")
         return await state.verifier.verify(token)
     except AuthenticationFailed as exc:
+        # the operator's answer to "why 401?" (the reason names the check, never the token)
+        log.info("401 for %s %s from %s: %s", request.method, request.url.path, client, exc.reason[:200])
         for key in keys:
             state.limiter.fail(key)
         state.telemetry.auth_denials.add(1, {"kind": "authentication"})

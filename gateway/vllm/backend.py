@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
@@ -97,7 +98,7 @@ class EmbeddedBackend(Backend):
     async def open(self) -> None:
         from gateway.runtime import open_runtime
 
-        self.runtime = await open_runtime(self.settings)
+        self.runtime = await open_runtime(self.settings, auto_migrate=True)
 
     async def lookup(self, cap, model, tokens):
         return await self.runtime.gateway.lookup(cap, model, tokens)
@@ -121,7 +122,7 @@ class RemoteBackend(Backend):
 
     def __init__(self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256) -> None:
         if not url or not token:
-            raise ConnectorConfigError("remote mode needs remote_url and remote_token (or remote_token_file)")
+            raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")
         self.url, self._token, self.chunk_tokens = url, token, chunk_tokens
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
@@ -170,8 +171,39 @@ class RemoteBackend(Backend):
             await self._http.aclose()
 
 
+# settings that hold secrets: vLLM prints the whole --kv-transfer-config at start, so they come
+# from the environment (KVGATE_*) or a file, never from kv_connector_extra_config
+_SECRET_SETTINGS = ("pkcs11_pin", "api_token")
+_URL_SETTINGS = ("database_url", "redis_url")
+
+
+def refuse_secrets(extra: dict[str, Any]) -> None:
+    """ConnectorConfigError if ``kv_connector_extra_config`` carries a secret (vLLM logs it)."""
+    settings = extra.get("kvgate_settings") or {}
+    found = [k for k in _SECRET_SETTINGS if k in settings]
+    found += [k for k in _URL_SETTINGS if isinstance(settings.get(k), str) and _has_password(settings[k])]
+    if extra.get("remote_token"):
+        found.append("remote_token")
+    if found:
+        env = ", ".join("KVGATE_REMOTE_TOKEN or remote_token_file" if k == "remote_token" else f"KVGATE_{k.upper()}" for k in found)
+        raise ConnectorConfigError(
+            f"secrets in --kv-transfer-config ({', '.join(found)}) would be printed in vLLM's log: "
+            f"set {env} in the engine's environment instead"
+        )
+
+
+def _has_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False
+
+
 def backend_for(extra: dict[str, Any]) -> Backend:
     """The process's backend for this configuration (opened on first use, then shared)."""
+    refuse_secrets(extra)
     mode = extra.get("mode", "embedded")
     timeout = float(extra.get("timeout_s", 30.0))
     key = json.dumps({k: extra.get(k) for k in ("mode", "kvgate_settings", "remote_url", "chunk_tokens")}, sort_keys=True, default=str)
@@ -181,7 +213,7 @@ def backend_for(extra: dict[str, Any]) -> Backend:
             if mode == "embedded":
                 backend = EmbeddedBackend(dict(extra.get("kvgate_settings") or {}), timeout)
             elif mode == "remote":
-                token = extra.get("remote_token")
+                token = os.environ.get("KVGATE_REMOTE_TOKEN")
                 if not token and extra.get("remote_token_file"):
                     with open(extra["remote_token_file"], encoding="utf-8") as f:
                         token = f.read().strip()
@@ -190,8 +222,13 @@ def backend_for(extra: dict[str, Any]) -> Backend:
                 raise ConnectorConfigError(f"mode must be 'embedded' or 'remote', got {mode!r}")
             try:
                 backend.call(backend.open(), timeout=max(timeout, 120))
-            except BaseException:
+            except BaseException as exc:
                 backend.close()
+                if isinstance(exc, Exception) and not isinstance(exc, ConnectorConfigError):
+                    from gateway.clierrors import explain
+
+                    # refuse to start, with the cause and the fix in one line (vLLM prints it)
+                    raise ConnectorConfigError(f"kvgate could not open its state: {explain(exc)}") from exc
                 raise
             _BACKENDS[key] = backend
         backend.users += 1

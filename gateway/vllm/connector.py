@@ -110,6 +110,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self._work = WorkerLedger(self._chunk, self._block_size)
         self._blocks: BlockView | None = None
         self._load_errors: set[int] = set()
+        self._mismatch_said = False
 
     # -- identity -----------------------------------------------------------------------------
     def _scheduler_model(self, cfg: VllmConfig) -> KVModel:
@@ -147,6 +148,7 @@ class KvgateConnector(KVConnectorBase_V1):
             hit, reason = result.hit_tokens, result.degraded
         except (GatewayError, ValueError) as exc:  # refused, expired, unreachable: a miss
             hit, reason = 0, miss_reason(exc)
+            self._state_mismatch(exc)
         if reason:
             self.stats[f"lookup_{reason}"] += 1
             _LOOKUP_LOG.warning("kvgate lookup for %s degraded to %d hit tokens: %s", request.request_id, hit, reason)
@@ -154,6 +156,19 @@ class KvgateConnector(KVConnectorBase_V1):
         hit -= hit % self._block_size
         self._sched.looked_up(request.request_id, num_computed_tokens)
         return max(0, hit - num_computed_tokens), False
+
+    def _state_mismatch(self, exc: BaseException) -> None:
+        """A capability whose MAC does not verify here was minted against other kvgate state:
+        say so once, loudly, with the fix (every request of that deployment is a miss)."""
+        if self._mismatch_said or getattr(exc, "reason", None) not in ("bad tag", "bad key id"):
+            return
+        self._mismatch_said = True
+        log.error(
+            "kvgate: a capability from this engine's requests does not verify against the connector's "
+            "kvgate state, so every request is a miss. The connector (embedded mode) and whoever mints "
+            "capabilities (the middleware or `kvgate serve`) must share one database and state directory "
+            "(KVGATE_DATABASE_URL, KVGATE_STATE_DIR), or use remote mode."
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         cap = _capability(request)

@@ -8,6 +8,8 @@
           +-- Unauthorized  (401)      no, malformed or unverifiable bearer token
           +-- Forbidden     (403)      authenticated, but no capability could be minted for it
           +-- BadRequest    (400)      a body that is not a JSON object
+          +-- Unavailable   (503)      the gateway cannot be reached or cannot mint now
+                                       (an outage, never told as a permission error)
 
 Inside the engine nothing here is raised per request: a missing or refused capability, a miss,
 a failed tag or an unreachable gateway make the connector report zero hits or failed blocks,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 from gateway.errors import GatewayError
 
-__all__ = ["BadRequest", "ConnectorConfigError", "GatewayTimeout", "Forbidden", "TenantRequestError", "Unauthorized"]
+__all__ = ["BadRequest", "ConnectorConfigError", "GatewayTimeout", "Unavailable", "Forbidden", "TenantRequestError", "Unauthorized"]
 
 
 class ConnectorConfigError(GatewayError, ValueError):
@@ -52,3 +54,8 @@ class Forbidden(TenantRequestError):
 class BadRequest(TenantRequestError):
     status = 400
     title = "Bad Request"
+
+
+class Unavailable(TenantRequestError):
+    status = 503
+    title = "Service Unavailable"

@@ -15,6 +15,7 @@ and returns the new body. ``GuardConfig.from_env()`` reads ``KVGATE_VLLM_*`` (se
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -23,11 +24,13 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from gateway.errors import GatewayError
 from gateway.vllm.errors import (
     BadRequest,
     ConnectorConfigError,
     Forbidden,
     Unauthorized,
+    Unavailable,
 )
 from gateway.vllm.salt import cache_salt
 from tenancy.errors import AuthenticationFailed
@@ -35,6 +38,9 @@ from tenancy.oidc import IssuerConfig, OidcVerifier
 from tenancy.types import Principal
 
 __all__ = ["CAPABILITY_PARAM", "GUARDED_PATHS", "GuardConfig", "TenantGuard"]
+
+log = logging.getLogger("kvgate.vllm")
+RETRY_AFTER_S = 5  # Retry-After of a 503 (the gateway is down or cannot mint now)
 
 CAPABILITY_PARAM = "kvgate_capability"
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate")
@@ -111,16 +117,23 @@ class TenantGuard:
         if self._mint is not None:
             try:
                 return await self._mint(principal, self.config.namespace)
-            except Exception:  # noqa: BLE001 - any failure to mint is a 403
+            except (GatewayError, ValueError):  # refused: unknown or disabled tenant, bad name
                 raise Forbidden("no capability for this tenant") from None
+            except Exception as exc:  # noqa: BLE001 - the registry or KEK is down: an outage, not a refusal
+                log.warning("capability mint failed (%s): answering 503", type(exc).__name__)
+                raise Unavailable("kvgate cannot mint capabilities right now; retry shortly") from None
         body = {"namespace": self.config.namespace, "ops": ["lookup", "get", "put"], "ttl": self.config.capability_ttl}
         try:
             r = await self._http.post(
                 self.config.gateway_url.rstrip("/") + "/v1/capabilities",  # type: ignore[union-attr]
                 json=body, headers={"Authorization": f"Bearer {token}"},
             )
-        except httpx.HTTPError:
-            raise Forbidden("the kvgate server could not be reached") from None
+        except httpx.HTTPError as exc:
+            log.warning("the kvgate server at %s could not be reached (%s): answering 503",
+                        self.config.gateway_url, type(exc).__name__)
+            raise Unavailable("the kvgate server could not be reached; retry shortly") from None
+        if r.status_code >= 500 or r.status_code == 429:
+            raise Unavailable("the kvgate server is unavailable; retry shortly")
         if r.status_code != 201:
             raise Forbidden("no capability for this tenant")
         return str(r.json()["capability"])
@@ -147,4 +160,6 @@ def problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, byt
     headers = [(b"content-type", b"application/problem+json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="kvgate"'))
+    if status == 503:
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
     return headers, body

@@ -3,35 +3,26 @@
 vLLM configures its ``vllm`` logger and leaves the root logger bare, so a ``kvgate.*`` record
 would reach only Python's last-resort handler (unformatted) or nothing. ``ensure_visible_logging``
 gives the ``kvgate`` logger one stderr handler at WARNING when nobody configured logging for it
-(an application that did keeps its own). Logger tree: ``kvgate.vllm`` (connector, middleware),
-``kvgate.core`` (the gateway core), ``kvgate.storage`` and ``kvgate.audit`` below the same root.
+(an application that did keeps its own). The logger tree is drawn in ``gateway/logs.py``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Any
 
 __all__ = ["RateLimitedLogger", "ensure_visible_logging", "miss_reason"]
 
-_FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
-_lock = threading.Lock()
-
 
 def ensure_visible_logging() -> None:
-    """Give the ``kvgate`` logger a WARNING stderr handler unless logging is configured for it."""
-    root, kv = logging.getLogger(), logging.getLogger("kvgate")
-    with _lock:
-        if kv.handlers or root.handlers:
-            return
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(_FORMAT))
-        handler.setLevel(logging.WARNING)
-        kv.addHandler(handler)
-        if kv.level == logging.NOTSET:
-            kv.setLevel(logging.INFO)
+    """Give the ``kvgate`` logger a stderr handler (WARNING unless KVGATE_LOG_LEVEL says
+    otherwise) when neither it nor the root logger has one; see ``gateway/logs.py``."""
+    from gateway.logs import configure_logging
+
+    configure_logging(os.environ.get("KVGATE_LOG_LEVEL") or "warning")
 
 
 class RateLimitedLogger:

@@ -47,7 +47,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
             "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
-                "mode": "remote", "remote_url": live.base_url, "remote_token": live.operator_token(),
+                "mode": "remote", "remote_url": live.base_url,  # the token comes from the environment
                 "chunk_tokens": 64, "trace_path": str(trace), "model_name": "tiny-llama",
             },
         }
@@ -59,7 +59,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
         ]
         env = engine_env(
             KVGATE_VLLM_ISSUER=live.base_url + "/dev-issuer", KVGATE_VLLM_GATEWAY_URL=live.base_url,
-            KVGATE_VLLM_SALT_SECRET=secret,
+            KVGATE_VLLM_SALT_SECRET=secret, KVGATE_REMOTE_TOKEN=live.operator_token(),
         )
         log = open(work / "vllm.log", "w")
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parents[2]))
