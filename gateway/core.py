@@ -457,7 +457,7 @@ class Gateway:
         if loaded < len(plan.chunks):
             reason = ended.get(loaded, "miss")
             self.stats[f"load_failed_{reason}"] += 1
-            log.warning("load ended at chunk %d of %d: %s", loaded, len(plan.chunks), reason)
+            log.info("load ended at chunk %d of %d: %s", loaded, len(plan.chunks), reason)  # callers warn
         self.stats["chunks_loaded"] += loaded
         self.stats["load_misses" if loaded < len(plan.chunks) else "load_hits"] += 1
         return RetrieveResult(

@@ -147,6 +147,44 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+LOAD_REASONS = ("miss", "integrity", "tier_timeout", "tier_unavailable", "key_unavailable")
+LOOKUP_REASONS = ("tier_timeout", "tier_unavailable", "key_unavailable")
+
+
+def _by_reason(stats, prefix: str, reasons: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+    """Every reason, zero included (alert rules and dashboards need the series to exist)."""
+    return [(stats[prefix + r], {"reason": r}) for r in reasons]
+
+
+def _timeouts(tiers) -> list[tuple[int, dict[str, str]]]:
+    out = []
+    for t in tiers:
+        stats = getattr(t, "stats", None)
+        timeouts = getattr(stats(), "timeouts", None) if callable(stats) else None
+        if isinstance(timeouts, dict):
+            out += [(n, {"tier": t.name, "op": op}) for op, n in timeouts.items()]
+    return out or [(0, {"tier": "none", "op": "none"})]
+
+
+def _stat(tiers, field: str) -> list[tuple[int, dict[str, str]]]:
+    out = []
+    for t in tiers:
+        stats = getattr(t, "stats", None)
+        value = getattr(stats(), field, None) if callable(stats) else None
+        if isinstance(value, int):
+            out.append((value, {"tier": t.name}))
+    return out or [(0, {"tier": "none"})]
+
+
+def _breakers(tiers) -> list[tuple[int, dict[str, str]]]:
+    out = []
+    for t in tiers:
+        breaker = getattr(t, "breaker", None)
+        if breaker is not None:
+            out.append((1 if breaker.state == "open" else 0, {"tier": t.name}))
+    return out or [(0, {"tier": "none"})]
+
+
 def _observe(state: ServerState) -> None:
     """Gauges read at scrape time from the core, the tiers and the audit writer."""
     gw, audit, tel = state.runtime.gateway, state.runtime.audit, state.telemetry
@@ -158,12 +196,18 @@ def _observe(state: ServerState) -> None:
         ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(gw.stats["integrity_failures"], {})]),
         ("kvgate_capability_denials", "capability checks denied", lambda: [(gw.stats["denials"], {})]),
         ("kvgate_tier_errors", "tier failures passed over as misses", lambda: [(n, {"tier": name}) for name, n in gw.tiers.errors.items()] or [(0, {"tier": "none"})]),
+        ("kvgate_load_failures", "loads that ended early, by reason", lambda: _by_reason(gw.stats, "load_failed_", LOAD_REASONS)),
+        ("kvgate_lookup_degraded", "lookups a tier or the KEK could not fully answer, by reason", lambda: _by_reason(gw.stats, "lookup_degraded_", LOOKUP_REASONS)),
+        ("kvgate_tier_timeouts", "tier deadlines missed, by tier and operation", lambda: _timeouts(gw.tiers.tiers)),
+        ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(gw.tiers.tiers, "evictions")),
+        ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(gw.tiers.tiers, "rejected_puts")),
     )
     gauges = (
         ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
         ("kvgate_audit_spool_bytes", "audit spool size", lambda: [(audit.spool_bytes, {})]),
         ("kvgate_audit_spool_events", "audit events in the spool", lambda: [(audit.spool_events, {})]),
         ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in gw.tiers.tiers]),
+        ("kvgate_tier_breaker_open", "1 while a tier's circuit breaker is open", lambda: _breakers(gw.tiers.tiers)),
     )
     for name, description, fn in counters:
         tel.observe(name, description, fn, monotonic=True)

@@ -55,6 +55,7 @@ def _run(plan: dict, workdir: Path, name: str) -> list[dict]:
         [PYTHON, "-m", "tests.vllm.engine_run", str(workdir / f"{name}.json"), str(out)],
         env=engine_env(), cwd=str(Path(__file__).resolve().parents[2]), capture_output=True, text=True, timeout=400,
     )
+    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)  # what an operator would see
     if proc.returncode != 0:
         raise AssertionError(f"engine run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())

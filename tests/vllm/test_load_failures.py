@@ -20,6 +20,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -167,7 +168,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         for results, t in ((first, t1), (second, t2)):
             for r in results:
                 r["trace"] = t
-        yield {"r": {r["name"]: r for r in first + second if r["op"] == "gen"}, "trace": t1 + t2}
+        logs = (work / "engine1.log").read_text() + (work / "engine2.log").read_text()
+        yield {"r": {r["name"]: r for r in first + second if r["op"] == "gen"}, "trace": t1 + t2, "log": logs}
     finally:
         own.stop()
         moto.stop()
@@ -224,6 +226,10 @@ def test_stalled_redis_then_three_correct_requests(runs):
 
 
 def test_failed_loads_are_logged_with_their_reason(runs):
+    # visible under vLLM's default logging configuration, at WARNING, one line per failed load
+    for reason in ("integrity", "miss", "key_unavailable"):
+        assert re.search(rf"WARNING .*\[kvgate\.vllm\] kvgate load for \S+: \d+ of 256 tokens loaded \({reason}\)", runs["log"]), reason
+    assert re.search(r"WARNING .*kvgate load for \S+: \d+ of 256 tokens loaded \(tier_(timeout|unavailable)\)", runs["log"])
     reasons = [e["reason"] for e in runs["trace"] if e["event"] == "load" and e["failed_blocks"]]
     assert sorted(set(reasons)) == sorted(set(reasons) & {"integrity", "miss", "key_unavailable", "tier_timeout", "tier_unavailable"})
     assert len(reasons) == 4, reasons
