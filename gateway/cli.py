@@ -149,13 +149,15 @@ def serve(
 def doctor() -> None:
     """Check settings, files, database and schema, Redis, the KEK, the OIDC issuers and the
     signing key; a table of what is fine and what is not, with the fix. Exit 1 if anything fails."""
+    from rich.markup import escape
+
     from gateway.doctor import FAIL, WARN, run_checks
 
     checks = asyncio.run(run_checks(load_settings))
     table = Table("check", "status", "detail", "fix")
     colour = {FAIL: "red", WARN: "yellow"}
     for c in checks:
-        table.add_row(c.name, f"[{colour.get(c.status, 'green')}]{c.status}[/]", c.detail, c.fix)
+        table.add_row(escape(c.name), f"[{colour.get(c.status, 'green')}]{c.status}[/]", escape(c.detail), escape(c.fix))
     console.print(table)
     failed = sum(c.status == FAIL for c in checks)
     console.print(f"{len(checks)} checks: {failed} failed, {sum(c.status == WARN for c in checks)} warnings")
@@ -354,8 +356,10 @@ def main() -> None:  # console script entry point
     except Exception as exc:  # noqa: BLE001 - the one place that turns any error into one line
         if _DEBUG["on"]:
             raise
+        from rich.markup import escape
+
         from gateway.clierrors import explain
 
         err = Console(stderr=True)
-        err.print(f"[red]kvgate:[/red] {explain(exc)}", highlight=False, soft_wrap=True)
+        err.print(f"[red]kvgate:[/red] {escape(explain(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)

@@ -138,11 +138,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
             kms_region=REGION, kms_endpoint_url=moto.endpoint, kek_cache_ttl_s=1.0, kms_key_state_ttl_s=0.2,
         )
         trace1 = work / "trace1.jsonl"
-        caps1 = asyncio.run(_setup(s1))
+        s2 = dict(
+            state_dir=str(work / "state2"), tiers=["redis"], redis_url=own.url, redis_prefix="kvgate-lf:",
+            chunk_tokens=CHUNK, cpu_threads=1,
+        )
+        caps2 = asyncio.run(_setup(s2))
+        # F: a capability minted against other kvgate state (another database and state dir)
+        caps1 = {**asyncio.run(_setup(s1)), "F": caps2["A"]}
         base1 = {"model": str(model_dir), "block_size": BLOCK, "kv_transfer_config": _ktc(s1, trace1), "settings": s1, "caps": caps1}
         steps1 = [
             {"op": "gen", "name": "baseP", "ids": P}, {"op": "gen", "name": "baseQ", "ids": Q},
             {"op": "gen", "name": "baseR", "ids": R},
+            {"op": "gen", "name": "foreign1", "ids": P, "cap": "F"}, {"op": "gen", "name": "foreign2", "ids": Q, "cap": "F"},
             *_scenario("P", P, [{"op": "tamper", "ids": P, "chunk": 1, "how": "flip"}]),
             *_scenario("Q", Q, [{"op": "tamper", "ids": Q, "chunk": 2, "how": "corrupt_head"}]),
             *_scenario("R", R, [{"op": "sleep", "s": 1.5}, {"op": "kms_disable"}]),
@@ -153,12 +160,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         first = _run({**base1, "steps": steps1}, work, "engine1")
 
         # engine 2: a Redis of our own, the only tier, stalled during a load
-        s2 = dict(
-            state_dir=str(work / "state2"), tiers=["redis"], redis_url=own.url, redis_prefix="kvgate-lf:",
-            chunk_tokens=CHUNK, cpu_threads=1,
-        )
         trace2 = work / "trace2.jsonl"
-        caps2 = asyncio.run(_setup(s2))
         base2 = {"model": str(model_dir), "block_size": BLOCK, "kv_transfer_config": _ktc(s2, trace2), "settings": s2, "caps": caps2}
         steps2 = [{"op": "gen", "name": "baseS", "ids": S}, *_scenario("S", S, [], stall_redis_pid=own.proc.pid, stall_s=1.0)]
         i = next(k for k, st in enumerate(steps2) if st.get("name") == "S4")
@@ -234,3 +236,12 @@ def test_failed_loads_are_logged_with_their_reason(runs):
     assert sorted(set(reasons)) == sorted(set(reasons) & {"integrity", "miss", "key_unavailable", "tier_timeout", "tier_unavailable"})
     assert len(reasons) == 4, reasons
     print("KVGATE_LOAD_FAILURES", json.dumps({n: runs["r"][n]["tokens"][:4] for n in sorted(runs["r"])}))
+
+
+def test_capabilities_minted_against_other_state_are_misses_and_one_error(runs):
+    r = runs["r"]
+    for name, base in (("foreign1", "baseP"), ("foreign2", "baseQ")):
+        assert r[name]["kv"]["kvgate"]["hit_tokens"] == 0 and r[name]["tokens"] == r[base]["tokens"]
+    said = re.findall(r"ERROR .*does not verify against the connector's kvgate state", runs["log"])
+    assert len(said) == 1, said  # loud, once, with the fix
+    assert "KVGATE_DATABASE_URL" in runs["log"]
