@@ -27,6 +27,22 @@ app.add_typer(token_app, name="token")
 console = Console()
 
 
+def _name(value: Optional[str]) -> Optional[str]:
+    """Every tenant and namespace a command takes meets the one name rule (tenancy.names),
+    checked before any work (exit 2)."""
+    from tenancy.names import InvalidName, check_name
+
+    if value is None:
+        return None
+    try:
+        return check_name(value)
+    except InvalidName as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+TenantArg = Annotated[str, typer.Argument(callback=_name, help="tenant name")]
+
+
 def _settings(**overrides: object) -> Settings:
     try:
         return load_settings(**overrides)
@@ -117,15 +133,17 @@ def serve(
         overrides["public_url"] = f"http://{'127.0.0.1' if h in ('0.0.0.0', '::') else h}:{p}"
     if overrides:
         settings = settings.model_copy(update=overrides)
+    from gateway.server.gatekeeper import uvicorn_options
+
     uvicorn.run(
         create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
-        h11_max_incomplete_event_size=16 * 1024, proxy_headers=False, server_header=False,
+        **uvicorn_options(settings),
     )
 
 
 @token_app.command("mint")
 def token_mint(
-    tenant: Annotated[str, typer.Option(help="tenant claim")],
+    tenant: Annotated[str, typer.Option(callback=_name, help="tenant claim")],
     roles: Annotated[list[str], typer.Option("--roles", "--role", help="kv.worker, kv.admin, kv.operator")] = ["kv.worker"],
     ttl: Annotated[int, typer.Option(help="seconds")] = 3600,
     subject: Annotated[Optional[str], typer.Option(help="sub claim")] = None,
@@ -144,7 +162,7 @@ def token_mint(
 
 
 @tenants_app.command("create")
-def tenants_create(tenant: str) -> None:
+def tenants_create(tenant: TenantArg) -> None:
     async def go(rt):
         version = await rt.admin.create_tenant(tenant)
         console.print(f"tenant {tenant} created with data key version {version}")
@@ -164,7 +182,7 @@ def tenants_list() -> None:
 
 
 @tenants_app.command("disable")
-def tenants_disable(tenant: str) -> None:
+def tenants_disable(tenant: TenantArg) -> None:
     async def go(rt):
         await rt.admin.disable_tenant(tenant)
         console.print(f"tenant {tenant} disabled; its capabilities are revoked")
@@ -173,7 +191,7 @@ def tenants_disable(tenant: str) -> None:
 
 
 @keys_app.command("rotate")
-def keys_rotate(tenant: str) -> None:
+def keys_rotate(tenant: TenantArg) -> None:
     async def go(rt):
         version = await rt.admin.rotate_key(tenant)
         console.print(f"tenant {tenant}: data key version {version} is active")
@@ -207,8 +225,8 @@ def keys_rotate_kek(
 
 @app.command()
 def clear(
-    tenant: str,
-    namespace: Annotated[Optional[str], typer.Option(help="clear one namespace only")] = None,
+    tenant: TenantArg,
+    namespace: Annotated[Optional[str], typer.Option(callback=_name, help="clear one namespace only")] = None,
 ) -> None:
     """Secure clear: crypto-shred (epoch bump, key destruction) then delete from every tier."""
 
@@ -242,7 +260,7 @@ def audit_export(
     fmt: Annotated[str, typer.Option("--format", help="jsonl or csv")] = "jsonl",
     since: Annotated[Optional[str], typer.Option(help="ISO 8601, inclusive (recorded time)")] = None,
     until: Annotated[Optional[str], typer.Option(help="ISO 8601, exclusive (recorded time)")] = None,
-    tenant: Annotated[Optional[str], typer.Option(help="only events of this tenant")] = None,
+    tenant: Annotated[Optional[str], typer.Option(callback=_name, help="only events of this tenant")] = None,
     public_key: Annotated[Optional[Path], typer.Option(help="also write the audit public key (PEM) here")] = None,
 ) -> None:
     """Stream the audit log to a file and write a manifest signed with the Ed25519 audit key."""

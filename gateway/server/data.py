@@ -13,6 +13,8 @@ from pydantic import BaseModel, Field
 from gateway.errors import InvalidRequest
 from gateway.server.deps import (
     CapabilityDep,
+    Name,
+    Strict,
     PrincipalDep,
     ServerState,
     StateDep,
@@ -38,11 +40,11 @@ HashPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="chained s
 Op = Literal["lookup", "get", "put", "pin"]
 
 
-class CapabilityRequest(BaseModel):
-    namespace: str = Field(min_length=1, max_length=128)
+class CapabilityRequest(Strict):
+    namespace: Name
     ops: list[Op] = Field(min_length=1, max_length=4)
     ttl: int | None = Field(default=None, ge=1, le=86400)
-    tenant: str | None = Field(default=None, min_length=1, max_length=128, description="operators only; default: the caller's")
+    tenant: Name | None = Field(default=None, description="operators only; default: the caller's")
 
 
 class CapabilityResponse(BaseModel):
@@ -54,7 +56,7 @@ class CapabilityResponse(BaseModel):
     expires_at: float
 
 
-class LookupRequest(BaseModel):
+class LookupRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
     chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     last_chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
@@ -66,11 +68,11 @@ class LookupResponse(BaseModel):
     locations: list[list[str]]
 
 
-class PinRequest(BaseModel):
+class PinRequest(Strict):
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class LeaseRequest(BaseModel):
+class LeaseRequest(Strict):
     version: int | None = Field(
         default=None, ge=1, le=2**32 - 1,
         description="a key version to open envelopes with (capability op get); default: the current key, to seal with (op put)",
@@ -129,8 +131,10 @@ async def lookup(body: LookupRequest, principal: PrincipalDep, cap: CapabilityDe
 
 @router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
 async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    """The body is the envelope (application/octet-stream), read straight into one buffer."""
+    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
+    the capability is checked: a forged or foreign capability costs no body read."""
     _same_tenant(state, principal, cap, Action.PUT, request)
+    state.runtime.gateway.authorize(cap, "put", chunks=[chunk_hash])
     limit = state.settings.max_chunk_bytes
     declared = request.headers.get("content-length")
     if declared is None:
