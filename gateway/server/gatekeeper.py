@@ -146,7 +146,7 @@ class _Body:
         if message["type"] == "http.request":
             self.seen += len(message.get("body", b""))
             if self.seen > self.limit:
-                raise HTTPException(413, "Content Too Large", headers={"Connection": "close"})
+                raise HTTPException(413, "Content Too Large")  # the rest is discarded as it comes
             self.done = not message.get("more_body", False)
         else:
             self.done = True
