@@ -26,8 +26,10 @@ from gateway.errors import (
     TenantUnavailable,
 )
 from storage.types import TierError
+from crypto.errors import KekError
 from tenancy.errors import (
     AuthenticationFailed,
+    DependencyUnavailable,
     CapabilityDenied,
     CapabilityRequestInvalid,
     PermissionDenied,
@@ -162,6 +164,13 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def tier_unavailable(_r: Request, _e: Exception) -> JSONResponse:
         return problem(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"})
 
+    async def dependency_unavailable(_r: Request, e: Exception) -> JSONResponse:
+        # an outage, not a refusal and not a bug: 503 with Retry-After, on a connection that stays
+        # open (a 500 from an unhandled error makes the server drop keep-alive)
+        what = getattr(e, "dependency", "the key provider")
+        log.warning("dependency unavailable: %s (%s)", what, type(e.__cause__ or e).__name__)
+        return problem(503, "Service Unavailable", f"{what} unavailable; retry later", {"Retry-After": "5"})
+
     async def validation(r: Request, e: RequestValidationError) -> JSONResponse:
         _audit_refused_names(r, e)
         errors = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in e.errors()][:20]
@@ -194,6 +203,8 @@ def install_problem_handlers(app: FastAPI) -> None:
         (RateLimited, rate_limited),
         (NotReady, not_ready),
         (TierError, tier_unavailable),
+        (DependencyUnavailable, dependency_unavailable),
+        (KekError, dependency_unavailable),
         (RequestValidationError, validation),
         (StarletteHTTPException, http_exc),
         (Exception, unexpected),
