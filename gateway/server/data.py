@@ -54,6 +54,7 @@ class CapabilityResponse(BaseModel):
     namespace: str
     ops: list[str]
     expires_at: float
+    epoch: int = Field(description="the namespace's current epoch (a secure clear bumps it); the vLLM middleware derives cache_salt from it")
 
 
 class LookupRequest(Strict):
@@ -111,9 +112,10 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
         tenant, body.namespace, body.ops, body.ttl, actor=actor_of(principal, request)
     )
     cap = read_unverified(token)
+    ns = await state.runtime.gateway.namespace_keys(cap.tenant, cap.namespace)
     return CapabilityResponse(
         capability=token, cap_id=cap.cap_id, tenant=cap.tenant, namespace=cap.namespace,
-        ops=sorted(cap.ops), expires_at=cap.expires_at,
+        ops=sorted(cap.ops), expires_at=cap.expires_at, epoch=ns.epoch,
     )
 
 
