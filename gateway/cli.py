@@ -54,12 +54,16 @@ def _settings(**overrides: object) -> Settings:
 async def _with_runtime(settings: Settings, fn):
     from gateway.dbschema import SchemaBehind
     from gateway.runtime import open_runtime
+    from gateway.statefiles import InsecureStateFiles
 
     try:
         rt = await open_runtime(settings)
     except SchemaBehind as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(3) from None
+    except InsecureStateFiles as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     try:
         return await fn(rt)
     finally:
@@ -75,7 +79,13 @@ def migrate(
     from gateway import dbschema
 
     settings = _settings()
-    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from gateway.statefiles import InsecureStateFiles, prepare_state
+
+    try:
+        prepare_state(settings)
+    except InsecureStateFiles as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     if downgrade:
         dbschema.downgrade(settings.db_url, "base" if revision == "head" else revision)
     else:
@@ -127,6 +137,13 @@ def serve(
     from gateway.server import create_app
 
     settings = _settings()
+    from gateway.statefiles import InsecureStateFiles, prepare_state
+
+    try:
+        prepare_state(settings)  # the clear error here, before uvicorn starts
+    except InsecureStateFiles as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
     h, p = host or settings.host, port or settings.port
     overrides = {}
     if settings.public_url == "http://127.0.0.1:8420" and (h, p) != ("127.0.0.1", 8420):

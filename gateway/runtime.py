@@ -107,7 +107,9 @@ class Runtime:
 async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, encrypt: bool = True) -> Runtime:
     """Open everything; ``tiers`` overrides the configured tiers (tests and benchmarks).
     ``encrypt=False`` exists for the benchmark's plaintext baseline only."""
-    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from gateway.statefiles import prepare_state
+
+    prepare_state(settings)  # 0700 / 0600, or InsecureStateFiles
     kek = make_kek(settings)
     registry = Registry.from_url(settings.db_url)
     try:
