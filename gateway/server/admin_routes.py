@@ -160,7 +160,9 @@ def _export_params(principal, state, request, since, until, tenant) -> dict:
             raise InvalidRequest(f"{name} must carry a time zone")
     if since is not None and since >= until:
         raise InvalidRequest("since must be before until")
-    return {"since": since, "until": until, "tenant": tenant}
+    # a tenant's own export names its own principals only: other tenants' (and unauthenticated)
+    # actors are keyed pseudonyms there; the operator's export keeps them
+    return {"since": since, "until": until, "tenant": tenant, "pseudonymize": not is_operator}
 
 
 def _export(state, format: str, params: dict) -> AuditExport:
