@@ -10,7 +10,10 @@ import json
 from pathlib import Path
 
 from audit.verify import verify_export
-from tests.server_fixture import LiveServer, live_server  # noqa: F401 - a fixture
+from tests import server_fixture
+from tests.server_fixture import LiveServer
+
+live_server = server_fixture.live_server  # a fixture, registered in this module
 
 UNTIL = "2999-01-01T00:00:00+00:00"
 

@@ -12,7 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_fixture import assert_problem, fake_envelope, random_hash, running_server
+from tests.server_fixture import (
+    assert_problem,
+    fake_envelope,
+    random_hash,
+    running_server,
+)
 from tests.test_audit_outage import ThrowawayPostgres
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]

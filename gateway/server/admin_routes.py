@@ -16,7 +16,16 @@ from pydantic import BaseModel, Field, model_validator
 from audit import AuditExport, AuditSigningKey, ExportError
 from gateway.envelopes import parse_hash
 from gateway.errors import InvalidRequest, TenantUnavailable
-from gateway.server.deps import Name, NamePath, NameQuery, PrincipalDep, StateDep, Strict, actor_of, authorize_action
+from gateway.server.deps import (
+    Name,
+    NamePath,
+    NameQuery,
+    PrincipalDep,
+    StateDep,
+    Strict,
+    actor_of,
+    authorize_action,
+)
 from gateway.server.problems import COMMON_PROBLEMS, Conflict, problem_responses
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles

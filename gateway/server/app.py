@@ -18,8 +18,8 @@ from gateway.config import Settings
 from gateway.envelopes import EnvelopePlane
 from gateway.runtime import open_runtime
 from gateway.server import admin_routes, data
-from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.deps import PrincipalDep, ServerState, StateDep, authorize_action
+from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.telemetry import Telemetry
 from tenancy.oidc import IssuerConfig, OidcVerifier

@@ -14,10 +14,10 @@ from gateway.errors import InvalidRequest
 from gateway.server.deps import (
     CapabilityDep,
     Name,
-    Strict,
     PrincipalDep,
     ServerState,
     StateDep,
+    Strict,
     actor_of,
     authorize_action,
 )
@@ -219,7 +219,7 @@ async def lease(
     _same_tenant(state, principal, cap, Action.LEASE_KEY, request)
     version = body.version if body is not None else None
     got = await state.plane.lease_key(cap, version=version, actor=actor_of(principal, request))
-    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    b64 = lambda b: base64.b64encode(b).decode()
     return LeaseResponse(
         tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,
         dek=b64(got.dek), binding_secret=b64(got.binding_secret), index_key=b64(got.index_key),

@@ -29,7 +29,6 @@ import asyncio
 import json
 from typing import Any
 
-import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -141,7 +140,7 @@ class _Body:
             return await self._receive()
         try:
             message = await asyncio.wait_for(self._receive(), self.timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HTTPException(408, "the request body did not arrive in time", headers={"Connection": "close"}) from None
         if message["type"] == "http.request":
             self.seen += len(message.get("body", b""))

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from crypto.errors import KekError
 from gateway.errors import (
     AccessDenied,
     ChunkMissing,
@@ -26,12 +27,11 @@ from gateway.errors import (
     TenantUnavailable,
 )
 from storage.types import TierError
-from crypto.errors import KekError
 from tenancy.errors import (
     AuthenticationFailed,
-    DependencyUnavailable,
     CapabilityDenied,
     CapabilityRequestInvalid,
+    DependencyUnavailable,
     PermissionDenied,
 )
 

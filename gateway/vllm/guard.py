@@ -144,6 +144,11 @@ class TenantGuard:
     async def admit(self, authorization: str | None, body: bytes) -> tuple[Principal, bytes]:
         """Authenticate, mint, rewrite: the body to forward (or a TenantRequestError)."""
         principal, token = await self.principal(authorization)
+        return principal, await self.rewrite(principal, token, body)
+
+    async def rewrite(self, principal: Principal, token: str, body: bytes) -> bytes:
+        """Mint and rewrite for an already verified principal (the middleware verifies the token
+        before it reads the body)."""
         try:
             doc: Any = json.loads(body or b"{}")
         except (ValueError, UnicodeError):
@@ -155,7 +160,7 @@ class TenantGuard:
         doc.pop("kv_transfer_params", None)
         doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, epoch)
         doc["kv_transfer_params"] = {CAPABILITY_PARAM: cap}
-        return principal, json.dumps(doc).encode()
+        return json.dumps(doc).encode()
 
 
 def problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, bytes]], bytes]:
