@@ -20,12 +20,20 @@ auditor join consecutive windows: the next export's first_prev_hash is this one'
 A filtered export proves each row authentic and the set exactly what the signer exported;
 proving the filter was complete needs an unfiltered export of the same window.
 
+Pseudonymized exports (``pseudonymize=True``, a tenant's own export): rows whose actor belongs to
+another tenant (or to no tenant: an unauthenticated caller) keep what was done to the tenant but
+not who did it: the actor becomes ``{"subject": "pseudonym:<32 hex>"}`` and nothing else, the hex
+an HMAC over the actor's fields under a key derived from the signing key and the exported tenant.
+The same actor gets the same pseudonym in every export of that tenant, an unrelated one in another
+tenant's export. Such a row's hash cannot be recomputed from the exported fields (that is the
+point), so the verifier checks its links and the signed manifest, not its content.
+
 Manifest (JSON, signed with Ed25519 over its canonical JSON without ``signature``)::
 
     {"kind": "kvgate.audit.export", "manifest_version": 1, "record_version": 1,
      "format": "jsonl"|"csv", "created_at": TIME,
      "filter": {"since": TIME|null, "until": TIME|null, "tenant": str|null},
-     "contiguous": bool, "count": int, "first_seq", "last_seq": int|null,
+     "contiguous": bool, "pseudonymized": bool, "count": int, "first_seq", "last_seq": int|null,
      "first_prev_hash", "first_hash", "last_hash": hex|null,
      "export_sha256": hex, "export_bytes": int,
      "signature_algorithm": "Ed25519", "key_id": hex, "signature": base64}
@@ -35,7 +43,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import hashlib
+import hmac
 import json
 import os
 from collections.abc import AsyncIterator, Callable
@@ -50,8 +60,11 @@ from audit.formats import FORMATS, csv_header, encode_csv, encode_jsonl
 from audit.record import RECORD_VERSION, canonical_json, format_time
 from audit.signing import AuditSigningKey
 from audit.store import AuditStore
+from audit.types import Actor
 
-__all__ = ["MANIFEST_KIND", "MANIFEST_VERSION", "AuditExport", "export_to_files", "sign_manifest"]
+__all__ = ["MANIFEST_KIND", "MANIFEST_VERSION", "PSEUDONYM_PREFIX", "AuditExport", "export_to_files", "sign_manifest"]
+
+PSEUDONYM_PREFIX = "pseudonym:"
 
 MANIFEST_KIND = "kvgate.audit.export"
 MANIFEST_VERSION = 1
@@ -88,6 +101,7 @@ class AuditExport:
         since: datetime | None = None,
         until: datetime | None = None,
         tenant: str | None = None,
+        pseudonymize: bool = False,
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
         if format not in FORMATS:
@@ -101,6 +115,11 @@ class AuditExport:
             raise ExportError("tenant must be a non-empty string")
         if not isinstance(key, AuditSigningKey):
             raise ExportError("key must be an AuditSigningKey")
+        if pseudonymize and tenant is None:
+            raise ExportError("pseudonymize needs a tenant (whose actors are kept)")
+        self._pseudonym_key = (
+            key.derive(b"pseudonym\x00" + tenant.encode("utf-8")) if pseudonymize and tenant is not None else None
+        )
         self._store = source if isinstance(source, AuditStore) else AuditStore(source)
         self._key = key
         self.format = format
@@ -123,7 +142,7 @@ class AuditExport:
         parts: list[bytes] = [csv_header()] if self.format == "csv" else []
         pending = sum(map(len, parts))
         async for rec in self._store.iter_records(since=self._since, until=self._until, tenant=self._tenant):
-            line = encode(rec)
+            line = encode(self._pseudonymized(rec))
             parts.append(line)
             pending += len(line)
             count += 1
@@ -152,6 +171,7 @@ class AuditExport:
                 "tenant": self._tenant,
             },
             "contiguous": self._tenant is None,
+            "pseudonymized": self._pseudonym_key is not None,
             "count": count,
             "first_seq": first.seq if first else None,
             "last_seq": last.seq if last else None,
@@ -162,6 +182,15 @@ class AuditExport:
             "export_bytes": size,
         }
         self._manifest = sign_manifest(body, self._key)
+
+    def _pseudonymized(self, rec: Any) -> Any:
+        actor = rec.event.actor
+        if self._pseudonym_key is None or actor.tenant == self._tenant:
+            return rec
+        fields = json.dumps([actor.issuer, actor.tenant, actor.subject, actor.client_id, actor.token_id, actor.source])
+        tag = hmac.new(self._pseudonym_key, fields.encode("utf-8"), hashlib.sha256).hexdigest()[:32]
+        event = dataclasses.replace(rec.event, actor=Actor(subject=PSEUDONYM_PREFIX + tag))
+        return dataclasses.replace(rec, event=event)
 
     def manifest(self) -> dict[str, Any]:
         if self._manifest is None:

@@ -29,7 +29,7 @@ from gateway.types import ClearResult, check_name
 from gateway.errors import InvalidRequest, TenantUnavailable
 from storage.types import ChunkKey
 from tenancy.models import utcnow
-from tenancy.registry import ClearJobRecord, TenantExists, UnknownTenant
+from tenancy.registry import ClearJobRecord, TenantDisabled, TenantExists, UnknownTenant
 
 __all__ = ["Admin"]
 
@@ -72,7 +72,7 @@ class Admin:
     async def rotate_key(self, tenant: str, *, actor: Actor | None = None) -> int:
         try:
             await self.gw.registry.require_active(tenant)
-        except Exception:
+        except (UnknownTenant, TenantDisabled):  # an outage is not a refusal: it propagates (503)
             raise TenantUnavailable("tenant unavailable") from None
         version = await self.gw.keyring.rotate(tenant)
         await self._publish("rotate", tenant, version=version)

@@ -88,7 +88,7 @@ async def run_attack(
     state = base / f"attack-{target}"
     shutil.rmtree(state, ignore_errors=True)
     db_url = f"sqlite+aiosqlite:///{state / 'bench.db'}"
-    state.mkdir(parents=True)
+    state.mkdir(parents=True, mode=0o700)
     await asyncio.to_thread(dbschema.upgrade, db_url)
     g = ATTACK_GEOMETRY
     prompt_bytes = g.chunk_nbytes(prompt_tokens)

@@ -145,7 +145,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
     from tenancy.devissuer import DevIssuer
 
     state = base / "rest"
-    state.mkdir(parents=True, exist_ok=True)
+    state.mkdir(parents=True, exist_ok=True, mode=0o700)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = {

@@ -49,7 +49,7 @@ def jain_index(xs: list[float]) -> float:
 async def _runtime(base: Path, name: str, tiers: list[Tier], chunk_tokens: int = 16):
     state = base / name
     shutil.rmtree(state, ignore_errors=True)
-    state.mkdir(parents=True)
+    state.mkdir(parents=True, mode=0o700)
     url = f"sqlite+aiosqlite:///{state / 'bench.db'}"
     await asyncio.to_thread(dbschema.upgrade, url)
     settings = Settings(state_dir=state, database_url=url, chunk_tokens=chunk_tokens, cpu_threads=2, tiers=["memory"])

@@ -104,7 +104,7 @@ class _Engine:
 async def _runtime(base: Path, name: str, tier: MemoryTier) -> Runtime:
     state = base / name
     shutil.rmtree(state, ignore_errors=True)
-    state.mkdir(parents=True)
+    state.mkdir(parents=True, mode=0o700)
     url = f"sqlite+aiosqlite:///{state / 'bench.db'}"
     await asyncio.to_thread(dbschema.upgrade, url)
     settings = Settings(state_dir=state, database_url=url, chunk_tokens=256, cpu_threads=2, tiers=["memory"])

@@ -42,14 +42,45 @@ def _root(
         _DEBUG["on"] = True
 
 
+def _name(value: Optional[str]) -> Optional[str]:
+    """Every tenant and namespace a command takes meets the one name rule (tenancy.names),
+    checked before any work (exit 2)."""
+    from tenancy.names import InvalidName, check_name
+
+    if value is None:
+        return None
+    try:
+        return check_name(value)
+    except InvalidName as exc:
+        raise typer.BadParameter(str(exc)) from None
+
+
+TenantArg = Annotated[str, typer.Argument(callback=_name, help="tenant name")]
+
+
 def _settings(**overrides: object) -> Settings:
     return load_settings(**overrides)  # a bad setting: main() says which, in one line
+
+
+def _fail(exc: BaseException) -> typer.Exit:
+    """Print the one line for ``exc`` (cause and fix) on stderr; the Exit(2) to raise."""
+    from rich.markup import escape
+
+    from gateway.clierrors import explain
+
+    Console(stderr=True).print(f"[red]kvgate:[/red] {escape(explain(exc))}", highlight=False, soft_wrap=True)
+    return typer.Exit(2)
 
 
 async def _with_runtime(settings: Settings, fn):
     from gateway.runtime import open_runtime
 
-    rt = await open_runtime(settings, auto_migrate=True)  # Postgres: SchemaBehind names `kvgate migrate`
+    try:  # Postgres behind the schema: SchemaBehind names `kvgate migrate`; loose modes: chmod
+        rt = await open_runtime(settings, auto_migrate=True)
+    except Exception as exc:  # noqa: BLE001 - one line, whatever it was
+        if _DEBUG["on"]:
+            raise
+        raise _fail(exc) from None
     try:
         return await fn(rt)
     finally:
@@ -64,8 +95,13 @@ def migrate(
     """Upgrade (or downgrade) the registry and audit schema."""
     from gateway import dbschema
 
+    from gateway.statefiles import InsecureStateFiles, prepare_state
+
     settings = _settings()
-    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        prepare_state(settings)
+    except InsecureStateFiles as exc:
+        raise _fail(exc) from None
     if downgrade:
         dbschema.downgrade(settings.db_url, "base" if revision == "head" else revision)
     else:
@@ -130,6 +166,7 @@ def serve(
     # the database (SQLite is migrated, Postgres must be), the KEK, the tiers, the port
     asyncio.run(_with_runtime(settings, _noop))
     _check_port_free(h, p)
+    from gateway.server.gatekeeper import uvicorn_options
     from gateway.serverinfo import publish_server, unpublish_server
 
     publish_server(settings, h, p)
@@ -139,7 +176,7 @@ def serve(
     try:
         uvicorn.run(
             create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
-            h11_max_incomplete_event_size=16 * 1024, proxy_headers=False, server_header=False,
+            **uvicorn_options(settings),
         )
     finally:
         unpublish_server(settings)
@@ -184,7 +221,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 @token_app.command("mint")
 def token_mint(
-    tenant: Annotated[str, typer.Option(help="tenant claim")],
+    tenant: Annotated[str, typer.Option(callback=_name, help="tenant claim")],
     roles: Annotated[list[str], typer.Option("--roles", "--role", help="kv.worker, kv.admin, kv.operator")] = ["kv.worker"],
     ttl: Annotated[int, typer.Option(help="seconds")] = 3600,
     subject: Annotated[Optional[str], typer.Option(help="sub claim")] = None,
@@ -203,7 +240,7 @@ def token_mint(
 
 
 @tenants_app.command("create")
-def tenants_create(tenant: str) -> None:
+def tenants_create(tenant: TenantArg) -> None:
     async def go(rt):
         version = await rt.admin.create_tenant(tenant)
         console.print(f"tenant {tenant} created with data key version {version}")
@@ -223,7 +260,7 @@ def tenants_list() -> None:
 
 
 @tenants_app.command("disable")
-def tenants_disable(tenant: str) -> None:
+def tenants_disable(tenant: TenantArg) -> None:
     async def go(rt):
         await rt.admin.disable_tenant(tenant)
         console.print(f"tenant {tenant} disabled; its capabilities are revoked")
@@ -232,7 +269,7 @@ def tenants_disable(tenant: str) -> None:
 
 
 @keys_app.command("rotate")
-def keys_rotate(tenant: str) -> None:
+def keys_rotate(tenant: TenantArg) -> None:
     async def go(rt):
         version = await rt.admin.rotate_key(tenant)
         console.print(f"tenant {tenant}: data key version {version} is active")
@@ -266,8 +303,8 @@ def keys_rotate_kek(
 
 @app.command()
 def clear(
-    tenant: str,
-    namespace: Annotated[Optional[str], typer.Option(help="clear one namespace only")] = None,
+    tenant: TenantArg,
+    namespace: Annotated[Optional[str], typer.Option(callback=_name, help="clear one namespace only")] = None,
 ) -> None:
     """Secure clear: crypto-shred (epoch bump, key destruction) then delete from every tier."""
 
@@ -301,7 +338,7 @@ def audit_export(
     fmt: Annotated[str, typer.Option("--format", help="jsonl or csv")] = "jsonl",
     since: Annotated[Optional[str], typer.Option(help="ISO 8601, inclusive (recorded time)")] = None,
     until: Annotated[Optional[str], typer.Option(help="ISO 8601, exclusive (recorded time)")] = None,
-    tenant: Annotated[Optional[str], typer.Option(help="only events of this tenant")] = None,
+    tenant: Annotated[Optional[str], typer.Option(callback=_name, help="only events of this tenant")] = None,
     public_key: Annotated[Optional[Path], typer.Option(help="also write the audit public key (PEM) here")] = None,
 ) -> None:
     """Stream the audit log to a file and write a manifest signed with the Ed25519 audit key."""
@@ -356,10 +393,5 @@ def main() -> None:  # console script entry point
     except Exception as exc:  # noqa: BLE001 - the one place that turns any error into one line
         if _DEBUG["on"]:
             raise
-        from rich.markup import escape
-
-        from gateway.clierrors import explain
-
-        err = Console(stderr=True)
-        err.print(f"[red]kvgate:[/red] {escape(explain(exc))}", highlight=False, soft_wrap=True)
+        _fail(exc)
         sys.exit(2)

@@ -63,7 +63,7 @@ def _one(exc: BaseException) -> str | None:
     name = type(exc).__name__
     mod = type(exc).__module__ or ""
     text = redact_url(str(exc)).strip().splitlines()[0] if str(exc).strip() else name
-    if isinstance(exc, CliError) or name in ("VerifyInputError",):  # already a sentence for users
+    if isinstance(exc, CliError) or name in ("VerifyInputError", "InsecureStateFiles", "InvalidName"):  # already a sentence
         return text
     if name == "SchemaBehind":
         return f"{text} (or use the embedded SQLite default, which kvgate serve migrates itself)"

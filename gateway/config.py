@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     port: int = 8420
     max_chunk_bytes: int = 64 << 20
     api_token: SecretStr | None = None
+    # request bounds (issue 15): JSON bodies of the small routes, the header block, read timeouts
+    max_json_body_bytes: int = Field(default=16 << 10, ge=1024, le=1 << 20)
+    max_header_bytes: int = Field(default=16 << 10, ge=4096, le=1 << 20)
+    max_header_count: int = Field(default=64, ge=8, le=1024)
+    header_timeout_s: float = Field(default=10.0, gt=0, le=300)
+    body_timeout_s: float = Field(default=10.0, gt=0, le=300)
 
     @field_validator("chunk_tokens", "segment_bytes", "memory_bytes")
     @classmethod

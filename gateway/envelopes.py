@@ -20,6 +20,7 @@ from crypto.errors import DecryptionFailed, KeyUnavailable
 from gateway.core import Gateway
 from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, TenantUnavailable
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk
+from tenancy.errors import DependencyUnavailable
 from tenancy.types import Capability
 
 __all__ = ["EnvelopePlane", "KeyLease", "LookupAnswer", "parse_hash"]
@@ -74,6 +75,8 @@ class EnvelopePlane:
         cap = self.gw.authorize(token, op, chunks=list(hashes))
         try:
             keys = [await self._key(cap, c) for c in chained]
+        except DependencyUnavailable:
+            raise  # an outage (503), not a refusal
         except Exception as exc:  # the tenant was disabled after the capability was minted
             raise AccessDenied("tenant unavailable") from exc
         return cap, keys

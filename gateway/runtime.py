@@ -115,7 +115,9 @@ async def open_runtime(
     ``encrypt=False`` exists for the benchmark's plaintext baseline only. ``auto_migrate``: an
     embedded SQLite database is brought to the current schema here (nobody else shares it); any
     other database behind the schema raises SchemaBehind, which names `kvgate migrate`."""
-    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    from gateway.statefiles import prepare_state
+
+    prepare_state(settings)  # 0700 / 0600, or InsecureStateFiles
     kek = make_kek(settings)
     if auto_migrate and settings.db_url.startswith("sqlite"):
         from gateway import dbschema

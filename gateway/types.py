@@ -8,16 +8,17 @@ from dataclasses import dataclass, field
 from gateway.chunking import ModelFingerprint
 from gateway.errors import InvalidRequest
 from kernels.layouts import CHUNK_LAYOUT, KVGeometry
+from tenancy import names
 
 __all__ = ["KVModel", "StoreResult", "LookupResult", "RetrieveResult", "ClearResult", "check_name"]
 
-_NAME_MAX = 128
-
 
 def check_name(value: str, what: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > _NAME_MAX or not value.isprintable():
-        raise InvalidRequest(f"{what} must be a printable string of 1..{_NAME_MAX} characters")
-    return value
+    """The one name rule (``tenancy.names``), as the core's InvalidRequest."""
+    try:
+        return names.check_name(value, what)
+    except names.InvalidName as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,11 @@ __all__ = [
 DEFAULT_MAX_TTL = 600
 _PREFIX = "kvc1"
 _DOMAIN = b"kvgate-cap/1\x00"
-_MAX_TOKEN_CHARS = 64 * 1024
+# A capability travels in one header (the server's header block is 16 KiB), and each verified
+# token is cached: bound both, the cache in bytes, not only in entries (holder-side attenuation
+# mints distinct valid tokens at will).
+_MAX_TOKEN_CHARS = 8 * 1024
+_CACHE_BYTES = 8 << 20
 _MAX_CAVEATS = 32
 _MAX_CHUNKS = 4096
 _CACHE_SIZE = 8192
@@ -67,6 +71,12 @@ _B64 = re.compile(r"[A-Za-z0-9_-]*")
 _HEX = re.compile(r"[0-9a-f]{1,128}")
 _ROOT_KEYS = frozenset({"exp", "iat", "id", "ns", "ops", "t"})
 _DUMMY_KEY = b"\x00" * 32
+
+
+def _cache_cost(token: str) -> int:
+    # the token string, the decoded blocks folded into a Capability (about as large again,
+    # chunk lists as frozensets of str), and the dict entry
+    return 3 * len(token) + 512
 
 
 def _b64e(data: bytes) -> str:
@@ -239,7 +249,10 @@ def attenuate(
         block = _canon(caveat)
         tag = _mac(tag, block)
         out.append(_b64e(block))
-    return ".".join([*out, _b64e(tag)])
+    result = ".".join([*out, _b64e(tag)])
+    if len(result) > _MAX_TOKEN_CHARS:
+        raise CapabilityDenied("capability too large")
+    return result
 
 
 class RevocationList:
@@ -351,6 +364,8 @@ class CapabilityAuthority:
         self.revocations = revocations if revocations is not None else RevocationList(clock=clock)
         self._cache: dict[str, Capability] = {}
         self._cache_size = cache_size
+        self._cache_bytes = 0
+        self.cache_max_bytes = _CACHE_BYTES
 
     def __repr__(self) -> str:
         return f"CapabilityAuthority(kids={sorted(self._keys)}, current={self._current!r})"
@@ -409,10 +424,21 @@ class CapabilityAuthority:
             raise CapabilityDenied("bad tag")
         cap = _fold(kid, blocks)
         if self._cache_size > 0:
-            if len(self._cache) >= self._cache_size:
-                self._cache.pop(next(iter(self._cache)))  # oldest first
+            cost = _cache_cost(token)
+            while self._cache and (
+                len(self._cache) >= self._cache_size or self._cache_bytes + cost > self.cache_max_bytes
+            ):
+                oldest = next(iter(self._cache))
+                del self._cache[oldest]
+                self._cache_bytes -= _cache_cost(oldest)
             self._cache[token] = cap
+            self._cache_bytes += cost
         return cap
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the verify cache holds, estimated: the token, its folded content, the entry."""
+        return self._cache_bytes
 
     def verify(
         self,
@@ -457,3 +483,4 @@ class CapabilityAuthority:
         checked = CapabilityAuthority(keys, current_kid, max_ttl=self.max_ttl)
         self._keys, self._current = checked._keys, checked._current
         self._cache.clear()
+        self._cache_bytes = 0

@@ -11,6 +11,7 @@ Exception tree::
     ├── CapabilityRequestInvalid    a mint request is malformed (bad ops, TTL over the maximum, ...)
     ├── PermissionDenied            an authenticated principal's roles do not allow the action
     ├── IssuerConfigError           an issuer or verifier configuration is invalid (also ValueError)
+    ├── DependencyUnavailable       the registry database did not answer (an outage: retry later)
     └── DevIssuerError              the development issuer cannot run (production, unsafe key file)
 
 ``AuthenticationFailed`` and ``CapabilityDenied`` keep the precise reason in ``.reason`` for logs
@@ -24,6 +25,7 @@ __all__ = [
     "AuthenticationFailed",
     "CapabilityDenied",
     "CapabilityRequestInvalid",
+    "DependencyUnavailable",
     "DevIssuerError",
     "IssuerConfigError",
     "PermissionDenied",
@@ -74,3 +76,12 @@ class IssuerConfigError(TenancyError, ValueError):
 
 class DevIssuerError(TenancyError):
     """The development issuer refused to run (production configuration, unsafe key file, ...)."""
+
+
+class DependencyUnavailable(TenancyError):
+    """A dependency did not answer (``dependency``: "database"): an outage, not a refusal. The
+    caller should retry later; nothing was decided about the request."""
+
+    def __init__(self, dependency: str) -> None:
+        super().__init__(f"{dependency} unavailable")
+        self.dependency = dependency

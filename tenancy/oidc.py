@@ -11,7 +11,9 @@ only decides *which* key and algorithm a token may use and which claims it must 
   must equal the configured one) and fetched with httpx: no redirects, bounded size, https only
   (plain http is allowed for loopback hosts, or when a config sets ``allow_http``). The
   ``kid``, ``jku``, ``x5u`` and ``x5c`` of a token header never cause a fetch and never name a
-  key source; ``kid`` is only a dictionary key into the cached JWKS.
+  key source; ``kid`` is only a dictionary key into the cached JWKS. A token whose header carries
+  ``jku``, ``x5u``, ``x5c`` or ``jwk`` at all, or a ``crit`` (kvgate understands no extension), is
+  refused even when validly signed (defence in depth: nothing here would follow them).
 - The JWKS is cached for ``jwks_lifespan`` (300 s); an unknown ``kid`` triggers at most one
   refetch per ``refetch_cooldown`` (30 s), counted from the last fetch of any kind, so a flood of
   tokens with made-up kids costs one request per cooldown. A failed refresh after the lifespan
@@ -88,6 +90,9 @@ def _check_url(url: str, allow_http: bool, what: str) -> None:
         except ValueError:
             pass
     raise IssuerConfigError(f"{what} must be an https URL (http only for loopback): {url!r}")
+
+
+_REFUSED_HEADERS = frozenset({"jku", "x5u", "x5c", "jwk"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -384,6 +389,11 @@ class OidcVerifier:
     async def _verify(self, token: str) -> Principal:
         obj = extract_compact(token.encode("ascii"))
         header = obj.headers()
+        refused = _REFUSED_HEADERS.intersection(header)
+        if refused:
+            raise AuthenticationFailed(f"header parameter not accepted: {sorted(refused)[0]}")
+        if "crit" in header:  # kvgate understands no JWS extension, so any crit is unknown
+            raise AuthenticationFailed("crit header parameter not understood")
         unverified = json.loads(obj.payload)
         if not isinstance(unverified, dict):
             raise AuthenticationFailed("payload is not a JSON object")

@@ -7,15 +7,18 @@ conditional UPDATEs, never read-modify-write across transactions).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import event, select, update, delete, func
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
+from tenancy.errors import DependencyUnavailable
 from tenancy.models import (
     ClearJob,
     DataKey,
@@ -400,3 +403,37 @@ class Registry:
             ).all()
         return [(r[0], r[1], r[2], r[3]) for r in rows]
 
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """The database did not answer (refused, reset, timed out, shutting down), as opposed to an
+    answer we did not like (an integrity error, bad data)."""
+    if isinstance(exc, (OperationalError, InterfaceError)):
+        return True
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated)
+    if isinstance(exc, (OSError, TimeoutError)):
+        return True
+    # the driver's own connection errors, when they escape SQLAlchemy's wrapping (asyncpg's
+    # CannotConnectNowError, ConnectionDoesNotExistError, ...)
+    name = type(exc).__name__
+    return type(exc).__module__.startswith("asyncpg") and ("Connect" in name or "Connection" in name)
+
+
+def _translating(fn):
+    @functools.wraps(fn)
+    async def call(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except Exception as exc:
+            if _is_outage(exc):
+                raise DependencyUnavailable("database") from exc
+            raise
+
+    return call
+
+
+# Every query method: an outage becomes DependencyUnavailable at the package boundary.
+for _name, _fn in list(vars(Registry).items()):
+    if inspect.iscoroutinefunction(_fn) and not _name.startswith("_") and _name not in ("aclose", "ping"):
+        setattr(Registry, _name, _translating(_fn))

@@ -38,6 +38,7 @@ from gateway.config import Settings
 from gateway.runtime import Runtime
 from gateway.server.app import DEV_ISSUER_PATH, create_app
 from gateway.server.deps import FailureLimiter, ServerState
+from gateway.server.gatekeeper import uvicorn_options
 from tenancy.devissuer import DevIssuer
 from tests.conftest import free_port
 
@@ -197,7 +198,7 @@ def running_server(
     app = create_app(settings)
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
-        timeout_graceful_shutdown=10, h11_max_incomplete_event_size=16 * 1024,
+        timeout_graceful_shutdown=10, **uvicorn_options(settings),
     )
     server = uvicorn.Server(config)
     holder: dict[str, Any] = {}

@@ -185,6 +185,13 @@ NEGATIVE: dict[str, Callable[[LocalIssuer, RecordingServer], str]] = {
     "unknown crit header": lambda i, r: _raw_rs256(
         i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "crit": ["exp-x"], "exp-x": 1}
     ),
+    # issue 15, point 5: validly signed by the trusted key, but the header names a key source or
+    # a critical extension -- refused all the same (defence in depth)
+    "signed, jku": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "jku": r.url + "/jwks.json"}),
+    "signed, x5u": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "x5u": r.url + "/c.pem"}),
+    "signed, x5c": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "x5c": ["MIIB"]}),
+    "signed, jwk": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "jwk": i.public_jwk("ec1")}),
+    "signed, crit b64": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "crit": ["b64"], "b64": True}),
     "oversized": lambda i, r: i.sign("rsa1", i.claims(pad="x" * 9000)),
     "garbage": lambda i, r: "garbage",
     "three dots of garbage": lambda i, r: "a.b.c",
@@ -227,14 +234,19 @@ EXPECTED_REASON = {
     "unknown kid": "unknown key id",
     "kid with path": "unknown key id",
     "kid with SQL": "unknown key id",
-    "jku to attacker": "unknown key id",
-    "x5u to attacker": "unknown key id",
-    "jku with trusted kid": "bad signature",
-    "embedded jwk header": "bad signature",
+    "jku to attacker": "not accepted",
+    "x5u to attacker": "not accepted",
+    "jku with trusted kid": "not accepted",
+    "embedded jwk header": "not accepted",
     "trusted kid, foreign key": "bad signature",
     "ES256 header on an RSA key": "not allowed for this key",
     "PS256 not allowlisted": "algorithm not allowed",
-    "unknown crit header": "UnsupportedHeader",
+    "unknown crit header": "crit",
+    "signed, jku": "not accepted: jku",
+    "signed, x5u": "not accepted: x5u",
+    "signed, x5c": "not accepted: x5c",
+    "signed, jwk": "not accepted: jwk",
+    "signed, crit b64": "crit",
     "oversized": "too large",
     "garbage": "malformed",
     "three dots of garbage": "malformed",
@@ -247,6 +259,14 @@ EXPECTED_REASON = {
     "tenant not a string": "no tenant",
     "no sub": "sub",
 }
+
+
+@pytest.mark.parametrize("header", [{}, {"kid": "rsa1"}])
+async def test_raw_signed_control(issuer: LocalIssuer, verifier: OidcVerifier, header: dict[str, Any]):
+    """Positive control for the "signed, ..." cases: the same raw signing, without the refused
+    header parameter, verifies."""
+    token = _raw_rs256(issuer, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", **header})
+    assert (await verifier.verify(token)).tenant == issuer.claims()["tenant"]
 
 
 @pytest.mark.parametrize("case", sorted(NEGATIVE))

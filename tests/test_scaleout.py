@@ -80,7 +80,7 @@ def test_two_servers_share_chunks_and_clears(tmp_path, fresh_pg_url, redis_url, 
             assert got_b.status_code == 200 and got_b.content == body
             assert http.get(f"{url_a}/v1/chunks/{h}", headers=hdr).headers["x-kv-tier"] == "memory"
             # a namespace clear through B: A's memory tier stops serving within 1 s
-            r = http.post(url_b + "/v1/admin/clear", json={"namespace": "default"}, headers=user)
+            r = http.post(url_b + "/v1/admin/clear", json={"scope": "namespace", "tenant": "acme", "namespace": "default"}, headers=user)
             assert r.status_code == 200, r.text
             t0 = time.monotonic()
             while http.get(f"{url_a}/v1/chunks/{h}", headers=hdr).status_code != 404:
@@ -89,7 +89,7 @@ def test_two_servers_share_chunks_and_clears(tmp_path, fresh_pg_url, redis_url, 
             assert http.get(f"{url_b}/v1/chunks/{h}", headers=hdr).status_code == 404
             # a tenant clear through A revokes the capability on B as well
             assert http.put(f"{url_b}/v1/chunks/{h}", content=body, headers=hdr).status_code == 204
-            assert http.post(url_a + "/v1/admin/clear", json={}, headers=user).status_code == 200
+            assert http.post(url_a + "/v1/admin/clear", json={"scope": "tenant", "tenant": "acme"}, headers=user).status_code == 200
             t0 = time.monotonic()
             while http.get(f"{url_b}/v1/chunks/{h}", headers=hdr).status_code != 403:
                 assert time.monotonic() - t0 < 1.0, "B still honours a capability revoked through A"

@@ -73,15 +73,15 @@ async def test_clear(admins: Admins):
     h = random_hash()
     r = await x.http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=x.live.headers(x.worker_a, cap))
     assert r.status_code == 204
-    await denied_alike(x, "POST", lambda t: "/v1/admin/clear", body_of=lambda t: {"tenant": t})
+    await denied_alike(x, "POST", lambda t: "/v1/admin/clear", body_of=lambda t: {"scope": "tenant", "tenant": t})
     # a chunk-list clear needs the namespace
-    assert_problem(await x.http.post("/v1/admin/clear", json={"hashes": [h]}, headers=x.h(x.admin_a)), 422)
-    assert_problem(await x.http.post("/v1/admin/clear", json={"namespace": ""}, headers=x.h(x.admin_a)), 422)
+    assert_problem(await x.http.post("/v1/admin/clear", json={"scope": "chunks", "tenant": x.a, "hashes": [h]}, headers=x.h(x.admin_a)), 422)
+    assert_problem(await x.http.post("/v1/admin/clear", json={"scope": "namespace", "tenant": x.a, "namespace": ""}, headers=x.h(x.admin_a)), 422)
     # the operator on an absent tenant: 403 as well
-    assert_problem(await x.http.post("/v1/admin/clear", json={"tenant": ABSENT}, headers=x.h(x.operator)), 403)
-    r = await x.http.post("/v1/admin/clear", json={"namespace": "default", "hashes": [h]}, headers=x.h(x.admin_a))
+    assert_problem(await x.http.post("/v1/admin/clear", json={"scope": "tenant", "tenant": ABSENT}, headers=x.h(x.operator)), 403)
+    r = await x.http.post("/v1/admin/clear", json={"scope": "chunks", "tenant": x.a, "namespace": "default", "hashes": [h]}, headers=x.h(x.admin_a))
     assert r.status_code == 200 and r.json()["scope"] == "chunks" and r.json()["deleted_chunk_copies"] >= 1
-    r = await x.http.post("/v1/admin/clear", json={}, headers=x.h(x.admin_a))  # the whole tenant (its own)
+    r = await x.http.post("/v1/admin/clear", json={"scope": "tenant", "tenant": x.a}, headers=x.h(x.admin_a))
     assert r.status_code == 200
     body = r.json()
     assert body["tenant"] == x.a and body["scope"] == "tenant" and body["destroyed_key_versions"]
@@ -94,7 +94,7 @@ async def test_move(admins: Admins):
     cap = await x.live.capability(x.http, x.a)
     h = random_hash()
     await x.http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=x.live.headers(x.worker_a, cap))
-    body = {"namespace": "default", "hashes": [h], "from": "memory", "to": "disk"}
+    body = {"tenant": x.a, "namespace": "default", "hashes": [h], "from": "memory", "to": "disk"}
     await denied_alike(x, "POST", lambda t: "/v1/admin/move", body_of=lambda t: {**body, "tenant": t})
     r = await x.http.post("/v1/admin/move", json=body, headers=x.h(x.admin_a))
     assert r.status_code == 200 and r.json() == {"requested": 1, "moved": 1}

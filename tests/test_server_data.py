@@ -164,8 +164,9 @@ async def test_put_over_the_limit_is_413(tmp_path):
             assert (await http.put(f"/v1/chunks/{h}", content=small, headers=live.headers(tok, cap))).status_code == 204
             big = fake_envelope(5000)
             assert_problem(await http.put(f"/v1/chunks/{h}", content=big, headers=live.headers(tok, cap)), 413)
-            # far over the limit: refused before authentication is even tried
-            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20)), 413)
+            # far over the limit: refused before a byte of it is read; without a token, 401 first
+            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20), headers=live.headers(tok, cap)), 413)
+            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20)), 401)
             # a chunked body (no Content-Length) is refused too, and nothing changed
             async def gen():
                 yield big
@@ -225,6 +226,9 @@ async def test_health_and_unknown_routes(world: World):
     assert (await w.http.get("/healthz")).json() == {"status": "ok"}
     r = await w.http.get("/readyz")
     assert r.status_code == 200 and r.json()["ready"] is True
-    assert_problem(await w.http.get("/v1/nothing-here"), 404)
-    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}"), 405)
+    # under /v1 nothing is answered before the bearer token is verified, not even "no such route"
+    assert_problem(await w.http.get("/v1/nothing-here"), 401)
+    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}"), 401)
+    assert_problem(await w.http.get("/v1/nothing-here", headers=w.h(w.worker_a)), 404)
+    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}", headers=w.h(w.worker_a)), 405)
     assert (await w.http.get("/openapi.json")).json()["info"]["title"] == "kvgate"

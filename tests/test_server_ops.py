@@ -56,7 +56,7 @@ async def test_secure_clear_under_concurrent_reads(tmp_path, database):
 
             readers = [asyncio.create_task(reader(t, k)) for t in (a, b) for k in range(3)]
             await asyncio.sleep(0.4)
-            r = await http.post("/v1/admin/clear", json={}, headers=live.headers(live.admin_token(a)))
+            r = await http.post("/v1/admin/clear", json={"scope": "tenant", "tenant": a}, headers=live.headers(live.admin_token(a)))
             cleared_at = time.monotonic()
             assert r.status_code == 200 and r.json()["deleted_chunk_copies"] >= len(hashes[a])
             await asyncio.sleep(0.4)
@@ -113,21 +113,23 @@ async def test_repeated_bad_tokens_get_429(live_server: LiveServer):
     async with _from(live, "127.0.0.2") as attacker, _from(live, "127.0.0.1") as worker:
         for _ in range(5):
             assert_problem(await attacker.post("/v1/capabilities", json=body, headers=live.headers(_forged(a))), 401)
-        limited = assert_problem(await attacker.post("/v1/capabilities", json=body, headers=live.headers(_forged(a))), 429)
+        limited_r = await attacker.post("/v1/capabilities", json=body, headers=live.headers(_forged(a)))
+        limited = assert_problem(limited_r, 429)
         assert limited["title"]
+        assert int(limited_r.headers["retry-after"]) > 0
+        # a token that verifies is never turned away, even from a flooded address (issue 15)
         r = await attacker.post("/v1/capabilities", json=body, headers=live.headers(live.worker_token(a)))
-        assert_problem(r, 429)  # blocked, even with a good token
-        assert int(r.headers["retry-after"]) > 0
+        assert r.status_code == 201, r.text
         # the forged claims did not lock tenant A's real worker (another address) out
         assert (await worker.post("/v1/capabilities", json=body, headers=live.headers(live.worker_token(a)))).status_code == 201
         # garbage without any claim, and no token at all: limited per address too
         for _ in range(5):
             assert_problem(await worker.get("/metrics", headers=live.headers("garbage")), 401)
         assert_problem(await worker.get("/metrics"), 429)
-    # a client rotating made-up claims is stopped by its address's (looser) bucket
+    # a client rotating made-up claims is stopped by its address's bucket (claims are not keys)
     async with _from(live, "127.0.0.3") as rotator:
         codes = [(await rotator.get("/metrics", headers=live.headers(_forged(f"t{i}")))).status_code for i in range(30)]
-        assert codes[:25] == [401] * 25 and set(codes[25:]) == {429}
+        assert codes[:5] == [401] * 5 and set(codes[5:]) == {429}
 
 
 # -- metrics --------------------------------------------------------------------------------------

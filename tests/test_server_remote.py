@@ -158,7 +158,7 @@ async def test_clear_revokes_the_remote_worker(live_server: LiveServer):
     async with _remote(live, a) as ra, live.client() as http:
         await ra.store(model, tokens, src, block_ids=BLOCKS)
         old = await ra.lease()
-        r = await http.post("/v1/admin/clear", json={}, headers=live.headers(live.admin_token(a)))
+        r = await http.post("/v1/admin/clear", json={"scope": "tenant", "tenant": a}, headers=live.headers(live.admin_token(a)))
         assert r.status_code == 200
         dst = zero_cache(g, NUM_BLOCKS)
         assert (await ra.retrieve(model, tokens, dst, block_ids=BLOCKS)).loaded_tokens == 0

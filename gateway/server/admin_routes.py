@@ -9,28 +9,49 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from audit import AuditExport, AuditSigningKey, ExportError
 from gateway.envelopes import parse_hash
 from gateway.errors import InvalidRequest, TenantUnavailable
-from gateway.server.deps import PrincipalDep, StateDep, actor_of, authorize_action
+from gateway.server.deps import (
+    Name,
+    NamePath,
+    NameQuery,
+    PrincipalDep,
+    StateDep,
+    Strict,
+    actor_of,
+    authorize_action,
+)
 from gateway.server.problems import COMMON_PROBLEMS, Conflict, problem_responses
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles
 
 router = APIRouter(prefix="/v1/admin", responses=problem_responses(*COMMON_PROBLEMS))
 
-Name = Annotated[str, Field(min_length=1, max_length=128)]
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
-class ClearRequest(BaseModel):
-    tenant: Name | None = None
-    namespace: Name | None = None
-    hashes: list[Hash] | None = Field(default=None, max_length=100_000, description="chunk list (needs namespace)")
+class ClearRequest(Strict):
+    """A destructive request names everything it destroys: the scope, and the tenant even when it
+    is the caller's own. Nothing defaults; a field the scope does not take is refused."""
+
+    scope: Literal["tenant", "namespace", "chunks"]
+    tenant: Name
+    namespace: Name | None = Field(default=None, description="scope namespace and chunks: required; scope tenant: absent")
+    hashes: list[Hash] | None = Field(default=None, min_length=1, max_length=100_000, description="scope chunks: required")
+
+    @model_validator(mode="after")
+    def _scope_fields(self) -> "ClearRequest":
+        want_ns, want_hashes = self.scope != "tenant", self.scope == "chunks"
+        if (self.namespace is not None) != want_ns:
+            raise ValueError(f"scope {self.scope!r} {'needs' if want_ns else 'takes no'} namespace")
+        if (self.hashes is not None) != want_hashes:
+            raise ValueError(f"scope {self.scope!r} {'needs' if want_hashes else 'takes no'} hashes")
+        return self
 
 
 class ClearResponse(BaseModel):
@@ -43,8 +64,8 @@ class ClearResponse(BaseModel):
     epochs: dict[str, int]
 
 
-class MoveRequest(BaseModel):
-    tenant: Name | None = None
+class MoveRequest(Strict):
+    tenant: Name
     namespace: Name
     hashes: list[Hash] = Field(min_length=1, max_length=100_000)
     source: Literal["memory", "disk", "redis"] = Field(alias="from")
@@ -56,7 +77,7 @@ class MoveResponse(BaseModel):
     moved: int
 
 
-class TenantRequest(BaseModel):
+class TenantRequest(Strict):
     tenant: Name
 
 
@@ -82,26 +103,24 @@ async def _keys(state, tenant: str, namespace: str, hashes: list[str]) -> list[C
 @router.post("/clear", response_model=ClearResponse)
 async def clear(body: ClearRequest, principal: PrincipalDep, state: StateDep, request: Request) -> ClearResponse:
     """Secure clear of a tenant, a namespace or a list of chunks: crypto-shred, delete, audit."""
-    tenant = body.tenant or principal.tenant
+    tenant = body.tenant
     authorize_action(state, principal, tenant, Action.CLEAR, request)
     chunks = None
-    if body.hashes is not None:
-        if body.namespace is None:
-            raise InvalidRequest("a chunk-list clear needs the namespace")
+    if body.scope == "chunks":
+        assert body.namespace is not None and body.hashes is not None  # the model's rule
         chunks = await _keys(state, tenant, body.namespace, body.hashes)
     res = await state.runtime.admin.clear(
-        tenant, None if chunks is not None else body.namespace, chunks=chunks, actor=actor_of(principal, request)
+        tenant, body.namespace if body.scope == "namespace" else None, chunks=chunks, actor=actor_of(principal, request)
     )
-    scope = "chunks" if chunks is not None else ("namespace" if body.namespace else "tenant")
     return ClearResponse(
-        job_id=res.job_id, tenant=res.tenant, namespace=body.namespace, scope=scope,
+        job_id=res.job_id, tenant=res.tenant, namespace=body.namespace, scope=body.scope,
         deleted_chunk_copies=res.deleted_chunks, destroyed_key_versions=res.destroyed_key_versions, epochs=res.epochs,
     )
 
 
 @router.post("/move", response_model=MoveResponse)
 async def move(body: MoveRequest, principal: PrincipalDep, state: StateDep, request: Request) -> MoveResponse:
-    tenant = body.tenant or principal.tenant
+    tenant = body.tenant
     authorize_action(state, principal, tenant, Action.MOVE, request)
     keys = await _keys(state, tenant, body.namespace, body.hashes)
     moved = await state.runtime.gateway.move(keys, body.source, body.destination, actor=actor_of(principal, request))
@@ -120,7 +139,7 @@ async def create_tenant(body: TenantRequest, principal: PrincipalDep, state: Sta
 
 @router.delete("/tenants/{tenant}", response_model=TenantResponse)
 async def disable_tenant(
-    tenant: Annotated[str, Path(min_length=1, max_length=128)], principal: PrincipalDep, state: StateDep, request: Request
+    tenant: NamePath, principal: PrincipalDep, state: StateDep, request: Request
 ) -> TenantResponse:
     authorize_action(state, principal, tenant, Action.MANAGE_TENANTS, request)
     await state.runtime.admin.disable_tenant(tenant, actor=actor_of(principal, request))
@@ -129,7 +148,7 @@ async def disable_tenant(
 
 @router.post("/tenants/{tenant}/keys/rotate", response_model=RotateResponse)
 async def rotate(
-    tenant: Annotated[str, Path(min_length=1, max_length=128)], principal: PrincipalDep, state: StateDep, request: Request
+    tenant: NamePath, principal: PrincipalDep, state: StateDep, request: Request
 ) -> RotateResponse:
     authorize_action(state, principal, tenant, Action.ROTATE_KEYS, request)
     version = await state.runtime.admin.rotate_key(tenant, actor=actor_of(principal, request))
@@ -150,7 +169,9 @@ def _export_params(principal, state, request, since, until, tenant) -> dict:
             raise InvalidRequest(f"{name} must carry a time zone")
     if since is not None and since >= until:
         raise InvalidRequest("since must be before until")
-    return {"since": since, "until": until, "tenant": tenant}
+    # a tenant's own export names its own principals only: other tenants' (and unauthenticated)
+    # actors are keyed pseudonyms there; the operator's export keeps them
+    return {"since": since, "until": until, "tenant": tenant, "pseudonymize": not is_operator}
 
 
 def _export(state, format: str, params: dict) -> AuditExport:
@@ -178,7 +199,7 @@ def _export_window(
     request: Request,
     since: datetime | None = None,
     until: datetime | None = None,
-    tenant: Annotated[str | None, Query(min_length=1, max_length=128)] = None,
+    tenant: NameQuery = None,
     format: ExportFormat = "jsonl",
 ) -> _ExportWindow:
     return _ExportWindow(format, _export_params(principal, state, request, since, until, tenant))

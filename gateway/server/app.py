@@ -19,6 +19,7 @@ from gateway.envelopes import EnvelopePlane
 from gateway.runtime import open_runtime
 from gateway.server import admin_routes, data
 from gateway.server.deps import PrincipalDep, ServerState, StateDep, authorize_action
+from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.telemetry import Telemetry
 from tenancy.oidc import IssuerConfig, OidcVerifier
@@ -85,12 +86,12 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(data.router)
     app.include_router(admin_routes.router)
 
+    # before anything reads the body (inside the telemetry middleware, so refusals are counted)
+    app.add_middleware(Gatekeeper, settings=settings)
+
     @app.middleware("http")
     async def observe(request: Request, call_next):
         state: ServerState | None = getattr(request.app.state, "kvgate", None)
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > settings.max_chunk_bytes + (1 << 20):
-            return problem(413, "Content Too Large", "the body is larger than the configured limit")
         t0 = time.perf_counter()
         if state is None:
             return await call_next(request)

@@ -13,9 +13,11 @@ from pydantic import BaseModel, Field
 from gateway.errors import InvalidRequest
 from gateway.server.deps import (
     CapabilityDep,
+    Name,
     PrincipalDep,
     ServerState,
     StateDep,
+    Strict,
     actor_of,
     authorize_action,
 )
@@ -38,11 +40,11 @@ HashPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="chained s
 Op = Literal["lookup", "get", "put", "pin"]
 
 
-class CapabilityRequest(BaseModel):
-    namespace: str = Field(min_length=1, max_length=128)
+class CapabilityRequest(Strict):
+    namespace: Name
     ops: list[Op] = Field(min_length=1, max_length=4)
     ttl: int | None = Field(default=None, ge=1, le=86400)
-    tenant: str | None = Field(default=None, min_length=1, max_length=128, description="operators only; default: the caller's")
+    tenant: Name | None = Field(default=None, description="operators only; default: the caller's")
 
 
 class CapabilityResponse(BaseModel):
@@ -52,9 +54,10 @@ class CapabilityResponse(BaseModel):
     namespace: str
     ops: list[str]
     expires_at: float
+    epoch: int = Field(description="the namespace's current epoch (a secure clear bumps it); the vLLM middleware derives cache_salt from it")
 
 
-class LookupRequest(BaseModel):
+class LookupRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
     chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     last_chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
@@ -66,11 +69,11 @@ class LookupResponse(BaseModel):
     locations: list[list[str]]
 
 
-class PinRequest(BaseModel):
+class PinRequest(Strict):
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class LeaseRequest(BaseModel):
+class LeaseRequest(Strict):
     version: int | None = Field(
         default=None, ge=1, le=2**32 - 1,
         description="a key version to open envelopes with (capability op get); default: the current key, to seal with (op put)",
@@ -109,9 +112,10 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
         tenant, body.namespace, body.ops, body.ttl, actor=actor_of(principal, request)
     )
     cap = read_unverified(token)
+    ns = await state.runtime.gateway.namespace_keys(cap.tenant, cap.namespace)
     return CapabilityResponse(
         capability=token, cap_id=cap.cap_id, tenant=cap.tenant, namespace=cap.namespace,
-        ops=sorted(cap.ops), expires_at=cap.expires_at,
+        ops=sorted(cap.ops), expires_at=cap.expires_at, epoch=ns.epoch,
     )
 
 
@@ -129,8 +133,10 @@ async def lookup(body: LookupRequest, principal: PrincipalDep, cap: CapabilityDe
 
 @router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
 async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    """The body is the envelope (application/octet-stream), read straight into one buffer."""
+    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
+    the capability is checked: a forged or foreign capability costs no body read."""
     _same_tenant(state, principal, cap, Action.PUT, request)
+    state.runtime.gateway.authorize(cap, "put", chunks=[chunk_hash])
     limit = state.settings.max_chunk_bytes
     declared = request.headers.get("content-length")
     if declared is None:
@@ -213,7 +219,7 @@ async def lease(
     _same_tenant(state, principal, cap, Action.LEASE_KEY, request)
     version = body.version if body is not None else None
     got = await state.plane.lease_key(cap, version=version, actor=actor_of(principal, request))
-    b64 = lambda b: base64.b64encode(b).decode()  # noqa: E731
+    b64 = lambda b: base64.b64encode(b).decode()
     return LeaseResponse(
         tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,
         dek=b64(got.dek), binding_secret=b64(got.binding_secret), index_key=b64(got.index_key),

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from crypto.errors import KekError
 from gateway.errors import (
     AccessDenied,
     ChunkMissing,
@@ -30,6 +31,7 @@ from tenancy.errors import (
     AuthenticationFailed,
     CapabilityDenied,
     CapabilityRequestInvalid,
+    DependencyUnavailable,
     PermissionDenied,
 )
 
@@ -105,6 +107,35 @@ def problem(status: int, title: str, detail: str | None = None, headers: dict[st
 _UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="kvgate"'}
 
 
+_NAME_FIELDS = frozenset({"tenant", "namespace"})
+
+
+def _audit_refused_names(request: Request, e: RequestValidationError) -> None:
+    """A refused tenant or namespace name is a denial: audited (who, which field, the value
+    escaped to printable ASCII), so names cannot be probed without a trace."""
+    from audit.types import Actions, AuditEvent, Target
+    from gateway.server.deps import actor_of
+    from tenancy.names import escape
+
+    state = getattr(request.app.state, "kvgate", None)
+    principal = request.scope.get("state", {}).get("kvgate_principal")
+    if state is None or principal is None:
+        return
+    for err in e.errors()[:20]:
+        loc = err.get("loc", ())
+        if not loc or loc[-1] not in _NAME_FIELDS:
+            continue
+        state.runtime.audit.emit(
+            AuditEvent(
+                Actions.AUTHZ_DENIED, outcome="denied", actor=actor_of(principal, request), target=Target(),
+                details={
+                    "reason": "invalid name", "route": request.url.path[:200],
+                    "field": ".".join(str(x) for x in loc)[:100], "value": escape(err.get("input")),
+                },
+            )
+        )
+
+
 def install_problem_handlers(app: FastAPI) -> None:
     async def unauthenticated(_r: Request, _e: Exception) -> JSONResponse:
         return problem(401, "Unauthorized", "a valid bearer token is required", _UNAUTHORIZED)
@@ -133,7 +164,15 @@ def install_problem_handlers(app: FastAPI) -> None:
     async def tier_unavailable(_r: Request, _e: Exception) -> JSONResponse:
         return problem(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"})
 
-    async def validation(_r: Request, e: RequestValidationError) -> JSONResponse:
+    async def dependency_unavailable(_r: Request, e: Exception) -> JSONResponse:
+        # an outage, not a refusal and not a bug: 503 with Retry-After, on a connection that stays
+        # open (a 500 from an unhandled error makes the server drop keep-alive)
+        what = getattr(e, "dependency", "the key provider")
+        log.warning("dependency unavailable: %s (%s)", what, type(e.__cause__ or e).__name__)
+        return problem(503, "Service Unavailable", f"{what} unavailable; retry later", {"Retry-After": "5"})
+
+    async def validation(r: Request, e: RequestValidationError) -> JSONResponse:
+        _audit_refused_names(r, e)
         errors = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in e.errors()][:20]
         resp = problem(422, "Unprocessable Content", "the request does not match the schema")
         import json
@@ -164,6 +203,8 @@ def install_problem_handlers(app: FastAPI) -> None:
         (RateLimited, rate_limited),
         (NotReady, not_ready),
         (TierError, tier_unavailable),
+        (DependencyUnavailable, dependency_unavailable),
+        (KekError, dependency_unavailable),
         (RequestValidationError, validation),
         (StarletteHTTPException, http_exc),
         (Exception, unexpected),

@@ -9,6 +9,11 @@
     3. strip any client-supplied ``cache_salt`` and ``kv_transfer_params`` from the JSON body and
        set ``cache_salt`` (``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability}
 
+The salt's epoch is the namespace's own epoch, as the kvgate server reports it with each minted
+capability (every request mints one, so the epoch is never stale): a secure clear of the tenant or
+the namespace bumps it, and the next request's salt shares no prefix-cache block with any block
+vLLM cached before the clear. There is no configured epoch (``KVGATE_VLLM_SALT_EPOCH`` is refused).
+
 and returns the new body. ``GuardConfig.from_env()`` reads ``KVGATE_VLLM_*`` (see docs/vllm.md).
 """
 
@@ -44,7 +49,8 @@ RETRY_AFTER_S = 5  # Retry-After of a 503 (the gateway is down or cannot mint no
 
 CAPABILITY_PARAM = "kvgate_capability"
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate")
-MintFn = Callable[[Principal, str], Awaitable[str]]
+# in-process mint: (principal, namespace) -> (capability, namespace epoch)
+MintFn = Callable[[Principal, str], Awaitable[tuple[str, int]]]
 
 
 def _loopback(url: str) -> bool:
@@ -57,7 +63,6 @@ class GuardConfig:
     salt_secret: bytes = field(repr=False)
     gateway_url: str | None = None  # the kvgate server that mints capabilities
     namespace: str = "default"
-    salt_epoch: int = 0
     capability_ttl: int = 300
     max_body_bytes: int = 16 << 20
 
@@ -77,6 +82,11 @@ class GuardConfig:
             raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must be hex") from None
         if len(secret) < 32:
             raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must hold at least 32 bytes (64 hex digits)")
+        if "KVGATE_VLLM_SALT_EPOCH" in env:
+            raise ConnectorConfigError(
+                "KVGATE_VLLM_SALT_EPOCH is no longer read: the cache_salt epoch is the namespace epoch the "
+                "kvgate server reports (a secure clear bumps it); remove the variable"
+            )
         cfg = IssuerConfig(
             issuer=issuer,
             audience=env.get("KVGATE_VLLM_AUDIENCE", "kvgate"),
@@ -87,7 +97,7 @@ class GuardConfig:
         )
         return cls(
             issuers=[cfg], salt_secret=secret, gateway_url=env.get("KVGATE_VLLM_GATEWAY_URL"),
-            namespace=env.get("KVGATE_VLLM_NAMESPACE", "default"), salt_epoch=int(env.get("KVGATE_VLLM_SALT_EPOCH", "0")),
+            namespace=env.get("KVGATE_VLLM_NAMESPACE", "default"),
             capability_ttl=int(env.get("KVGATE_VLLM_CAPABILITY_TTL", "300")),
         )
 
@@ -113,7 +123,9 @@ class TenantGuard:
         except AuthenticationFailed:
             raise Unauthorized("the bearer token was not accepted") from None
 
-    async def capability(self, principal: Principal, token: str) -> str:
+    async def capability(self, principal: Principal, token: str) -> tuple[str, int]:
+        """A capability for the principal's tenant and the configured namespace, with the
+        namespace's current epoch."""
         if self._mint is not None:
             try:
                 return await self._mint(principal, self.config.namespace)
@@ -136,23 +148,32 @@ class TenantGuard:
             raise Unavailable("the kvgate server is unavailable; retry shortly")
         if r.status_code != 201:
             raise Forbidden("no capability for this tenant")
-        return str(r.json()["capability"])
+        doc = r.json()
+        epoch = doc.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+            raise Forbidden("the kvgate server did not report the namespace epoch")
+        return str(doc["capability"]), epoch
 
     async def admit(self, authorization: str | None, body: bytes) -> tuple[Principal, bytes]:
         """Authenticate, mint, rewrite: the body to forward (or a TenantRequestError)."""
         principal, token = await self.principal(authorization)
+        return principal, await self.rewrite(principal, token, body)
+
+    async def rewrite(self, principal: Principal, token: str, body: bytes) -> bytes:
+        """Mint and rewrite for an already verified principal (the middleware verifies the token
+        before it reads the body)."""
         try:
             doc: Any = json.loads(body or b"{}")
         except (ValueError, UnicodeError):
             raise BadRequest("the request body must be a JSON object") from None
         if not isinstance(doc, dict):
             raise BadRequest("the request body must be a JSON object")
-        cap = await self.capability(principal, token)
+        cap, epoch = await self.capability(principal, token)
         doc.pop("cache_salt", None)
         doc.pop("kv_transfer_params", None)
-        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, self.config.salt_epoch)
+        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, epoch)
         doc["kv_transfer_params"] = {CAPABILITY_PARAM: cap}
-        return principal, json.dumps(doc).encode()
+        return json.dumps(doc).encode()
 
 
 def problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, bytes]], bytes]:

@@ -2,7 +2,8 @@
 
 vLLM builds it as ``KvgateMiddleware(app)``; its configuration comes from ``KVGATE_VLLM_*``
 (``guard.GuardConfig.from_env``), read at the first request, never at import. Every request to a
-path under ``/v1`` needs a valid bearer token (401 otherwise); a POST to an inference path
+path under ``/v1`` needs a valid bearer token (401 otherwise, before any of the body is read); a
+POST to an inference path
 (``guard.GUARDED_PATHS``) also gets a capability and the tenant's cache_salt in its body (403 if
 no capability can be minted, 400 for a body that is not a JSON object, 413 past the size limit).
 Other paths (``/health``, ``/metrics``) pass untouched. Answers are problem+json.
@@ -43,8 +44,10 @@ class KvgateMiddleware:
         auth = headers.get(b"authorization", b"").decode("latin-1") or None
         try:
             if scope["method"] == "POST" and scope["path"] in GUARDED_PATHS:
+                # the token first: no body is read for a caller who is not authenticated
+                principal, token = await guard.principal(auth)
                 body = await _read_body(receive, guard.config.max_body_bytes)
-                _, body = await guard.admit(auth, body)
+                body = await guard.rewrite(principal, token, body)
                 scope = dict(scope)
                 scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"transfer-encoding")]
                 scope["headers"].append((b"content-length", str(len(body)).encode()))

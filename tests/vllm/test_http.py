@@ -133,3 +133,37 @@ def test_worker_without_kvgate_role_is_403(stack):
     live = stack["live"]
     r = _complete(stack, live.token("acme", ("kv.admin",)), prompt_words(10))  # admin cannot mint get/put
     assert r.status_code == 403, r.text
+
+
+def test_secure_clear_orphans_vllms_own_prefix_cache(stack):
+    """Issue 15, point 6: vLLM's prefix cache hits before a secure clear, misses right after it
+    (the cache_salt follows the namespace epoch the clear bumps), and hits again after that --
+    for a namespace clear and for a tenant clear."""
+    import asyncio
+
+    live = stack["live"]
+
+    async def tenant() -> str:
+        async with live.client() as http:
+            return await live.create_tenant(http, "initech")
+
+    asyncio.run(tenant())
+    worker, admin = live.token("initech", ("kv.worker",)), live.admin_token("initech")
+    prompt = prompt_words(300, seed=11)
+    first = _complete(stack, worker, prompt)
+    assert first.status_code == 200, first.text
+    hit = _complete(stack, worker, prompt)
+    assert _cached(hit) >= 256  # positive control: before the clear, a hit
+    text = first.json()["choices"][0]["text"]
+    for body in (
+        {"scope": "namespace", "tenant": "initech", "namespace": "default"},
+        {"scope": "tenant", "tenant": "initech"},
+    ):
+        r = httpx.post(live.base_url + "/v1/admin/clear", json=body, headers=live.headers(admin), timeout=60)
+        assert r.status_code == 200, r.text
+        after = _complete(stack, worker, prompt)
+        assert after.status_code == 200, after.text
+        assert _cached(after) == 0, f"vLLM served {_cached(after)} cached tokens right after a {body['scope']} clear"
+        assert after.json()["choices"][0]["text"] == text
+        again = _complete(stack, worker, prompt)
+        assert _cached(again) >= 256  # positive control: the new epoch's blocks are cached again

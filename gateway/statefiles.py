@@ -1,0 +1,94 @@
+"""The state directory holds secrets at rest (wrapped keys in the SQLite registry, the audit log
+and its spool, the local KEK file, the audit and development-issuer signing keys, the disk tier's
+ciphertext): owner-only, every one of them.
+
+``prepare_state(settings)`` creates the state directory 0700 and the SQLite database 0600 (SQLite
+itself would create it 0644, and gives its -wal/-shm/-journal files the database's mode), then
+``check_state`` refuses to start -- ``InsecureStateFiles``, naming each path, its mode and the
+``chmod`` that fixes it -- when a directory kvgate uses is accessible by group or others (not
+0700 or tighter) or a file is (not 0600 or tighter). The other files are created 0600 by their
+owners (``crypto.kek``, ``audit.spool``, ``audit.signing``, ``tenancy.devissuer``,
+``storage._diskio``); chunk files are not walked (there may be millions), their directories are.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from gateway.config import Settings
+from gateway.errors import GatewayError
+
+__all__ = ["InsecureStateFiles", "check_state", "ensure_private_sqlite", "prepare_state", "sqlite_path"]
+
+_GROUP_OTHER = 0o077
+
+
+class InsecureStateFiles(GatewayError):
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(
+            "kvgate refuses to start: state files are accessible by group or others\n  " + "\n  ".join(problems)
+        )
+        self.problems = problems
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The database file of an SQLite URL (None for other databases and in-memory SQLite)."""
+    if not url.startswith("sqlite"):
+        return None
+    _, _, rest = url.partition(":///")
+    return Path(rest.split("?", 1)[0]) if rest and rest != ":memory:" else None
+
+
+def ensure_private_sqlite(url: str) -> None:
+    """Create the SQLite database file 0600 (in a 0700 directory) before SQLite does."""
+    path = sqlite_path(url)
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o600)
+    os.close(fd)
+
+
+def prepare_state(settings: Settings) -> None:
+    settings.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ensure_private_sqlite(settings.db_url)
+    check_state(settings)
+
+
+def _loose(path: Path, want: int, problems: list[str]) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & _GROUP_OTHER:
+        problems.append(f"{path} has mode {mode:04o}; it must be {want:04o} or tighter (chmod {want:o} {path})")
+
+
+def check_state(settings: Settings) -> None:
+    problems: list[str] = []
+    dirs = [settings.state_dir, settings.state_dir / "audit-spool"]
+    if "disk" in settings.tiers:
+        dirs.append(settings.chunk_dir)
+    files = [settings.audit_key_path, settings.state_dir / "dev-issuer-key.pem"]
+    if settings.kek_provider == "file":
+        files.append(settings.kek_path)
+    db = sqlite_path(settings.db_url)
+    if db is not None:
+        dirs.append(db.parent)
+        files += [db, *(db.with_name(db.name + s) for s in ("-wal", "-shm", "-journal"))]
+    for d in dirs:
+        _loose(d, 0o700, problems)
+    spool = settings.state_dir / "audit-spool"
+    if spool.is_dir():
+        files += [p for p in spool.iterdir() if p.is_file()]
+    if "disk" in settings.tiers and settings.chunk_dir.is_dir():
+        dirs_below = [p for p in settings.chunk_dir.iterdir() if p.is_dir()]  # one level: the fan-out
+        for d in dirs_below:
+            _loose(d, 0o700, problems)
+    for f in files:
+        _loose(f, 0o600, problems)
+    if problems:
+        raise InsecureStateFiles(sorted(set(problems)))
