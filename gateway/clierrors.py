@@ -63,8 +63,10 @@ def _one(exc: BaseException) -> str | None:
     name = type(exc).__name__
     mod = type(exc).__module__ or ""
     text = redact_url(str(exc)).strip().splitlines()[0] if str(exc).strip() else name
-    if isinstance(exc, CliError) or name in ("VerifyInputError", "InsecureStateFiles", "InvalidName"):  # already a sentence
+    if isinstance(exc, CliError) or name in ("VerifyInputError", "InvalidName"):  # already a sentence
         return text
+    if name == "InsecureStateFiles":  # a list of paths with their fix: one line, every item
+        return "; ".join(part.strip() for part in redact_url(str(exc)).splitlines() if part.strip())
     if name == "SchemaBehind":
         return f"{text} (or use the embedded SQLite default, which kvgate serve migrates itself)"
     if isinstance(exc, ValidationError):
