@@ -136,10 +136,19 @@ class AuditStore:
             raise AuditStorageError(f"could not count audit rows: {exc}") from exc
 
     @staticmethod
-    def query(*, since: datetime | None = None, until: datetime | None = None, tenant: str | None = None) -> Select:
+    def query(
+        *,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        tenant: str | None = None,
+        after_seq: int | None = None,
+    ) -> Select:
         """Rows in chain order; ``since <= recorded_at < until``; ``tenant`` matches the target's
-        or the actor's tenant (a tenant sees what was done to it and what its principals did)."""
+        or the actor's tenant (a tenant sees what was done to it and what its principals did);
+        ``after_seq``: only rows with a larger seq."""
         stmt = select(audit_events).order_by(_T.seq)
+        if after_seq is not None:
+            stmt = stmt.where(_T.seq > after_seq)
         if since is not None:
             stmt = stmt.where(_T.recorded_at >= since)
         if until is not None:
@@ -154,10 +163,12 @@ class AuditStore:
         since: datetime | None = None,
         until: datetime | None = None,
         tenant: str | None = None,
+        after_seq: int | None = None,
         batch: int = 1000,
     ) -> AsyncIterator[AuditRecord]:
         """Stream records in seq order from one snapshot (a server-side cursor on Postgres)."""
-        stmt = self.query(since=since, until=until, tenant=tenant).execution_options(yield_per=batch)
+        stmt = self.query(since=since, until=until, tenant=tenant, after_seq=after_seq)
+        stmt = stmt.execution_options(yield_per=batch)
         try:
             async with self.engine.connect() as conn:
                 result = await conn.stream(stmt)
