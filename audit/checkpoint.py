@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from audit.errors import AuditError
-from audit.merkle import CompactRange
+from audit.merkle import CompactRange, verify_consistency
 from audit.record import GENESIS_HASH, format_time
 from audit.signed import check_signature, sign_document
 from audit.signing import AuditSigner, PublicKey
@@ -45,6 +45,7 @@ __all__ = [
     "make_checkpoint",
     "parse_checkpoint",
     "read_checkpoint",
+    "verify_checkpoint_consistency",
 ]
 
 log = logging.getLogger(__name__)
@@ -168,3 +169,22 @@ class CheckpointDirectory:
             except CheckpointError as exc:
                 log.error("audit checkpoint %s skipped: %s", path, exc)
         return None
+
+
+def verify_checkpoint_consistency(old: Checkpoint, new: Checkpoint, proof: Any) -> str | None:
+    """None when ``new`` extends ``old`` by the RFC 9162 consistency ``proof`` (hex hashes, or a
+    document with a ``proof`` list as ``GET /v1/admin/audit/consistency`` returns); otherwise why not."""
+    if isinstance(proof, Mapping):
+        if proof.get("first") not in (None, old.tree_size) or proof.get("second") not in (None, new.tree_size):
+            return "the proof is for other tree sizes"
+        proof = proof.get("proof")
+    if not isinstance(proof, list) or not all(_hex64(h) for h in proof):
+        return "the proof is not a list of 64-digit hex hashes"
+    if old.tree_size == 0:
+        return None
+    if old.tree_size > new.tree_size:
+        return f"the first checkpoint is larger ({old.tree_size}) than the second ({new.tree_size})"
+    if not verify_consistency(old.tree_size, new.tree_size, bytes.fromhex(old.root_hash),
+                              bytes.fromhex(new.root_hash), [bytes.fromhex(h) for h in proof]):
+        return "the consistency proof fails: the second tree does not extend the first (history rewritten)"
+    return None

@@ -142,6 +142,7 @@ class AuditStore:
         until: datetime | None = None,
         tenant: str | None = None,
         after_seq: int | None = None,
+        through_seq: int | None = None,
     ) -> Select:
         """Rows in chain order; ``since <= recorded_at < until``; ``tenant`` matches the target's
         or the actor's tenant (a tenant sees what was done to it and what its principals did);
@@ -149,6 +150,8 @@ class AuditStore:
         stmt = select(audit_events).order_by(_T.seq)
         if after_seq is not None:
             stmt = stmt.where(_T.seq > after_seq)
+        if through_seq is not None:
+            stmt = stmt.where(_T.seq <= through_seq)
         if since is not None:
             stmt = stmt.where(_T.recorded_at >= since)
         if until is not None:
@@ -164,10 +167,11 @@ class AuditStore:
         until: datetime | None = None,
         tenant: str | None = None,
         after_seq: int | None = None,
+        through_seq: int | None = None,
         batch: int = 1000,
     ) -> AsyncIterator[AuditRecord]:
         """Stream records in seq order from one snapshot (a server-side cursor on Postgres)."""
-        stmt = self.query(since=since, until=until, tenant=tenant, after_seq=after_seq)
+        stmt = self.query(since=since, until=until, tenant=tenant, after_seq=after_seq, through_seq=through_seq)
         stmt = stmt.execution_options(yield_per=batch)
         try:
             async with self.engine.connect() as conn:

@@ -69,6 +69,9 @@ class AuditEvent:
     actor: Actor = field(default_factory=Actor)
     target: Target = field(default_factory=Target)
     details: dict[str, Any] = field(default_factory=dict)
+    # normally None (a UUIDv7 is given at emit); a producer that may record the same event twice
+    # across a crash (a resumed clear) names it, so the log keeps it once
+    event_id: str | None = None
 
 
 @runtime_checkable
