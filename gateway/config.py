@@ -90,9 +90,10 @@ class Settings(BaseSettings):
     public_url: str = "http://127.0.0.1:8420"
     capability_max_ttl_s: int = 600
     audit_key_file: Path | None = None  # default: state_dir / "audit_ed25519.pem" (development signer)
-    # who signs export manifests and checkpoints: "auto" is where the KEK lives (file -> the local
-    # Ed25519 PEM, development only; pkcs11 -> an EC key pair in the same token; kms -> an
-    # ECC_NIST_P256 SIGN_VERIFY key, audit_kms_key_id)
+    # who signs export manifests and checkpoints: "file" is the local Ed25519 PEM (development
+    # only), "pkcs11" an EC P-256 key pair (audit_pkcs11_key_label) in the KEK's token, "kms" an
+    # ECC_NIST_P256 SIGN_VERIFY key (audit_kms_key_id). "auto": in production where the KEK lives
+    # (pkcs11 or kms), in development the local PEM.
     audit_signer: Literal["auto", "file", "pkcs11", "kms"] = "auto"
     audit_pkcs11_key_label: str = "kvgate-audit-1"
     audit_kms_key_id: str | None = None
@@ -172,7 +173,9 @@ class Settings(BaseSettings):
 
     @property
     def audit_signer_kind(self) -> str:
-        return self.kek_provider if self.audit_signer == "auto" else self.audit_signer
+        if self.audit_signer != "auto":
+            return self.audit_signer
+        return self.kek_provider if self.mode == "production" else "file"
 
     @property
     def audit_checkpoint_path(self) -> Path:
