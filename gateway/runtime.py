@@ -144,6 +144,9 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
             signer = make_audit_signer(settings)
         except BaseException:
             await audit.aclose()
+            close = getattr(kek, "close", None)  # give back an HSM login
+            if close is not None:
+                close()
             raise
     except BaseException:
         await registry.aclose()
