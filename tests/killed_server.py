@@ -103,6 +103,19 @@ async def admin_actions(server: ServeProcess, n: int, prefix: str) -> list[Acked
     return done
 
 
+async def denials(server: ServeProcess, n: int, prefix: str) -> list[Acked]:
+    """``n`` refused admin calls (a worker token rotating keys of tenant ``<prefix>-<i>``): data-plane
+    style events (``authz.denied``), batched, not acknowledged durably. Returns the 403s seen."""
+    worker = {"Authorization": f"Bearer {server.token('someone', ('kv.worker',))}"}
+    done: list[Acked] = []
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        for i in range(n):
+            r = await http.post(f"/v1/admin/tenants/{prefix}-{i}/keys/rotate", headers=worker)
+            assert r.status_code == 403, r.text
+            done.append(Acked("authz.denied", f"{prefix}-{i}"))
+    return done
+
+
 async def logged(db_url: str) -> list[tuple[int, str, str | None]]:
     """(seq, action, target tenant) of every audit row, in chain order (read with SQLAlchemy)."""
     from sqlalchemy import text
@@ -125,8 +138,8 @@ def lost_and_order(acked: list[Acked], rows: list[tuple[int, str, str | None]]) 
     return len(acked) - len(present), present == sorted(present)
 
 
-def kill_after(server: ServeProcess, n: int, delay_s: float, prefix: str) -> list[Acked]:
-    acked = asyncio.run(admin_actions(server, n, prefix))
+def kill_after(server: ServeProcess, n: int, delay_s: float, prefix: str, kind: str = "admin") -> list[Acked]:
+    acked = asyncio.run((admin_actions if kind == "admin" else denials)(server, n, prefix))
     if delay_s:
         time.sleep(delay_s)
     server.kill9()
