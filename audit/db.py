@@ -1,10 +1,8 @@
 """Async engines for the audit log (asyncpg for Postgres, aiosqlite for SQLite) and schema setup.
 
 ``create_audit_engine`` sets what the chain writer relies on: a connect timeout and pre-ping on
-Postgres, so a restarted server is noticed at once, and custom plans for every statement
-(``plan_cache_mode``): asyncpg prepares statements, and a generic plan Postgres settles on after a
-few one-event appends (a durable admin event each) turned the event-id lookup of the next
-1,000-event batch into a scan of the whole table, seconds per batch on a log of 50,000 rows; a busy timeout and WAL on SQLite, so several
+Postgres, so a restarted server is noticed at once (audit.store plans its event-id lookup
+afresh each time, see there); a busy timeout and WAL on SQLite, so several
 processes can take turns on ``BEGIN IMMEDIATE``. An engine made elsewhere works too.
 """
 
@@ -38,11 +36,7 @@ def create_audit_engine(url: str, *, connect_timeout: float = 5.0, **kwargs: Any
         if parsed.get_driver_name() != "asyncpg":
             raise AuditStorageError("the audit log needs postgresql+asyncpg:// on Postgres")
         kwargs.setdefault("pool_pre_ping", True)
-        kwargs.setdefault(
-            "connect_args",
-            {"timeout": connect_timeout, "command_timeout": 60,
-             "server_settings": {"plan_cache_mode": "force_custom_plan"}},
-        )
+        kwargs.setdefault("connect_args", {"timeout": connect_timeout, "command_timeout": 60})
         return create_async_engine(parsed, **kwargs)
     if backend == "sqlite":
         if parsed.get_driver_name() != "aiosqlite":

@@ -186,15 +186,3 @@ async def test_migration_matches_the_models_and_guards_the_table(db_url: str) ->
             assert "kv_audit_events" not in await conn.run_sync(downgrade)
     finally:
         await engine.dispose()
-
-
-async def test_postgres_plans_every_append_afresh(fresh_pg_url: str) -> None:
-    """One-event appends (durable admin events) before 1,000-event batches once made Postgres keep
-    a generic plan whose event-id lookup scanned the whole table (seconds per batch at 50k rows);
-    the audit engine asks for custom plans on every connection."""
-    engine = create_audit_engine(fresh_pg_url)
-    try:
-        async with engine.connect() as conn:
-            assert (await conn.execute(text("SHOW plan_cache_mode"))).scalar_one() == "force_custom_plan"
-    finally:
-        await engine.dispose()
