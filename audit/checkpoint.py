@@ -74,7 +74,11 @@ class Checkpoint:
     document: Mapping[str, Any]
 
     def compact_range(self) -> CompactRange:
-        return CompactRange(self.tree_size, [bytes.fromhex(h) for h in self.document["frontier"]])
+        """The tree's right edge, to extend it (checked against the signed root when parsed)."""
+        frontier = self.document.get("frontier")
+        if frontier is None:
+            raise CheckpointError("this checkpoint carries no frontier; it cannot be extended")
+        return CompactRange(self.tree_size, [bytes.fromhex(h) for h in frontier])
 
 
 def make_checkpoint(tree: CompactRange, last_hash: str, created_at: datetime, signer: AuditSigner) -> dict[str, Any]:

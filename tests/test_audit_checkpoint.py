@@ -256,3 +256,27 @@ def test_production_refuses_the_pem_signer(tmp_path: Path) -> None:
     assert Settings(state_dir=tmp_path, **hsm).audit_signer_kind == "file"  # development
     with pytest.raises(ValidationError, match="audit_kms_key_id"):
         Settings(state_dir=tmp_path, audit_signer="kms")
+
+
+async def test_periodic_checkpoints_keep_going_and_refuse_a_tampered_log(sqlite_url: str, tmp_path: Path, caplog) -> None:
+    import asyncio
+    import logging
+
+    lg = Log(sqlite_url, tmp_path, AuditSigningKey.generate())
+    await lg.start()
+    try:
+        await lg.emit("x", 5)
+        task = asyncio.create_task(lg.checkpointer.run_every(0.05))
+        await asyncio.sleep(0.4)
+        made = len(lg.cps.files())
+        assert made >= 2  # and each one extends the last (they are signed only if so)
+        await lg.owner_sql([delete(audit_events).where(audit_events.c.seq > 2)])
+        with caplog.at_level(logging.CRITICAL, logger="audit.checkpointer"):
+            await asyncio.sleep(0.3)
+        assert not task.done() and len(lg.cps.files()) == made
+        assert "tampering detected" in caplog.text
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await lg.close()
