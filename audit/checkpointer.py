@@ -11,7 +11,9 @@ a database whose owner truncated, deleted, inserted or rewrote rows the last che
 refused (:class:`CheckpointTampered`) instead of being signed. With no checkpoint yet, the whole
 chain is read once from seq 1.
 
-The signed checkpoint goes to the directory, then into the log itself as an ``audit.checkpoint``
+The signed checkpoint goes to the directory, to each ``mirror`` (an async callable taking the
+document; the server adds a Redis stream where Redis is configured; a failing mirror is logged,
+the directory stays the record), then into the log itself as an ``audit.checkpoint``
 event (durable before ``checkpoint()`` returns), so the log carries its own signed tree heads.
 """
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 from audit.checkpoint import CHECKPOINT_ACTION, Checkpoint, CheckpointDirectory, make_checkpoint, parse_checkpoint
 from audit.errors import AuditError
@@ -51,8 +54,10 @@ class Checkpointer:
         directory: CheckpointDirectory,
         *,
         sink: AuditSink | None = None,
+        mirrors: Sequence[Callable[[dict[str, Any]], Awaitable[object]]] = (),
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
+        self.mirrors = list(mirrors)
         self.store = store
         self.signer = signer
         self.directory = directory
@@ -93,6 +98,11 @@ class Checkpointer:
             doc = make_checkpoint(tree, last, self._clock(), self.signer)
             await asyncio.to_thread(self.directory.write, doc)
             checkpoint = parse_checkpoint(doc, self._public_key)
+            for mirror in self.mirrors:
+                try:
+                    await mirror(doc)
+                except Exception:  # a second copy; the directory holds the checkpoint
+                    log.exception("audit checkpoint mirror failed")
         if self._sink is not None:
             await record_durably(
                 self._sink,

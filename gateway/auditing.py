@@ -7,6 +7,9 @@ Ed25519 PEM (settings refuse it in production). HSM and KMS libraries load only 
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
+
 from audit.checkpoint import CheckpointDirectory
 from audit.checkpointer import Checkpointer
 from audit.errors import AuditKeyError
@@ -51,5 +54,21 @@ def close_signer(signer: AuditSigner) -> None:
         close()
 
 
-def make_checkpointer(settings: Settings, store: AuditStore, signer: AuditSigner, sink: AuditSink | None) -> Checkpointer:
-    return Checkpointer(store, signer, CheckpointDirectory(settings.audit_checkpoint_path), sink=sink)
+def make_checkpointer(
+    settings: Settings, store: AuditStore, signer: AuditSigner, sink: AuditSink | None
+) -> tuple[Checkpointer, Callable[[], Awaitable[None]] | None]:
+    """The checkpointer, and a close function for its Redis stream mirror (where Redis is set)."""
+    mirrors = []
+    close = None
+    if settings.redis_url and settings.audit_checkpoint_stream:
+        from storage.streams import RedisStream
+
+        stream = RedisStream(settings.redis_url, settings.redis_prefix + settings.audit_checkpoint_stream)
+
+        async def mirror(doc: dict) -> None:
+            await stream.append(json.dumps(doc, sort_keys=True).encode("utf-8"))
+
+        mirrors.append(mirror)
+        close = stream.aclose
+    cp = Checkpointer(store, signer, CheckpointDirectory(settings.audit_checkpoint_path), sink=sink, mirrors=mirrors)
+    return cp, close

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -236,19 +237,25 @@ def _parse_time(value: str | None):
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
+@contextlib.asynccontextmanager
 async def _audit_parts(settings: Settings):
     """The audit writer, signer and checkpointer of the CLI's audit commands (no tiers, no core)."""
     from audit import AuditWriter
-    from gateway.auditing import make_audit_signer, make_checkpointer
+    from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
 
     writer = AuditWriter(settings.db_url, spool_dir=settings.state_dir / "audit-spool")
     await writer.start()
+    signer = close = None
     try:
         signer = make_audit_signer(settings)
-    except BaseException:
+        checkpointer, close = make_checkpointer(settings, writer.store, signer, writer)
+        yield writer, signer, checkpointer
+    finally:
         await writer.aclose()
-        raise
-    return writer, signer, make_checkpointer(settings, writer.store, signer, writer)
+        if close is not None:
+            await close()
+        if signer is not None:
+            close_signer(signer)
 
 
 def _audit_failure(exc: Exception) -> None:
@@ -267,7 +274,6 @@ def audit_export(
 ) -> None:
     """Write a signed checkpoint, then stream the audit log to a file with a signed manifest."""
     from audit import AuditError, export_to_files, manifest_path_for
-    from gateway.auditing import close_signer
 
     if fmt not in ("jsonl", "csv"):
         console.print("[red]--format must be jsonl or csv[/red]")
@@ -275,8 +281,7 @@ def audit_export(
     settings = _settings()
 
     async def go() -> dict:
-        writer, signer, checkpointer = await _audit_parts(settings)
-        try:
+        async with _audit_parts(settings) as (writer, signer, checkpointer):
             if public_key is not None:
                 public_key.write_bytes(signer.public_key_pem())
             await checkpointer.checkpoint()
@@ -285,9 +290,6 @@ def audit_export(
                 writer.store, signer, output, manifest_path_for(output), format=fmt,
                 since=_parse_time(since), until=_parse_time(until), tenant=tenant,
             )
-        finally:
-            await writer.aclose()
-            close_signer(signer)
 
     try:
         manifest = asyncio.run(go())
@@ -304,19 +306,14 @@ def audit_checkpoint(
     """Sign a checkpoint of the audit log now (tree size, RFC 9162 root, time): into the
     checkpoint directory and into the log. Exit 4 if the log no longer extends the last one."""
     from audit import AuditError, CheckpointTampered
-    from gateway.auditing import close_signer
 
     settings = _settings()
 
     async def go():
-        writer, signer, checkpointer = await _audit_parts(settings)
-        try:
+        async with _audit_parts(settings) as (_writer, signer, checkpointer):
             if public_key is not None:
                 public_key.write_bytes(signer.public_key_pem())
             return await checkpointer.checkpoint()
-        finally:
-            await writer.aclose()
-            close_signer(signer)
 
     try:
         cp = asyncio.run(go())

@@ -99,6 +99,7 @@ class Settings(BaseSettings):
     audit_kms_key_id: str | None = None
     audit_checkpoint_dir: Path | None = None  # default: state_dir / "audit-checkpoints"
     audit_checkpoint_interval_s: float = 300.0  # 0: only on demand and on export
+    audit_checkpoint_stream: str | None = "audit-checkpoints"  # a Redis stream copy where redis_url is set
 
     # server
     host: str = "127.0.0.1"

@@ -100,6 +100,7 @@ class Runtime:
     signer: AuditSigner | None = None
     checkpointer: Checkpointer | None = None
     checkpoint_task: "asyncio.Task[None] | None" = None
+    checkpoint_close: "object | None" = None  # closes the checkpoint stream mirror
 
     async def aclose(self) -> None:
         if self.checkpoint_task is not None:
@@ -112,6 +113,8 @@ class Runtime:
             await self.broadcaster.aclose()
         await self.gateway.aclose()
         await self.audit.aclose()
+        if self.checkpoint_close is not None:
+            await self.checkpoint_close()  # type: ignore[operator]
         if self.signer is not None:
             close_signer(self.signer)
         await self.registry.aclose()
@@ -174,13 +177,13 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         await broadcaster.start()
         admin.broadcaster = broadcaster
     await admin.resume_clears()
-    checkpointer = make_checkpointer(settings, audit.store, signer, audit)
+    checkpointer, checkpoint_close = make_checkpointer(settings, audit.store, signer, audit)
     task = None
     if settings.audit_checkpoint_interval_s > 0:
         task = asyncio.create_task(
             checkpointer.run_every(settings.audit_checkpoint_interval_s), name="kvgate-audit-checkpoints"
         )
-    return Runtime(settings, registry, gateway, admin, audit, broadcaster, signer, checkpointer, task)
+    return Runtime(settings, registry, gateway, admin, audit, broadcaster, signer, checkpointer, task, checkpoint_close)
 
 
 def new_state_dir(base: Path) -> Path:

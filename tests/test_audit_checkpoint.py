@@ -33,7 +33,7 @@ from audit.checkpoint import CheckpointDirectory, CheckpointError, read_checkpoi
 from audit.checkpointer import Checkpointer, CheckpointTampered
 from audit.models import audit_events
 from audit.record import AuditRecord
-from audit.signing import load_public_key
+from audit.signing import load_public_key, load_public_key_pem
 from gateway.config import Settings
 from tests.test_audit_writer import event
 
@@ -280,3 +280,26 @@ async def test_periodic_checkpoints_keep_going_and_refuse_a_tampered_log(sqlite_
             await task
     finally:
         await lg.close()
+
+
+async def test_checkpoints_are_mirrored_to_a_redis_stream(sqlite_url: str, tmp_path: Path, redis_url: str,
+                                                          redis_prefix: str) -> None:
+    """Where Redis is configured, every checkpoint is also appended to a Redis stream (a second
+    store outside the audit database); the copy verifies like the file."""
+    from audit.checkpoint import parse_checkpoint
+    from storage.streams import RedisStream
+    from tests.gw import gateway_runtime
+
+    state = tmp_path / "state"
+    state.mkdir()
+    async with gateway_runtime(state, None, redis_url=redis_url, redis_prefix=redis_prefix) as rt:
+        await rt.admin.create_tenant("acme")
+        cp = await rt.checkpointer.checkpoint()
+        pem = rt.signer.public_key_pem()
+    stream = RedisStream(redis_url, redis_prefix + "audit-checkpoints")
+    try:
+        (latest,) = await stream.latest()
+    finally:
+        await stream.aclose()
+    copy = parse_checkpoint(json.loads(latest), load_public_key_pem(pem))
+    assert (copy.tree_size, copy.root_hash) == (cp.tree_size, cp.root_hash)
