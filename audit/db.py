@@ -1,7 +1,8 @@
 """Async engines for the audit log (asyncpg for Postgres, aiosqlite for SQLite) and schema setup.
 
 ``create_audit_engine`` sets what the chain writer relies on: a connect timeout and pre-ping on
-Postgres, so a restarted server is noticed at once; a busy timeout and WAL on SQLite, so several
+Postgres, so a restarted server is noticed at once (audit.store plans its event-id lookup
+afresh each time, see there); a busy timeout and WAL on SQLite, so several
 processes can take turns on ``BEGIN IMMEDIATE``. An engine made elsewhere works too.
 """
 

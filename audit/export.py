@@ -28,7 +28,7 @@ The same actor gets the same pseudonym in every export of that tenant, an unrela
 tenant's export. Such a row's hash cannot be recomputed from the exported fields (that is the
 point), so the verifier checks its links and the signed manifest, not its content.
 
-Manifest (JSON, signed with Ed25519 over its canonical JSON without ``signature``)::
+Manifest (JSON, signed over its canonical JSON without ``signature``; see audit.signed)::
 
     {"kind": "kvgate.audit.export", "manifest_version": 1, "record_version": 1,
      "format": "jsonl"|"csv", "created_at": TIME,
@@ -36,13 +36,12 @@ Manifest (JSON, signed with Ed25519 over its canonical JSON without ``signature`
      "contiguous": bool, "pseudonymized": bool, "count": int, "first_seq", "last_seq": int|null,
      "first_prev_hash", "first_hash", "last_hash": hex|null,
      "export_sha256": hex, "export_bytes": int,
-     "signature_algorithm": "Ed25519", "key_id": hex, "signature": base64}
+     "signature_algorithm": "Ed25519"|"ECDSA-P256-SHA256", "key_id": hex, "signature": base64}
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import hashlib
 import hmac
@@ -56,18 +55,28 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from audit.errors import ExportError
-from audit.formats import FORMATS, csv_header, encode_csv, encode_jsonl
-from audit.record import RECORD_VERSION, canonical_json, format_time
-from audit.signing import AuditSigningKey
+from audit.formats import (
+    FORMATS,
+    MANIFEST_KIND,
+    MANIFEST_VERSION,
+    csv_header,
+    encode_csv,
+    encode_jsonl,
+    manifest_path_for,
+)
+from audit.record import RECORD_VERSION, format_time
+from audit.signed import sign_document
+from audit.signing import AuditSigner
 from audit.store import AuditStore
 from audit.types import Actor
 
-__all__ = ["MANIFEST_KIND", "MANIFEST_VERSION", "PSEUDONYM_PREFIX", "AuditExport", "export_to_files", "sign_manifest"]
+__all__ = [
+    "MANIFEST_KIND", "MANIFEST_VERSION", "PSEUDONYM_PREFIX", "AuditExport", "export_to_files", "manifest_path_for",
+    "sign_manifest",
+]
 
 PSEUDONYM_PREFIX = "pseudonym:"
 
-MANIFEST_KIND = "kvgate.audit.export"
-MANIFEST_VERSION = 1
 _CHUNK_BYTES = 64 * 1024
 
 
@@ -75,18 +84,9 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-def manifest_path_for(export_path: str | os.PathLike[str]) -> Path:
-    """The conventional manifest path next to an export: ``<export>.manifest.json``."""
-    p = Path(export_path)
-    return p.with_name(p.name + ".manifest.json")
-
-
-def sign_manifest(body: dict[str, Any], key: AuditSigningKey) -> dict[str, Any]:
-    """Add key id and Ed25519 signature over the canonical JSON of ``body``."""
-    unsigned = {k: v for k, v in body.items() if k != "signature"}
-    unsigned.update(signature_algorithm="Ed25519", key_id=key.key_id)
-    signature = key.sign(canonical_json(unsigned).encode("utf-8"))
-    return {**unsigned, "signature": base64.b64encode(signature).decode("ascii")}
+def sign_manifest(body: dict[str, Any], key: AuditSigner) -> dict[str, Any]:
+    """Add algorithm, key id and signature over the canonical JSON of ``body``."""
+    return sign_document(body, key)
 
 
 class AuditExport:
@@ -95,7 +95,7 @@ class AuditExport:
     def __init__(
         self,
         source: AuditStore | AsyncEngine,
-        key: AuditSigningKey,
+        key: AuditSigner,
         *,
         format: str = "jsonl",
         since: datetime | None = None,
@@ -113,10 +113,12 @@ class AuditExport:
             raise ExportError("since must be before until")
         if tenant is not None and (not isinstance(tenant, str) or not tenant):
             raise ExportError("tenant must be a non-empty string")
-        if not isinstance(key, AuditSigningKey):
-            raise ExportError("key must be an AuditSigningKey")
+        if not isinstance(key, AuditSigner):
+            raise ExportError("key must be an audit signer (AuditSigningKey, EcdsaSigner)")
         if pseudonymize and tenant is None:
             raise ExportError("pseudonymize needs a tenant (whose actors are kept)")
+        if pseudonymize and not callable(getattr(key, "derive", None)):
+            raise ExportError("a pseudonymized export needs a signer that can derive keys (the local Ed25519 key)")
         self._pseudonym_key = (
             key.derive(b"pseudonym\x00" + tenant.encode("utf-8")) if pseudonymize and tenant is not None else None
         )
@@ -203,7 +205,7 @@ class AuditExport:
 
 async def export_to_files(
     source: AuditStore | AsyncEngine,
-    key: AuditSigningKey,
+    key: AuditSigner,
     export_path: str | os.PathLike[str],
     manifest_path: str | os.PathLike[str],
     **options: Any,

@@ -16,6 +16,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
+from pathlib import Path
 from typing import Any
 
 from audit.record import ACTOR_FIELDS, RECORD_VERSION, TARGET_FIELDS, AuditRecord, canonical_json
@@ -23,15 +25,20 @@ from audit.record import ACTOR_FIELDS, RECORD_VERSION, TARGET_FIELDS, AuditRecor
 __all__ = [
     "CSV_COLUMNS",
     "FORMATS",
+    "MANIFEST_KIND",
+    "MANIFEST_VERSION",
     "RowFormatError",
     "csv_header",
     "decode_csv",
     "decode_jsonl",
+    "manifest_path_for",
     "encode_csv",
     "encode_jsonl",
 ]
 
 FORMATS = ("jsonl", "csv")
+MANIFEST_KIND = "kvgate.audit.export"
+MANIFEST_VERSION = 1
 _HEAD = ("v", "seq", "event_id", "occurred_at", "recorded_at")
 _MID = ("action", "outcome")
 _TAIL = ("details", "prev_hash", "hash")
@@ -39,6 +46,12 @@ CSV_COLUMNS: tuple[str, ...] = (
     _HEAD + tuple(f"actor_{n}" for n in ACTOR_FIELDS) + _MID + tuple(f"target_{n}" for n in TARGET_FIELDS) + _TAIL
 )
 _DOC_KEYS = frozenset(_HEAD + _MID + _TAIL + ("actor", "target"))
+
+
+def manifest_path_for(export_path: str | os.PathLike[str]) -> Path:
+    """The conventional manifest path next to an export: ``<export>.manifest.json``."""
+    p = Path(export_path)
+    return p.with_name(p.name + ".manifest.json")
 
 
 class RowFormatError(ValueError):

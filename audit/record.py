@@ -61,6 +61,7 @@ MAX_FIELD_CHARS = 1024
 MAX_DETAILS_CHARS = 64 * 1024
 _ACTION_RE = re.compile(r"^[a-z0-9_]+(\.[a-z0-9_]+)*$")
 _HEX64_RE = re.compile(r"^[0-9a-f]{64}$")
+_UUID_RE = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 ACTOR_FIELDS = _ACTOR_FIELDS = tuple(f.name for f in fields(Actor))
 TARGET_FIELDS = _TARGET_FIELDS = tuple(f.name for f in fields(Target))
 _TIME_FORMAT = "%Y-%m-%dT%H:%M:%S.%fZ"
@@ -204,8 +205,11 @@ class PendingEvent:
             raise InvalidAuditEvent(f"outcome {event.outcome!r} is not one of {sorted(OUTCOMES)}")
         if now.tzinfo is None:
             raise InvalidAuditEvent("the audit clock returned a naive datetime")
+        given = event.event_id
+        if given is not None and (not isinstance(given, str) or not _UUID_RE.fullmatch(given)):
+            raise InvalidAuditEvent("event_id must be a lowercase UUID string")
         return cls(
-            event_id=uuid7(now),
+            event_id=given or uuid7(now),
             occurred_at=now.astimezone(UTC),
             action=action,
             outcome=event.outcome,

@@ -3,6 +3,11 @@
 Producers (the gateway core, the server, tenancy enforcement) build an :class:`AuditEvent` and hand
 it to an :class:`AuditSink`. ``emit`` never blocks on a database and never raises for I/O: the sink
 queues the event and a background writer persists it (hash-chained) later.
+
+Control actions (clear, move, rotations, tenant lifecycle) must not be acknowledged before their
+event is durable: they call :func:`record_durably`, which awaits a :class:`DurableAuditSink`'s
+``record`` (the event is in the database or fsync-ed in the local spool when it returns) and
+falls back to ``emit`` for a sink that only queues (test doubles).
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Actor", "Target", "AuditEvent", "AuditSink", "Actions"]
+__all__ = ["Actor", "Target", "AuditEvent", "AuditSink", "DurableAuditSink", "Actions", "record_durably"]
 
 
 class Actions:
@@ -34,6 +39,7 @@ class Actions:
     AUTHZ_DENIED = "authz.denied"
     AUTHN_FAILED = "authn.failed"
     INTEGRITY_FAILURE = "integrity.failure"
+    AUDIT_CHECKPOINT = "audit.checkpoint"
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,9 @@ class AuditEvent:
     actor: Actor = field(default_factory=Actor)
     target: Target = field(default_factory=Target)
     details: dict[str, Any] = field(default_factory=dict)
+    # normally None (a UUIDv7 is given at emit); a producer that may record the same event twice
+    # across a crash (a resumed clear) names it, so the log keeps it once
+    event_id: str | None = None
 
 
 @runtime_checkable
@@ -70,3 +79,19 @@ class AuditSink(Protocol):
     def emit(self, event: AuditEvent) -> None:
         """Queue an event; never blocks on I/O, never raises for I/O."""
         ...
+
+
+@runtime_checkable
+class DurableAuditSink(AuditSink, Protocol):
+    async def record(self, event: AuditEvent) -> None:
+        """Queue an event and return once it is durable (database or fsync-ed spool)."""
+        ...
+
+
+async def record_durably(sink: AuditSink, event: AuditEvent) -> None:
+    """``await sink.record(event)`` where the sink can; ``sink.emit(event)`` otherwise."""
+    record = getattr(sink, "record", None)
+    if record is None:
+        sink.emit(event)
+        return
+    await record(event)

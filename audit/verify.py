@@ -2,40 +2,58 @@
 
 ``verify_export(export, manifest, public_key)`` checks, in this order:
 
-1. the manifest's Ed25519 signature (if it fails nothing else in the manifest is trusted and
-   the check stops);
+1. the manifest's signature (Ed25519 or ECDSA P-256; if it fails nothing else in the manifest
+   is trusted and the check stops);
 2. every row: its hash recomputed from its own fields, seq strictly increasing, and, where two
    rows have consecutive seqs, the prev_hash link; for a contiguous export also no gap and, at
    seq 1, the genesis prev_hash;
 3. against the manifest: row count, sha256 and size of the file, first/last seq and hash, and
    first_prev_hash.
 
-It streams the file (constant memory) and names the first bad row by physical line number (CSV:
+4. with ``checkpoints`` (signed tree heads, audit.checkpoint): each checkpoint's signature, and
+   that the export is consistent with it (RFC 9162 section 2.1.4): the Merkle tree over the
+   export's rows extends the checkpoint's tree. The export must then run from seq 1 through at
+   least the checkpoint's size; the proof from the checkpoint's size to the export's is built
+   from the export's own leaves and checked against the checkpoint's root, so rows deleted,
+   inserted, rewritten or cut off after the checkpoint was taken fail even when the whole chain
+   was recomputed (the signed manifest alone cannot see that: it signs what the database held).
+
+It streams the file (constant memory; 32 bytes per row kept for a checkpoint check) and names the first bad row by physical line number (CSV:
 the header is line 1) and seq. A truncated tail is named as the line after the last one read.
 See audit.export for why filtered exports verify row by row plus the signed set.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import csv
 import hashlib
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine
-
+from audit.checkpoint import Checkpoint, CheckpointError, read_checkpoint
 from audit.errors import AuditKeyError, ExportVerificationFailed, VerifyInputError
-from audit.export import MANIFEST_KIND, MANIFEST_VERSION
-from audit.formats import CSV_COLUMNS, FORMATS, RowFormatError, decode_csv, decode_jsonl
-from audit.record import GENESIS_HASH, canonical_json, chain_hash
-from audit.signing import load_public_key, verify_signature
-from audit.store import AuditStore
+from audit.formats import (
+    CSV_COLUMNS,
+    FORMATS,
+    MANIFEST_KIND,
+    MANIFEST_VERSION,
+    RowFormatError,
+    decode_csv,
+    decode_jsonl,
+)
+from audit.merkle import consistency_proof, leaf_hash, root_of, verify_consistency
+from audit.record import GENESIS_HASH, chain_hash
+from audit.signed import check_signature
+from audit.signing import PublicKey, load_public_key
+
+if TYPE_CHECKING:  # the offline verifier never imports SQLAlchemy
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from audit.store import AuditStore
 
 __all__ = ["ChainChecker", "VerifyReport", "verify_database", "verify_export"]
 
@@ -51,6 +69,9 @@ class VerifyReport:
     first_bad_seq: int | None = None
     format: str | None = None
     manifest: Mapping[str, Any] | None = field(default=None, repr=False)
+    tree_size: int | None = None  # with checkpoints: the export's Merkle tree
+    root_hash: str | None = None
+    checkpoints: tuple[str, ...] = ()  # one line per checkpoint checked and found consistent
 
     def raise_for_failure(self) -> None:
         if not self.ok:
@@ -60,9 +81,10 @@ class VerifyReport:
 class ChainChecker:
     """Feeds on rows in file order; remembers every problem (up to 20) and the first bad row."""
 
-    def __init__(self, *, contiguous: bool, pseudonymized: bool = False) -> None:
+    def __init__(self, *, contiguous: bool, pseudonymized: bool = False, leaves: bool = False) -> None:
         self.contiguous = contiguous
         self.pseudonymized = pseudonymized  # a tenant's export, other tenants' actors replaced
+        self.leaves: list[bytes] | None = [] if leaves else None
         self.rows = 0
         self.problems: list[str] = []
         self.first_bad_line: int | None = None
@@ -93,6 +115,11 @@ class ChainChecker:
     def feed(self, line: int | None, doc: Mapping[str, Any], claimed_hash: str) -> None:
         self.rows += 1
         seq = doc.get("seq")
+        if self.leaves is not None:
+            try:
+                self.leaves.append(leaf_hash(bytes.fromhex(claimed_hash)))
+            except (TypeError, ValueError):
+                self.leaves.append(leaf_hash(b""))
         try:
             actual = chain_hash(doc)
         except (TypeError, ValueError) as exc:
@@ -133,25 +160,13 @@ def _read_manifest(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     return doc, None
 
 
-def _signature_ok(manifest: dict[str, Any], public_key_path: Path) -> str | None:
-    try:
-        key = load_public_key(public_key_path)
-    except AuditKeyError as exc:
-        raise VerifyInputError(str(exc)) from None
-    sig_text = manifest.get("signature")
-    if not isinstance(sig_text, str):
+def _signature_ok(manifest: dict[str, Any], key: PublicKey) -> str | None:
+    bad = check_signature(manifest, key)
+    if bad == "no signature":
         return "manifest has no signature"
-    try:
-        signature = base64.b64decode(sig_text, validate=True)
-    except (binascii.Error, ValueError):
-        return "manifest signature is not base64"
-    unsigned = {k: v for k, v in manifest.items() if k != "signature"}
-    try:
-        data = canonical_json(unsigned).encode("utf-8")
-    except (TypeError, ValueError):
-        return "manifest cannot be canonicalised"
-    if not verify_signature(key, signature, data):
-        return "manifest signature is invalid (manifest modified or signed by another key)"
+    if bad is not None:
+        bad = bad.replace("(document modified", "(manifest modified")
+        return "manifest " + (bad[4:] if bad.startswith("the ") else bad)
     if manifest.get("kind") != MANIFEST_KIND or manifest.get("manifest_version") != MANIFEST_VERSION:
         return "not a kvgate audit export manifest of a known version"
     if manifest.get("format") not in FORMATS:
@@ -220,20 +235,27 @@ def verify_export(
     export_path: str | os.PathLike[str],
     manifest_path: str | os.PathLike[str],
     public_key_path: str | os.PathLike[str],
+    checkpoints: Sequence[str | os.PathLike[str]] = (),
 ) -> VerifyReport:
-    """Verify an export offline against its signed manifest; see the module docstring."""
+    """Verify an export offline against its signed manifest and, if given, against checkpoints
+    (signed by the same key); see the module docstring."""
     export, man_path, key_path = Path(export_path), Path(manifest_path), Path(public_key_path)
     if not export.is_file():
         raise VerifyInputError(f"no export file at {export}")
+    key = _require_key(key_path)
+    heads: list[tuple[str, Checkpoint]] = []
+    for cp_path in checkpoints:
+        try:
+            heads.append((str(cp_path), read_checkpoint(cp_path, key)))
+        except CheckpointError as exc:
+            return VerifyReport(ok=False, rows=0, problems=(f"checkpoint {cp_path}: {exc}",))
     manifest, bad = _read_manifest(man_path)
     if manifest is not None:
-        bad = _signature_ok(manifest, key_path)
-    else:
-        _require_key(key_path)
+        bad = _signature_ok(manifest, key)
     if bad is not None or manifest is None:
         return VerifyReport(ok=False, rows=0, problems=(bad or "manifest unreadable",), manifest=manifest)
     fmt = manifest["format"]
-    checker = ChainChecker(contiguous=manifest.get("contiguous") is True)
+    checker = ChainChecker(contiguous=manifest.get("contiguous") is True, leaves=bool(heads))
     checker.pseudonymized = manifest.get("pseudonymized") is True and manifest.get("contiguous") is not True
     sha, size = _check_rows(export, fmt, checker)
     header = 1 if fmt == "csv" else 0
@@ -259,6 +281,10 @@ def verify_export(
     ):
         if manifest.get(name) != have:
             checker.problem(f"{name} differs from the manifest", None, None)
+    consistent: list[str] = []
+    size = root = None
+    if heads:
+        size, root, consistent = _check_checkpoints(checker, heads)
     return VerifyReport(
         ok=not checker.problems,
         rows=checker.rows,
@@ -267,18 +293,69 @@ def verify_export(
         first_bad_seq=checker.first_bad_seq,
         format=fmt,
         manifest=manifest,
+        tree_size=size,
+        root_hash=root,
+        checkpoints=tuple(consistent),
     )
 
 
-def _require_key(path: Path) -> None:
+def _check_checkpoints(
+    checker: ChainChecker, heads: list[tuple[str, Checkpoint]]
+) -> tuple[int | None, str | None, list[str]]:
+    """Consistency of the export's tree with each checkpoint (RFC 9162 section 2.1.4)."""
+    leaves = checker.leaves or []
+    consistent: list[str] = []
+    if checker.first_seq != 1 or not checker.contiguous:
+        checker.problem("a checkpoint check needs an unfiltered export from seq 1 (no --since, no --tenant)", None, None)
+        return None, None, consistent
+    n = len(leaves)
+    if checker.last_seq != n:
+        checker.problem(f"the export's rows are not seq 1..{n}", None, None)
+        return None, None, consistent
+    new_root = root_of(leaves)
+    for where, cp in heads:
+        m = cp.tree_size
+        if m == 0:
+            consistent.append(f"{where}: empty tree")
+            continue
+        if m > n:
+            checker.problem(
+                f"checkpoint {where} covers {m} rows, the export ends at seq {n} (rows deleted: log truncated)",
+                None, n + 1,
+            )
+            continue
+        proof = consistency_proof(leaves, m)
+        if not verify_consistency(m, n, bytes.fromhex(cp.root_hash), new_root, proof):
+            first_bad = _first_divergence(leaves, m, cp)
+            checker.problem(
+                f"not consistent with checkpoint {where} (tree size {m}): rows it covers were deleted, "
+                f"inserted or rewritten" + (f"; the export's row seq {m} is not the checkpointed last row"
+                                            if first_bad else ""),
+                None, m if first_bad else None,
+            )
+            continue
+        if leaves[m - 1] != leaf_hash(bytes.fromhex(cp.last_hash)):
+            checker.problem(f"checkpoint {where}: its last_hash is not row seq {m}'s hash", None, m)
+            continue
+        consistent.append(f"{where}: tree size {m} -> {n}, consistency proof of {len(proof)} hashes verified")
+    return n, new_root.hex(), consistent
+
+
+def _first_divergence(leaves: list[bytes], m: int, cp: Checkpoint) -> bool:
+    return leaves[m - 1] != leaf_hash(bytes.fromhex(cp.last_hash))
+
+
+def _require_key(path: Path) -> PublicKey:
     try:
-        load_public_key(path)
+        return load_public_key(path)
     except AuditKeyError as exc:
         raise VerifyInputError(str(exc)) from None
 
 
 async def verify_database(source: AuditStore | AsyncEngine) -> VerifyReport:
     """Check the whole stored chain: gapless from seq 1, every hash and every link."""
+    from audit.store import AuditStore
+
     store = source if isinstance(source, AuditStore) else AuditStore(source)
     checker = ChainChecker(contiguous=True)
     async for rec in store.iter_records():

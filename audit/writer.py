@@ -3,6 +3,7 @@
     writer = AuditWriter("postgresql+asyncpg://...", spool_dir=state_dir / "audit-spool")
     await writer.start()          # adopts and replays orphaned spool files, starts the task
     writer.emit(AuditEvent(...))  # any thread; validates, stamps, queues; no I/O, no await
+    await writer.record(event)    # control actions: returns once this event is durable
     await writer.flush()          # everything emitted so far is durable (database or spool)
     await writer.aclose()         # flushes, replays what it can, stops, releases the spool
 
@@ -16,6 +17,13 @@ behind it in the spool until the spool is replayed, oldest first, with backoff b
 So the chain order is the write order, which is the emit order of each process. Nothing is held
 only in memory longer than one batch interval; if the spool itself cannot be written, the batch
 stays in memory and is retried (``spool_errors`` counts it).
+
+Durability. ``emit`` is for the data plane: an event waits in memory for at most one flush
+interval (50 ms by default) plus one database write, so a crash (kill -9, power loss) loses what
+was emitted in that window; a graceful stop (``aclose``) writes or spools everything first.
+``record`` is for control actions: it emits, wakes the task at once and returns only when the
+event (and everything emitted before it) is committed to the database or fsync-ed to the spool,
+from which it is replayed exactly once, in order. Nothing acknowledged is lost on a crash.
 
 Give each process its own spool directory or share one per host: files are per process and
 locked, orphans of dead processes are adopted at start. SQLite needs a database file (an
@@ -37,7 +45,7 @@ from typing import Self
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from audit.db import create_audit_engine
-from audit.errors import AuditError, AuditWriterClosed, SpoolError
+from audit.errors import AuditError, AuditStorageError, AuditWriterClosed, SpoolError
 from audit.record import PendingEvent
 from audit.spool import Spool
 from audit.store import AuditStore
@@ -126,6 +134,17 @@ class AuditWriter:
                 self._loop.call_soon_threadsafe(self._wake.set)
             except RuntimeError:  # loop closed: the periodic wake or aclose() picks it up
                 pass
+
+    async def record(self, event: AuditEvent, timeout: float | None = 30.0) -> None:
+        """Emit ``event`` and return once it is durable (committed, or fsync-ed to the spool).
+        Raises AuditStorageError when that does not happen within ``timeout`` seconds."""
+        self.emit(event)
+        try:
+            await self.flush(timeout)
+        except TimeoutError:
+            raise AuditStorageError(
+                f"audit event {event.action} was not made durable within {timeout}s (database and spool failing)"
+            ) from None
 
     # -- numbers for metrics ----------------------------------------------------------------
 

@@ -4,12 +4,17 @@ Secure clear is crypto-shredding plus deletion (DESIGN section 2, point 5), reco
 work so a crash in between is found and finished at the next start:
 
     1. a clear job is written (state ``requested``, with the epochs and key versions it will
-       shred) and ``clear.requested`` is audited -- before anything is deleted;
+       shred, and who asked) and ``clear.requested`` is recorded durably (database or fsync-ed
+       spool) -- before anything is shredded or deleted. Resuming a job still ``requested`` records
+       it again under the same event id (derived from the job id) with the original requester,
+       so the log holds it exactly once whichever side of the crash it was on;
     2. shred: the namespace epochs are bumped with fresh salts (old storage keys and binding
        secrets become impossible to derive); for a tenant clear every data-key version recorded in
        step 1 is destroyed and every capability of the tenant is revoked. State ``shredded``;
     3. delete the ciphertext from every tier and the pins; state ``completed``, and
        ``clear.completed`` is audited with counts.
+
+Every control action here returns only after its audit event is durable (``record_durably``).
 
 Each step is idempotent: bumping an epoch is conditional on its recorded old value, destroying a
 destroyed key is a no-op, deleting deleted chunks deletes nothing.
@@ -19,11 +24,13 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from opentelemetry import trace
 
-from audit.types import Actions, Actor, AuditEvent, Target
+from audit.types import Actions, Actor, AuditEvent, Target, record_durably
 from gateway.core import Gateway
 from gateway.types import ClearResult, check_name
 from gateway.errors import InvalidRequest, TenantUnavailable
@@ -34,6 +41,11 @@ from tenancy.registry import ClearJobRecord, TenantDisabled, TenantExists, Unkno
 __all__ = ["Admin"]
 
 _tracer = trace.get_tracer("kvgate.admin")
+_RESUME = Actor(subject="kvgate:resume")
+
+
+def _requested_event_id(job_id: str) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"kvgate:clear.requested:{job_id}"))
 
 
 class Admin:
@@ -56,7 +68,17 @@ class Admin:
         version = await self.gw.keyring.create(tenant)
         for action, details in ((Actions.TENANT_CREATE, {}), (Actions.KEY_CREATE, {"version": version})):
             self.gw.audit.emit(AuditEvent(action, actor=actor or Actor(), target=Target(tenant=tenant), details=details))
+        await self._durable()
         return version
+
+    async def _durable(self) -> None:
+        """Wait until every event emitted so far is durable (one flush for several events)."""
+        flush = getattr(self.gw.audit, "flush", None)
+        if flush is not None:
+            await flush(30.0)
+
+    async def _record(self, event: AuditEvent) -> None:
+        await record_durably(self.gw.audit, event)
 
     async def disable_tenant(self, tenant: str, *, actor: Actor | None = None) -> None:
         try:
@@ -67,7 +89,7 @@ class Admin:
         self.gw.forget_namespace(tenant)
         self.gw.keyring.forget(tenant)
         await self._publish("disable", tenant, revoke_before=before)
-        self.gw.audit.emit(AuditEvent(Actions.TENANT_DISABLE, actor=actor or Actor(), target=Target(tenant=tenant)))
+        await self._record(AuditEvent(Actions.TENANT_DISABLE, actor=actor or Actor(), target=Target(tenant=tenant)))
 
     async def rotate_key(self, tenant: str, *, actor: Actor | None = None) -> int:
         try:
@@ -76,7 +98,7 @@ class Admin:
             raise TenantUnavailable("tenant unavailable") from None
         version = await self.gw.keyring.rotate(tenant)
         await self._publish("rotate", tenant, version=version)
-        self.gw.audit.emit(
+        await self._record(
             AuditEvent(Actions.KEY_ROTATE, actor=actor or Actor(), target=Target(tenant=tenant), details={"version": version})
         )
         return version
@@ -133,20 +155,40 @@ class Admin:
             return await self._record_and_run(tenant, namespace, scope, details, chunks, actor)
 
     async def _record_and_run(self, tenant, namespace, scope, details, chunks, actor) -> ClearResult:
+        requester = actor or Actor()
+        details = {**details, "requested_by": asdict(requester)}
+        if chunks:
+            details["chunk_count"] = len(chunks)
         job = await self.gw.registry.create_clear_job(tenant, namespace, scope, details)
-        self.gw.audit.emit(
-            AuditEvent(
-                Actions.CLEAR_REQUESTED,
-                actor=actor or Actor(),
-                target=Target(tenant=tenant, namespace=namespace, chunk_count=len(chunks) if chunks else None),
-                details={"job_id": job.id, "scope": scope},
-            )
-        )
+        await self._record_requested(job, requester, resumed=False)  # durable before any shredding
         return await self._run(job, actor)
 
+    async def _record_requested(self, job: ClearJobRecord, requester: Actor, *, resumed: bool) -> None:
+        details: dict = {"job_id": job.id, "scope": job.scope}
+        if resumed:
+            details["resumed"] = True
+        await self._record(
+            AuditEvent(
+                Actions.CLEAR_REQUESTED,
+                actor=requester,
+                target=Target(tenant=job.tenant, namespace=job.namespace, chunk_count=job.details.get("chunk_count")),
+                details=details,
+                event_id=_requested_event_id(job.id),
+            )
+        )
+
     async def resume_clears(self) -> list[ClearResult]:
-        """Finish every clear a crash interrupted (called at start)."""
-        return [await self._run(job, Actor(subject="kvgate:resume")) for job in await self.gw.registry.incomplete_clear_jobs()]
+        """Finish every clear a crash interrupted (called at start). A job still ``requested`` may
+        have crashed before its ``clear.requested`` was durable: it is recorded now, with the
+        requester kept in the job (the same event id, so never twice)."""
+        results = []
+        for job in await self.gw.registry.incomplete_clear_jobs():
+            if job.state == "requested":
+                who = job.details.get("requested_by")
+                requester = Actor(**who) if isinstance(who, dict) else _RESUME
+                await self._record_requested(job, requester, resumed=True)
+            results.append(await self._run(job, _RESUME))
+        return results
 
     async def _run(self, job: ClearJobRecord, actor: Actor | None) -> ClearResult:
         gw, tenant = self.gw, job.tenant
@@ -164,7 +206,7 @@ class Admin:
                 destroyed = await gw.keyring.destroy(tenant, job.details.get("key_versions", []))
                 revoke_before = await self._revoke_tenant(tenant, actor)
                 if destroyed:
-                    gw.audit.emit(
+                    await self._record(
                         AuditEvent(Actions.KEY_DESTROY, actor=actor or Actor(), target=Target(tenant=tenant),
                                    details={"versions": destroyed, "job_id": job.id})
                     )
@@ -190,7 +232,7 @@ class Admin:
                     if await gw.tiers.delete(key):
                         deleted += 1
         await gw.registry.update_clear_job(job.id, state="completed", deleted_chunks=deleted, completed_at=utcnow())
-        gw.audit.emit(
+        await self._record(
             AuditEvent(
                 Actions.CLEAR_COMPLETED,
                 actor=actor or Actor(),

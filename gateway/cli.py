@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -332,6 +333,32 @@ def _parse_time(value: str | None):
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
+@contextlib.asynccontextmanager
+async def _audit_parts(settings: Settings):
+    """The audit writer, signer and checkpointer of the CLI's audit commands (no tiers, no core)."""
+    from audit import AuditWriter
+    from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
+
+    writer = AuditWriter(settings.db_url, spool_dir=settings.state_dir / "audit-spool")
+    await writer.start()
+    signer = close = None
+    try:
+        signer = make_audit_signer(settings)
+        checkpointer, close = make_checkpointer(settings, writer.store, signer, writer)
+        yield writer, signer, checkpointer
+    finally:
+        await writer.aclose()
+        if close is not None:
+            await close()
+        if signer is not None:
+            close_signer(signer)
+
+
+def _audit_failure(exc: Exception) -> None:
+    console.print(f"[red]{exc}[/red]")
+    raise typer.Exit(3) from None
+
+
 @audit_app.command("export")
 def audit_export(
     output: Annotated[Path, typer.Option("--output", "-o", help="export file (manifest beside it)")] = Path("audit.jsonl"),
@@ -341,8 +368,8 @@ def audit_export(
     tenant: Annotated[Optional[str], typer.Option(callback=_name, help="only events of this tenant")] = None,
     public_key: Annotated[Optional[Path], typer.Option(help="also write the audit public key (PEM) here")] = None,
 ) -> None:
-    """Stream the audit log to a file and write a manifest signed with the Ed25519 audit key."""
-    from audit import AuditSigningKey, create_audit_engine, export_to_files, manifest_path_for
+    """Write a signed checkpoint, then stream the audit log to a file with a signed manifest."""
+    from audit import AuditError, export_to_files, manifest_path_for
 
     if fmt not in ("jsonl", "csv"):
         console.print("[red]--format must be jsonl or csv[/red]")
@@ -350,20 +377,50 @@ def audit_export(
     settings = _settings()
 
     async def go() -> dict:
-        engine = create_audit_engine(settings.db_url)
-        try:
-            key = AuditSigningKey.load_or_create(settings.audit_key_path)
+        async with _audit_parts(settings) as (writer, signer, checkpointer):
             if public_key is not None:
-                key.write_public_key(public_key)
+                public_key.write_bytes(signer.public_key_pem())
+            await checkpointer.checkpoint()
+            await writer.flush(30)
             return await export_to_files(
-                engine, key, output, manifest_path_for(output), format=fmt,
+                writer.store, signer, output, manifest_path_for(output), format=fmt,
                 since=_parse_time(since), until=_parse_time(until), tenant=tenant,
             )
-        finally:
-            await engine.dispose()
 
-    manifest = asyncio.run(go())
+    try:
+        manifest = asyncio.run(go())
+    except AuditError as exc:
+        _audit_failure(exc)
     console.print(f"wrote {output} and {manifest_path_for(output)}: {manifest.get('count')} rows")
+
+
+@audit_app.command("checkpoint")
+def audit_checkpoint(
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="also copy the checkpoint here")] = None,
+    public_key: Annotated[Optional[Path], typer.Option(help="also write the audit public key (PEM) here")] = None,
+) -> None:
+    """Sign a checkpoint of the audit log now (tree size, RFC 9162 root, time): into the
+    checkpoint directory and into the log. Exit 4 if the log no longer extends the last one."""
+    from audit import AuditError, CheckpointTampered
+
+    settings = _settings()
+
+    async def go():
+        async with _audit_parts(settings) as (_writer, signer, checkpointer):
+            if public_key is not None:
+                public_key.write_bytes(signer.public_key_pem())
+            return await checkpointer.checkpoint()
+
+    try:
+        cp = asyncio.run(go())
+    except CheckpointTampered as exc:
+        console.print(f"[red]TAMPERED[/red]: the audit log does not extend its last checkpoint: {exc}")
+        raise typer.Exit(4) from None
+    except AuditError as exc:
+        _audit_failure(exc)
+    if output is not None:
+        output.write_text(json.dumps(dict(cp.document), indent=2, sort_keys=True) + "\n")
+    console.print(f"checkpoint: {cp.tree_size} rows, root {cp.root_hash}")
 
 
 @audit_app.command("verify")
@@ -371,17 +428,50 @@ def audit_verify(
     path: Path,
     manifest: Annotated[Optional[Path], typer.Option(help="manifest (default: <export>.manifest.json)")] = None,
     public_key: Annotated[Path, typer.Option(help="the audit public key (PEM)")] = Path("audit_public.pem"),
+    checkpoint: Annotated[list[Path], typer.Option(help="a signed checkpoint the export must extend (repeatable)")] = [],
 ) -> None:
-    """Check an export offline: manifest signature, digest, count and the hash chain."""
+    """Check an export offline: manifest signature, digest, count, the hash chain and, with
+    --checkpoint, consistency with earlier signed checkpoints (RFC 9162 Merkle tree)."""
     from audit import manifest_path_for, verify_export
 
-    report = verify_export(path, manifest or manifest_path_for(path), public_key)
+    report = verify_export(path, manifest or manifest_path_for(path), public_key, checkpoints=checkpoint)
     if report.ok:
         console.print(f"[green]OK[/green]: {report.rows} rows, chain and signature verified")
+        if report.tree_size is not None:
+            console.print(f"tree size {report.tree_size}, root {report.root_hash}")
+        for line in report.checkpoints:
+            console.print(f"consistent with checkpoint {line}")
         return
     console.print(f"[red]FAILED[/red]: first bad row at line {report.first_bad_line} (seq {report.first_bad_seq})")
     for problem in report.problems[:20]:
         console.print(f"  - {problem}")
+    raise typer.Exit(1)
+
+
+@audit_app.command("verify-consistency")
+def audit_verify_consistency(
+    old: Path,
+    new: Path,
+    proof: Path,
+    public_key: Annotated[Path, typer.Option(help="the audit public key (PEM)")] = Path("audit_public.pem"),
+) -> None:
+    """Check offline that checkpoint NEW extends checkpoint OLD, with the consistency PROOF (JSON
+    from GET /v1/admin/audit/consistency?first=OLD.tree_size&second=NEW.tree_size)."""
+    from audit import AuditError, load_public_key, read_checkpoint
+    from audit.checkpoint import verify_checkpoint_consistency
+
+    try:
+        key = load_public_key(public_key)
+        a, b = read_checkpoint(old, key), read_checkpoint(new, key)
+        doc = json.loads(proof.read_text())
+    except (AuditError, OSError, ValueError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    bad = verify_checkpoint_consistency(a, b, doc)
+    if bad is None:
+        console.print(f"[green]OK[/green]: tree size {a.tree_size} -> {b.tree_size} is consistent")
+        return
+    console.print(f"[red]FAILED[/red]: {bad}")
     raise typer.Exit(1)
 
 

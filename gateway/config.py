@@ -1,8 +1,8 @@
 """Settings: environment (KVGATE_*) and an optional TOML file (KVGATE_CONFIG), validated at start.
 
 Built explicitly with ``load_settings()`` (never at import time). Secrets are SecretStr, so their
-repr hides them. Production mode refuses the development-only parts (the local KEK file and the
-development OIDC issuer).
+repr hides them. Production mode refuses the development-only parts (the local KEK file, the
+local PEM audit signing key and the development OIDC issuer).
 """
 
 from __future__ import annotations
@@ -95,7 +95,17 @@ class Settings(BaseSettings):
     dev_issuer: bool = True  # development only: a local issuer whose JWKS the server publishes
     public_url: str = "http://127.0.0.1:8420"
     capability_max_ttl_s: int = 600
-    audit_key_file: Path | None = None  # default: state_dir / "audit_ed25519.pem"
+    audit_key_file: Path | None = None  # default: state_dir / "audit_ed25519.pem" (development signer)
+    # who signs export manifests and checkpoints: "file" is the local Ed25519 PEM (development
+    # only), "pkcs11" an EC P-256 key pair (audit_pkcs11_key_label) in the KEK's token, "kms" an
+    # ECC_NIST_P256 SIGN_VERIFY key (audit_kms_key_id). "auto": in production where the KEK lives
+    # (pkcs11 or kms), in development the local PEM.
+    audit_signer: Literal["auto", "file", "pkcs11", "kms"] = "auto"
+    audit_pkcs11_key_label: str = "kvgate-audit-1"
+    audit_kms_key_id: str | None = None
+    audit_checkpoint_dir: Path | None = None  # default: state_dir / "audit-checkpoints"
+    audit_checkpoint_interval_s: float = 300.0  # 0: only on demand and on export
+    audit_checkpoint_stream: str | None = "audit-checkpoints"  # a Redis stream copy where redis_url is set
 
     # logging (gateway/logs.py): the kvgate logger tree, text or one JSON object a line
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -136,6 +146,19 @@ class Settings(BaseSettings):
                 )
             if self.dev_issuer:
                 raise ValueError("the development OIDC issuer refuses to run in production mode")
+            if self.audit_signer_kind == "file":
+                raise ValueError(
+                    "the local PEM audit signing key is for development only; production signs audit "
+                    "checkpoints and manifests with the HSM or KMS (audit_signer 'pkcs11' or 'kms')"
+                )
+        if self.audit_signer_kind == "pkcs11":
+            missing = [n for n in ("pkcs11_module", "pkcs11_token_label", "pkcs11_pin") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"audit_signer 'pkcs11' needs {', '.join(missing)}")
+        if self.audit_signer_kind == "kms" and not self.audit_kms_key_id:
+            raise ValueError("audit_signer 'kms' needs audit_kms_key_id (an ECC_NIST_P256 SIGN_VERIFY key)")
+        if self.audit_checkpoint_interval_s < 0:
+            raise ValueError("audit_checkpoint_interval_s must be >= 0")
         if self.kek_provider == "pkcs11":
             missing = [n for n in ("pkcs11_module", "pkcs11_token_label", "pkcs11_pin") if getattr(self, n) is None]
             if missing:
@@ -167,6 +190,16 @@ class Settings(BaseSettings):
     @property
     def audit_key_path(self) -> Path:
         return self.audit_key_file or self.state_dir / "audit_ed25519.pem"
+
+    @property
+    def audit_signer_kind(self) -> str:
+        if self.audit_signer != "auto":
+            return self.audit_signer
+        return self.kek_provider if self.mode == "production" else "file"
+
+    @property
+    def audit_checkpoint_path(self) -> Path:
+        return self.audit_checkpoint_dir or self.state_dir / "audit-checkpoints"
 
     @classmethod
     def settings_customise_sources(

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 from opentelemetry import trace
 
-from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
 from crypto.envelope import EnvelopeContext
 from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from crypto.kek import KekProvider
@@ -577,7 +577,8 @@ class Gateway:
                 moved += 1
             except ChunkNotFound:
                 continue
-        self.audit.emit(
+        await record_durably(  # a control action: acknowledged only once its event is durable
+            self.audit,
             AuditEvent(
                 Actions.MOVE,
                 actor=actor or Actor(),

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 
-from audit.types import Actions, Actor, AuditEvent, AuditSink
+from audit.types import Actions, Actor, AuditEvent, AuditSink, record_durably
 from crypto.errors import KekError
 from crypto.kek import KekProvider, LocalFileKek
 from tenancy.keyring import dek_context
@@ -120,16 +120,16 @@ async def rotate_kek(
         raise ValueError("batch_size must be positive")
     rows, rw, report = RewrapQueries(registry), _Rewrapper(kek, previous), RotationReport(kek.key_id)
     actor = actor or Actor(subject="kvgate:kek-rotate")
-    _emit(audit, actor, "success", {"phase": "started", "to": kek.key_id, "from": [p.key_id for p in previous]})
+    await _emit(audit, actor, "success", {"phase": "started", "to": kek.key_id, "from": [p.key_id for p in previous]})
     try:
         await _rotate_data_keys(rows, rw, report, batch_size)
         await _rotate_secrets(rows, rw, report)
         await _rotate_salts(rows, rw, report, batch_size)
     except BaseException as exc:
-        _emit(audit, actor, "failure", _details(report, "interrupted") | {"error": type(exc).__name__})
+        await _emit(audit, actor, "failure", _details(report, "interrupted") | {"error": type(exc).__name__})
         raise
-    _emit(audit, actor, "success" if report.complete else "failure",
-          _details(report, "completed" if report.complete else "incomplete"))
+    await _emit(audit, actor, "success" if report.complete else "failure",
+                _details(report, "completed" if report.complete else "incomplete"))
     return report
 
 
@@ -138,9 +138,10 @@ def _details(report: RotationReport, phase: str) -> dict:
             "salts": report.salts, "already_current": report.already_current, "failed": len(report.failed)}
 
 
-def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: dict) -> None:
+async def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: dict) -> None:
+    """Each phase of a rotation is durable before the rotation goes on (or returns)."""
     if audit is not None:
-        audit.emit(AuditEvent(ROTATE_ACTION, outcome=outcome, actor=actor, details=details))
+        await record_durably(audit, AuditEvent(ROTATE_ACTION, outcome=outcome, actor=actor, details=details))
 
 
 def _rewrap_batch(rw: _Rewrapper, items: list[tuple[str, bytes, bytes, str | None]], failed: list[str]) -> list[bytes | None]:

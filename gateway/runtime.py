@@ -1,8 +1,9 @@
 """Wiring: build the gateway core and its parts from Settings (nothing at import time).
 
 ``open_runtime(settings)`` checks the schema (refusing to start on one that is behind), loads or
-creates the KEK-wrapped gateway secrets, opens the tiers, starts the audit writer, resumes any
-interrupted secure clear, and returns a Runtime to close when done.
+creates the KEK-wrapped gateway secrets, opens the tiers, starts the audit writer, opens the
+audit signer and starts periodic checkpoints, resumes any interrupted secure clear, and returns
+a Runtime to close when done.
 """
 
 from __future__ import annotations
@@ -14,10 +15,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from audit.checkpointer import Checkpointer
+from audit.signing import AuditSigner
 from audit.writer import AuditWriter
 from crypto.envelope import ChunkCipher
 from crypto.kek import KekProvider, LocalFileKek
 from gateway.admin import Admin
+from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
 from gateway.broadcast import Broadcaster
 from gateway.config import Settings
 from gateway.core import Gateway
@@ -96,12 +100,26 @@ class Runtime:
     admin: Admin
     audit: AuditWriter
     broadcaster: "Broadcaster | None" = None
+    signer: AuditSigner | None = None
+    checkpointer: Checkpointer | None = None
+    checkpoint_task: "asyncio.Task[None] | None" = None
+    checkpoint_close: "object | None" = None  # closes the checkpoint stream mirror
 
     async def aclose(self) -> None:
+        if self.checkpoint_task is not None:
+            self.checkpoint_task.cancel()
+            try:
+                await self.checkpoint_task
+            except asyncio.CancelledError:
+                pass
         if self.broadcaster is not None:
             await self.broadcaster.aclose()
         await self.gateway.aclose()
         await self.audit.aclose()
+        if self.checkpoint_close is not None:
+            await self.checkpoint_close()  # type: ignore[operator]
+        if self.signer is not None:
+            close_signer(self.signer)
         await self.registry.aclose()
         close = getattr(self.gateway.kek, "close", None)  # an HSM session, say
         if close is not None:
@@ -138,6 +156,14 @@ async def open_runtime(
         )
         audit = AuditWriter(settings.db_url, spool_dir=settings.state_dir / "audit-spool")
         await audit.start()
+        try:
+            signer = make_audit_signer(settings)
+        except BaseException:
+            await audit.aclose()
+            close = getattr(kek, "close", None)  # give back an HSM login
+            if close is not None:
+                close()
+            raise
     except BaseException:
         await registry.aclose()
         raise
@@ -164,7 +190,13 @@ async def open_runtime(
         await broadcaster.start()
         admin.broadcaster = broadcaster
     await admin.resume_clears()
-    return Runtime(settings, registry, gateway, admin, audit, broadcaster)
+    checkpointer, checkpoint_close = make_checkpointer(settings, audit.store, signer, audit)
+    task = None
+    if settings.audit_checkpoint_interval_s > 0:
+        task = asyncio.create_task(
+            checkpointer.run_every(settings.audit_checkpoint_interval_s), name="kvgate-audit-checkpoints"
+        )
+    return Runtime(settings, registry, gateway, admin, audit, broadcaster, signer, checkpointer, task, checkpoint_close)
 
 
 def new_state_dir(base: Path) -> Path:

@@ -292,3 +292,38 @@ async def test_postgres_throughput(fresh_pg_url: str, tmp_path: Path, capsys) ->
     assert writer.stats.written == n and writer.stats.spooled == 0
     with capsys.disabled():
         print(f"\n[audit] Postgres throughput: {n / elapsed:,.0f} events/s ({n} events, batches of 1000)")
+
+
+async def test_record_returns_once_durable_even_with_the_database_away(sqlite_url: str, tmp_path: Path) -> None:
+    """Issue 16: record() (control actions) returns when its event is committed or fsync-ed to the
+    spool; data-plane events emitted before it and left queued are spooled by a graceful stop; all
+    arrive once, in order, when the database is back."""
+    spool_dir = tmp_path / "spool"
+    writer = AuditWriter(dead_url(), spool_dir=spool_dir, batch_size=500, flush_interval=5.0, retry_initial=0.05)
+    await writer.start()
+    for i in range(10):
+        writer.emit(event("data", i))  # batched: the task would not wake for 5 s
+    await writer.record(event("admin", 0), timeout=30)
+    assert writer.queue_depth == 0 and writer.spool_events == 11  # everything before it, too
+    for i in range(10, 20):
+        writer.emit(event("data", i))
+    assert writer.queue_depth == 10
+    await writer.aclose()  # graceful stop: the queued data-plane events go to the spool
+    assert writer.stats.spooled == 21
+
+    await schema(sqlite_url)
+    writer = AuditWriter(sqlite_url, spool_dir=spool_dir)
+    await writer.start()
+    assert writer.stats.replayed == 21
+    await writer.record(event("admin", 1))
+    assert (await writer.store.count()) == 22
+    await writer.aclose()
+    seen, rows = await rows_by_tag(sqlite_url)
+    assert rows == 22 and seen == {"data": list(range(20)), "admin": [0, 1]}
+    engine = create_audit_engine(sqlite_url)
+    try:
+        order = [r async for r in AuditStore(engine).iter_records()]
+    finally:
+        await engine.dispose()
+    assert [(r.event.actor.subject, r.event.details) for r in order[9:12]] == [
+        ("data", '{"i":9}'), ("admin", '{"i":0}'), ("data", '{"i":10}')]

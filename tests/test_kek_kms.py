@@ -178,3 +178,34 @@ async def test_disabled_key_turns_loads_into_misses(kms: dict, tmp_path: Path) -
         kms["client"].enable_key(KeyId=arn.rsplit("/", 1)[1])  # and back: loads hit again
         await asyncio.sleep(0.01)
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)).loaded_tokens == 40
+
+
+async def test_audit_checkpoints_and_manifests_are_signed_by_kms(kms: dict, tmp_path: Path) -> None:
+    """Issue 16: KMS ``Sign`` (ECDSA_SHA_256, ECC_NIST_P256) signs checkpoints and manifests; the
+    public key from ``GetPublicKey`` verifies them offline; a symmetric key is refused."""
+    from audit import AuditKeyError, export_to_files, verify_export
+    from audit.checkpoint import read_checkpoint
+    from audit.signing import ECDSA_P256, load_public_key
+
+    kek_arn = _key(kms)
+    sign_arn = kms["client"].create_key(KeyUsage="SIGN_VERIFY", KeySpec="ECC_NIST_P256")["KeyMetadata"]["Arn"]
+    settings = {"kek_provider": "kms", "kms_key_id": kek_arn, "kms_region": REGION, "kms_endpoint_url": kms["endpoint"],
+                "audit_signer": "kms", "audit_kms_key_id": sign_arn}
+    for d in ("state", "state2"):
+        (tmp_path / d).mkdir()
+    async with gateway_runtime(tmp_path / "state", **settings) as rt:
+        assert rt.signer.algorithm == ECDSA_P256
+        await rt.admin.create_tenant("acme")
+        cp = await rt.checkpointer.checkpoint()
+        pub = tmp_path / "audit_public.pem"
+        pub.write_bytes(rt.signer.public_key_pem())
+        kept = rt.checkpointer.directory.files()[0]
+        await rt.audit.flush(10)
+        out, man = tmp_path / "a.jsonl", tmp_path / "a.jsonl.manifest.json"
+        await export_to_files(rt.audit.store, rt.signer, out, man)
+    assert read_checkpoint(kept, load_public_key(pub)).root_hash == cp.root_hash
+    report = verify_export(out, man, pub, [kept])
+    assert report.ok and report.manifest["signature_algorithm"] == ECDSA_P256, report.problems
+    with pytest.raises(AuditKeyError, match="SIGN_VERIFY"):
+        async with gateway_runtime(tmp_path / "state2", **(settings | {"audit_kms_key_id": kek_arn})):
+            pass

@@ -242,3 +242,50 @@ async def test_token_that_disappears_turns_loads_into_misses(hsm: dict, tmp_path
             assert got.loaded_tokens == 0
         finally:
             shutil.move(aside, token_dir)  # SoftHSM lists every token again (other tests need them)
+
+
+async def test_audit_checkpoints_and_manifests_are_signed_in_the_token(hsm: dict, tmp_path: Path) -> None:
+    """Issue 16: the audit signing key is an EC P-256 pair in the KEK's token (SoftHSM2 has
+    CKM_ECDSA, not CKM_EDDSA); the private half cannot be read out; what it signs verifies with
+    the exported public key, and a whole export verifies against its checkpoint."""
+    import pkcs11
+    from pkcs11 import Attribute, KeyType, ObjectClass
+
+    from audit import export_to_files, verify_export
+    from audit.checkpoint import read_checkpoint
+    from audit.signing import ECDSA_P256, load_public_key
+    from crypto.signer_pkcs11 import generate_pkcs11_signing_key
+
+    generate_pkcs11_signing_key(hsm["module"], "kvgate-main", Secret(TOKENS["kvgate-main"].encode()), "audit-1")
+    with pytest.raises(KekError, match="already exists"):
+        generate_pkcs11_signing_key(hsm["module"], "kvgate-main", Secret(TOKENS["kvgate-main"].encode()), "audit-1")
+    settings = _settings(hsm, "kvgate-main") | {"audit_signer": "pkcs11", "audit_pkcs11_key_label": "audit-1"}
+    for d in ("state", "state2"):
+        (tmp_path / d).mkdir()
+    async with gateway_runtime(tmp_path / "state", **settings) as rt:
+        assert rt.signer.algorithm == ECDSA_P256
+        session = _raw_session(hsm, "kvgate-main")
+        try:
+            priv = session.get_key(object_class=ObjectClass.PRIVATE_KEY, key_type=KeyType.EC, label="audit-1")
+            assert priv[Attribute.SENSITIVE] is True and priv[Attribute.EXTRACTABLE] is False
+            with pytest.raises(pkcs11.exceptions.AttributeSensitive):
+                priv[Attribute.VALUE]
+        finally:
+            session.close()
+        await rt.admin.create_tenant("acme")
+        cp = await rt.checkpointer.checkpoint()
+        pub = tmp_path / "audit_public.pem"
+        pub.write_bytes(rt.signer.public_key_pem())
+        kept = rt.checkpointer.directory.files()[0]
+        out, man = tmp_path / "a.jsonl", tmp_path / "a.jsonl.manifest.json"
+        await rt.audit.flush(10)
+        await export_to_files(rt.audit.store, rt.signer, out, man)
+    assert read_checkpoint(kept, load_public_key(pub)).root_hash == cp.root_hash
+    report = verify_export(out, man, pub, [kept])
+    assert report.ok and report.manifest["signature_algorithm"] == ECDSA_P256, report.problems
+    missing_key = _settings(hsm, "kvgate-main") | {"audit_signer": "pkcs11", "audit_pkcs11_key_label": "nope"}
+    from audit import AuditKeyError
+
+    with pytest.raises(AuditKeyError, match="no EC key pair"):
+        async with gateway_runtime(tmp_path / "state2", **missing_key):
+            pass

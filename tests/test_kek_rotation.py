@@ -289,8 +289,12 @@ def test_hsm_and_kms_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("KVGATE_KMS_KEY_ID", "alias/kvgate")
     monkeypatch.setenv("KVGATE_KMS_ENDPOINT_URL", "http://127.0.0.1:4566")
     monkeypatch.setenv("KVGATE_KMS_PREVIOUS_KEY_IDS", '["alias/kvgate-old"]')
+    with pytest.raises(ValidationError, match="audit_kms_key_id"):  # production signs audit with KMS too
+        Settings(state_dir=tmp_path, mode="production", dev_issuer=False)
+    monkeypatch.setenv("KVGATE_AUDIT_KMS_KEY_ID", "alias/kvgate-audit")
     s = Settings(state_dir=tmp_path, mode="production", dev_issuer=False)
     assert (s.kek_provider, s.kms_key_id, s.kms_previous_key_ids) == ("kms", "alias/kvgate", ["alias/kvgate-old"])
+    assert (s.audit_signer_kind, s.audit_kms_key_id) == ("kms", "alias/kvgate-audit")
 
 
 def test_make_kek_reports_a_missing_module_as_kek_error(tmp_path: Path) -> None:

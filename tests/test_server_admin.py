@@ -180,3 +180,35 @@ async def test_metrics_needs_an_operator(admins: Admins):
     assert_problem(await x.http.get("/metrics", headers=x.h(x.worker_a)), 403)
     r = await x.http.get("/metrics", headers=x.h(x.operator))
     assert r.status_code == 200 and "kvgate_http_requests" in r.text
+
+
+async def test_audit_checkpoints_and_consistency(admins: Admins, tmp_path):
+    """Issue 16, REST: operators write a checkpoint; admins read the latest and consistency
+    proofs; every export writes one first; all verify offline with the exported public key."""
+    from audit.checkpoint import parse_checkpoint, verify_checkpoint_consistency
+    from audit.signing import load_public_key_pem
+
+    x = admins
+    path = "/v1/admin/audit/checkpoints"
+    assert_problem(await x.http.post(path), 401)
+    assert_problem(await x.http.post(path, headers=x.h(x.admin_a)), 403)  # the whole log: operators only
+    assert_problem(await x.http.post(path, headers=x.h(x.worker_a)), 403)
+    r = await x.http.post(path, headers=x.h(x.operator))
+    assert r.status_code == 201, r.text
+    key = load_public_key_pem((await x.http.get("/v1/admin/audit/public-key", headers=x.h(x.admin_a))).content)
+    first = parse_checkpoint(r.json(), key)
+    assert first.tree_size > 0
+    latest = await x.http.get(path + "/latest", headers=x.h(x.admin_a))
+    assert latest.status_code == 200 and latest.json()["root_hash"] == first.root_hash
+    assert_problem(await x.http.get(path + "/latest", headers=x.h(x.worker_a)), 403)
+    await x.http.post(f"/v1/admin/tenants/{x.a}/keys/rotate", headers=x.h(x.admin_a))
+    exported = await x.http.get("/v1/admin/audit/export", headers=x.h(x.admin_a))  # checkpoints first
+    assert exported.status_code == 200
+    second = parse_checkpoint((await x.http.get(path + "/latest", headers=x.h(x.admin_a))).json(), key)
+    assert second.tree_size > first.tree_size
+    proof = await x.http.get("/v1/admin/audit/consistency", headers=x.h(x.admin_a),
+                             params={"first": first.tree_size, "second": second.tree_size})
+    assert proof.status_code == 200, proof.text
+    assert verify_checkpoint_consistency(first, second, proof.json()) is None
+    for bad in ({"first": 0, "second": 1}, {"first": 5, "second": 2}, {"first": 1, "second": 10**9}):
+        assert_problem(await x.http.get("/v1/admin/audit/consistency", params=bad, headers=x.h(x.admin_a)), 422)

@@ -1,4 +1,5 @@
-"""Admin routes: secure clear, move, tenants, key rotation, audit export (DESIGN section 4).
+"""Admin routes: secure clear, move, tenants, key rotation, audit export and checkpoints
+(DESIGN section 4).
 
 Roles: kv.admin acts on its own tenant only, kv.operator on any tenant (and alone manages
 tenants). Every action is audited by the core; every refusal is audited here."""
@@ -9,11 +10,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
-from audit import AuditExport, AuditSigningKey, ExportError
+from audit import AuditExport, ExportError
+from audit.checkpointer import CheckpointTampered
 from gateway.envelopes import parse_hash
 from gateway.errors import InvalidRequest, TenantUnavailable
 from gateway.server.deps import (
@@ -175,9 +177,8 @@ def _export_params(principal, state, request, since, until, tenant) -> dict:
 
 
 def _export(state, format: str, params: dict) -> AuditExport:
-    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
     try:
-        return AuditExport(state.runtime.audit.store, key, format=format, **params)
+        return AuditExport(state.runtime.audit.store, state.runtime.signer, format=format, **params)
     except ExportError as exc:  # a window or format the exporter refuses: the caller's input
         raise InvalidRequest(str(exc)) from None
 
@@ -211,7 +212,9 @@ ExportWindow = Annotated[_ExportWindow, Depends(_export_window)]
 @router.get("/audit/export", response_class=Response, responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}})
 async def audit_export(window: ExportWindow, state: StateDep) -> Response:
     """The audit rows of a fixed time window, streamed. The signed manifest of the same window is
-    at ``/v1/admin/audit/export/manifest`` (the window is echoed in ``X-KV-Until``)."""
+    at ``/v1/admin/audit/export/manifest`` (the window is echoed in ``X-KV-Until``). Every export
+    first writes a signed checkpoint of the whole log (409 if the log no longer extends the last one)."""
+    await _checkpoint(state)
     export = _export(state, window.format, window.params)
     media = "application/x-ndjson" if window.format == "jsonl" else "text/csv"
     return StreamingResponse(
@@ -229,6 +232,59 @@ async def audit_manifest(window: ExportWindow, state: StateDep) -> JSONResponse:
 
 @router.get("/audit/public-key", response_class=Response)
 async def audit_public_key(principal: PrincipalDep, state: StateDep, request: Request) -> Response:
+    """The public half of the audit signing key (PEM): manifests and checkpoints verify with it."""
     authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
-    key = AuditSigningKey.load_or_create(state.settings.audit_key_path)
-    return Response(key.public_key_pem(), media_type="application/x-pem-file")
+    return Response(state.runtime.signer.public_key_pem(), media_type="application/x-pem-file")
+
+
+async def _checkpoint(state) -> dict:
+    try:
+        cp = await state.runtime.checkpointer.checkpoint()
+    except CheckpointTampered as exc:
+        raise Conflict(f"the audit log does not extend its last checkpoint: {exc}") from None
+    return dict(cp.document)
+
+
+def _require_operator(state, principal, request: Request) -> None:
+    """Checkpoints cover every tenant's rows: writing one is for operators."""
+    if Role.OPERATOR not in parse_roles(principal.roles):
+        authorize_action(state, principal, "*", Action.EXPORT_AUDIT, request)  # audited denial
+        raise InvalidRequest("operators only")  # pragma: no cover - the line above raises
+
+
+@router.post("/audit/checkpoints", status_code=201, responses=problem_responses(409))
+async def audit_checkpoint(principal: PrincipalDep, state: StateDep, request: Request) -> JSONResponse:
+    """Write a signed checkpoint (tree size, RFC 9162 root, time) now: into the checkpoint
+    directory and into the log; returns it (``kvgate audit verify --checkpoint`` takes it)."""
+    _require_operator(state, principal, request)
+    return JSONResponse(await _checkpoint(state), status_code=201)
+
+
+@router.get("/audit/checkpoints/latest", responses=problem_responses(404))
+async def audit_latest_checkpoint(principal: PrincipalDep, state: StateDep, request: Request) -> JSONResponse:
+    """The newest signed checkpoint in the checkpoint directory."""
+    authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
+    import asyncio
+
+    cp = await asyncio.to_thread(state.runtime.checkpointer.latest)
+    if cp is None:
+        raise HTTPException(404, "no checkpoint yet")
+    return JSONResponse(dict(cp.document))
+
+
+@router.get("/audit/consistency")
+async def audit_consistency(
+    principal: PrincipalDep, state: StateDep, request: Request,
+    first: Annotated[int, Query(ge=1)], second: Annotated[int, Query(ge=1)],
+) -> JSONResponse:
+    """An RFC 9162 consistency proof between two tree sizes of the stored log (two checkpoints'
+    ``tree_size``): ``kvgate audit verify-consistency OLD NEW PROOF`` checks it offline against
+    the two signed roots, without the log."""
+    authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
+    if first > second:
+        raise InvalidRequest("first must not be larger than second")
+    try:
+        proof = await state.runtime.checkpointer.consistency(first, second)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    return JSONResponse(proof)

@@ -1,0 +1,133 @@
+"""``Pkcs11Signer``: the audit signing key as an ECDSA P-256 key pair inside a PKCS#11 token
+(SoftHSM2 in tests; it offers ``CKM_ECDSA``, not ``CKM_EDDSA``). The private key is generated in
+the token as sensitive, non-extractable and sign-only (``generate_pkcs11_signing_key``).
+
+``sign(data)`` hashes ``data`` with SHA-256 here and has the token sign the digest
+(``CKM_ECDSA``, raw r || s), returned DER-encoded. ``public_key_pem()`` is the token's public key
+object as SubjectPublicKeyInfo PEM. The process's login to the token is shared with the KEK
+provider (crypto.kek_pkcs11: one login per token and process); a signer takes its reference and
+gives it back on ``close``. PKCS#11 errors become ``KekError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+from crypto.errors import KekError
+from crypto.kek import Secret
+from crypto.kek_pkcs11 import (
+    _LOGINS_LOCK,
+    _acquire,
+    _check_label,
+    _close_quietly,
+    _live_login,
+    _login,
+    _pkcs11,
+    _release,
+    _token,
+)
+
+__all__ = ["Pkcs11Signer", "generate_pkcs11_signing_key"]
+
+
+def generate_pkcs11_signing_key(module: Path | str, token_label: str, pin: Secret, key_label: str) -> None:
+    """Generate a P-256 key pair in the token: private key persistent, private, sensitive,
+    non-extractable, sign only. Refuses a label that is taken."""
+    p11 = _pkcs11()
+    from pkcs11 import Attribute, KeyType, ObjectClass
+    from pkcs11.util.ec import encode_named_curve_parameters
+
+    _check_label(key_label)
+    module = Path(module)
+    with _LOGINS_LOCK:
+        if _live_login((str(module), token_label), pin) is not None:
+            session = _token(module, token_label).open(rw=True)
+        else:
+            session = _login(module, token_label, pin, rw=True)
+    try:
+        if list(session.get_objects({Attribute.CLASS: ObjectClass.PRIVATE_KEY, Attribute.LABEL: key_label})):
+            raise KekError(f"a key labelled {key_label!r} already exists in token {token_label!r}")
+        params = session.create_domain_parameters(
+            KeyType.EC, {Attribute.EC_PARAMS: encode_named_curve_parameters("secp256r1")}, local=True
+        )
+        params.generate_keypair(
+            store=True, label=key_label,
+            private_template={
+                Attribute.SENSITIVE: True, Attribute.EXTRACTABLE: False, Attribute.PRIVATE: True,
+                Attribute.SIGN: True, Attribute.DECRYPT: False, Attribute.UNWRAP: False, Attribute.DERIVE: False,
+            },
+            public_template={Attribute.VERIFY: True},
+        )
+    except p11.PKCS11Error as exc:
+        raise KekError(f"cannot generate signing key {key_label!r}: {type(exc).__name__}") from None
+    finally:
+        _close_quietly(session)
+
+
+class Pkcs11Signer:
+    algorithm = "ECDSA-P256-SHA256"
+
+    def __init__(self, module: Path | str, token_label: str, pin: Secret, key_label: str = "kvgate-audit-1") -> None:
+        if not isinstance(pin, Secret):
+            raise TypeError("pin must be a crypto.kek.Secret")
+        _check_label(key_label)
+        self._token_label = token_label
+        self._label = key_label
+        self._login = _acquire(Path(module), token_label, pin)
+        try:
+            self._private, self._pem = self._load()
+        except BaseException:
+            _release(self._login)
+            raise
+
+    def __repr__(self) -> str:
+        return f"Pkcs11Signer(pkcs11:{self._token_label}/{self._label}, pin=<hidden>)"
+
+    def _load(self) -> tuple[Any, bytes]:
+        p11 = _pkcs11()
+        from cryptography.hazmat.primitives import serialization
+        from pkcs11 import Attribute, KeyType, ObjectClass
+        from pkcs11.util.ec import encode_ec_public_key
+
+        with self._login.lock:
+            session = self._login.session
+            try:
+                private = session.get_key(object_class=ObjectClass.PRIVATE_KEY, key_type=KeyType.EC, label=self._label)
+                public = session.get_key(object_class=ObjectClass.PUBLIC_KEY, key_type=KeyType.EC, label=self._label)
+            except p11.NoSuchKey:
+                raise KekError(f"no EC key pair labelled {self._label!r} in token {self._token_label!r}") from None
+            except p11.PKCS11Error as exc:
+                raise KekError(f"PKCS#11 key lookup failed: {type(exc).__name__}") from None
+            if not private[Attribute.SENSITIVE] or private[Attribute.EXTRACTABLE]:
+                raise KekError(f"signing key {self._label!r} must be sensitive and non-extractable")
+            der = encode_ec_public_key(public)
+        pem = serialization.load_der_public_key(der).public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        return private, pem
+
+    def sign(self, data: bytes) -> bytes:
+        p11 = _pkcs11()
+        from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
+        from pkcs11 import Mechanism
+
+        digest = hashlib.sha256(data).digest()
+        with self._login.lock:
+            if self._login.session is None:
+                raise KekError(f"PKCS#11 token {self._token_label!r} went away")
+            try:
+                raw = self._private.sign(digest, mechanism=Mechanism.ECDSA)
+            except p11.PKCS11Error as exc:
+                raise KekError(f"PKCS#11 signing failed: {type(exc).__name__}") from None
+        half = len(raw) // 2
+        return encode_dss_signature(int.from_bytes(raw[:half], "big"), int.from_bytes(raw[half:], "big"))
+
+    def public_key_pem(self) -> bytes:
+        return self._pem
+
+    def close(self) -> None:
+        login, self._login = self._login, None
+        if login is not None:
+            _release(login)
