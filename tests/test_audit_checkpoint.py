@@ -291,7 +291,7 @@ async def test_checkpoints_are_mirrored_to_a_redis_stream(sqlite_url: str, tmp_p
     from tests.gw import gateway_runtime
 
     state = tmp_path / "state"
-    state.mkdir()
+    state.mkdir(mode=0o700)
     async with gateway_runtime(state, None, redis_url=redis_url, redis_prefix=redis_prefix) as rt:
         await rt.admin.create_tenant("acme")
         cp = await rt.checkpointer.checkpoint()

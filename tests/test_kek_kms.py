@@ -192,7 +192,7 @@ async def test_audit_checkpoints_and_manifests_are_signed_by_kms(kms: dict, tmp_
     settings = {"kek_provider": "kms", "kms_key_id": kek_arn, "kms_region": REGION, "kms_endpoint_url": kms["endpoint"],
                 "audit_signer": "kms", "audit_kms_key_id": sign_arn}
     for d in ("state", "state2"):
-        (tmp_path / d).mkdir()
+        (tmp_path / d).mkdir(mode=0o700)
     async with gateway_runtime(tmp_path / "state", **settings) as rt:
         assert rt.signer.algorithm == ECDSA_P256
         await rt.admin.create_tenant("acme")

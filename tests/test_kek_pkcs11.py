@@ -261,7 +261,7 @@ async def test_audit_checkpoints_and_manifests_are_signed_in_the_token(hsm: dict
         generate_pkcs11_signing_key(hsm["module"], "kvgate-main", Secret(TOKENS["kvgate-main"].encode()), "audit-1")
     settings = _settings(hsm, "kvgate-main") | {"audit_signer": "pkcs11", "audit_pkcs11_key_label": "audit-1"}
     for d in ("state", "state2"):
-        (tmp_path / d).mkdir()
+        (tmp_path / d).mkdir(mode=0o700)
     async with gateway_runtime(tmp_path / "state", **settings) as rt:
         assert rt.signer.algorithm == ECDSA_P256
         session = _raw_session(hsm, "kvgate-main")
