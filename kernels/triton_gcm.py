@@ -28,8 +28,10 @@ Kernels
   ``K^(G-1) .. K^0``), so the next level is the same kernel, until one value is left: the GHASH.
   Level 0 reads the AAD (and the lengths block) from a small per-segment buffer and the ciphertext
   where it lies (partial last block masked to zero: GCM's padding).
-- GF(2^128) products are bit-serial on pairs of uint64 (``hi`` = bytes 0..7 big-endian), SP 800-38D
-  algorithm 1, vectorised over the blocks of a program.
+- GF(2^128) products on pairs of uint64 (``hi`` = bytes 0..7 big-endian), vectorised over the
+  blocks of a program: bit-serial (SP 800-38D algorithm 1, registers only) when compiled; a byte at
+  a time with a per-lane table of 256 products under the interpreter, whose cost is per operation
+  (``gf_table``; both are tested on the CPU).
 
 Host synchronisation: one per call (the tags come back as one small tensor).
 """
@@ -78,19 +80,6 @@ def _interpreted(dev: torch.device) -> bool:
 
 
 @triton.jit
-def _tt(t_ptr, row: tl.constexpr, w, shift: tl.constexpr):
-    """T-table ``row`` at byte ``shift / 8`` of the words ``w``."""
-    idx = ((w >> shift) & 255).to(tl.int32)
-    return tl.load(t_ptr + (row * 256 + idx)).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _sb(s_ptr, w, shift: tl.constexpr):
-    idx = ((w >> shift) & 255).to(tl.int32)
-    return tl.load(s_ptr + idx).to(tl.uint32, bitcast=True) << shift
-
-
-@triton.jit
 def _aes_ctr_words(rk_ptr, t_ptr, s_ptr, nonce_ptr, nidx, ctr):
     """AES-256 of ``nonce || be32(ctr)`` for vectors of uint32 counters and nonce offsets
     ``nidx`` (words into ``nonce_ptr``): four little-endian column words per block."""
@@ -107,19 +96,19 @@ def _aes_ctr_words(rk_ptr, t_ptr, s_ptr, nonce_ptr, nidx, ctr):
         k1 = tl.load(rk_ptr + 4 * r + 1).to(tl.uint32, bitcast=True)
         k2 = tl.load(rk_ptr + 4 * r + 2).to(tl.uint32, bitcast=True)
         k3 = tl.load(rk_ptr + 4 * r + 3).to(tl.uint32, bitcast=True)
-        o0 = _tt(t_ptr, 0, w0, 0) ^ _tt(t_ptr, 1, w1, 8) ^ _tt(t_ptr, 2, w2, 16) ^ _tt(t_ptr, 3, w3, 24) ^ k0
-        o1 = _tt(t_ptr, 0, w1, 0) ^ _tt(t_ptr, 1, w2, 8) ^ _tt(t_ptr, 2, w3, 16) ^ _tt(t_ptr, 3, w0, 24) ^ k1
-        o2 = _tt(t_ptr, 0, w2, 0) ^ _tt(t_ptr, 1, w3, 8) ^ _tt(t_ptr, 2, w0, 16) ^ _tt(t_ptr, 3, w1, 24) ^ k2
-        o3 = _tt(t_ptr, 0, w3, 0) ^ _tt(t_ptr, 1, w0, 8) ^ _tt(t_ptr, 2, w1, 16) ^ _tt(t_ptr, 3, w2, 24) ^ k3
+        o0 = tl.load(t_ptr + (0 + ((w0 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w1 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w2 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w3 >> 24) & 255).to(tl.int32))) ^ k0
+        o1 = tl.load(t_ptr + (0 + ((w1 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w2 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w3 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w0 >> 24) & 255).to(tl.int32))) ^ k1
+        o2 = tl.load(t_ptr + (0 + ((w2 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w3 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w0 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w1 >> 24) & 255).to(tl.int32))) ^ k2
+        o3 = tl.load(t_ptr + (0 + ((w3 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w0 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w1 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w2 >> 24) & 255).to(tl.int32))) ^ k3
         w0, w1, w2, w3 = o0, o1, o2, o3
     k0 = tl.load(rk_ptr + 56).to(tl.uint32, bitcast=True)
     k1 = tl.load(rk_ptr + 57).to(tl.uint32, bitcast=True)
     k2 = tl.load(rk_ptr + 58).to(tl.uint32, bitcast=True)
     k3 = tl.load(rk_ptr + 59).to(tl.uint32, bitcast=True)
-    o0 = _sb(s_ptr, w0, 0) | _sb(s_ptr, w1, 8) | _sb(s_ptr, w2, 16) | _sb(s_ptr, w3, 24)
-    o1 = _sb(s_ptr, w1, 0) | _sb(s_ptr, w2, 8) | _sb(s_ptr, w3, 16) | _sb(s_ptr, w0, 24)
-    o2 = _sb(s_ptr, w2, 0) | _sb(s_ptr, w3, 8) | _sb(s_ptr, w0, 16) | _sb(s_ptr, w1, 24)
-    o3 = _sb(s_ptr, w3, 0) | _sb(s_ptr, w0, 8) | _sb(s_ptr, w1, 16) | _sb(s_ptr, w2, 24)
+    o0 = (tl.load(s_ptr + ((w0 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w1 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w2 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w3 >> 24) & 255).to(tl.int32)) << 24)
+    o1 = (tl.load(s_ptr + ((w1 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w2 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w3 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w0 >> 24) & 255).to(tl.int32)) << 24)
+    o2 = (tl.load(s_ptr + ((w2 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w3 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w0 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w1 >> 24) & 255).to(tl.int32)) << 24)
+    o3 = (tl.load(s_ptr + ((w3 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w0 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w1 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w2 >> 24) & 255).to(tl.int32)) << 24)
     return o0 ^ k0, o1 ^ k1, o2 ^ k2, o3 ^ k3
 
 
@@ -163,28 +152,66 @@ def _ctr_kernel(
 
 
 @triton.jit
-def _gf_mul(xh, xl, yh, yl):
-    """``x * y`` in GF(2^128), GCM bit order (SP 800-38D algorithm 1), elementwise on uint64 pairs."""
+def _gf_mul_serial(xh, xl, yh, yl):
+    """``x * y``, SP 800-38D algorithm 1: 128 shift-and-add steps (registers only; compiled)."""
     zero = xh ^ xh
     zh = zero
     zl = zero
     vh = yh
     vl = yl
     r = (zero + 0xE1) << 56
-    for i in range(64):
-        m = zero - ((xh >> (63 - i)) & 1)  # all ones where bit i of x is set
+    for i in range(128):
+        word = xh if i < 64 else xl
+        m = zero - ((word >> (63 - i % 64)) & 1)  # all ones where bit i of x is set
         zh ^= vh & m
         zl ^= vl & m
-        lsb = zero - (vl & 1)
+        lsb = zero - (vl & 1)  # v = v * x (inline: a nested call is costly in the interpreter)
         vl = (vl >> 1) | (vh << 63)
         vh = (vh >> 1) ^ (r & lsb)
-    for i in range(64):
-        m = zero - ((xl >> (63 - i)) & 1)
-        zh ^= vh & m
-        zl ^= vl & m
-        lsb = zero - (vl & 1)
-        vl = (vl >> 1) | (vh << 63)
-        vh = (vh >> 1) ^ (r & lsb)
+    return zh, zl
+
+
+@triton.jit
+def _gf_mul_table(xh, xl, yh, yl, r8_ptr):
+    """``x * y`` a byte of ``x`` at a time: a per-lane table ``M[f] = f(x) * y`` of 256 entries
+    (from ``y * x^0..7``), then Horner in ``x^8`` over the 16 bytes of ``x`` (high degrees, the low
+    bits, first), ``z * x^8 = (z >> 8) ^ R8[z & 255]``. 16 steps instead of 128: the interpreter's
+    cost is per operation, not per element. Wide tiles (lanes x 256): not for compiled kernels."""
+    col = tl.arange(0, 256)
+    zero = xh ^ xh
+    mh = zero[:, None] + (col[None, :] * 0).to(tl.uint64)
+    ml = mh
+    th = yh
+    tlo = yl
+    for t in tl.static_range(8):
+        bit = ((col[None, :] >> (7 - t)) & 1) == 1
+        mh = mh ^ tl.where(bit, th[:, None], 0)
+        ml = ml ^ tl.where(bit, tlo[:, None], 0)
+        lsb = zero - (tlo & 1)
+        tlo = (tlo >> 1) | (th << 63)
+        th = (th >> 1) ^ (((zero + 0xE1) << 56) & lsb)
+    zh = zero
+    zl = zero
+    for k in range(16):
+        rem = (zl & 255).to(tl.int32)
+        zl = (zl >> 8) | (zh << 56)
+        zh = (zh >> 8) ^ tl.load(r8_ptr + rem).to(tl.uint64, bitcast=True)
+        sh = (k % 8) * 8
+        f = tl.where(k < 8, (xl >> sh) & 255, (xh >> sh) & 255).to(tl.int32)
+        sel = f[:, None] == col[None, :]
+        zh ^= tl.sum(tl.where(sel, mh, 0), axis=1)
+        zl ^= tl.sum(tl.where(sel, ml, 0), axis=1)
+    return zh, zl
+
+
+@triton.jit
+def _gf_mul(xh, xl, yh, yl, r8_ptr, TABLE: tl.constexpr):
+    """``x * y`` in GF(2^128), GCM bit order, elementwise on uint64 pairs (``hi`` = bytes 0..7
+    big-endian)."""
+    if TABLE:
+        zh, zl = _gf_mul_table(xh, xl, yh, yl, r8_ptr)
+    else:
+        zh, zl = _gf_mul_serial(xh, xl, yh, yl)
     return zh, zl
 
 
@@ -196,7 +223,7 @@ def _load_pairs(ptr, idx, mask):
 
 
 @triton.jit
-def _powers_kernel(base_ptr, out_ptr, G: tl.constexpr):
+def _powers_kernel(base_ptr, out_ptr, r8_ptr, G: tl.constexpr, TABLE: tl.constexpr):
     """``out[k] = K^k`` for ``k`` in ``0..G`` (uint64 pairs as int64), ``K`` at ``base_ptr``. One
     program: doubling, ``out[s + k] = out[k] * K^s`` for ``k < s``, then ``K^s`` squared."""
     k = tl.arange(0, G)
@@ -209,17 +236,19 @@ def _powers_kernel(base_ptr, out_ptr, G: tl.constexpr):
     while s <= G // 2:
         tl.debug_barrier()
         ah, al = _load_pairs(out_ptr, k, k < s)
-        zh, zl = _gf_mul(ah, al, ph, pl)
+        zh, zl = _gf_mul(ah, al, ph, pl, r8_ptr, TABLE)
         tl.store(out_ptr + 2 * (k + s), zh.to(tl.int64, bitcast=True), mask=k < s)
         tl.store(out_ptr + 2 * (k + s) + 1, zl.to(tl.int64, bitcast=True), mask=k < s)
-        ph, pl = _gf_mul(ph, pl, ph, pl)
+        ph, pl = _gf_mul(ph, pl, ph, pl, r8_ptr, TABLE)
         s = s * 2
     tl.store(out_ptr + 2 * (k + G), ph.to(tl.int64, bitcast=True), mask=k == 0)  # K^G
     tl.store(out_ptr + 2 * (k + G) + 1, pl.to(tl.int64, bitcast=True), mask=k == 0)
 
 
 @triton.jit
-def _ghash_bytes_kernel(head_ptr, ct_ptr, pw_ptr, out_ptr, a_blocks, ct_bytes, m, pad, G: tl.constexpr):
+def _ghash_bytes_kernel(
+    head_ptr, ct_ptr, pw_ptr, out_ptr, r8_ptr, a_blocks, ct_bytes, m, pad, G: tl.constexpr, TABLE: tl.constexpr
+):
     """Level 0: block ``i`` of ``AAD (a_blocks, in head) || C (ct_bytes, zero-padded) || lengths
     (head[a_blocks])``; ``out[g] = sum_j X_(gG + j - pad) * H^(G - j)``."""
     g = tl.program_id(0)
@@ -241,7 +270,7 @@ def _ghash_bytes_kernel(head_ptr, ct_ptr, pw_ptr, out_ptr, a_blocks, ct_bytes, m
     xh = tl.sum(tl.where(b[None, :] < 8, x << sh[None, :], 0), axis=1)
     xl = tl.sum(tl.where(b[None, :] >= 8, x << sh[None, :], 0), axis=1)
     ph, pl = _load_pairs(pw_ptr, G - j, j >= 0)
-    zh, zl = _gf_mul(xh, xl, ph, pl)
+    zh, zl = _gf_mul(xh, xl, ph, pl, r8_ptr, TABLE)
     rh = tl.xor_sum(zh, axis=0)
     rl = tl.xor_sum(zl, axis=0)
     tl.store(out_ptr + 2 * g, rh.to(tl.int64, bitcast=True))
@@ -249,7 +278,7 @@ def _ghash_bytes_kernel(head_ptr, ct_ptr, pw_ptr, out_ptr, a_blocks, ct_bytes, m
 
 
 @triton.jit
-def _ghash_pairs_kernel(in_ptr, pw_ptr, out_ptr, m, pad, G: tl.constexpr):
+def _ghash_pairs_kernel(in_ptr, pw_ptr, out_ptr, r8_ptr, m, pad, G: tl.constexpr, TABLE: tl.constexpr):
     """Level >= 1: ``out[g] = sum_j Z_(gG + j - pad) * K^(G - 1 - j)``."""
     g = tl.program_id(0)
     j = tl.arange(0, G)
@@ -257,7 +286,7 @@ def _ghash_pairs_kernel(in_ptr, pw_ptr, out_ptr, m, pad, G: tl.constexpr):
     valid = (i >= 0) & (i < m)
     xh, xl = _load_pairs(in_ptr, tl.where(valid, i, 0), valid)
     ph, pl = _load_pairs(pw_ptr, G - 1 - j, j >= 0)
-    zh, zl = _gf_mul(xh, xl, ph, pl)
+    zh, zl = _gf_mul(xh, xl, ph, pl, r8_ptr, TABLE)
     tl.store(out_ptr + 2 * g, tl.xor_sum(zh, axis=0).to(tl.int64, bitcast=True))
     tl.store(out_ptr + 2 * g + 1, tl.xor_sum(zl, axis=0).to(tl.int64, bitcast=True))
 
@@ -269,9 +298,10 @@ class _Consts:
     def __init__(self, dev: torch.device) -> None:
         if sys.byteorder != "little":
             raise AeadParameterError("TritonAesGcm needs a little-endian host")
-        self.t = torch.tensor(ttable(), dtype=torch.int32, device=dev)
-        self.s = torch.tensor(sbox(), dtype=torch.int32, device=dev)
+        self.t = torch.tensor(ttable(), dtype=torch.int32).view(torch.uint32).to(dev)
+        self.s = torch.tensor(sbox(), dtype=torch.int32).view(torch.uint32).to(dev)
         self.zero_nonce = torch.zeros(4, dtype=torch.int32, device=dev)
+        self.r8 = torch.tensor(_reduce8(), dtype=torch.int64, device=dev)
 
 
 _CONSTS: dict[torch.device, _Consts] = {}
@@ -284,6 +314,19 @@ def _consts(dev: torch.device) -> _Consts:
         if c is None:
             c = _CONSTS[dev] = _Consts(dev)
         return c
+
+
+def _reduce8() -> list[int]:
+    """``R8[r]``: the high word of ``r * x^8`` for a byte ``r`` (what falls off when a value is
+    shifted right by 8 in GCM's reflected order, folded back), as signed int64."""
+    out = []
+    for r in range(256):
+        v = r
+        for _ in range(8):
+            v = (v >> 1) ^ (0xE1 << 120) if v & 1 else v >> 1
+        hi = v >> 64
+        out.append(hi - (1 << 64) if hi >= 1 << 63 else hi)
+    return out
 
 
 def _words(data: bytes) -> list[int]:
@@ -311,7 +354,7 @@ class TritonAesGcm:
     ``TRITON_INTERPRET=1`` (tests). ``block_tile`` (AES blocks per program of the CTR kernel) and
     ``group`` (GHASH blocks per program) change no output bit."""
 
-    __slots__ = ("_block_tile", "_c", "_device", "_failure", "_group", "_h", "_lock", "_powers", "_rk")
+    __slots__ = ("_block_tile", "_c", "_device", "_failure", "_gf_table", "_group", "_h", "_lock", "_powers", "_rk")
 
     def __init__(
         self,
@@ -321,6 +364,7 @@ class TritonAesGcm:
         failure: Callable[[], BaseException] = TagMismatch,
         block_tile: int | None = None,
         group: int = _GROUP,
+        gf_table: bool | None = None,
     ) -> None:
         if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != KEY_BYTES:
             raise AeadParameterError(f"AES-256-GCM key must be {KEY_BYTES} bytes")
@@ -334,6 +378,8 @@ class TritonAesGcm:
         if tile < 1 or tile & (tile - 1):
             raise AeadParameterError("block_tile must be a power of two")
         self._device, self._failure, self._block_tile, self._group = dev, failure, tile, group
+        # GF(2^128) products: byte tables under the interpreter (16 steps), bit-serial compiled
+        self._gf_table = _interpreted(dev) if gf_table is None else bool(gf_table)
         self._c = _consts(dev)
         self._rk = torch.tensor(_words(b"".join(expand_key(bytes(key)))), dtype=torch.int32, device=dev)
         self._lock = threading.Lock()
@@ -369,8 +415,8 @@ class TritonAesGcm:
     ) -> None:
         if nbytes <= 0:
             return
-        tile = self._block_tile
         blocks = (q0 % 16 + nbytes + 15) // 16
+        tile = min(self._block_tile, triton.next_power_of_2(blocks))
         dummy = self._rk
         _ctr_kernel[(triton.cdiv(blocks, tile),)](
             src, dst,
@@ -390,7 +436,7 @@ class TritonAesGcm:
             while len(tables) <= level:
                 base = self._h if not tables else tables[-1][self._group]
                 out = torch.empty(self._group + 1, 2, dtype=torch.int64, device=self._device)
-                _powers_kernel[(1,)](base, out, G=self._group)
+                _powers_kernel[(1,)](base, out, self._c.r8, G=self._group, TABLE=self._gf_table)
                 tables.append(out)
             self._powers = tables
             return tables[level]
@@ -402,15 +448,17 @@ class TritonAesGcm:
         groups = triton.cdiv(m, g)
         out = torch.empty(groups, 2, dtype=torch.int64, device=self._device)
         _ghash_bytes_kernel[(groups,)](
-            msg.head, ct if ct.numel() else msg.head, self._table(0), out,
-            msg.a_blocks, msg.n, m, groups * g - m, G=g,
+            msg.head, ct if ct.numel() else msg.head, self._table(0), out, self._c.r8,
+            msg.a_blocks, msg.n, m, groups * g - m, G=g, TABLE=self._gf_table,
         )
         level = 1
         while groups > 1:
             m = groups
             groups = triton.cdiv(m, g)
             nxt = torch.empty(groups, 2, dtype=torch.int64, device=self._device)
-            _ghash_pairs_kernel[(groups,)](out, self._table(level), nxt, m, groups * g - m, G=g)
+            _ghash_pairs_kernel[(groups,)](
+                out, self._table(level), nxt, self._c.r8, m, groups * g - m, G=g, TABLE=self._gf_table
+            )
             out, level = nxt, level + 1
         return out.view(2)
 
