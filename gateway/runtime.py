@@ -140,7 +140,7 @@ async def open_runtime(settings: Settings, *, tiers: list[Tier] | None = None, e
         ),
         datapath=DataPath(
             ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt,
-            device_cipher=settings.device_cipher,
+            device_cipher=settings.device_cipher, device_aes=settings.device_aes,
         ),
         authority=authority,
         audit=audit,

@@ -161,7 +161,7 @@ def _gf_mul_serial(xh, xl, yh, yl):
     vl = yl
     r = (zero + 0xE1) << 56
     for i in range(128):
-        word = xh if i < 64 else xl
+        word = tl.where(i < 64, xh, xl)
         m = zero - ((word >> (63 - i % 64)) & 1)  # all ones where bit i of x is set
         zh ^= vh & m
         zl ^= vl & m
