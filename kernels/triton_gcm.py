@@ -91,24 +91,37 @@ def _aes_ctr_words(rk_ptr, t_ptr, s_ptr, nonce_ptr, nidx, ctr):
     w1 = (c3 * 0) ^ (n1 ^ tl.load(rk_ptr + 1).to(tl.uint32, bitcast=True))
     w2 = (c3 * 0) ^ (n2 ^ tl.load(rk_ptr + 2).to(tl.uint32, bitcast=True))
     w3 = c3 ^ tl.load(rk_ptr + 3).to(tl.uint32, bitcast=True)
-    for r in range(1, 14):
+    t1 = t_ptr + 256  # the four T-tables (row r of a column contributes T_r[byte])
+    t2 = t_ptr + 512
+    t3 = t_ptr + 768
+    for r in range(1, 14):  # column c takes row r from column c + r (ShiftRows), then T_r
         k0 = tl.load(rk_ptr + 4 * r + 0).to(tl.uint32, bitcast=True)
         k1 = tl.load(rk_ptr + 4 * r + 1).to(tl.uint32, bitcast=True)
         k2 = tl.load(rk_ptr + 4 * r + 2).to(tl.uint32, bitcast=True)
         k3 = tl.load(rk_ptr + 4 * r + 3).to(tl.uint32, bitcast=True)
-        o0 = tl.load(t_ptr + (0 + ((w0 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w1 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w2 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w3 >> 24) & 255).to(tl.int32))) ^ k0
-        o1 = tl.load(t_ptr + (0 + ((w1 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w2 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w3 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w0 >> 24) & 255).to(tl.int32))) ^ k1
-        o2 = tl.load(t_ptr + (0 + ((w2 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w3 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w0 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w1 >> 24) & 255).to(tl.int32))) ^ k2
-        o3 = tl.load(t_ptr + (0 + ((w3 >> 0) & 255).to(tl.int32))) ^ tl.load(t_ptr + (256 + ((w0 >> 8) & 255).to(tl.int32))) ^ tl.load(t_ptr + (512 + ((w1 >> 16) & 255).to(tl.int32))) ^ tl.load(t_ptr + (768 + ((w2 >> 24) & 255).to(tl.int32))) ^ k3
-        w0, w1, w2, w3 = o0, o1, o2, o3
+        o0 = tl.load(t_ptr + (w0 & 255)) ^ tl.load(t1 + ((w1 >> 8) & 255)) ^ tl.load(t2 + ((w2 >> 16) & 255))
+        o1 = tl.load(t_ptr + (w1 & 255)) ^ tl.load(t1 + ((w2 >> 8) & 255)) ^ tl.load(t2 + ((w3 >> 16) & 255))
+        o2 = tl.load(t_ptr + (w2 & 255)) ^ tl.load(t1 + ((w3 >> 8) & 255)) ^ tl.load(t2 + ((w0 >> 16) & 255))
+        o3 = tl.load(t_ptr + (w3 & 255)) ^ tl.load(t1 + ((w0 >> 8) & 255)) ^ tl.load(t2 + ((w1 >> 16) & 255))
+        w0, w1, w2, w3 = (
+            o0 ^ tl.load(t3 + (w3 >> 24)) ^ k0,
+            o1 ^ tl.load(t3 + (w0 >> 24)) ^ k1,
+            o2 ^ tl.load(t3 + (w1 >> 24)) ^ k2,
+            o3 ^ tl.load(t3 + (w2 >> 24)) ^ k3,
+        )
     k0 = tl.load(rk_ptr + 56).to(tl.uint32, bitcast=True)
     k1 = tl.load(rk_ptr + 57).to(tl.uint32, bitcast=True)
     k2 = tl.load(rk_ptr + 58).to(tl.uint32, bitcast=True)
     k3 = tl.load(rk_ptr + 59).to(tl.uint32, bitcast=True)
-    o0 = (tl.load(s_ptr + ((w0 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w1 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w2 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w3 >> 24) & 255).to(tl.int32)) << 24)
-    o1 = (tl.load(s_ptr + ((w1 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w2 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w3 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w0 >> 24) & 255).to(tl.int32)) << 24)
-    o2 = (tl.load(s_ptr + ((w2 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w3 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w0 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w1 >> 24) & 255).to(tl.int32)) << 24)
-    o3 = (tl.load(s_ptr + ((w3 >> 0) & 255).to(tl.int32)) << 0) | (tl.load(s_ptr + ((w0 >> 8) & 255).to(tl.int32)) << 8) | (tl.load(s_ptr + ((w1 >> 16) & 255).to(tl.int32)) << 16) | (tl.load(s_ptr + ((w2 >> 24) & 255).to(tl.int32)) << 24)
+    # the last round: S-box bytes, no MixColumns
+    o0 = tl.load(s_ptr + (w0 & 255)) | (tl.load(s_ptr + ((w1 >> 8) & 255)) << 8)
+    o1 = tl.load(s_ptr + (w1 & 255)) | (tl.load(s_ptr + ((w2 >> 8) & 255)) << 8)
+    o2 = tl.load(s_ptr + (w2 & 255)) | (tl.load(s_ptr + ((w3 >> 8) & 255)) << 8)
+    o3 = tl.load(s_ptr + (w3 & 255)) | (tl.load(s_ptr + ((w0 >> 8) & 255)) << 8)
+    o0 |= (tl.load(s_ptr + ((w2 >> 16) & 255)) << 16) | (tl.load(s_ptr + (w3 >> 24)) << 24)
+    o1 |= (tl.load(s_ptr + ((w3 >> 16) & 255)) << 16) | (tl.load(s_ptr + (w0 >> 24)) << 24)
+    o2 |= (tl.load(s_ptr + ((w0 >> 16) & 255)) << 16) | (tl.load(s_ptr + (w1 >> 24)) << 24)
+    o3 |= (tl.load(s_ptr + ((w1 >> 16) & 255)) << 16) | (tl.load(s_ptr + (w2 >> 24)) << 24)
     return o0 ^ k0, o1 ^ k1, o2 ^ k2, o3 ^ k3
 
 

@@ -59,7 +59,7 @@ def _b(t: torch.Tensor) -> bytes:
 # -- the cipher, in place --------------------------------------------------------------------------
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     key=st.binary(min_size=32, max_size=32),
     nonce=st.binary(min_size=12, max_size=12),
@@ -181,7 +181,7 @@ def test_known_answer_vectors_all(tg, which: str) -> None:
 
 def _geometry(layout: KVLayout, dtype: torch.dtype, head_size: int = 5) -> KVGeometry:
     # rows of 2 heads x 5 x itemsize bytes: never a multiple of 16, so blocks straddle rows and layers
-    return KVGeometry(num_layers=3, num_kv_heads=2, head_size=head_size, dtype=dtype, block_size=4, layout=layout)
+    return KVGeometry(num_layers=2, num_kv_heads=2, head_size=head_size, dtype=dtype, block_size=4, layout=layout)
 
 
 def _cache(g: KVGeometry, num_blocks: int, seed: int) -> list[torch.Tensor]:
@@ -223,21 +223,25 @@ def _round_trip(tg, layout: KVLayout, dtype: torch.dtype, seg: int) -> None:
         assert not t.view(-1).view(torch.uint8).cpu().view(untouched.numel(), -1)[untouched].any()
 
 
-@pytest.mark.parametrize("layout", list(KVLayout))
-def test_fused_round_trip_fp16_each_layout(tg, layout: KVLayout) -> None:
-    _round_trip(tg, layout, torch.float16, seg=150)  # segments cross layer boundaries mid-block
+@pytest.mark.parametrize(
+    ("layout", "dtype", "seg"),
+    [
+        (KVLayout.KV_FIRST, torch.float16, 150),  # segments end mid-layer and mid-block
+        (KVLayout.BLOCK_FIRST, torch.bfloat16, 150),
+        (KVLayout.KV_FIRST, torch.float32, 10_000),
+        (KVLayout.BLOCK_FIRST, DTYPES[-1], 10_000),  # fp8 where torch has it
+    ],
+    ids=lambda v: str(v).removeprefix("torch.").removeprefix("KVLayout."),
+)
+def test_fused_round_trip(tg, layout: KVLayout, dtype: torch.dtype, seg: int) -> None:
+    _round_trip(tg, layout, dtype, seg=seg)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", list(KVLayout))
-def test_fused_round_trip_every_dtype(tg, layout: KVLayout, dtype: torch.dtype) -> None:
-    _round_trip(tg, layout, dtype, seg=10_000)
-
-
-def test_fused_round_trip_fp8_and_bf16_block_first(tg) -> None:
-    _round_trip(tg, KVLayout.BLOCK_FIRST, DTYPES[-1], seg=10_000)
-    _round_trip(tg, KVLayout.KV_FIRST, torch.bfloat16, seg=10_000)
+def test_fused_round_trip_every_layout_and_dtype(tg, layout: KVLayout, dtype: torch.dtype) -> None:
+    _round_trip(tg, layout, dtype, seg=97)
 
 
 def test_nothing_is_scattered_on_a_bad_tag(tg) -> None:
@@ -287,7 +291,7 @@ def test_segments_must_partition_the_chunk(tg) -> None:
 # -- the envelope: the gateway's device path with the Triton cipher --------------------------------
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     tokens=st.integers(1, 9),
     key_version=st.sampled_from([1, 2, 7, 2**31 - 1]),
