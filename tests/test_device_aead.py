@@ -49,6 +49,24 @@ def test_forcing_triton_fails_clearly(no_triton, monkeypatch) -> None:
     assert device_aead.choose_device_aes("cpu", "triton") == "triton"
 
 
+def test_auto_falls_back_to_torch_when_the_self_test_fails(with_triton, monkeypatch, caplog) -> None:
+    monkeypatch.setattr(device_aead, "_TESTED", {})
+    monkeypatch.setattr(device_aead, "choose_device_aes", lambda device, pref: "triton")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler")
+
+    import kernels.aes_gcm
+
+    monkeypatch.setitem(__import__("sys").modules, "kernels.triton_gcm", type("M", (), {"TritonAesGcm": broken}))
+    name, factory = device_aead.device_aead_factory("cpu", "auto")
+    assert name == "torch" and isinstance(factory(bytes(32)), kernels.aes_gcm.TorchAesGcm)
+    assert "self-test raised" in caplog.text
+    assert device_aead._TESTED == {"cpu": False}
+    with pytest.raises(RuntimeError):  # forced: no silent fallback
+        device_aead.device_aead_factory("cpu", "triton")[1](bytes(32))
+
+
 def test_a_bad_setting_is_refused() -> None:
     with pytest.raises(AeadParameterError):
         device_aead.choose_device_aes("cpu", "fast")

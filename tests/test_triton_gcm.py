@@ -325,3 +325,10 @@ def test_envelope_is_the_cpu_paths_bit_for_bit(tg, tokens: int, key_version: int
     dst2 = [torch.zeros_like(t) for t in src]
     assert dev.open_batch(PagedKV(dst2, g), binding, [OpenJob(memoryview(bytes(a)), slots, dek, wrong)]) == (0, True)
     assert not any(t.any() for t in dst2)
+
+
+def test_the_selection_self_test_passes_here(tg, monkeypatch) -> None:
+    from kernels import device_aead
+
+    monkeypatch.setattr(device_aead, "_TESTED", {})
+    assert device_aead.self_test(DEV)
