@@ -42,7 +42,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-if "--device" in sys.argv and "cpu" in sys.argv[sys.argv.index("--device") + 1 :][:1]:
+if "--device=cpu" in sys.argv or ("--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (kernels decorate at import)
 
 import torch
