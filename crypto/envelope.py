@@ -335,6 +335,20 @@ class ChunkCipher:
 
         return open_device_into(self, dek, binding_secret, ctx, envelope, out, to_device=to_device, zero=zero)
 
+    def seal_device_fused(self, dek, binding_secret, ctx, plaintext_len, out, *, encrypt, to_host, segment_bytes=None) -> int:  # type: ignore[no-untyped-def]
+        """Seal a chunk the device gathers and encrypts in one pass; see crypto._device."""
+        from crypto._device import seal_device_fused
+
+        return seal_device_fused(
+            self, dek, binding_secret, ctx, plaintext_len, out, encrypt=encrypt, to_host=to_host, segment_bytes=segment_bytes
+        )
+
+    def open_device_fused(self, dek, binding_secret, ctx, envelope, *, to_device, decrypt) -> int:  # type: ignore[no-untyped-def]
+        """Open an envelope the device checks whole, then decrypts and scatters; see crypto._device."""
+        from crypto._device import open_device_fused
+
+        return open_device_fused(self, dek, binding_secret, ctx, envelope, to_device=to_device, decrypt=decrypt)
+
     def seal(
         self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, plaintext: Buffer
     ) -> bytearray:

@@ -74,6 +74,9 @@ class Settings(BaseSettings):
     # auto: KV on a GPU is encrypted there (only ciphertext reaches the host); host: the explicit
     # switch that lets plaintext KV cross to the host to be encrypted there (logged at start)
     device_cipher: Literal["auto", "host"] = "auto"
+    # the device cipher: auto = the fused Triton kernels on CUDA when triton is installed, else the
+    # torch-ops AES-GCM (the reference); triton / torch force one (kernels.device_aead)
+    device_aes: Literal["auto", "triton", "torch"] = "auto"
     invocation_limit: int = 2**32
     kek_provider: Literal["file", "pkcs11", "kms"] = "file"
     kek_file: Path | None = None  # default: state_dir / "kek.key"

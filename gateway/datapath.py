@@ -57,8 +57,9 @@ from crypto.envelope import (
     segment_scratch_bytes,
 )
 from crypto.errors import DecryptionFailed
+from kernels.device_aead import device_aead_factory
 from kernels.layouts import KVGeometry
-from kernels.pack import pack, unpack
+from kernels.pack import chunk_rows, pack, unpack
 from kernels.paged import PagedKV
 from kernels.pieces import ChunkPieces, FlatKV
 
@@ -153,11 +154,15 @@ class DataPath:
         encrypt: bool = True,
         reserve_bytes: int = 256 << 20,
         device_cipher: str = "auto",
+        device_aes: str = "auto",
     ) -> None:
         """``device_cipher``: ``auto`` encrypts on the device where the KV lives (CUDA: torch
         AES-GCM in place, only ciphertext is copied to the host); ``host`` is the explicit switch
         that lets plaintext KV cross to the host to be encrypted there (logged at start);
-        ``always`` takes the device path even for CPU tensors (tests and the device check)."""
+        ``always`` takes the device path even for CPU tensors (tests and the device check).
+        ``device_aes``: which AES-GCM the device path runs (``kernels.device_aead``): ``auto``
+        (the fused Triton kernels on CUDA when triton is installed, else the torch-ops cipher),
+        ``triton`` or ``torch``."""
         if device_cipher not in ("auto", "host", "always"):
             raise ValueError("device_cipher must be auto, host or always")
         self.cipher = cipher
@@ -165,6 +170,9 @@ class DataPath:
         self.encrypt = encrypt  # False only for the benchmark's plaintext baseline
         self.device_cipher = device_cipher
         self._device_ciphers: dict[str, ChunkCipher] = {}
+        self.device_aes = device_aes
+        self._device_aes: dict[str, tuple[str, Callable[[bytes], Any]]] = {}
+        self._local_copiers = threading.local()
         if device_cipher == "host":
             log.warning("device_cipher=host: plaintext KV of CUDA caches is copied to the host and encrypted there")
         self._envelopes = _Recycler(reserve_bytes)
@@ -242,16 +250,32 @@ class DataPath:
     def _on_device(self, kv: PagedKV) -> bool:
         return self.device_cipher == "always" or (kv.device.type != "cpu" and self.device_cipher == "auto")
 
+    def _device_aead(self, device: torch.device) -> tuple[str, Callable[[bytes], Any]]:
+        """``(name, key -> AEAD)`` of the device cipher chosen for ``device`` (once per device)."""
+        chosen = self._device_aes.get(str(device))
+        if chosen is None:
+            chosen = self._device_aes[str(device)] = device_aead_factory(device, self.device_aes, failure=DecryptionFailed)
+            log.info("device AES-GCM on %s: %s", device, chosen[0])
+        return chosen
+
     def _device_cipher(self, device: torch.device) -> ChunkCipher:
         cipher = self._device_ciphers.get(str(device))
         if cipher is None:
-            from kernels.aes_gcm import TorchAesGcm
-
-            cipher = ChunkCipher(
-                lambda key: TorchAesGcm(key, device, failure=DecryptionFailed), segment_bytes=self.cipher.segment_bytes
-            )
+            cipher = ChunkCipher(self._device_aead(device)[1], segment_bytes=self.cipher.segment_bytes)
             self._device_ciphers[str(device)] = cipher
         return cipher
+
+    def _copier(self, device: torch.device, nbytes: int) -> Any:
+        """This thread's ``SegmentCopier`` for ``device`` (pinned buffer of at least ``nbytes``)."""
+        from kernels.transfer import SegmentCopier
+
+        copiers: dict | None = getattr(self._local_copiers, "by_device", None)
+        if copiers is None:
+            copiers = self._local_copiers.by_device = {}
+        copier = copiers.get(str(device))
+        if copier is None or copier.capacity < nbytes:
+            copier = copiers[str(device)] = SegmentCopier(device, nbytes)
+        return copier
 
     def _device_staging(self, geometry: KVGeometry, n: int, device: torch.device) -> torch.Tensor:
         bufs: dict | None = getattr(self._local, "dev", None)
@@ -266,8 +290,11 @@ class DataPath:
         return buf
 
     def _seal_device(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
-        """Pack into a device staging buffer, encrypt it there in place, copy ciphertext out."""
+        """Pack into a device staging buffer, encrypt it there in place, copy ciphertext out (the
+        Triton cipher: gather and encrypt in one pass, see ``_seal_fused``)."""
         cipher = self._device_cipher(kv.device)
+        if self._device_aead(kv.device)[0] == "triton":
+            return self._seal_fused(kv, binding, jobs, cipher)
         out: list[memoryview] = []
         for job in jobs:
             staging = self._device_staging(kv.geometry, job.slots.numel(), kv.device)
@@ -281,10 +308,58 @@ class DataPath:
             out.append(env)
         return out
 
+    def _seal_fused(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob], cipher: ChunkCipher) -> list[memoryview]:
+        """The Triton kernels read every layer's rows and write ciphertext into the staging buffer
+        in one pass; each segment's copy to the host starts as soon as its kernels are queued."""
+        factory = self._device_aead(kv.device)[1]
+        out: list[memoryview] = []
+        for job in jobs:
+            _, rows = chunk_rows(kv, job.slots, kv.geometry)
+            staging = self._device_staging(kv.geometry, job.slots.numel(), kv.device)
+            plain = staging.view(-1).view(torch.uint8)
+            n = plain.numel()
+            seg = self.segment_bytes(n // kv.geometry.num_layers)
+            copier = self._copier(kv.device, n)
+            env = self._envelopes.take(cipher.envelope_size(n, seg))
+
+            def encrypt(key: bytes, segments: list, rows: torch.Tensor = rows, plain: torch.Tensor = plain) -> list[bytes]:
+                on_segment = lambda s, e: copier.issue_d2h(plain, s, e)  # noqa: E731
+                return factory(key).gather_encrypt_(kv, rows, plain, segments, on_segment=on_segment)
+
+            cipher.seal_device_fused(
+                job.dek, binding, job.ctx, n, env, encrypt=encrypt,
+                to_host=lambda s, e, dst, plain=plain: copier.fetch_d2h(plain, s, e, dst), segment_bytes=seg,
+            )
+            out.append(env)
+        return out
+
+    def _open_fused(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob], cipher: ChunkCipher) -> tuple[int, bool]:
+        """Ciphertext to the device staging buffer; every segment's tag checked, then the Triton
+        kernels decrypt and scatter into the layers in one pass. A chunk that fails writes nothing."""
+        factory = self._device_aead(kv.device)[1]
+        for i, job in enumerate(jobs):
+            staging = self._device_staging(kv.geometry, job.slots.numel(), kv.device)
+            plain = staging.view(-1).view(torch.uint8)
+            try:
+                _, rows = chunk_rows(kv, job.slots, kv.geometry, unique=True)
+                if plaintext_length(job.envelope) != plain.numel():
+                    raise DecryptionFailed
+                copier = self._copier(kv.device, plain.numel())
+                cipher.open_device_fused(
+                    job.dek, binding, job.ctx, job.envelope,
+                    to_device=lambda src, s, e, plain=plain: copier.h2d(src, plain, s, e),
+                    decrypt=lambda key, segs, rows=rows, plain=plain: factory(key).decrypt_scatter_(plain, kv, rows, segs),
+                )
+            except DecryptionFailed:
+                return i, True
+        return len(jobs), False
+
     def _open_device(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         """Copy ciphertext to a device staging buffer, check every tag and decrypt there, then
-        unpack on the device."""
+        unpack on the device (the Triton cipher: see ``_open_fused``)."""
         cipher = self._device_cipher(kv.device)
+        if self._device_aead(kv.device)[0] == "triton":
+            return self._open_fused(kv, binding, jobs, cipher)
         for i, job in enumerate(jobs):
             staging = self._device_staging(kv.geometry, job.slots.numel(), kv.device)
             plain = staging.view(-1).view(torch.uint8)

@@ -177,7 +177,7 @@ async def open_runtime(
         ),
         datapath=DataPath(
             ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt,
-            device_cipher=settings.device_cipher,
+            device_cipher=settings.device_cipher, device_aes=settings.device_aes,
         ),
         authority=authority,
         audit=audit,

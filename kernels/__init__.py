@@ -7,6 +7,11 @@
     StagingPool, StagingLease   bounded, reusable staging buffers for chunk after chunk
     errors                      KVKernelError > KVLayoutError, StagingError > StagingExhausted, ...
 
+The device AES-GCM lives in submodules, imported on demand: ``aes_gcm`` (torch ops, the reference),
+``triton_gcm`` (fused Triton kernels; imports triton), ``device_aead`` (which one runs: the
+``device_aes`` setting), ``transfer`` (segment copies to and from pinned host memory on a side
+stream). The package imports and works without triton.
+
 Moving bytes is exact for every dtype (fp8 included): pack and unpack copy machine words, never
 floats. A chunk does not depend on the paged layout or block size it came from.
 """

@@ -22,7 +22,7 @@ from .errors import KVLayoutError
 from .layouts import KVGeometry
 from .paged import WORDS, PagedKV, rows_view, word_alignment
 
-__all__ = ["KVLayers", "SlotsLike", "pack", "slots_from_block_ids", "unpack"]
+__all__ = ["KVLayers", "SlotsLike", "chunk_rows", "pack", "slots_from_block_ids", "unpack"]
 
 SlotsLike = torch.Tensor | Sequence[int]
 KVLayers = Sequence[torch.Tensor] | PagedKV
@@ -171,3 +171,13 @@ def unpack(
     src = rows_view(chunk, word, geometry.num_layers * 2 * n).view(geometry.num_layers, 2 * n, -1)
     for rows, rows_in in zip(kv.rows(word), src, strict=True):
         rows.index_copy_(0, idx, rows_in)
+
+
+def chunk_rows(
+    kv_layers: KVLayers, slots: SlotsLike, geometry: KVGeometry, *, unique: bool = False
+) -> tuple[PagedKV, torch.Tensor]:
+    """``(PagedKV, row index)`` of a chunk, the slots checked as ``pack`` (``unique``: as
+    ``unpack``) checks them: what a fused gather/scatter kernel reads (``PagedKV.row_index``)."""
+    kv = PagedKV.of(kv_layers, geometry)
+    s = _checked_slots(slots, kv.num_slots, kv.device, unique=unique)
+    return kv, kv.row_index(s).contiguous()

@@ -1,7 +1,8 @@
 """One device check for ``kernels``: the GPU tests and the data path's throughput, one JSON summary.
 
     python scripts/device_check.py                  # on the CUDA device (< 5 minutes on one H200)
-    python scripts/device_check.py --device cpu     # the same plumbing on the CPU (figures labelled)
+    python scripts/device_check.py --device cpu     # the same plumbing on the CPU (figures labelled;
+                                                    # the Triton kernels under TRITON_INTERPRET=1)
 
 Prints exactly one JSON object on stdout (progress goes to stderr); exits 1 if a test failed or a
 section raised, 0 otherwise. Sections:
@@ -15,6 +16,14 @@ section raised, 0 otherwise. Sections:
   (pinned) host memory. Load: copy to the device, [check the tag and decrypt,] unpack. Plus, for
   comparison, the CPU AEAD route (pack, copy to host, ``cryptography`` AES-GCM on the host; load
   the reverse). GB/s counts the chunk's plaintext bytes; times are medians over ``--repeats``.
+- ``triton`` (issue 21): the fused Triton AES-GCM (``kernels.triton_gcm``) beside the torch-ops one
+  on the same bytes, a plain D2H copy of those bytes, encrypted offload (gather+encrypt in one pass,
+  2 MiB segments, each copied to pinned memory on a side stream as soon as it is encrypted) vs
+  plaintext offload (pack + D2H) of a 32 MiB Llama-3-8B chunk (256 tokens), the loads in reverse,
+  and bit-identity against ``cryptography`` on a sample. On the CPU the interpreter runs it on a
+  small chunk (``--triton-tokens``, default 2 of a 2-layer model) and small buffers: the figures
+  then say nothing about a GPU, the bit-identity does. Its tests run too
+  (``tests/test_triton_gcm.py -m "not slow"``, compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+if "--device=cpu" in sys.argv or ("--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1 :][:1] == ["cpu"]):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (kernels decorate at import)
 
 import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -88,6 +99,130 @@ def run_tests(timeout: int) -> dict[str, Any]:
     if not ok:
         result["tail"] = out[-3000:]
     return result
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    """GB/s to 4 significant digits (interpreter figures are tiny, GPU ones large)."""
+    return float(f"{nbytes / seconds / 1e9:.4g}")
+
+
+def run_triton_tests(timeout: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider", "tests/test_triton_gcm.py"]
+    _log("running " + " ".join(cmd[1:]))
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout}s"}
+    out = proc.stdout + proc.stderr
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|deselected|error|errors)", out)}
+    ok = proc.returncode == 0 and counts.get("failed", 0) == 0 and counts.get("passed", 0) > 0
+    result: dict[str, Any] = {"ok": ok, "counts": counts, "seconds": round(time.perf_counter() - t0, 1)}
+    if not ok:
+        result["tail"] = out[-3000:]
+    return result
+
+
+def bench_triton(dev: torch.device, repeats: int, tokens: int | None) -> dict[str, Any]:
+    """The fused Triton AES-GCM: throughput beside torch-ops AES-GCM and a plain D2H copy, encrypted
+    vs plaintext offload of one chunk, and bit-identity with cryptography."""
+    from kernels.device_aead import triton_available
+
+    if not triton_available():
+        return {"error": "triton is not installed"}
+    from kernels.pack import chunk_rows
+    from kernels.transfer import SegmentCopier
+    from kernels.triton_gcm import TritonAesGcm
+
+    cuda = dev.type == "cuda"
+    timed = _timer(dev)
+    key, nonce, aad = os.urandom(32), os.urandom(12), os.urandom(200)
+    tri = TritonAesGcm(key, dev)
+    ref = TorchAesGcm(key, dev)
+    out: dict[str, Any] = {"mode": "compiled" if cuda else "interpreter (TRITON_INTERPRET=1)"}
+    # bit-identity on a sample: odd length, AAD, every byte against cryptography
+    sample = os.urandom(4111 if cuda else 1041)
+    buf = torch.frombuffer(bytearray(sample), dtype=torch.uint8).to(dev)
+    tag = tri.encrypt_(buf, nonce, aad)
+    identical = bytes(buf.cpu().numpy().tobytes()) + tag == AESGCM(key).encrypt(nonce, sample, aad)
+    # AES-GCM on the same bytes: Triton, torch-ops, a plain D2H copy
+    sizes = (2 << 20, 32 << 20) if cuda else (4096,)
+    for nbytes in sizes:
+        _log(f"triton AES-GCM on {nbytes} bytes")
+        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        t_tri = timed(lambda: tri.encrypt_(data, nonce, aad), repeats)
+        t_ref = timed(lambda: ref.encrypt_(data, nonce, aad), repeats)
+        t_d2h = timed(lambda: host.copy_(data), repeats)
+        out[f"{nbytes}_bytes"] = {
+            "triton_encrypt_gbps": _gbps(nbytes, t_tri),
+            "torch_ops_encrypt_gbps": _gbps(nbytes, t_ref),
+            "d2h_copy_gbps": _gbps(nbytes, t_d2h),
+        }
+    # offload of one Llama-3-8B-shaped chunk: fused gather+encrypt+D2H vs pack+D2H
+    g = llama3_8b(KVLayout.KV_FIRST)
+    n_tok = tokens or (TOKENS if cuda else 2)
+    if not cuda:
+        g = type(g)(num_layers=2, num_kv_heads=g.num_kv_heads, head_size=g.head_size, dtype=g.dtype,
+                    block_size=g.block_size, layout=g.layout)
+    blocks_needed = -(-n_tok // g.block_size)
+    num_blocks = max(4 * blocks_needed, 8) if not cuda else NUM_BLOCKS
+    gen = torch.Generator().manual_seed(0)
+    layers = [torch.randn(g.layer_shape(num_blocks), dtype=g.dtype, device=dev) for _ in range(g.num_layers)]
+    block_ids = torch.randperm(num_blocks, generator=gen)[:blocks_needed].to(dev)
+    slots = slots_from_block_ids(block_ids, g.block_size, 0, n_tok, device=dev)
+    kv, rows = chunk_rows(layers, slots, g)
+    stage = torch.empty(g.chunk_nbytes(n_tok), dtype=torch.uint8, device=dev)
+    chunk = stage.view(g.dtype).view(g.chunk_shape(n_tok))
+    nbytes = stage.numel()
+    seg = (2 << 20) if cuda else max(64, nbytes // 3)
+    segs = [(s, min(s + seg, nbytes), i.to_bytes(12, "big"), aad) for i, s in enumerate(range(0, nbytes, seg))]
+    copier = SegmentCopier(dev, nbytes)
+    envelope = bytearray(nbytes)
+    env_view = memoryview(envelope)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    tags: list[bytes] = []
+
+    def offload_plain() -> None:
+        pack(kv, slots, g, out=chunk)
+        host.copy_(stage)
+
+    def offload_encrypted() -> None:
+        tags[:] = tri.gather_encrypt_(kv, rows, stage, segs, on_segment=lambda a, b: copier.issue_d2h(stage, a, b))
+        for a, b, _, _ in segs:
+            copier.fetch_d2h(stage, a, b, env_view[a:b])
+
+    def load_plain() -> None:
+        stage.copy_(host, non_blocking=cuda)
+        unpack(chunk, kv, slots, g)
+
+    def load_encrypted() -> None:
+        for a, b, _, _ in segs:
+            copier.h2d(env_view[a:b], stage, a, b)
+        tri.decrypt_scatter_(stage, kv, rows, [(*s, t) for s, t in zip(segs, tags, strict=True)])
+
+    _log(f"offload of a {nbytes}-byte chunk ({n_tok} tokens, {g.num_layers} layers)")
+    res: dict[str, Any] = {"chunk_bytes": nbytes, "tokens": n_tok, "layers": g.num_layers, "segments": len(segs)}
+    for name, fn in (("store_plaintext", offload_plain), ("store_encrypted", offload_encrypted)):
+        t = timed(fn, repeats)
+        res[name] = {"ms": round(t * 1e3, 3), "gbps": _gbps(nbytes, t)}
+    want = pack(kv, slots, g).view(-1).view(torch.uint8).cpu().numpy().tobytes()
+    offload_encrypted()
+    fused_ok = all(
+        bytes(env_view[a:b]) + t == AESGCM(key).encrypt(n, want[a:b], ad) for (a, b, n, ad), t in zip(segs, tags, strict=True)
+    )
+    host.copy_(stage)  # ciphertext: loads below decrypt it back into the cache (same plaintext)
+    t = timed(load_encrypted, repeats)
+    res["load_encrypted"] = {"ms": round(t * 1e3, 3), "gbps": _gbps(nbytes, t)}
+    host.copy_(torch.frombuffer(bytearray(want), dtype=torch.uint8))
+    t = timed(load_plain, repeats)
+    res["load_plaintext"] = {"ms": round(t * 1e3, 3), "gbps": _gbps(nbytes, t)}
+    res["store_encrypted_vs_plaintext"] = float(f'{res["store_plaintext"]["ms"] / res["store_encrypted"]["ms"]:.4g}')
+    res["load_encrypted_vs_plaintext"] = float(f'{res["load_plaintext"]["ms"] / res["load_encrypted"]["ms"]:.4g}')
+    res["round_trip_ok"] = pack(kv, slots, g).view(-1).view(torch.uint8).cpu().numpy().tobytes() == want
+    out["offload"] = res
+    out["bit_identical_to_cryptography"] = bool(identical and fused_ok)
+    return out
 
 
 def bench_pack(dev: torch.device, repeats: int) -> dict[str, Any]:
@@ -203,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="default: 20 on cuda, 2 on cpu")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--test-timeout", type=int, default=200)
+    parser.add_argument("--triton-only", action="store_true", help="only the Triton section (and its tests)")
+    parser.add_argument("--triton-tokens", type=int, default=None, help="chunk tokens of the Triton offload (default 256 on cuda, 2 on cpu)")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     dev = torch.device(args.device)
@@ -222,18 +359,26 @@ def main(argv: list[str] | None = None) -> int:
         ("aes_gcm", lambda: bench_aes(dev, repeats)),
         ("end_to_end", lambda: bench_end_to_end(dev, repeats)),
     ]
+    if args.triton_only:
+        sections = []
+    sections.append(("triton", lambda: bench_triton(dev, repeats if dev.type == "cuda" else 1, args.triton_tokens)))
     if not args.skip_tests:
-        sections.insert(0, ("tests", lambda: run_tests(args.test_timeout)))
+        if not args.triton_only:
+            sections.insert(0, ("tests", lambda: run_tests(args.test_timeout)))
+        sections.insert(0, ("triton_tests", lambda: run_triton_tests(args.test_timeout)))
     for name, fn in sections:
         try:
             summary[name] = fn()
-            failed |= name == "tests" and not summary[name]["ok"]
+            failed |= name in ("tests", "triton_tests") and not summary[name]["ok"]
+            failed |= name == "triton" and not summary[name].get("bit_identical_to_cryptography", False)
         except Exception as exc:  # noqa: BLE001 -- a broken section is reported, the rest run
             summary[name] = {"error": f"{type(exc).__name__}: {exc}"}
             failed = True
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-    summary["ok"] = not failed and summary.get("end_to_end", {}).get("round_trip_ok", False)
+    round_trips = [summary.get(k, {}) for k in ("end_to_end",) if not args.triton_only]
+    round_trips.append(summary.get("triton", {}).get("offload", {}))
+    summary["ok"] = not failed and all(r.get("round_trip_ok", False) for r in round_trips)
     summary["elapsed_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(summary))
     return 0 if summary["ok"] else 1
