@@ -355,8 +355,9 @@ async def _audit_parts(settings: Settings):
 
 
 def _audit_failure(exc: Exception) -> None:
-    console.print(f"[red]{exc}[/red]")
-    raise typer.Exit(3) from None
+    if _DEBUG["on"]:
+        raise exc
+    raise _fail(exc) from None  # one line, the most specific cause in the chain, exit 2
 
 
 @audit_app.command("export")
