@@ -149,3 +149,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the exhaustive sweeps (``@pytest.mark.exhaustive``) unless KVGATE_EXHAUSTIVE=1:
+    they repeat, at ten times the cost, what their subsets already check in every run."""
+    if os.environ.get("KVGATE_EXHAUSTIVE") == "1":
+        return
+    keep = [it for it in items if it.get_closest_marker("exhaustive") is None]
+    if len(keep) != len(items):
+        config.hook.pytest_deselected(items=[it for it in items if it.get_closest_marker("exhaustive") is not None])
+        items[:] = keep

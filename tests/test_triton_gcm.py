@@ -169,6 +169,7 @@ def test_known_answer_vectors_subset(tg, which: str) -> None:
         _check_vector(tg, v)
 
 
+@pytest.mark.exhaustive  # every NIST/Wycheproof vector under the interpreter: ~10 min; `make test-exhaustive`
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["nist-encrypt", "nist-decrypt", "wycheproof"])
 def test_known_answer_vectors_all(tg, which: str) -> None:

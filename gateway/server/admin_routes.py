@@ -275,7 +275,7 @@ async def audit_latest_checkpoint(principal: PrincipalDep, state: StateDep, requ
 @router.get("/audit/consistency")
 async def audit_consistency(
     principal: PrincipalDep, state: StateDep, request: Request,
-    first: Annotated[int, Query(ge=1)], second: Annotated[int, Query(ge=1)],
+    first: Annotated[int, Query(ge=1, le=2**62)], second: Annotated[int, Query(ge=1, le=2**62)],
 ) -> JSONResponse:
     """An RFC 9162 consistency proof between two tree sizes of the stored log (two checkpoints'
     ``tree_size``): ``kvgate audit verify-consistency OLD NEW PROOF`` checks it offline against
