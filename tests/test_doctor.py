@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import REDIS_URL, _need, free_port
 from tests.oidc_issuer import LocalIssuer
 from tests.test_audit_outage import ThrowawayPostgres
-from tests.test_kek_pkcs11 import TOKENS, hsm  # noqa: F401 - the SoftHSM2 fixture
+from tests.test_kek_pkcs11 import MODULE_PATHS, _missing
 from tests.test_redis_tier import Server
 
 pytestmark = [pytest.mark.slow]
@@ -94,12 +94,35 @@ def test_unmigrated_postgres_names_kvgate_migrate(tmp_path, fresh_pg_url):
     assert code == 1 and rows["database"] == ("FAIL", "kvgate migrate"), out
 
 
-def test_wrong_kek_pin(tmp_path, hsm):  # noqa: F811
-    base = {"KVGATE_KEK_PROVIDER": "pkcs11", "KVGATE_PKCS11_MODULE": hsm["module"],
-            "KVGATE_PKCS11_TOKEN_LABEL": "kvgate-main", "KVGATE_PKCS11_KEY_LABEL": "kek-1"}
-    code, rows, out = doctor(tmp_path, {**base, "KVGATE_PKCS11_PIN": TOKENS["kvgate-main"]})
+def _own_token(root: Path) -> dict[str, str]:
+    """A SoftHSM2 token of this test's own, set up entirely in subprocesses: SoftHSM2 reads
+    SOFTHSM2_CONF once per process, so loading it here would pin this process to our token
+    directory and break tests/test_kek_pkcs11.py's tokens later in the same run."""
+    import importlib.util
+    import shutil
+
+    module = next((p for p in MODULE_PATHS if p and Path(p).is_file()), None)
+    util = shutil.which("softhsm2-util")
+    if module is None or util is None or importlib.util.find_spec("pkcs11") is None:
+        _missing("SoftHSM2 or python-pkcs11 is not installed")
+    (root / "tokens").mkdir(parents=True)
+    conf = root / "softhsm2.conf"
+    conf.write_text(f"directories.tokendir = {root / 'tokens'}\nobjectstore.backend = file\nlog.level = ERROR\n")
+    env = {**os.environ, "SOFTHSM2_CONF": str(conf)}
+    subprocess.run([util, "--init-token", "--free", "--label", "doctor", "--pin", "1111", "--so-pin", "so-1111"],
+                   check=True, capture_output=True, env=env)
+    subprocess.run([sys.executable, "-c", "from crypto.kek import Secret; from crypto.kek_pkcs11 import generate_pkcs11_kek;"
+                    f"generate_pkcs11_kek({module!r}, 'doctor', Secret(b'1111'), 'kek-1')"],
+                   check=True, capture_output=True, env=env, cwd=str(Path(__file__).resolve().parents[1]))
+    return {"SOFTHSM2_CONF": str(conf), "KVGATE_KEK_PROVIDER": "pkcs11", "KVGATE_PKCS11_MODULE": module,
+            "KVGATE_PKCS11_TOKEN_LABEL": "doctor", "KVGATE_PKCS11_KEY_LABEL": "kek-1"}
+
+
+def test_wrong_kek_pin(tmp_path):
+    base = _own_token(tmp_path / "hsm")
+    code, rows, out = doctor(tmp_path / "state", {**base, "KVGATE_PKCS11_PIN": "1111"})
     assert rows["kek"][0] == "ok", out  # the right PIN: a round trip through the HSM
-    code, rows, out = doctor(tmp_path, {**base, "KVGATE_PKCS11_PIN": "0000"})
+    code, rows, out = doctor(tmp_path / "state", {**base, "KVGATE_PKCS11_PIN": "0000"})
     assert code == 1 and rows["kek"][0] == "FAIL" and "KVGATE_PKCS11_PIN" in rows["kek"][1], out
     assert "0000" not in out  # the PIN is never printed
 
