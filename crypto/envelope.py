@@ -246,6 +246,10 @@ class ChunkCipher:
     def segment_bytes(self) -> int:
         return self._segment_bytes
 
+    def with_aead(self, aead_factory: AeadFactory) -> ChunkCipher:
+        """This cipher over another AEAD (a device's): same segment size and salt source."""
+        return ChunkCipher(aead_factory, segment_bytes=self._segment_bytes, salt_source=self._salt_source)
+
     def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int:
         """Bytes of the envelope of ``plaintext_len`` bytes (``segment_bytes``: the override)."""
         return envelope_size(plaintext_len, self._segment_size(segment_bytes))

@@ -22,21 +22,33 @@ destroyed key is a no-op, deleting deleted chunks deletes nothing.
 
 from __future__ import annotations
 
-import os
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 
-from audit.types import Actions, Actor, AuditEvent, Target, record_durably
-from gateway.core import Gateway
-from gateway.types import ClearResult, check_name
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
+from gateway.access import Access
 from gateway.errors import InvalidRequest, TenantUnavailable
+from gateway.invalidation import Invalidation
+from gateway.namespaces import NamespaceResolver
+from gateway.types import ClearResult, check_name
+from storage.manager import TierManager
 from storage.types import ChunkKey
+from tenancy.keyring import Keyring
 from tenancy.models import utcnow
-from tenancy.registry import ClearJobRecord, TenantDisabled, TenantExists, UnknownTenant
+from tenancy.registry import (
+    ClearJobRecord,
+    Registry,
+    TenantDisabled,
+    TenantExists,
+    UnknownTenant,
+)
+
+if TYPE_CHECKING:
+    from gateway.broadcast import Broadcaster
 
 __all__ = ["Admin"]
 
@@ -49,9 +61,25 @@ def _requested_event_id(job_id: str) -> str:
 
 
 class Admin:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gw = gateway
-        self.broadcaster = None  # gateway.broadcast.Broadcaster when scale-out is configured
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        keyring: Keyring,
+        resolver: NamespaceResolver,
+        access: Access,
+        tiers: TierManager,
+        invalidation: Invalidation,
+        audit: AuditSink,
+    ) -> None:
+        self.registry = registry
+        self.keyring = keyring
+        self.resolver = resolver
+        self.access = access
+        self.tiers = tiers
+        self.invalidation = invalidation
+        self.audit = audit
+        self.broadcaster: Broadcaster | None = None  # when scale-out is configured
 
     async def _publish(self, kind: str, tenant: str, **fields) -> None:
         if self.broadcaster is not None:
@@ -62,41 +90,40 @@ class Admin:
         """Register a tenant and its first data-key version; returns that version."""
         check_name(tenant, "tenant")
         try:
-            await self.gw.registry.create_tenant(tenant)
+            await self.registry.create_tenant(tenant)
         except TenantExists:
             raise InvalidRequest("tenant exists") from None
-        version = await self.gw.keyring.create(tenant)
+        version = await self.keyring.create(tenant)
         for action, details in ((Actions.TENANT_CREATE, {}), (Actions.KEY_CREATE, {"version": version})):
-            self.gw.audit.emit(AuditEvent(action, actor=actor or Actor(), target=Target(tenant=tenant), details=details))
+            self.audit.emit(AuditEvent(action, actor=actor or Actor(), target=Target(tenant=tenant), details=details))
         await self._durable()
         return version
 
     async def _durable(self) -> None:
         """Wait until every event emitted so far is durable (one flush for several events)."""
-        flush = getattr(self.gw.audit, "flush", None)
+        flush = getattr(self.audit, "flush", None)
         if flush is not None:
             await flush(30.0)
 
     async def _record(self, event: AuditEvent) -> None:
-        await record_durably(self.gw.audit, event)
+        await record_durably(self.audit, event)
 
     async def disable_tenant(self, tenant: str, *, actor: Actor | None = None) -> None:
         try:
-            await self.gw.registry.disable_tenant(tenant)
+            await self.registry.disable_tenant(tenant)
         except UnknownTenant:
             raise TenantUnavailable("unknown tenant") from None
         before = await self._revoke_tenant(tenant, actor)
-        self.gw.forget_namespace(tenant)
-        self.gw.keyring.forget(tenant)
+        self.invalidation.forget_keys(tenant)
         await self._publish("disable", tenant, revoke_before=before)
         await self._record(AuditEvent(Actions.TENANT_DISABLE, actor=actor or Actor(), target=Target(tenant=tenant)))
 
     async def rotate_key(self, tenant: str, *, actor: Actor | None = None) -> int:
         try:
-            await self.gw.registry.require_active(tenant)
+            await self.registry.require_active(tenant)
         except (UnknownTenant, TenantDisabled):  # an outage is not a refusal: it propagates (503)
             raise TenantUnavailable("tenant unavailable") from None
-        version = await self.gw.keyring.rotate(tenant)
+        version = await self.keyring.rotate(tenant)
         await self._publish("rotate", tenant, version=version)
         await self._record(
             AuditEvent(Actions.KEY_ROTATE, actor=actor or Actor(), target=Target(tenant=tenant), details={"version": version})
@@ -104,19 +131,7 @@ class Admin:
         return version
 
     async def _revoke_tenant(self, tenant: str, actor: Actor | None) -> float:
-        now = time.time()
-        until = now + self.gw.authority.max_ttl + 60
-        self.gw.authority.revocations.revoke_tenant(tenant, before=now)
-        await self.gw.registry.add_revocation(tenant, cap_id=None, not_before=now, expires_at=until)
-        self.gw.audit.emit(
-            AuditEvent(
-                Actions.CAPABILITY_REVOKE,
-                actor=actor or Actor(),
-                target=Target(tenant=tenant),
-                details={"scope": "tenant", "before": now},
-            )
-        )
-        return now
+        return await self.access.revoke_tenant(tenant, actor)
 
     # -- secure clear ------------------------------------------------------------------------
     async def clear(
@@ -130,28 +145,28 @@ class Admin:
         """Clear a tenant, one namespace, or a list of chunks (of that tenant)."""
         check_name(tenant, "tenant")
         try:
-            await self.gw.registry.tenant_status(tenant)
+            await self.registry.tenant_status(tenant)
         except UnknownTenant:
             raise TenantUnavailable("unknown tenant") from None
         if chunks is not None:
-            owner = self.gw.deriver.owner_label(tenant)
+            owner = self.resolver.owner_label(tenant)
             if any(k.owner != owner for k in chunks):
                 raise InvalidRequest("every chunk must belong to the tenant being cleared")
             scope, details = "chunks", {"digests": sorted(k.digest for k in chunks), "groups": sorted({k.group for k in chunks})}
         elif namespace is not None:
             check_name(namespace, "namespace")
-            rec = await self.gw.registry.get_namespace(tenant, namespace)
+            rec = await self.registry.get_namespace(tenant, namespace)
             scope, details = "namespace", {"epochs": {namespace: rec.epoch} if rec else {}}
         else:
-            nss = await self.gw.registry.list_namespaces(tenant)
-            keys = await self.gw.registry.list_keys(tenant)
+            nss = await self.registry.list_namespaces(tenant)
+            keys = await self.registry.list_keys(tenant)
             scope = "tenant"
             details = {
                 "epochs": {n.name: n.epoch for n in nss},
                 "key_versions": [k.version for k in keys if k.state != "destroyed"],
             }
         with _tracer.start_as_current_span("kvgate.clear") as span:
-            span.set_attributes({"kvgate.tenant": self.gw.deriver.owner_label(tenant)[:16], "kvgate.scope": scope})
+            span.set_attributes({"kvgate.tenant": self.resolver.owner_label(tenant)[:16], "kvgate.scope": scope})
             return await self._record_and_run(tenant, namespace, scope, details, chunks, actor)
 
     async def _record_and_run(self, tenant, namespace, scope, details, chunks, actor) -> ClearResult:
@@ -159,7 +174,7 @@ class Admin:
         details = {**details, "requested_by": asdict(requester)}
         if chunks:
             details["chunk_count"] = len(chunks)
-        job = await self.gw.registry.create_clear_job(tenant, namespace, scope, details)
+        job = await self.registry.create_clear_job(tenant, namespace, scope, details)
         await self._record_requested(job, requester, resumed=False)  # durable before any shredding
         return await self._run(job, actor)
 
@@ -182,7 +197,7 @@ class Admin:
         have crashed before its ``clear.requested`` was durable: it is recorded now, with the
         requester kept in the job (the same event id, so never twice)."""
         results = []
-        for job in await self.gw.registry.incomplete_clear_jobs():
+        for job in await self.registry.incomplete_clear_jobs():
             if job.state == "requested":
                 who = job.details.get("requested_by")
                 requester = Actor(**who) if isinstance(who, dict) else _RESUME
@@ -191,47 +206,45 @@ class Admin:
         return results
 
     async def _run(self, job: ClearJobRecord, actor: Actor | None) -> ClearResult:
-        gw, tenant = self.gw, job.tenant
+        tenant = job.tenant
         destroyed: list[int] = []
         epochs: dict[str, int] = {}
         if job.state == "requested":
             for name, old in job.details.get("epochs", {}).items():
                 new = old + 1
-                salt = gw.kek.wrap(os.urandom(32), gw._salt_context(tenant, name, new))
-                await gw.registry.bump_epoch(tenant, name, new, salt)
+                salt = await self.resolver.new_epoch_salt(tenant, name, new)
+                await self.registry.bump_epoch(tenant, name, new, salt)
                 epochs[name] = new
-            gw.forget_namespace(tenant, job.namespace if job.scope != "tenant" else None)
+            self.invalidation.forget_keys(tenant, job.namespace if job.scope != "tenant" else None)
             revoke_before = None
             if job.scope == "tenant":
-                destroyed = await gw.keyring.destroy(tenant, job.details.get("key_versions", []))
+                destroyed = await self.keyring.destroy(tenant, job.details.get("key_versions", []))
                 revoke_before = await self._revoke_tenant(tenant, actor)
                 if destroyed:
                     await self._record(
                         AuditEvent(Actions.KEY_DESTROY, actor=actor or Actor(), target=Target(tenant=tenant),
                                    details={"versions": destroyed, "job_id": job.id})
                     )
-            await gw.registry.update_clear_job(job.id, state="shredded")
+            await self.registry.update_clear_job(job.id, state="shredded")
             fields = {"namespace": job.namespace} if job.scope == "namespace" else {}
             if revoke_before is not None:
                 fields["revoke_before"] = revoke_before
             await self._publish("clear", tenant, **fields)
         deleted = 0
         if job.scope == "tenant":
-            deleted = await gw.tiers.delete_owner(gw.deriver.owner_label(tenant))
-            await gw.registry.remove_pins(tenant)
+            deleted = await self.tiers.delete_owner(self.resolver.owner_label(tenant))
+            await self.registry.remove_pins(tenant)
         elif job.scope == "namespace":
             assert job.namespace is not None
-            deleted = await gw.tiers.delete_group(gw.deriver.group_label(tenant, job.namespace))
-            await gw.registry.remove_pins(tenant, job.namespace)
+            deleted = await self.tiers.delete_group(self.resolver.group_label(tenant, job.namespace))
+            await self.registry.remove_pins(tenant, job.namespace)
         else:
-            owner = gw.deriver.owner_label(tenant)
             groups = job.details.get("groups", [])
             for digest in job.details.get("digests", []):
                 for group in groups:
-                    key = ChunkKey(owner, group, digest)
-                    if await gw.tiers.delete(key):
+                    if await self.tiers.delete(self.resolver.chunk_key_of_labels(tenant, group, digest)):
                         deleted += 1
-        await gw.registry.update_clear_job(job.id, state="completed", deleted_chunks=deleted, completed_at=utcnow())
+        await self.registry.update_clear_job(job.id, state="completed", deleted_chunks=deleted, completed_at=utcnow())
         await self._record(
             AuditEvent(
                 Actions.CLEAR_COMPLETED,

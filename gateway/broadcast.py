@@ -17,7 +17,8 @@ import logging
 import os
 from typing import Any
 
-from gateway.core import Gateway
+from gateway.access import Access
+from gateway.invalidation import Invalidation
 from storage.events import RedisEventChannel
 
 __all__ = ["Broadcaster"]
@@ -26,8 +27,9 @@ log = logging.getLogger("kvgate.broadcast")
 
 
 class Broadcaster:
-    def __init__(self, gateway: Gateway, redis_url: str, *, prefix: str = "kvgate:") -> None:
-        self.gw = gateway
+    def __init__(self, invalidation: Invalidation, access: Access, redis_url: str, *, prefix: str = "kvgate:") -> None:
+        self.invalidation = invalidation
+        self.access = access
         self.origin = f"{os.getpid()}:{os.urandom(4).hex()}"
         self._events = RedisEventChannel(redis_url, f"{prefix}events")
         self.received = 0
@@ -47,8 +49,7 @@ class Broadcaster:
         await self._events.publish(json.dumps({"kind": kind, "tenant": tenant, "origin": self.origin, **fields}))
 
     def _forget_all(self) -> None:
-        self.gw.forget_namespace(None)
-        self.gw.keyring.forget(None)
+        self.invalidation.forget_keys(None)
 
     async def _apply(self, raw: bytes | str | None) -> None:
         try:
@@ -61,16 +62,9 @@ class Broadcaster:
             return
         self.received += 1
         namespace = msg.get("namespace")
-        self.gw.forget_namespace(tenant, namespace)
-        self.gw.keyring.forget(tenant)
+        self.invalidation.forget_keys(tenant, namespace)
         if "revoke_before" in msg:
-            self.gw.authority.revocations.revoke_tenant(tenant, before=float(msg["revoke_before"]))
+            self.access.revoked_elsewhere(tenant, float(msg["revoke_before"]))
         if kind in ("clear", "disable"):
             # drop this process's own (memory) copies; shared tiers were cleared by the sender
-            for tier in self.gw.tiers.tiers:
-                if tier.name != "memory":
-                    continue
-                if namespace is None:
-                    await tier.delete_owner(self.gw.deriver.owner_label(tenant))
-                else:
-                    await tier.delete_group(self.gw.deriver.group_label(tenant, namespace))
+            await self.invalidation.drop_local_copies(tenant, namespace)

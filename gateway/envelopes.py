@@ -11,16 +11,21 @@ for its operation and, where the holder restricted it to a chunk allowlist, for 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from audit.types import Actions, Actor, AuditEvent, Target
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed, KeyUnavailable
-from gateway.core import Gateway
+from gateway.access import Access
 from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, TenantUnavailable
+from gateway.namespaces import NamespaceResolver
+from gateway.pins import Pins
+from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk
 from tenancy.errors import DependencyUnavailable
+from tenancy.keyring import Keyring
 from tenancy.types import Capability
 
 __all__ = ["EnvelopePlane", "KeyLease", "LookupAnswer", "parse_hash"]
@@ -58,23 +63,35 @@ class LookupAnswer:
 
 class EnvelopePlane:
     def __init__(
-        self, gateway: Gateway, *, max_chunk_bytes: int = 64 << 20, lease_ttl_s: float = 300.0,
+        self,
+        *,
+        access: Access,
+        resolver: NamespaceResolver,
+        keyring: Keyring,
+        tiers: TierManager,
+        pins: Pins,
+        audit: AuditSink,
+        stats: Counter[str],
+        max_chunk_bytes: int = 64 << 20,
+        lease_ttl_s: float = 300.0,
         lease_invocations: int = 4096,
     ) -> None:
-        self.gw = gateway
+        self.access = access
+        self.resolver = resolver
+        self.keyring = keyring
+        self.tiers = tiers
+        self.pins = pins
+        self.audit = audit
+        self.stats = stats
         self.max_chunk_bytes = max_chunk_bytes
         self.lease_ttl_s = lease_ttl_s
         self.lease_invocations = lease_invocations
 
-    async def _key(self, cap: Capability, chained: bytes) -> ChunkKey:
-        ns = await self.gw.namespace_keys(cap.tenant, cap.namespace)
-        return ChunkKey(ns.owner, ns.group, ns.storage_key(chained))
-
     async def _authorized(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
         chained = [parse_hash(h) for h in hashes]
-        cap = self.gw.authorize(token, op, chunks=list(hashes))
+        cap = self.access.authorize(token, op, chunks=list(hashes))
         try:
-            keys = [await self._key(cap, c) for c in chained]
+            keys = self.resolver.chunk_keys(await self.resolver.keys(cap.tenant, cap.namespace), chained)
         except DependencyUnavailable:
             raise  # an outage (503), not a refusal
         except Exception as exc:  # the tenant was disabled after the capability was minted
@@ -86,14 +103,14 @@ class EnvelopePlane:
         if not hashes:
             raise InvalidRequest("hashes must not be empty")
         _cap, keys = await self._authorized(token, "lookup", hashes)
-        present = await self.gw.tiers.contains_many(keys)
+        present = await self.tiers.contains_many(keys)
         hits = 0
         for p in present:
             if not p:
                 break
             hits += 1
-        self.gw.stats["lookup_hits" if hits else "lookup_misses"] += 1
-        locations = [await self.gw.tiers.locate(k) for k in keys[:hits]]
+        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
+        locations = [await self.tiers.locate(k) for k in keys[:hits]]
         return LookupAnswer(hits, locations)
 
     async def put(self, token: str, chunk_hash: str, envelope: memoryview) -> list[str]:
@@ -109,26 +126,26 @@ class EnvelopePlane:
             raise InvalidRequest("not a kvgate envelope") from None
         if header.envelope_length != envelope.nbytes:
             raise InvalidRequest("envelope length does not match its header")
-        written = await self.gw.tiers.put(key, envelope)
-        self.gw.stats["chunks_stored"] += 1
-        self.gw.stats["bytes_in"] += envelope.nbytes
+        written = await self.tiers.put(key, envelope)
+        self.stats["chunks_stored"] += 1
+        self.stats["bytes_in"] += envelope.nbytes
         return written
 
     async def get(self, token: str, chunk_hash: str) -> StoredChunk:
         _cap, (key,) = await self._authorized(token, "get", [chunk_hash])
         try:
-            found = await self.gw.tiers.get(key)
+            found = await self.tiers.get(key)
         except ChunkNotFound:
-            self.gw.stats["load_misses"] += 1
+            self.stats["load_misses"] += 1
             raise ChunkMissing("not found") from None
-        self.gw.stats["load_hits"] += 1
-        self.gw.stats["chunks_loaded"] += 1
-        self.gw.stats["bytes_out"] += found.nbytes
+        self.stats["load_hits"] += 1
+        self.stats["chunks_loaded"] += 1
+        self.stats["bytes_out"] += found.nbytes
         return found
 
     async def head(self, token: str, chunk_hash: str) -> list[str]:
         _cap, (key,) = await self._authorized(token, "lookup", [chunk_hash])
-        where = await self.gw.tiers.locate(key)
+        where = await self.tiers.locate(key)
         if not where:
             raise ChunkMissing("not found")
         return where
@@ -136,9 +153,9 @@ class EnvelopePlane:
     async def delete(self, token: str, chunk_hash: str) -> None:
         """Remove one chunk of the capability's namespace (an explicit eviction by its writer)."""
         cap, (key,) = await self._authorized(token, "put", [chunk_hash])
-        if not await self.gw.tiers.delete(key):
+        if not await self.tiers.delete(key):
             raise ChunkMissing("not found")
-        self.gw.audit.emit(
+        self.audit.emit(
             AuditEvent(
                 Actions.CHUNK_DELETE,
                 actor=Actor(tenant=cap.tenant, token_id=cap.cap_id),
@@ -147,24 +164,8 @@ class EnvelopePlane:
         )
 
     async def pin(self, token: str, chunk_hash: str, *, pin: bool = True) -> None:
-        cap, (key,) = await self._authorized(token, "pin", [chunk_hash])
-        if pin:
-            try:
-                await self.gw.tiers.pin(key)
-            except ChunkNotFound:
-                raise ChunkMissing("not found") from None
-            await self.gw.registry.add_pin(cap.tenant, cap.namespace, key.digest)
-        else:
-            await self.gw.tiers.unpin(key)
-            if not await self.gw.registry.remove_pin(cap.tenant, cap.namespace, key.digest):
-                raise ChunkMissing("not pinned")
-        self.gw.audit.emit(
-            AuditEvent(
-                Actions.PIN if pin else Actions.UNPIN,
-                actor=Actor(tenant=cap.tenant, token_id=cap.cap_id),
-                target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=1),
-            )
-        )
+        cap, keys = await self._authorized(token, "pin", [chunk_hash])
+        await self.pins.set(cap, keys, pin=pin, strict=True)
 
     async def lease_key(self, token: str, *, version: int | None = None, actor: Actor | None = None) -> KeyLease:
         """A worker's lease on its tenant's data key (remote mode), short-lived and audited.
@@ -173,20 +174,20 @@ class EnvelopePlane:
         invocations against the key's limit). With ``version``: that key, to open envelopes sealed
         before a rotation (op ``get``; no invocations). A destroyed or unknown version is
         ``ChunkMissing``."""
-        cap = self.gw.authorize(token, "put" if version is None else "get")
+        cap = self.access.authorize(token, "put" if version is None else "get")
         if version is None:
-            version, dek, granted = await self.gw.keyring.reserve(cap.tenant, self.lease_invocations)
+            version, dek, granted = await self.keyring.reserve(cap.tenant, self.lease_invocations)
         else:
             try:
-                dek, granted = await self.gw.keyring.decryption_key(cap.tenant, version), 0
+                dek, granted = await self.keyring.decryption_key(cap.tenant, version), 0
             except KeyUnavailable:
                 raise ChunkMissing("no such key version") from None
         try:
-            ns = await self.gw.namespace_keys(cap.tenant, cap.namespace)
+            ns = await self.resolver.keys(cap.tenant, cap.namespace)
         except TenantUnavailable:
             raise AccessDenied("tenant unavailable") from None
         expires = min(cap.expires_at, time.time() + self.lease_ttl_s)
-        self.gw.audit.emit(
+        self.audit.emit(
             AuditEvent(
                 Actions.KEY_LEASE,
                 actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),

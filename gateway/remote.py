@@ -2,7 +2,9 @@
 
 ``RemoteGateway(base_url, bearer_token)`` mirrors ``gateway.core.Gateway``'s data operations
 (``store`` / ``lookup`` / ``retrieve``, minus the capability argument: it mints and renews its own)
-and does on the worker everything that touches plaintext, exactly as the core does in process:
+and does on the worker everything that touches plaintext, with the core's own data path
+(``gateway.datapath``: the same sealers, on the worker's device; this module is only the
+``ChunkStore`` that speaks HTTP):
 
     tokens --chain_hashes--> h_i                       (same chunk size as the server)
     paged KV --pack--> chunk --seal (leased DEK, AAD: tenant, namespace,
@@ -26,6 +28,7 @@ import base64
 import hashlib
 import hmac
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
@@ -33,20 +36,15 @@ from typing import Self
 import httpx
 import torch
 
-from crypto.envelope import (
-    ChunkCipher,
-    EnvelopeContext,
-    peek_key_version,
-    plaintext_length,
-)
-from crypto.errors import DecryptionFailed
-from gateway.chunking import Chunk, InvalidTokens, chain_hashes
-from gateway.core import KVModel, LookupResult, RetrieveResult, StoreResult
+from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.errors import KeyUnavailable
+from gateway.chunking import Chunk
+from gateway.datapath.path import DataPath
+from gateway.datapath.plane import DataPlane
+from gateway.datapath.stores import Fetched, FetchFailed, Presence
 from gateway.envelopes import KeyLease
 from gateway.errors import AccessDenied, GatewayError, InvalidRequest
-from kernels.errors import KVLayoutError
-from kernels.pack import pack, slots_from_block_ids, unpack
-from kernels.paged import PagedKV
+from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 
 __all__ = ["RemoteGateway", "RemoteUnavailable"]
 
@@ -78,6 +76,9 @@ class RemoteGateway:
         ops: Sequence[str] = ("lookup", "get", "put"),
         capability_ttl: int = 300,
         segment_bytes: int = 2 << 20,
+        threads: int = 2,
+        device_cipher: str = "auto",
+        device_aes: str = "auto",
     ) -> None:
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
@@ -89,13 +90,16 @@ class RemoteGateway:
         self._bearer = bearer_token
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(timeout=30.0)
-        self._cipher = ChunkCipher(segment_bytes=segment_bytes)
+        self._plane = DataPlane(
+            DataPath(ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes),
+            chunk_tokens, Counter(),
+        )
         self._cap: _Cap | None = None
         self._lease: KeyLease | None = None  # the current key, to seal with
         self._open: dict[int, KeyLease] = {}  # older key versions, to open with
         self._used = 0  # envelopes sealed under the current lease
         self._lock = asyncio.Lock()
-        self.stats = {"integrity_failures": 0, "unavailable": 0}
+        self.stats: Counter[str] = self._plane.stats
 
     async def __aenter__(self) -> Self:
         return self
@@ -105,6 +109,7 @@ class RemoteGateway:
 
     async def aclose(self) -> None:
         self._forget()
+        self._plane.datapath.close()
         if self._own_http:
             await self._http.aclose()
 
@@ -175,62 +180,18 @@ class RemoteGateway:
 
     # -- planning ----------------------------------------------------------------------------
     def _chunks(self, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> list[Chunk]:
-        if isinstance(tokens, torch.Tensor):
-            tokens = tokens.detach().cpu().numpy()
-        try:
-            return chain_hashes(tokens, model.fingerprint, self.chunk_tokens, vocab_size=model.vocab_size)
-        except InvalidTokens as exc:
-            raise InvalidRequest(str(exc)) from None
+        return self._plane.chunks(model, tokens)
 
-    @staticmethod
-    def _slots(model: KVModel, kv_layers, num_tokens: int, block_ids, slot_mapping) -> tuple[PagedKV, torch.Tensor]:
-        """Every slot of the request, validated before anything is sent or written."""
-        if (block_ids is None) == (slot_mapping is None):
-            raise InvalidRequest("give exactly one of block_ids and slot_mapping")
-        g = model.geometry
-        try:
-            kv = PagedKV.of(kv_layers, g)
-            if block_ids is not None:
-                slots = slots_from_block_ids(block_ids, g.block_size, 0, num_tokens, device=kv.device)
-            else:
-                slots = torch.as_tensor(slot_mapping).to(kv.device)
-                if slots.dtype.is_floating_point or slots.dtype == torch.bool or slots.dim() != 1:
-                    raise InvalidRequest("slot_mapping must be a 1-D integer sequence")
-                if slots.numel() != num_tokens:
-                    raise InvalidRequest(f"slot_mapping has {slots.numel()} slots for {num_tokens} tokens")
-                slots = slots.to(torch.int64)
-        except KVLayoutError as exc:
-            raise InvalidRequest(str(exc)) from None
-        lo, hi = int(slots.min()), int(slots.max())
-        if lo < 0 or hi >= kv.num_slots:
-            raise InvalidRequest(f"slots must lie in [0, {kv.num_slots}), got [{lo}, {hi}]")
-        return kv, slots
-
-    @staticmethod
-    def _context(lease: KeyLease, chunk: Chunk, model: KVModel, version: int) -> EnvelopeContext:
-        return EnvelopeContext(
-            tenant=lease.tenant,
-            namespace=lease.namespace,
-            storage_key=hmac.new(lease.index_key, chunk.chained_hash, hashlib.sha256).hexdigest(),
-            model_fingerprint=model.fingerprint_digest,
-            key_version=version,
-        )
-
-    def _segment_bytes(self, model: KVModel, n: int) -> int:
-        layer = model.geometry.chunk_nbytes(n) // model.geometry.num_layers
-        return layer * max(1, self._cipher.segment_bytes // layer)
+    # -- ChunkStore: the data plane's way to the server ---------------------------------------
+    async def session(self, token: str, op: str, chunks: Sequence[Chunk]) -> _HttpSession:
+        """A session for one request (``token`` is unused: this worker mints its own capability,
+        and the server checks it on every call)."""
+        return _HttpSession(self, chunks)
 
     # -- data operations ---------------------------------------------------------------------
     async def lookup(self, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> LookupResult:
         """How many leading tokens the server holds for this namespace (prefix walk)."""
-        chunks = self._chunks(model, tokens)
-        body = {"hashes": [c.chained_hash.hex() for c in chunks]}
-        r = await self._retrying("POST", "/v1/lookup", json=body)
-        hits = int(r.json()["hit_chunks"])
-        return LookupResult(
-            hit_tokens=chunks[hits - 1].end if hits else 0, hit_chunks=hits, total_chunks=len(chunks),
-            locations=r.json().get("locations", []),
-        )
+        return await self._plane.lookup(self, "", model, tokens)
 
     async def store(
         self,
@@ -242,53 +203,12 @@ class RemoteGateway:
         slot_mapping: Sequence[int] | torch.Tensor | None = None,
         skip_existing: bool = True,
     ) -> StoreResult:
-        """Seal every chunk of ``tokens`` on this worker and PUT the envelopes."""
-        chunks = self._chunks(model, tokens)
-        kv, slots = self._slots(model, kv_layers, chunks[-1].end, block_ids, slot_mapping)
-        todo = list(range(len(chunks)))
-        if skip_existing:
-            have = (await self.lookup(model, tokens)).hit_chunks
-            todo = todo[have:]
-        stored_bytes = 0
-        for i in todo:
-            c = chunks[i]
-            plain = pack(kv, slots[c.start : c.end], model.geometry).contiguous().cpu()
-            view = memoryview(plain.view(-1).view(torch.uint8).numpy())
-            for attempt in (0, 1):
-                env = await self._seal(model, c, view)
-                try:
-                    await self._send("PUT", f"/v1/chunks/{c.chained_hash.hex()}", content=bytes(env))
-                    break
-                except AccessDenied:
-                    # revoked (a clear): the lease it was sealed under is gone too; reseal once
-                    self._forget()
-                    if attempt:
-                        raise
-            stored_bytes += len(env)
-        return StoreResult(
-            tokens=chunks[-1].end, chunks=len(chunks), stored=len(todo), skipped=len(chunks) - len(todo),
-            bytes_stored=stored_bytes,
+        """Seal every chunk of ``tokens`` on this worker (its device, as embedded mode does) and
+        PUT the envelopes."""
+        return await self._plane.store(
+            self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping,
+            skip_existing=skip_existing,
         )
-
-    async def _seal(self, model: KVModel, chunk: Chunk, plain: memoryview) -> bytearray:
-        lease = await self.lease()
-        self._used += 1
-        ctx = self._context(lease, chunk, model, lease.key_version)
-        seg = self._segment_bytes(model, chunk.num_tokens)
-        env = bytearray(self._cipher.envelope_size(plain.nbytes, seg))
-        await asyncio.to_thread(
-            self._cipher.seal_into, lease.dek, lease.binding_secret, ctx, plain, env, segment_bytes=seg
-        )
-        return env
-
-    async def _fetch(self, path: str, gate: asyncio.Semaphore) -> httpx.Response | None:
-        async with gate:
-            try:
-                r = await self._retrying("GET", path)
-            except RemoteUnavailable:
-                self.stats["unavailable"] += 1
-                return None
-        return r if r.status_code == 200 else None
 
     async def retrieve(
         self,
@@ -299,49 +219,9 @@ class RemoteGateway:
         block_ids: Sequence[int] | torch.Tensor | None = None,
         slot_mapping: Sequence[int] | torch.Tensor | None = None,
     ) -> RetrieveResult:
-        """Load the longest stored prefix of ``tokens`` into ``kv_layers`` (GET, open, unpack)."""
-        chunks = self._chunks(model, tokens)
-        kv, slots = self._slots(model, kv_layers, chunks[-1].end, block_ids, slot_mapping)
-        gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
-        fetches = [asyncio.ensure_future(self._fetch(f"/v1/chunks/{c.chained_hash.hex()}", gate)) for c in chunks]
-        loaded = failures = unavailable = 0
-        reason = ""
-        try:
-            for c, fut in zip(chunks, fetches):
-                r = await fut
-                if r is None:
-                    reason = "miss"
-                    break
-                envelope = r.content
-                try:
-                    version = peek_key_version(envelope)
-                    lease = await self._opening_lease(version)
-                    if lease is None:  # that key version is destroyed (or never existed)
-                        unavailable += 1
-                        reason = "key_unavailable"
-                        self.stats["unavailable"] += 1
-                        break
-                    plain = torch.empty(model.geometry.chunk_shape(c.num_tokens), dtype=model.geometry.dtype)
-                    out = memoryview(plain.view(-1).view(torch.uint8).numpy())
-                    if plaintext_length(envelope) != out.nbytes:
-                        raise DecryptionFailed
-                    ctx = self._context(lease, c, model, version)
-                    await asyncio.to_thread(self._cipher.open_into, lease.dek, lease.binding_secret, ctx, envelope, out)
-                except DecryptionFailed:
-                    failures += 1
-                    reason = "integrity"
-                    self.stats["integrity_failures"] += 1
-                    await self._drop(c)
-                    break
-                unpack(plain.to(kv.device), kv, slots[c.start : c.end], model.geometry)
-                loaded += 1
-        finally:
-            for f in fetches:
-                f.cancel()
-            await asyncio.gather(*fetches, return_exceptions=True)
-        return RetrieveResult(
-            loaded_tokens=chunks[loaded - 1].end if loaded else 0, loaded_chunks=loaded,
-            integrity_failures=failures, unavailable=unavailable, reason=reason if loaded < len(chunks) else "",
+        """Load the longest stored prefix of ``tokens`` into ``kv_layers`` (GET, open, scatter)."""
+        return await self._plane.retrieve(
+            self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
         )
 
     async def _opening_lease(self, version: int) -> KeyLease | None:
@@ -361,9 +241,101 @@ class RemoteGateway:
         self._open[version] = got = self._parse_lease(r.json())
         return got
 
+    async def _fetch(self, path: str, gate: asyncio.Semaphore) -> httpx.Response | None:
+        async with gate:
+            try:
+                r = await self._retrying("GET", path)
+            except RemoteUnavailable:
+                self.stats["unavailable"] += 1
+                return None
+        return r if r.status_code == 200 else None
+
     async def _drop(self, chunk: Chunk) -> None:
         """Delete an inauthentic envelope (best effort: needs the put op)."""
         try:
             await self._send("DELETE", f"/v1/chunks/{chunk.chained_hash.hex()}")
         except GatewayError:
             pass
+
+
+class _HttpSession:
+    """One request against the server: keys are leased when first needed."""
+
+    def __init__(self, client: RemoteGateway, chunks: Sequence[Chunk]) -> None:
+        self.client = client
+        self.chunks = chunks
+        self.lease: KeyLease | None = None
+        self._fetches: dict[int, asyncio.Future[httpx.Response | None]] = {}
+
+    @property
+    def binding(self) -> bytes:
+        if self.lease is None:
+            raise LookupError("no key leased yet")
+        return self.lease.binding_secret
+
+    def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
+        lease = self.lease
+        if lease is None:  # only an unparsable header: a context that cannot authenticate
+            return EnvelopeContext(tenant="-", namespace="-", storage_key="0" * 64,
+                                   model_fingerprint=model.fingerprint_digest, key_version=version)
+        return EnvelopeContext(
+            tenant=lease.tenant,
+            namespace=lease.namespace,
+            storage_key=hmac.new(lease.index_key, self.chunks[i].chained_hash, hashlib.sha256).hexdigest(),
+            model_fingerprint=model.fingerprint_digest,
+            key_version=version,
+        )
+
+    async def presence(self) -> Presence:
+        body = {"hashes": [c.chained_hash.hex() for c in self.chunks]}
+        r = await self.client._retrying("POST", "/v1/lookup", json=body)
+        got = r.json()
+        hits = int(got["hit_chunks"])
+        return Presence([i < hits for i in range(len(self.chunks))], locations=got.get("locations", []))
+
+    async def sealing_key(self) -> tuple[int, bytes]:
+        lease = await self.client.lease()
+        self.client._used += 1
+        self.lease = lease
+        return lease.key_version, lease.dek
+
+    async def opening_key(self, version: int) -> bytes:
+        lease = await self.client._opening_lease(version)
+        if lease is None:  # that key version is destroyed (or never existed)
+            self.client.stats["unavailable"] += 1
+            raise KeyUnavailable("key version unavailable")
+        if self.lease is None:
+            self.lease = lease
+        return lease.dek
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
+        for i in indices:
+            if i not in self._fetches:
+                path = f"/v1/chunks/{self.chunks[i].chained_hash.hex()}"
+                self._fetches[i] = asyncio.ensure_future(self.client._fetch(path, gate))
+
+    async def fetch(self, i: int) -> Fetched:
+        if i not in self._fetches:
+            self.prefetch([i])
+        r = await self._fetches[i]
+        if r is None:
+            raise FetchFailed("miss")
+        return Fetched(memoryview(r.content), "remote")
+
+    async def put(self, i: int, envelope: memoryview) -> None:
+        try:
+            await self.client._send("PUT", f"/v1/chunks/{self.chunks[i].chained_hash.hex()}", content=bytes(envelope))
+        except AccessDenied:
+            self.client._forget()  # revoked (a clear): the lease it was sealed under is gone too
+            raise
+
+    async def integrity_failure(self, i: int, tier: str) -> None:
+        self.client.stats["integrity_failures"] += 1
+        await self.client._drop(self.chunks[i])
+
+    async def aclose(self) -> None:
+        for f in self._fetches.values():
+            f.cancel()
+        await asyncio.gather(*self._fetches.values(), return_exceptions=True)
+        self._fetches.clear()

@@ -12,21 +12,27 @@ import asyncio
 import os
 import secrets
 import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from audit.checkpointer import Checkpointer
 from audit.signing import AuditSigner
 from audit.writer import AuditWriter
-from crypto.envelope import ChunkCipher
 from crypto.kek import KekProvider, LocalFileKek
+from gateway.access import Access
 from gateway.admin import Admin
 from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
 from gateway.broadcast import Broadcaster
 from gateway.config import Settings
 from gateway.core import Gateway
-from gateway.datapath import DataPath
 from gateway.dbschema import check_schema
+from gateway.envelopes import EnvelopePlane
+from gateway.invalidation import Invalidation
+from gateway.namespaces import NamespaceResolver
+from gateway.pins import Pins
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.manager import TierManager
@@ -36,7 +42,21 @@ from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceDeriver, lp
 from tenancy.registry import Registry
 
-__all__ = ["Runtime", "open_runtime", "make_kek"]
+if TYPE_CHECKING:
+    from gateway.datapath.path import DataPath
+
+__all__ = ["Runtime", "open_runtime", "make_kek", "make_datapath"]
+
+
+def make_datapath(settings: Settings) -> DataPath:
+    """The data path of this process (loads torch: called at the first data operation)."""
+    from crypto.envelope import ChunkCipher
+    from gateway.datapath.path import DataPath
+
+    return DataPath(
+        ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads,
+        device_cipher=settings.device_cipher, device_aes=settings.device_aes,
+    )
 
 
 def make_kek(settings: Settings) -> KekProvider:
@@ -80,7 +100,9 @@ async def _tiers(settings: Settings) -> list[Tier]:
                 await DiskTier.open(settings.chunk_dir, capacity_bytes=settings.disk_bytes, fsync=settings.disk_fsync)
             )
         elif name == "redis":
-            from storage.redis import RedisTier  # redis-py only where the tier is chosen
+            from storage.redis import (
+                RedisTier,  # redis-py only where the tier is chosen
+            )
 
             assert settings.redis_url is not None  # validated by Settings
             tiers.append(await RedisTier.open(
@@ -125,12 +147,39 @@ class Runtime:
         if close is not None:
             close()
 
+    # the services, for the server and tools (the gateway is a facade over the same objects)
+    @property
+    def access(self) -> Access:
+        return self.gateway.access
+
+    @property
+    def resolver(self) -> NamespaceResolver:
+        return self.gateway.resolver
+
+    @property
+    def tiers(self) -> TierManager:
+        return self.gateway.tiers
+
+    def envelope_plane(self, *, max_chunk_bytes: int) -> EnvelopePlane:
+        """The remote data plane over this runtime's services (the server's chunk routes)."""
+        gw = self.gateway
+        return EnvelopePlane(
+            access=gw.access, resolver=gw.resolver, keyring=gw.keyring, tiers=gw.tiers, pins=gw.pins,
+            audit=gw.audit, stats=gw.stats, max_chunk_bytes=max_chunk_bytes,
+        )
+
 
 async def open_runtime(
-    settings: Settings, *, tiers: list[Tier] | None = None, encrypt: bool = True, auto_migrate: bool = False
+    settings: Settings,
+    *,
+    tiers: list[Tier] | None = None,
+    auto_migrate: bool = False,
+    datapath: Callable[[], DataPath] | None = None,
+    access: Callable[[CapabilityAuthority, Registry, AuditWriter, Counter[str]], Access] = Access,
 ) -> Runtime:
     """Open everything; ``tiers`` overrides the configured tiers (tests and benchmarks).
-    ``encrypt=False`` exists for the benchmark's plaintext baseline only. ``auto_migrate``: an
+    ``datapath`` builds the data path (default ``make_datapath(settings)``, on first use) and
+    ``access`` the access service: seams a benchmark uses for its baselines. ``auto_migrate``: an
     embedded SQLite database is brought to the current schema here (nobody else shares it); any
     other database behind the schema raises SchemaBehind, which names `kvgate migrate`."""
     from gateway.statefiles import prepare_state
@@ -167,26 +216,34 @@ async def open_runtime(
     except BaseException:
         await registry.aclose()
         raise
+    stats: Counter[str] = Counter()
+    tier_manager = TierManager(
+        tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers
+    )
+    keyring = Keyring(registry, kek, invocation_limit=settings.invocation_limit, cache_ttl=settings.kek_cache_ttl_s)
+    resolver = NamespaceResolver(registry, kek, NamespaceDeriver(master))
+    checks = access(authority, registry, audit, stats)
+    pins = Pins(tier_manager, registry, audit)
     gateway = Gateway(
         registry=registry,
-        keyring=Keyring(registry, kek, invocation_limit=settings.invocation_limit, cache_ttl=settings.kek_cache_ttl_s),
-        kek=kek,
-        deriver=NamespaceDeriver(master),
-        tiers=TierManager(
-            tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers
-        ),
-        datapath=DataPath(
-            ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads, encrypt=encrypt,
-            device_cipher=settings.device_cipher, device_aes=settings.device_aes,
-        ),
-        authority=authority,
+        access=checks,
+        resolver=resolver,
+        keyring=keyring,
+        tiers=tier_manager,
+        datapath=datapath or (lambda: make_datapath(settings)),
         audit=audit,
+        stats=stats,
+        pins=pins,
         chunk_tokens=settings.chunk_tokens,
     )
-    admin = Admin(gateway)
+    invalidation = Invalidation(resolver, keyring, tier_manager)
+    admin = Admin(
+        registry=registry, keyring=keyring, resolver=resolver, access=checks, tiers=tier_manager,
+        invalidation=invalidation, audit=audit,
+    )
     broadcaster = None
     if settings.redis_url:
-        broadcaster = Broadcaster(gateway, settings.redis_url, prefix=settings.redis_prefix)
+        broadcaster = Broadcaster(invalidation, checks, settings.redis_url, prefix=settings.redis_prefix)
         await broadcaster.start()
         admin.broadcaster = broadcaster
     await admin.resume_clears()

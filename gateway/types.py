@@ -4,11 +4,14 @@ operations. Imports no I/O; the core re-exports them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gateway.chunking import ModelFingerprint
 from gateway.errors import InvalidRequest
-from kernels.layouts import CHUNK_LAYOUT, KVGeometry
 from tenancy import names
+
+if TYPE_CHECKING:  # torch: a KVModel exists only where KV does (the data path, the connector)
+    from kernels.layouts import KVGeometry
 
 __all__ = ["KVModel", "StoreResult", "LookupResult", "RetrieveResult", "ClearResult", "check_name"]
 
@@ -35,6 +38,8 @@ class KVModel:
     fingerprint_digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        from kernels.layouts import CHUNK_LAYOUT
+
         g = self.geometry
         fp = ModelFingerprint(
             model=self.name,

@@ -22,6 +22,7 @@ from crypto.envelope import (
     segment_scratch_bytes,
 )
 from crypto.errors import DecryptionFailed, InvalidParameter
+from gateway.bench_plaintext import PlaintextCodec
 from gateway.datapath import DataPath, OpenJob, SealJob
 from kernels.errors import KVLayoutError
 from kernels.layouts import KVGeometry, KVLayout
@@ -275,7 +276,7 @@ def test_datapath_round_trip(encrypt, layout):
     layers = _cache(g, 16, 3)
     kv = PagedKV(layers, g)
     slots = slots_from_block_ids([9, 2, 3, 14, 0, 7, 5, 11], 4, 0, 32)
-    dp = DataPath(ChunkCipher(segment_bytes=3000), threads=0, encrypt=encrypt)
+    dp = DataPath(ChunkCipher(segment_bytes=3000) if encrypt else PlaintextCodec(3000), threads=0)
     jobs = _jobs(g, slots, 2)
     envs = dp.seal_batch(kv, SECRET, jobs)
     for job, env in zip(jobs, envs, strict=True):
@@ -309,7 +310,7 @@ def test_datapath_failed_chunk_leaves_nothing_of_itself():
     assert all(x[:, 0:4].any() for x in dst)  # chunk 0 (blocks 0..3) loaded
     assert not any(x[:, 4:].any() for x in dst)  # chunk 1 left nothing behind
     # a plaintext envelope of the wrong size is a failure, not a partial load
-    plain = DataPath(ChunkCipher(), threads=0, encrypt=False)
+    plain = DataPath(PlaintextCodec(), threads=0)
     short = OpenJob(memoryview(bytes(100)), jobs[0].slots, b"", CTX)
     assert plain.open_batch(PagedKV(dst, g), SECRET, [short]) == (0, True)
 

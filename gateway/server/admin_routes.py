@@ -17,7 +17,7 @@ from pydantic import BaseModel, Field, model_validator
 from audit import AuditExport, ExportError
 from audit.checkpointer import CheckpointTampered
 from gateway.envelopes import parse_hash
-from gateway.errors import InvalidRequest, TenantUnavailable
+from gateway.errors import InvalidRequest
 from gateway.server.deps import (
     Name,
     NamePath,
@@ -95,11 +95,8 @@ class RotateResponse(BaseModel):
 
 
 async def _keys(state, tenant: str, namespace: str, hashes: list[str]) -> list[ChunkKey]:
-    try:
-        ns = await state.runtime.gateway.namespace_keys(tenant, namespace)
-    except TenantUnavailable:
-        raise
-    return [ChunkKey(ns.owner, ns.group, ns.storage_key(parse_hash(h))) for h in hashes]
+    resolver = state.runtime.resolver
+    return resolver.chunk_keys(await resolver.keys(tenant, namespace), [parse_hash(h) for h in hashes])
 
 
 @router.post("/clear", response_model=ClearResponse)

@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from gateway.config import Settings
-from gateway.envelopes import EnvelopePlane
 from gateway.runtime import open_runtime
 from gateway.server import admin_routes, data
 from gateway.server.deps import PrincipalDep, ServerState, StateDep, authorize_action
@@ -67,7 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             dev = dev_issuer_for(settings) if settings.dev_issuer else None
             verifier = OidcVerifier(_issuers(settings, dev))
-            plane = EnvelopePlane(runtime.gateway, max_chunk_bytes=settings.max_chunk_bytes)
+            plane = runtime.envelope_plane(max_chunk_bytes=settings.max_chunk_bytes)
             state = ServerState(settings, runtime, plane, verifier, telemetry, dev)
             _observe(state)
             app.state.kvgate = state
@@ -117,7 +116,7 @@ def create_app(settings: Settings) -> FastAPI:
             checks["database"] = "ok"
         except Exception:
             checks["database"] = "unavailable"
-        for tier in state.runtime.gateway.tiers.tiers:
+        for tier in state.runtime.tiers.tiers:
             if tier.name == "redis":
                 ok = getattr(getattr(tier, "breaker", None), "state", "closed") != "open"
                 checks["redis"] = "ok" if ok else "unavailable"

@@ -108,11 +108,11 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
     allowed = allowed_capability_ops(principal, tenant)
     if not set(body.ops) <= allowed:
         authorize_action(state, principal, tenant, Action(sorted(set(body.ops) - allowed)[0]), request)
-    token = await state.runtime.gateway.mint_capability(
+    token = await state.runtime.access.mint(
         tenant, body.namespace, body.ops, body.ttl, actor=actor_of(principal, request)
     )
     cap = read_unverified(token)
-    ns = await state.runtime.gateway.namespace_keys(cap.tenant, cap.namespace)
+    ns = await state.runtime.resolver.keys(cap.tenant, cap.namespace)
     return CapabilityResponse(
         capability=token, cap_id=cap.cap_id, tenant=cap.tenant, namespace=cap.namespace,
         ops=sorted(cap.ops), expires_at=cap.expires_at, epoch=ns.epoch,
@@ -136,7 +136,7 @@ async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: Capabili
     """The body is the envelope (application/octet-stream), read straight into one buffer -- after
     the capability is checked: a forged or foreign capability costs no body read."""
     _same_tenant(state, principal, cap, Action.PUT, request)
-    state.runtime.gateway.authorize(cap, "put", chunks=[chunk_hash])
+    state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
     limit = state.settings.max_chunk_bytes
     declared = request.headers.get("content-length")
     if declared is None:

@@ -1,0 +1,103 @@
+"""The envelope codec the data path seals and opens with: the seam between the data path's
+byte movement (gather, scatter, staging, threads) and the chunk envelope format.
+
+``CipherCodec`` is the product's one codec: AES-256-GCM envelopes (``crypto.envelope``) with the
+AAD binding tenant, namespace, storage key, model and key version. The data path takes any object
+that meets ``EnvelopeCodec``; a benchmark baseline passes its own (``gateway/bench/``) to the
+same constructors. There is no switch in the product that turns encryption off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from crypto.envelope import (
+    MAX_SEGMENT_BYTES,
+    ChunkCipher,
+    EnvelopeContext,
+    peek_key_version,
+    plaintext_length,
+    segment_scratch_bytes,
+)
+
+__all__ = ["CipherCodec", "EnvelopeCodec", "codec_of", "layer_segment_bytes"]
+
+OnSegment = Callable[[int, int, memoryview], None]
+
+
+class EnvelopeCodec(Protocol):
+    """What the data path needs of an envelope format. Every failure raises
+    ``crypto.errors.DecryptionFailed``; nothing of a segment is delivered before it is authentic."""
+
+    #: the device path (encrypt where the KV lives) needs the AES-GCM cipher itself
+    cipher: ChunkCipher | None
+
+    @property
+    def segment_bytes(self) -> int: ...
+    def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int: ...
+    def key_version(self, envelope: memoryview) -> int: ...
+    def plaintext_length(self, envelope: memoryview) -> int: ...
+    def scratch_bytes(self, envelope: memoryview) -> int: ...
+    def seal_pieces_into(
+        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, pieces: Sequence[memoryview], n: int,
+        out: memoryview, *, segment_bytes: int,
+    ) -> int: ...
+    def open_segments(
+        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
+        on_segment: OnSegment,
+    ) -> int: ...
+    def seal_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int: ...
+    def open_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int: ...
+
+
+class CipherCodec:
+    """AES-256-GCM chunk envelopes (format v1) through ``ChunkCipher``."""
+
+    __slots__ = ("cipher",)
+
+    def __init__(self, cipher: ChunkCipher) -> None:
+        self.cipher = cipher
+
+    @property
+    def segment_bytes(self) -> int:
+        return self.cipher.segment_bytes
+
+    def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int:
+        return self.cipher.envelope_size(plaintext_len, segment_bytes)
+
+    def key_version(self, envelope: memoryview) -> int:
+        return peek_key_version(envelope)
+
+    def plaintext_length(self, envelope: memoryview) -> int:
+        return plaintext_length(envelope)
+
+    def scratch_bytes(self, envelope: memoryview) -> int:
+        return segment_scratch_bytes(envelope)
+
+    def seal_pieces_into(
+        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, pieces: Sequence[memoryview], n: int,
+        out: memoryview, *, segment_bytes: int,
+    ) -> int:
+        return self.cipher.seal_pieces_into(dek, binding, ctx, pieces, n, out, segment_bytes=segment_bytes)
+
+    def open_segments(
+        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
+        on_segment: OnSegment,
+    ) -> int:
+        return self.cipher.open_segments(dek, binding, ctx, envelope, scratch, on_segment)
+
+    def seal_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int:
+        return self.cipher.seal_into(dek, binding, ctx, plain, out)
+
+    def open_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int:
+        return self.cipher.open_into(dek, binding, ctx, envelope, out)
+
+
+def codec_of(cipher_or_codec: ChunkCipher | EnvelopeCodec) -> EnvelopeCodec:
+    return CipherCodec(cipher_or_codec) if isinstance(cipher_or_codec, ChunkCipher) else cipher_or_codec
+
+
+def layer_segment_bytes(segment_bytes: int, layer_nbytes: int) -> int:
+    """A chunk's segment size: ``segment_bytes`` rounded down to whole layers (at least one)."""
+    return min(MAX_SEGMENT_BYTES, layer_nbytes * max(1, segment_bytes // layer_nbytes))

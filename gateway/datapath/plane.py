@@ -1,0 +1,281 @@
+"""The data plane: store, lookup and retrieve of a prompt's chunks over any ``ChunkStore``.
+
+    tokens --chain_hashes--> h_i --store.session: capability, namespace--> storage keys
+    paged KV --seal (gather + AES-256-GCM, AAD binds identity)--> store.put
+    store.fetch --open (every tag checked) + scatter--> paged KV
+
+Embedded and remote mode run this same code; only the store differs. A chunk that fails
+authentication, whose key is unavailable, or whose tier (or server) cannot deliver it ends the
+loaded prefix: a miss, counted, never handed to the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
+from gateway.chunking import Chunk
+from gateway.datapath.path import DataPath
+from gateway.datapath.plan import TokensLike, chunks_of, request_slots
+from gateway.datapath.sealers import OpenJob, SealJob
+from gateway.datapath.stores import (
+    ChunkSession,
+    ChunkStore,
+    FetchFailed,
+    KeysUnavailable,
+)
+from gateway.errors import AccessDenied
+from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
+from kernels.paged import PagedKV
+from storage.types import TierError, TierTimeout
+
+__all__ = ["DataPlane"]
+
+log = logging.getLogger("kvgate.core")
+
+BlockIds = Sequence[int] | torch.Tensor | None
+
+
+class DataPlane:
+    def __init__(self, datapath: DataPath, chunk_tokens: int, stats: Counter[str]) -> None:
+        self.datapath = datapath
+        self.chunk_tokens = chunk_tokens
+        self.stats = stats
+
+    def chunks(self, model: KVModel, tokens: TokensLike) -> list[Chunk]:
+        return chunks_of(model, tokens, self.chunk_tokens)
+
+    def _batches(self, n: int, model: KVModel, chunks: Sequence[Chunk]) -> list[list[int]]:
+        """Split n chunks into batches for the CPU pool: at most ~16 MiB each (so tier I/O
+        overlaps the next batch's CPU work) and at least one per thread when there is enough."""
+        chunk_bytes = model.geometry.chunk_nbytes(chunks[0].num_tokens)
+        by_size = max(1, (16 << 20) // chunk_bytes)
+        by_threads = max(1, -(-n // max(1, self.datapath.threads)))
+        size = min(by_size, by_threads)
+        return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
+
+    # -- lookup ------------------------------------------------------------------------------
+    async def lookup(self, store: ChunkStore, token: str, model: KVModel, tokens: TokensLike) -> LookupResult:
+        """How many leading tokens are stored (prefix walk, stops at the first miss)."""
+        chunks = self.chunks(model, tokens)
+        try:
+            session = await store.session(token, "lookup", chunks)
+        except KeysUnavailable:
+            self.stats["lookup_misses"] += 1
+            self.stats["lookup_degraded_key_unavailable"] += 1
+            return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=len(chunks), degraded="key_unavailable")
+        try:
+            found = await session.presence()
+        finally:
+            await session.aclose()
+        hits = 0
+        for p in found.present:
+            if not p:
+                break
+            hits += 1
+        degraded = ""
+        if found.errors and hits < len(chunks):  # a tier that could not answer may hold the rest
+            degraded = "tier_timeout" if any(isinstance(e, TierTimeout) for e in found.errors) else "tier_unavailable"
+            self.stats[f"lookup_degraded_{degraded}"] += 1
+        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
+        return LookupResult(
+            hit_tokens=chunks[hits - 1].end if hits else 0, hit_chunks=hits, total_chunks=len(chunks),
+            degraded=degraded, locations=found.locations,
+        )
+
+    # -- store -------------------------------------------------------------------------------
+    async def store(
+        self,
+        store: ChunkStore,
+        token: str,
+        model: KVModel,
+        tokens: TokensLike,
+        kv_layers: Sequence[torch.Tensor] | PagedKV,
+        *,
+        block_ids: BlockIds = None,
+        slot_mapping: BlockIds = None,
+        skip_existing: bool = True,
+    ) -> StoreResult:
+        """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``."""
+        chunks = self.chunks(model, tokens)
+        kv, slots = request_slots(model, kv_layers, chunks[-1].end, block_ids, slot_mapping)
+        try:
+            session = await store.session(token, "put", chunks)
+        except KeysUnavailable:  # nothing can be sealed now; the engine goes on
+            self.stats["store_failures"] += len(chunks)
+            return StoreResult(tokens=chunks[-1].end, chunks=len(chunks), stored=0, skipped=0, bytes_stored=0)
+        todo = list(range(len(chunks)))
+        try:
+            if skip_existing:
+                present = (await session.presence()).present
+                todo = [i for i in todo if not present[i]]
+            try:
+                stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
+            except AccessDenied:
+                # revoked since the session opened (a clear): the keys it sealed with are gone
+                # too. One more try with a fresh capability and keys; a second refusal stands.
+                await session.aclose()
+                session = await store.session(token, "put", chunks)
+                stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
+        finally:
+            await session.aclose()
+        self.stats["chunks_stored"] += stored
+        self.stats["bytes_in"] += stored_bytes
+        return StoreResult(
+            tokens=chunks[-1].end, chunks=len(chunks), stored=stored, skipped=len(chunks) - len(todo),
+            bytes_stored=stored_bytes,
+        )
+
+    async def _seal_and_put(
+        self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor,
+        todo: list[int],
+    ) -> tuple[int, int]:
+        jobs: list[SealJob] = []
+        for n, i in enumerate(todo):
+            c = chunks[i]
+            try:
+                version, dek = await session.sealing_key()
+            except (KekError, KeyUnavailable):  # the KEK provider is unreachable: store less
+                self.stats["store_failures"] += len(todo) - n
+                self.stats["key_unavailable"] += 1
+                todo = todo[:n]
+                break
+            jobs.append(SealJob(slots[c.start : c.end], dek, session.context(i, model, version)))
+        if not jobs:
+            return 0, 0
+        binding = session.binding
+        gate = asyncio.Semaphore(max(1, self.datapath.threads))
+
+        async def run(batch: list[int]) -> int:
+            async with gate:
+                envelopes = await self.datapath.run(self.datapath.seal_batch, kv, binding, [jobs[k] for k in batch])
+            stored = 0
+            for k, env in zip(batch, envelopes):
+                try:
+                    await session.put(todo[k], env)
+                    stored += env.nbytes
+                except TierError:  # no tier took it: the cache loses this chunk, the engine goes on
+                    self.stats["store_failures"] += 1
+            return stored
+
+        total = sum(await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks))))
+        return len(todo), total
+
+    # -- retrieve ----------------------------------------------------------------------------
+    async def retrieve(
+        self,
+        store: ChunkStore,
+        token: str,
+        model: KVModel,
+        tokens: TokensLike,
+        kv_layers: Sequence[torch.Tensor] | PagedKV,
+        *,
+        block_ids: BlockIds = None,
+        slot_mapping: BlockIds = None,
+    ) -> RetrieveResult:
+        """Load the longest stored prefix of ``tokens`` into ``kv_layers``.
+
+        Chunks are fetched, authenticated and unpacked in order; the first miss, failed tag,
+        unavailable key or unreachable tier ends the prefix. Returns how many tokens were loaded."""
+        chunks = self.chunks(model, tokens)
+        kv, slots = request_slots(model, kv_layers, chunks[-1].end, block_ids, slot_mapping)
+        try:
+            session = await store.session(token, "get", chunks)
+        except KeysUnavailable:
+            self.stats["load_misses"] += 1
+            self.stats["load_failed_key_unavailable"] += 1
+            return RetrieveResult(
+                loaded_tokens=0, loaded_chunks=0, integrity_failures=0, unavailable=1, reason="key_unavailable"
+            )
+        try:
+            loaded, failures, unavailable, ended = await self._load(session, model, chunks, kv, slots)
+        finally:
+            await session.aclose()
+        reason = ""
+        if loaded < len(chunks):
+            reason = ended.get(loaded, "miss")
+            self.stats[f"load_failed_{reason}"] += 1
+            log.info("load ended at chunk %d of %d: %s", loaded, len(chunks), reason)  # callers warn
+        self.stats["chunks_loaded"] += loaded
+        self.stats["load_misses" if loaded < len(chunks) else "load_hits"] += 1
+        return RetrieveResult(
+            loaded_tokens=chunks[loaded - 1].end if loaded else 0,
+            loaded_chunks=loaded,
+            integrity_failures=failures,
+            unavailable=unavailable,
+            reason=reason,
+        )
+
+    async def _load(
+        self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor
+    ) -> tuple[int, int, int, dict[int, str]]:
+        stats = {"failures": 0, "unavailable": 0}
+        ended: dict[int, str] = {}  # chunk index -> why the prefix ended there (per batch)
+        gate = asyncio.Semaphore(max(1, self.datapath.threads))
+        session.prefetch(range(len(chunks)))
+
+        async def run(batch: list[int]) -> int:
+            """How many leading chunks of the batch were loaded."""
+            jobs: list[OpenJob] = []
+            tiers: list[str] = []
+            for i in batch:
+                c = chunks[i]
+                try:
+                    found = await session.fetch(i)
+                except FetchFailed as exc:
+                    if exc.unavailable:
+                        stats["unavailable"] += 1
+                    ended[i] = exc.reason
+                    break
+                try:
+                    version = self.datapath.key_version(found.envelope)
+                    dek = await session.opening_key(version)
+                except (KeyUnavailable, KekError):
+                    stats["unavailable"] += 1
+                    self.stats["key_unavailable"] += 1
+                    ended[i] = "key_unavailable"
+                    break
+                except DecryptionFailed:  # not even a parsable header: fails to open below
+                    jobs.append(OpenJob(found.envelope, slots[c.start : c.end], b"", session.context(i, model, 1)))
+                    tiers.append(found.tier)
+                    break
+                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], dek, session.context(i, model, version)))
+                tiers.append(found.tier)
+            if not jobs:
+                return 0
+            binding = _binding_or_empty(session)
+            async with gate:
+                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, binding, jobs)
+            if failed:
+                stats["failures"] += 1
+                ended[batch[loaded]] = "integrity"
+                self.stats["integrity_failures"] += 1
+                log.warning("integrity failure on a chunk in tier %s; treated as a miss", tiers[loaded])
+                await session.integrity_failure(batch[loaded], tiers[loaded])
+            self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
+            return loaded
+
+        # Batches run concurrently; the prefix ends at the first chunk that did not load. A chunk
+        # past that point may have been unpacked already: authentic KV in slots the engine
+        # recomputes anyway.
+        loaded = 0
+        batches = self._batches(len(chunks), model, chunks)
+        for batch, n in zip(batches, await asyncio.gather(*(run(b) for b in batches))):
+            loaded += n
+            if n < len(batch):
+                break
+        return loaded, stats["failures"], stats["unavailable"], ended
+
+
+def _binding_or_empty(session: ChunkSession) -> bytes:
+    """The session's binding secret; a session that never got keys (only an unparsable header
+    in its batch) opens with an empty one, which fails authentication as it must."""
+    try:
+        return session.binding
+    except LookupError:
+        return b""

@@ -1,0 +1,264 @@
+"""The three ways a chunk is sealed and opened, one chosen per KV cache when it is registered
+(``DataPath.sealer_for``):
+
+``CpuSealer``  (a CPU cache) the fused path (``kernels.pieces``): store reads the chunk's
+    contiguous runs straight out of the paged layer tensors into the AES-GCM stream that writes
+    the envelope, with no staging copy (the copy cost more than AES-GCM itself); load verifies
+    and decrypts one segment at a time into a per-thread scratch buffer of one segment (it stays
+    in cache) and scatters it into the paged KV. Nothing reaches the cache before its segment's
+    tag checked. If segment ``k`` fails, segments ``< k`` (authentic) had already been scattered:
+    they are zeroed again, so a chunk that fails leaves nothing of itself in the cache.
+``DeviceSealer``  (a CUDA cache, or ``device_cipher="always"``) encrypt where the KV lives:
+    pack into a device staging buffer and encrypt in place (the torch-ops cipher), or gather and
+    encrypt in one pass (the Triton kernels); only ciphertext crosses to the host.
+``HostSealer``  (a CUDA cache with ``device_cipher="host"``, the explicit, logged switch, or a
+    codec without a device cipher) pack on the device, copy to host staging, seal there.
+
+Segments: each chunk's envelope uses the codec's segment size rounded down to whole layers
+(``layer_bytes * max(1, segment_bytes // layer_bytes)``), so a segment is a layer range.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from crypto.envelope import ChunkCipher, EnvelopeContext, plaintext_length
+from crypto.errors import DecryptionFailed
+from gateway.datapath.buffers import BufferPool, empty
+from gateway.datapath.codec import EnvelopeCodec, layer_segment_bytes
+from kernels.pack import chunk_rows, pack, unpack
+from kernels.paged import PagedKV
+from kernels.pieces import ChunkPieces, FlatKV
+
+__all__ = ["CpuSealer", "DeviceSealer", "HostSealer", "OpenJob", "SealJob", "Sealer"]
+
+
+@dataclass(slots=True)
+class SealJob:
+    slots: torch.Tensor
+    dek: bytes
+    ctx: EnvelopeContext
+
+
+@dataclass(slots=True)
+class OpenJob:
+    envelope: memoryview
+    slots: torch.Tensor
+    dek: bytes
+    ctx: EnvelopeContext
+
+
+class Sealer(Protocol):
+    name: str
+
+    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+        """Seal each chunk's KV into a new envelope (the tier keeps it)."""
+
+    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+        """Authenticate, decrypt and scatter each chunk into the paged KV. Returns (chunks loaded,
+        whether the next one failed authentication); it stops at the first failure, and a chunk
+        that failed leaves nothing of itself in the cache."""
+
+
+def _to_host(part: torch.Tensor, dst: memoryview) -> None:
+    torch.from_numpy(np.frombuffer(dst, dtype=np.uint8)).copy_(part)
+
+
+def _to_device(src: memoryview, part: torch.Tensor) -> None:
+    with warnings.catch_warnings():  # a read-only envelope: torch only reads it here
+        warnings.simplefilter("ignore", UserWarning)
+        part.copy_(torch.from_numpy(np.frombuffer(src, dtype=np.uint8)))
+
+
+def _zero_(t: torch.Tensor) -> None:
+    t.zero_()
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return t.view(-1).view(torch.uint8).numpy().data
+
+
+class CpuSealer:
+    name = "cpu-fused"
+
+    def __init__(self, codec: EnvelopeCodec, pool: BufferPool) -> None:
+        self.codec = codec
+        self.pool = pool
+
+    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+        flat = FlatKV(kv)
+        out: list[memoryview] = []
+        for job in jobs:
+            chunk = ChunkPieces(flat, job.slots)
+            seg = layer_segment_bytes(self.codec.segment_bytes, chunk.layer_nbytes)
+            env = self.pool.envelope(self.codec.envelope_size(chunk.nbytes, seg))
+            self.codec.seal_pieces_into(job.dek, binding, job.ctx, chunk.pieces(), chunk.nbytes, env, segment_bytes=seg)
+            out.append(env)
+        return out
+
+    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+        flat = FlatKV(kv)
+        for i, job in enumerate(jobs):
+            chunk = ChunkPieces(flat, job.slots, unique=True)
+            try:
+                self._open_one(chunk, binding, job)
+            except DecryptionFailed:
+                return i, True
+        return len(jobs), False
+
+    def _open_one(self, chunk: ChunkPieces, binding: bytes, job: OpenJob) -> None:
+        if self.codec.plaintext_length(job.envelope) != chunk.nbytes:  # also bounds the scratch below
+            raise DecryptionFailed
+        scratch = self.pool.scratch(self.codec.scratch_bytes(job.envelope))
+        delivered = [0]
+
+        def on_segment(start: int, end: int, view: memoryview) -> None:
+            chunk.scatter(view, start, end)
+            delivered[0] = end
+
+        try:
+            self.codec.open_segments(job.dek, binding, job.ctx, job.envelope, scratch, on_segment)
+        except DecryptionFailed:
+            # Segments before the bad one were authentic, but a chunk loads whole or not at all:
+            # zero what landed (the scratch was just wiped) so no part of it is left in the cache.
+            self._zero(chunk, delivered[0], scratch)
+            raise
+
+    @staticmethod
+    def _zero(chunk: ChunkPieces, end: int, zeros: memoryview) -> None:
+        """Zero bytes ``[0, end)`` of the chunk in the cache, ``zeros.nbytes`` at a time."""
+        step = zeros.nbytes
+        for a in range(0, end, step):
+            b = min(a + step, end)
+            chunk.scatter(zeros[: b - a], a, b)
+
+
+class HostSealer:
+    """A device cache whose plaintext may cross to the host (``device_cipher=host``)."""
+
+    name = "host"
+
+    def __init__(self, codec: EnvelopeCodec, pool: BufferPool) -> None:
+        self.codec = codec
+        self.pool = pool
+
+    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+        out: list[memoryview] = []
+        for job in jobs:
+            staging = self.pool.staging(kv.geometry, job.slots.numel())
+            staging.copy_(pack(kv, job.slots, kv.geometry))
+            plain = _bytes(staging)
+            env = empty(self.codec.envelope_size(plain.nbytes))
+            self.codec.seal_into(job.dek, binding, job.ctx, plain, env)
+            out.append(env)
+        return out
+
+    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+        geometry = kv.geometry
+        for i, job in enumerate(jobs):
+            staging = self.pool.staging(geometry, job.slots.numel())
+            try:
+                self.codec.open_into(job.dek, binding, job.ctx, job.envelope, _bytes(staging))
+            except DecryptionFailed:
+                return i, True
+            unpack(staging.to(kv.device), kv, job.slots, geometry)
+        return len(jobs), False
+
+
+AeadFactory = Callable[[bytes], Any]
+
+
+class DeviceSealer:
+    """Encrypt where the KV lives: only ciphertext is copied to the host."""
+
+    def __init__(self, cipher: ChunkCipher, aead: tuple[str, AeadFactory], pool: BufferPool, segment_bytes: int) -> None:
+        self.name = f"device-{aead[0]}"
+        self.fused = aead[0] == "triton"
+        self.factory = aead[1]
+        self.cipher = cipher
+        self.pool = pool
+        self.segment_bytes = segment_bytes
+
+    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+        if self.fused:
+            return self._seal_fused(kv, binding, jobs)
+        out: list[memoryview] = []
+        for job in jobs:
+            staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
+            pack(kv, job.slots, kv.geometry, out=staging)
+            plain = staging.view(-1).view(torch.uint8)
+            seg = layer_segment_bytes(self.segment_bytes, plain.numel() // kv.geometry.num_layers)  # as the CPU path
+            env = self.pool.envelope(self.cipher.envelope_size(plain.numel(), seg))
+            self.cipher.seal_device_into(
+                job.dek, binding, job.ctx, plain, plain.numel(), env, to_host=_to_host, segment_bytes=seg
+            )
+            out.append(env)
+        return out
+
+    def _seal_fused(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+        """The Triton kernels read every layer's rows and write ciphertext into the staging buffer
+        in one pass; each segment's copy to the host starts as soon as its kernels are queued."""
+        factory = self.factory
+        out: list[memoryview] = []
+        for job in jobs:
+            _, rows = chunk_rows(kv, job.slots, kv.geometry)
+            staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
+            plain = staging.view(-1).view(torch.uint8)
+            n = plain.numel()
+            seg = layer_segment_bytes(self.segment_bytes, n // kv.geometry.num_layers)
+            copier = self.pool.copier(kv.device, n)
+            env = self.pool.envelope(self.cipher.envelope_size(n, seg))
+
+            def encrypt(key: bytes, segments: list[Any], rows: torch.Tensor = rows, plain: torch.Tensor = plain) -> list[bytes]:
+                on_segment = lambda s, e: copier.issue_d2h(plain, s, e)  # noqa: E731
+                result: list[bytes] = factory(key).gather_encrypt_(kv, rows, plain, segments, on_segment=on_segment)
+                return result
+
+            self.cipher.seal_device_fused(
+                job.dek, binding, job.ctx, n, env, encrypt=encrypt,
+                to_host=lambda s, e, dst, plain=plain: copier.fetch_d2h(plain, s, e, dst), segment_bytes=seg,
+            )
+            out.append(env)
+        return out
+
+    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+        if self.fused:
+            return self._open_fused(kv, binding, jobs)
+        for i, job in enumerate(jobs):
+            staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
+            plain = staging.view(-1).view(torch.uint8)
+            try:
+                if plaintext_length(job.envelope) != plain.numel():
+                    raise DecryptionFailed
+                self.cipher.open_device_into(job.dek, binding, job.ctx, job.envelope, plain, to_device=_to_device, zero=_zero_)
+            except DecryptionFailed:
+                return i, True
+            unpack(staging, kv, job.slots, kv.geometry)
+        return len(jobs), False
+
+    def _open_fused(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+        """Ciphertext to the device staging buffer; every segment's tag checked, then the Triton
+        kernels decrypt and scatter into the layers in one pass. A chunk that fails writes nothing."""
+        factory = self.factory
+        for i, job in enumerate(jobs):
+            staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
+            plain = staging.view(-1).view(torch.uint8)
+            try:
+                _, rows = chunk_rows(kv, job.slots, kv.geometry, unique=True)
+                if plaintext_length(job.envelope) != plain.numel():
+                    raise DecryptionFailed
+                copier = self.pool.copier(kv.device, plain.numel())
+                self.cipher.open_device_fused(
+                    job.dek, binding, job.ctx, job.envelope,
+                    to_device=lambda src, s, e, plain=plain: copier.h2d(src, plain, s, e),
+                    decrypt=lambda key, segs, rows=rows, plain=plain: factory(key).decrypt_scatter_(plain, kv, rows, segs),
+                )
+            except DecryptionFailed:
+                return i, True
+        return len(jobs), False

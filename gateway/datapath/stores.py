@@ -1,0 +1,197 @@
+"""``ChunkStore``: where the data path's envelopes go, behind one seam.
+
+    TierStore   (embedded) the tiers of this process; the capability is verified here, keys come
+                from the namespace resolver and the keyring
+    HttpStore   (remote, ``gateway.remote``) a kvgate server; the server verifies the capability
+                and maps chained hashes to storage keys, the worker holds only what it leased
+
+A store opens a ``ChunkSession`` per request: the capability checked for one operation, the
+namespace resolved, the chunks' storage keys computed once. The data plane (``plane.py``) runs
+the same store / lookup / retrieve over either. Nothing here touches plaintext: sealing and
+opening happen in the data path, on the worker.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from opentelemetry import trace
+
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
+from crypto.envelope import EnvelopeContext
+from crypto.errors import KekError, KeyUnavailable
+from gateway.access import Access
+from gateway.chunking import Chunk
+from gateway.errors import AccessDenied, TenantUnavailable
+from gateway.namespaces import NamespaceResolver, keys_digest
+from gateway.types import KVModel
+from storage.manager import TierManager
+from storage.types import ChunkKey, ChunkNotFound, TierError, TierTimeout
+from tenancy.keyring import Keyring
+from tenancy.namespaces import NamespaceKeys
+from tenancy.types import Capability
+
+__all__ = ["ChunkSession", "ChunkStore", "Fetched", "KeysUnavailable", "Presence", "TierStore"]
+
+
+class KeysUnavailable(Exception):
+    """Namespace or data keys cannot be had now (KEK provider down): a miss, not an error."""
+
+
+class FetchFailed(Exception):
+    """A chunk could not be fetched: ``reason`` is miss, tier_timeout or tier_unavailable."""
+
+    def __init__(self, reason: str, *, unavailable: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.unavailable = unavailable
+
+
+@dataclass(slots=True)
+class Fetched:
+    envelope: memoryview
+    tier: str
+
+
+@dataclass(slots=True)
+class Presence:
+    present: list[bool]
+    errors: list[BaseException] = field(default_factory=list)
+    locations: list[list[str]] = field(default_factory=list)
+
+
+class ChunkSession(Protocol):
+    """One request's access to one namespace. Keys are fetched before ``binding`` and
+    ``context`` are used."""
+
+    @property
+    def binding(self) -> bytes: ...
+    def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext: ...
+    async def presence(self) -> Presence: ...
+    async def sealing_key(self) -> tuple[int, bytes]: ...
+    async def opening_key(self, version: int) -> bytes: ...
+    def prefetch(self, indices: Sequence[int]) -> None: ...
+    async def fetch(self, i: int) -> Fetched: ...
+    async def put(self, i: int, envelope: memoryview) -> None: ...
+    async def integrity_failure(self, i: int, tier: str) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class ChunkStore(Protocol):
+    async def session(self, token: str, op: str, chunks: Sequence[Chunk]) -> ChunkSession:
+        """Verify ``token`` for ``op`` on these chunks and resolve the namespace; raises
+        AccessDenied, or KeysUnavailable when the KEK cannot unwrap the namespace now."""
+
+
+class TierStore:
+    """The tiers of this process, behind the capability check (embedded mode)."""
+
+    def __init__(
+        self, access: Access, resolver: NamespaceResolver, keyring: Keyring, tiers: TierManager,
+        audit: AuditSink, stats: Counter[str],
+    ) -> None:
+        self.access = access
+        self.resolver = resolver
+        self.keyring = keyring
+        self.tiers = tiers
+        self.audit = audit
+        self.stats = stats
+
+    async def session(self, token: str, op: str, chunks: Sequence[Chunk]) -> _TierSession:
+        cap = self.access.authorize(token, op, chunks=[c.chained_hash.hex() for c in chunks])
+        return await self.session_for(cap, chunks)
+
+    async def session_for(self, cap: Capability, chunks: Sequence[Chunk]) -> _TierSession:
+        """A session for an already verified capability (the benchmark's shared-cache baseline
+        maps capabilities before this)."""
+        try:
+            ns = await self.resolver.keys(cap.tenant, cap.namespace)
+        except TenantUnavailable:
+            self.stats["denials"] += 1
+            raise AccessDenied("tenant unavailable") from None
+        except (KekError, KeyUnavailable) as exc:  # the KEK provider is unreachable
+            self.stats["key_unavailable"] += 1
+            raise KeysUnavailable from exc
+        keys = self.resolver.chunk_keys(ns, [c.chained_hash for c in chunks])
+        trace.get_current_span().set_attribute("kvgate.tenant", ns.owner[:16])  # opaque, not the name
+        return _TierSession(self, cap, ns, keys)
+
+
+class _TierSession:
+    def __init__(self, store: TierStore, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
+        self.store = store
+        self.cap = cap
+        self.ns = ns
+        self.keys = keys
+
+    @property
+    def binding(self) -> bytes:
+        return self.ns.binding_secret
+
+    @property
+    def owner(self) -> str:
+        return self.ns.owner
+
+    def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
+        return EnvelopeContext(
+            tenant=self.cap.tenant,
+            namespace=self.cap.namespace,
+            storage_key=self.keys[i].digest,
+            model_fingerprint=model.fingerprint_digest,
+            key_version=version,
+        )
+
+    async def presence(self) -> Presence:
+        present, errors = await self.store.tiers.contains_many_checked(self.keys)
+        return Presence(list(present), list(errors))
+
+    async def sealing_key(self) -> tuple[int, bytes]:
+        return await self.store.keyring.encryption_key(self.cap.tenant)
+
+    async def opening_key(self, version: int) -> bytes:
+        return await self.store.keyring.decryption_key(self.cap.tenant, version)
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        return None  # tier reads are issued when the plane asks
+
+    async def fetch(self, i: int) -> Fetched:
+        try:
+            found = await self.store.tiers.get(self.keys[i])
+        except ChunkNotFound as exc:
+            # the manager says "all" missed; a tier that failed on the way is the reason
+            if any(isinstance(e, TierTimeout) for e in exc.tier_errors):
+                raise FetchFailed("tier_timeout") from None
+            raise FetchFailed("tier_unavailable" if exc.tier_errors else "miss") from None
+        except TierError as exc:
+            raise FetchFailed("tier_timeout" if isinstance(exc, TierTimeout) else "tier_unavailable", unavailable=True) from None
+        return Fetched(found.data, found.tier)
+
+    async def put(self, i: int, envelope: memoryview) -> None:
+        await self.store.tiers.put(self.keys[i], envelope)
+
+    async def integrity_failure(self, i: int, tier: str) -> None:
+        """A stored envelope failed authentication: audit it and drop every copy of it, so the
+        engine's recompute stores a good one."""
+        key, cap = self.keys[i], self.cap
+        self.store.audit.emit(
+            AuditEvent(
+                Actions.INTEGRITY_FAILURE,
+                outcome="failure",
+                actor=Actor(tenant=cap.tenant, token_id=cap.cap_id),
+                target=Target(
+                    tenant=cap.tenant, namespace=cap.namespace, chunk_count=1,
+                    chunk_digest=keys_digest([key]), tier_from=tier,
+                ),
+                details={"chunk_index": i},
+            )
+        )
+        try:
+            await self.store.tiers.delete(key)
+        except TierError:
+            pass
+
+    async def aclose(self) -> None:
+        return None
