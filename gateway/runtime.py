@@ -86,8 +86,9 @@ async def _gateway_secret(registry: Registry, kek: KekProvider, name: str) -> by
     context = lp("kvgate/secret/v1", name)
     stored = await registry.get_secret(name)
     if stored is None:
-        stored = await registry.put_secret_if_absent(name, kek.wrap(os.urandom(32), context), kek.key_id)
-    return kek.unwrap(stored[0], context)
+        wrapped = await asyncio.to_thread(kek.wrap, os.urandom(32), context)
+        stored = await registry.put_secret_if_absent(name, wrapped, kek.key_id)
+    return await asyncio.to_thread(kek.unwrap, stored[0], context)
 
 
 async def _tiers(settings: Settings) -> list[Tier]:

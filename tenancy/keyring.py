@@ -168,7 +168,8 @@ class Keyring:
         if rec is None or rec.state == "destroyed" or rec.wrapped_key is None:
             raise KeyUnavailable("key version unavailable")
         try:
-            dek = self._kek.unwrap(rec.wrapped_key, dek_context(tenant, version))
+            # a KMS or HSM call (up to seconds): in a worker thread, never on the event loop
+            dek = await asyncio.to_thread(self._kek.unwrap, rec.wrapped_key, dek_context(tenant, version))
         except Exception as exc:  # KekError or a provider outage: the chunk is a miss
             raise KeyUnavailable("key version could not be unwrapped") from exc
         self._remember(tenant, version, dek)
