@@ -86,7 +86,7 @@ class _Rewrapper:
         key_id_of = getattr(self.kek, "key_id_of", None)
         try:
             if key_id_of is not None:
-                return key_id_of(blob) == self.kek.key_id
+                return key_id_of(blob, context) == self.kek.key_id
             self.kek.unwrap(blob, context)
             return True
         except KekError:
