@@ -3,15 +3,21 @@
 - ``crypto.envelope``: ``ChunkCipher`` seals/opens chunk envelopes (format v1: HKDF per-envelope
   key from DEK || namespace binding secret and a random 256-bit salt, AES-256-GCM segments whose
   AAD binds tenant, namespace, storage key, model fingerprint and key version).
+- ``crypto.format``: the header, ``EnvelopeContext``, sizes; ``crypto.segments``: the key schedule
+  (``KeySchedule``) and the one segment loop (``SegmentPlan.segments``) every sealer uses.
+- ``crypto.contexts``: wrap contexts (``WrapContext``; ``dek_context``, ``ns_salt_context``,
+  ``secret_context``), the one definition of what a KEK binds a wrapped key to.
 - ``crypto.aead``: the ``Aead`` protocol (``seal_into``/``open_into`` into preallocated buffers)
   so a device implementation can be handed in, and ``CpuAesGcm`` over ``cryptography``.
-- ``crypto.kek``: the ``KekProvider`` protocol, ``LocalFileKek`` and ``Secret``.
+- ``crypto.kek``: the ``KekProvider`` protocol, ``LocalFileKek`` and ``Secret``;
+  ``crypto.kek_async``: ``AsyncKek``/``awrap``/``aunwrap``, provider calls in a worker thread.
 - ``crypto.errors``: the exception tree; every open/parse/auth failure is ``DecryptionFailed``.
 
 Imports nothing of the project; does no I/O at import time.
 """
 
 from crypto.aead import KEY_BYTES, NONCE_BYTES, TAG_BYTES, Aead, AeadFactory, CpuAesGcm
+from crypto.contexts import WrapContext, dek_context, ns_salt_context, secret_context
 from crypto.envelope import (
     DEFAULT_SEGMENT_BYTES,
     HEADER_BYTES,
@@ -32,6 +38,8 @@ from crypto.errors import (
     KeyUnavailable,
 )
 from crypto.kek import KekProvider, LocalFileKek, Secret
+from crypto.kek_async import AsyncKek, aunwrap, awrap
+from crypto.segments import KeySchedule, SegmentPlan
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -41,6 +49,7 @@ __all__ = [
     "TAG_BYTES",
     "Aead",
     "AeadFactory",
+    "AsyncKek",
     "ChunkCipher",
     "CpuAesGcm",
     "CryptoError",
@@ -51,11 +60,19 @@ __all__ = [
     "InvocationLimitReached",
     "KekError",
     "KekProvider",
+    "KeySchedule",
     "KeyUnavailable",
     "LocalFileKek",
     "Secret",
+    "SegmentPlan",
+    "WrapContext",
+    "aunwrap",
+    "awrap",
+    "dek_context",
     "envelope_size",
+    "ns_salt_context",
     "peek_key_version",
     "plaintext_length",
     "read_header",
+    "secret_context",
 ]

@@ -5,6 +5,9 @@ ciphertext crosses to the host (``to_host``) or back (``to_device``), so nothing
 device in plaintext (DESIGN section 2, point 1). crypto stays torch-free: the device buffer is any
 object whose slices the AEAD and the copy functions accept.
 
+Every function works from a ``crypto.segments.KeySchedule`` (the segment key and the plan) that
+``ChunkCipher`` makes; the segments come from ``SegmentPlan.segments``, as on the CPU.
+
 The fused variants (``seal_device_fused`` / ``open_device_fused``) hand every segment of an envelope
 to the device at once, as ``(start, end, nonce, aad)`` (plus the tag to open): the device gathers
 and encrypts the whole chunk in one pass (``kernels.triton_gcm.TritonAesGcm.gather_encrypt_``), and
@@ -14,55 +17,75 @@ on open checks every tag before it scatters anything. Same format, same bytes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from crypto.aead import TAG_BYTES
 from crypto.errors import DecryptionFailed, InvalidParameter
+from crypto.format import HEADER_BYTES, EnvelopeContext
+from crypto.segments import KeySchedule
 
-__all__ = ["open_device_fused", "open_device_into", "seal_device_fused", "seal_device_into"]
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+__all__ = [
+    "DeviceBuffer",
+    "DeviceSealing",
+    "InPlaceAead",
+    "OpenSegment",
+    "SealSegment",
+    "open_device_fused",
+    "open_device_into",
+    "seal_device_fused",
+    "seal_device_into",
+]
+
+SealSegment = tuple[int, int, bytes, bytes]
+"""``(start, end, nonce, aad)`` of one segment, as the fused device kernels take it."""
+OpenSegment = tuple[int, int, bytes, bytes, bytes]
+"""``(start, end, nonce, aad, tag)``."""
+
+
+class DeviceBuffer(Protocol):
+    """A device-resident byte buffer: all crypto does with it is slice it."""
+
+    def __getitem__(self, index: slice, /) -> Any: ...
+
+
+class InPlaceAead(Protocol):
+    """An AEAD that encrypts and decrypts a device buffer in place."""
+
+    def encrypt_(self, buf: Any, nonce: bytes, aad: bytes, /) -> bytes: ...
+
+    def decrypt_(self, buf: Any, nonce: bytes, aad: bytes, tag: bytes, /) -> object: ...
 
 
 def seal_device_into(
-    cipher: Any,
-    dek: bytes,
-    binding_secret: bytes,
-    ctx: Any,
-    plaintext: Any,
-    plaintext_len: int,
+    schedule: KeySchedule,
+    aead: InPlaceAead,
+    plaintext: DeviceBuffer,
     out: memoryview,
     *,
     to_host: Callable[[Any, memoryview], None],
-    segment_bytes: int | None = None,
 ) -> int:
-    """Encrypt ``plaintext`` (``plaintext_len`` bytes, sliceable) in place segment by segment and
-    copy each segment's ciphertext and tag into the host envelope ``out``; returns its size."""
-    from crypto.envelope import _SEGMENT_AAD, HEADER_BYTES, _nonce
-
-    seg = cipher._segment_size(segment_bytes)
-    key, header, prefix, count, size = cipher._begin(dek, binding_secret, ctx, plaintext_len, seg)
-    aead = cipher._aead_factory(key)
+    """Encrypt ``plaintext`` in place segment by segment and copy each segment's ciphertext and
+    tag into the host envelope ``out``; returns its size."""
+    plan = schedule.plan
+    size = plan.envelope_length
     if out.nbytes < size:
         raise InvalidParameter(f"out must hold {size} bytes, has {out.nbytes}")
-    out[:HEADER_BYTES] = header
-    src, dst = 0, HEADER_BYTES
-    for i in range(count):
-        n = min(seg, plaintext_len - src)
-        part = plaintext[src : src + n]
-        tag = aead.encrypt_(part, _nonce(i), prefix + _SEGMENT_AAD.pack(i, count))
-        to_host(part, out[dst : dst + n])
-        out[dst + n : dst + n + TAG_BYTES] = tag
-        src += n
-        dst += n + TAG_BYTES
+    out[:HEADER_BYTES] = plan.header_bytes
+    for s in plan.segments():
+        part = plaintext[s.start : s.end]
+        tag = aead.encrypt_(part, s.nonce, s.aad)
+        to_host(part, out[s.offset : s.tag_offset])
+        out[s.tag_offset : s.sealed_end] = tag
     return size
 
 
 def open_device_into(
-    cipher: Any,
-    dek: bytes,
-    binding_secret: bytes,
-    ctx: Any,
+    schedule: KeySchedule,
+    aead: InPlaceAead,
     envelope: memoryview,
-    out: Any,
+    out: DeviceBuffer,
     *,
     to_device: Callable[[memoryview, Any], None],
     zero: Callable[[Any], None],
@@ -70,107 +93,154 @@ def open_device_into(
     """Copy each segment's ciphertext into the device buffer ``out`` and decrypt it there, every
     tag checked before its segment is decrypted; on any failure all of ``out`` is zeroed and
     DecryptionFailed raised. Returns the plaintext length."""
-    from crypto.envelope import _SEGMENT_AAD, HEADER_BYTES, _nonce, read_header
-
-    header = read_header(envelope)
-    if header.key_version != ctx.key_version:
-        raise DecryptionFailed
-    key = cipher._segment_key(dek, binding_secret, header.salt)
-    aead = cipher._aead_factory(key)
-    prefix = bytes(envelope[:HEADER_BYTES]) + ctx.aad()
-    pt_len, seg, count = header.plaintext_length, header.segment_bytes, header.segment_count
-    src, dst = HEADER_BYTES, 0
     ok = True
     try:
-        for i in range(count):
-            n = min(seg, pt_len - dst)
-            part = out[dst : dst + n]
-            to_device(envelope[src : src + n], part)
-            aead.decrypt_(part, _nonce(i), prefix + _SEGMENT_AAD.pack(i, count), bytes(envelope[src + n : src + n + TAG_BYTES]))
-            src += n + TAG_BYTES
-            dst += n
-    except Exception:  # a bad tag (the AEAD's own error type) or a malformed segment
+        for s in schedule.plan.segments():
+            part = out[s.start : s.end]
+            to_device(envelope[s.offset : s.tag_offset], part)
+            aead.decrypt_(part, s.nonce, s.aad, bytes(envelope[s.tag_offset : s.sealed_end]))
+    except Exception:  # noqa: BLE001 -- a bad tag (the AEAD's own error type) or a malformed segment
         ok = False
     if not ok:
         zero(out)
         raise DecryptionFailed
-    return pt_len
+    return schedule.plan.plaintext_length
 
 
 def seal_device_fused(
-    cipher: Any,
-    dek: bytes,
-    binding_secret: bytes,
-    ctx: Any,
-    plaintext_len: int,
+    schedule: KeySchedule,
     out: memoryview,
     *,
-    encrypt: Callable[[bytes, list[tuple[int, int, bytes, bytes]]], list[bytes]],
+    encrypt: Callable[[bytes, list[SealSegment]], list[bytes]],
     to_host: Callable[[int, int, memoryview], None],
-    segment_bytes: int | None = None,
 ) -> int:
     """``encrypt(segment key, segments)`` produces the ciphertext of the whole chunk on the device
     and returns one tag per segment; ``to_host(start, end, dst)`` copies ciphertext bytes
     ``[start, end)`` into the envelope. Returns the envelope's size."""
-    from crypto.envelope import _SEGMENT_AAD, HEADER_BYTES, _nonce
-
-    seg = cipher._segment_size(segment_bytes)
-    key, header, prefix, count, size = cipher._begin(dek, binding_secret, ctx, plaintext_len, seg)
+    plan = schedule.plan
+    size = plan.envelope_length
     if out.nbytes < size:
         raise InvalidParameter(f"out must hold {size} bytes, has {out.nbytes}")
-    segments = [
-        (i * seg, min((i + 1) * seg, plaintext_len), _nonce(i), prefix + _SEGMENT_AAD.pack(i, count))
-        for i in range(count)
-    ]
-    tags = encrypt(key, segments)
-    out[:HEADER_BYTES] = header
-    dst = HEADER_BYTES
-    for (start, end, _, _), tag in zip(segments, tags, strict=True):
-        n = end - start
-        to_host(start, end, out[dst : dst + n])
-        out[dst + n : dst + n + TAG_BYTES] = tag
-        dst += n + TAG_BYTES
+    segments = list(plan.segments())
+    tags = encrypt(schedule.key, [(s.start, s.end, s.nonce, s.aad) for s in segments])
+    out[:HEADER_BYTES] = plan.header_bytes
+    for s, tag in zip(segments, tags, strict=True):
+        to_host(s.start, s.end, out[s.offset : s.tag_offset])
+        out[s.tag_offset : s.sealed_end] = tag
     return size
 
 
 def open_device_fused(
-    cipher: Any,
-    dek: bytes,
-    binding_secret: bytes,
-    ctx: Any,
+    schedule: KeySchedule,
     envelope: memoryview,
     *,
     to_device: Callable[[memoryview, int, int], None],
-    decrypt: Callable[[bytes, list[tuple[int, int, bytes, bytes, bytes]]], None],
+    decrypt: Callable[[bytes, list[OpenSegment]], None],
 ) -> int:
     """Copy each segment's ciphertext to the device (``to_device(src, start, end)``), then
     ``decrypt(segment key, segments with tags)``, which checks every tag before it writes anything.
     Any failure raises DecryptionFailed. Returns the plaintext length."""
-    from crypto.envelope import _SEGMENT_AAD, HEADER_BYTES, _nonce, read_header
-
     try:
-        header = read_header(envelope)
-        if header.key_version != ctx.key_version:
-            raise DecryptionFailed
-        key = cipher._segment_key(dek, binding_secret, header.salt)
-        prefix = bytes(envelope[:HEADER_BYTES]) + ctx.aad()
-        pt_len, seg, count = header.plaintext_length, header.segment_bytes, header.segment_count
-        segments = []
-        src = HEADER_BYTES
-        for i in range(count):
-            start, end = i * seg, min((i + 1) * seg, pt_len)
-            n = end - start
-            to_device(envelope[src : src + n], start, end)
-            tag = bytes(envelope[src + n : src + n + TAG_BYTES])
-            segments.append((start, end, _nonce(i), prefix + _SEGMENT_AAD.pack(i, count), tag))
-            src += n + TAG_BYTES
-        decrypt(key, segments)
+        segments: list[OpenSegment] = []
+        for s in schedule.plan.segments():
+            to_device(envelope[s.offset : s.tag_offset], s.start, s.end)
+            segments.append((s.start, s.end, s.nonce, s.aad, bytes(envelope[s.tag_offset : s.sealed_end])))
+        decrypt(schedule.key, segments)
     except DecryptionFailed:
         raise
-    except Exception:  # a bad tag (the device AEAD's own error type) or a malformed envelope
+    except Exception:  # noqa: BLE001 -- a bad tag (the device AEAD's own error type) or a malformed envelope
         ok = False
     else:
         ok = True
     if not ok:
         raise DecryptionFailed
-    return pt_len
+    return schedule.plan.plaintext_length
+
+
+class _Cipher(Protocol):
+    """What the device methods need of ``ChunkCipher``: its public key schedules and factory."""
+
+    @property
+    def aead_factory(self) -> Callable[[bytes], Any]: ...
+
+    def seal_schedule(
+        self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, plaintext_len: int,
+        segment_bytes: int | None = None,
+    ) -> KeySchedule: ...
+
+    def open_schedule(self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule: ...
+
+
+class DeviceSealing:
+    """``ChunkCipher``'s methods for a plaintext on a device (a mixin over its public schedules)."""
+
+    __slots__ = ()
+
+    def seal_device_into(
+        self: _Cipher,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        plaintext: DeviceBuffer,
+        plaintext_len: int,
+        out: memoryview,
+        *,
+        to_host: Callable[[Any, memoryview], None],
+        segment_bytes: int | None = None,
+    ) -> int:
+        """Seal a device-resident plaintext in place with an in-place AEAD (the cipher's factory)."""
+        sched = self.seal_schedule(dek, binding_secret, ctx, plaintext_len, segment_bytes)
+        aead: InPlaceAead = self.aead_factory(sched.key)  # the factory makes an in-place device AEAD
+        return seal_device_into(sched, aead, plaintext, out, to_host=to_host)
+
+    def open_device_into(
+        self: _Cipher,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        envelope: memoryview,
+        out: DeviceBuffer,
+        *,
+        to_device: Callable[[memoryview, Any], None],
+        zero: Callable[[Any], None],
+    ) -> int:
+        """Open an envelope into a device buffer, decrypting there (``out`` zeroed on failure)."""
+        sched = self.open_schedule(dek, binding_secret, ctx, envelope)
+        aead: InPlaceAead = self.aead_factory(sched.key)  # the factory makes an in-place device AEAD
+        return open_device_into(sched, aead, envelope, out, to_device=to_device, zero=zero)
+
+    def seal_device_fused(
+        self: _Cipher,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        plaintext_len: int,
+        out: memoryview,
+        *,
+        encrypt: Callable[[bytes, list[SealSegment]], list[bytes]],
+        to_host: Callable[[int, int, memoryview], None],
+        segment_bytes: int | None = None,
+    ) -> int:
+        """Seal a chunk the device gathers and encrypts in one pass."""
+        sched = self.seal_schedule(dek, binding_secret, ctx, plaintext_len, segment_bytes)
+        return seal_device_fused(sched, out, encrypt=encrypt, to_host=to_host)
+
+    def open_device_fused(
+        self: _Cipher,
+        dek: bytes,
+        binding_secret: bytes,
+        ctx: EnvelopeContext,
+        envelope: memoryview,
+        *,
+        to_device: Callable[[memoryview, int, int], None],
+        decrypt: Callable[[bytes, list[OpenSegment]], None],
+    ) -> int:
+        """Open an envelope the device checks whole, then decrypts and scatters. Any failure,
+        a malformed key included, is DecryptionFailed."""
+        try:
+            sched: KeySchedule | None = self.open_schedule(dek, binding_secret, ctx, envelope)
+        except Exception:  # noqa: BLE001 -- as before the split: nothing but DecryptionFailed leaves here
+            sched = None
+        if sched is None:
+            raise DecryptionFailed
+        return open_device_fused(sched, envelope, to_device=to_device, decrypt=decrypt)

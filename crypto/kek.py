@@ -1,8 +1,10 @@
 """Key-encryption-key (KEK) providers, and ``Secret``, a holder for key material.
 
 ``KekProvider`` is the narrow interface the key hierarchy needs: wrap a data key (DEK) under the
-KEK with a caller-chosen context bound as AAD (the caller binds tenant and key version), unwrap it,
-and report health. ``LocalFileKek`` is the development provider: a 32-byte random key in a file.
+KEK with a caller-chosen context bound as AAD (a ``crypto.contexts.WrapContext``: purpose and
+fields, e.g. tenant and key version; raw bytes are accepted too), unwrap it, report health, tell
+which KEK wrapped a blob (``key_id_of``) and let go of sessions (``close``). The methods block (an
+HSM or KMS round trip); ``crypto.kek_async`` runs them in a worker thread for an event loop. ``LocalFileKek`` is the development provider: a 32-byte random key in a file.
 Production providers (PKCS#11 HSM, cloud KMS) implement the same protocol.
 
 ``LocalFileKek`` file handling:
@@ -33,9 +35,10 @@ from typing import NoReturn, Protocol
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from crypto.contexts import ContextLike, WrapContext, context_bytes
 from crypto.errors import KekError
 
-__all__ = ["KekProvider", "LocalFileKek", "Secret"]
+__all__ = ["KekProvider", "LocalFileKek", "Secret", "check_context"]
 
 _KEY_BYTES = 32
 _NONCE_BYTES = 12
@@ -89,17 +92,34 @@ class KekProvider(Protocol):
         """A stable, non-secret identifier of the KEK (stored next to wrapped keys)."""
         ...
 
-    def wrap(self, plaintext_key: bytes, context: bytes) -> bytes:
+    def wrap(self, plaintext_key: bytes, context: ContextLike) -> bytes:
         """Encrypt ``plaintext_key`` bound to ``context``; ``KekError`` on failure."""
         ...
 
-    def unwrap(self, wrapped: bytes, context: bytes) -> bytes:
+    def unwrap(self, wrapped: bytes, context: ContextLike) -> bytes:
         """Recover a key wrapped under the same ``context``; ``KekError`` on any failure."""
+        ...
+
+    def key_id_of(self, wrapped: bytes, context: ContextLike | None = None) -> str | None:
+        """The key id of the KEK that wrapped ``wrapped``, if this provider can tell: HSM and KMS
+        blobs name their key (``KekError`` if malformed); a blob that does not is this KEK's when
+        it unwraps under ``context`` (given), else None."""
         ...
 
     def health(self) -> None:
         """Return if the provider can wrap and unwrap now; raise ``KekError`` otherwise."""
         ...
+
+    def close(self) -> None:
+        """Release sessions and clients (idempotent); the provider is not used afterwards."""
+        ...
+
+
+def check_context(context: object) -> bytes:
+    """The bytes of a wrap context (``WrapContext`` or bytes); ``KekError`` for anything else."""
+    if not isinstance(context, (bytes, bytearray, WrapContext)):
+        raise KekError("context must be a WrapContext or bytes")
+    return context_bytes(context)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -167,6 +187,7 @@ class LocalFileKek:
     def __init__(self, path: Path, *, create: bool = True) -> None:
         self._path = Path(path)
         self._key = Secret(self._load(create))
+        self._closed = False
         digest = sha256(b"kvgate/kek-id/v1" + self._key.reveal()).hexdigest()
         self._key_id = f"local:{digest[:16]}"
 
@@ -195,22 +216,25 @@ class LocalFileKek:
     def __repr__(self) -> str:
         return f"LocalFileKek(path={str(self._path)!r}, key_id={self._key_id!r})"
 
-    def wrap(self, plaintext_key: bytes, context: bytes) -> bytes:
+    def _secret(self) -> bytes:
+        if self._closed:
+            raise KekError(f"KEK {self._key_id} is closed")
+        return self._key.reveal()
+
+    def wrap(self, plaintext_key: bytes, context: ContextLike) -> bytes:
         if not isinstance(plaintext_key, (bytes, bytearray)) or not plaintext_key:
             raise KekError("plaintext_key must be non-empty bytes")
         if len(plaintext_key) > _MAX_WRAPPED_KEY:
             raise KekError(f"plaintext_key must be at most {_MAX_WRAPPED_KEY} bytes")
-        if not isinstance(context, (bytes, bytearray)):
-            raise KekError("context must be bytes")
+        aad = check_context(context)
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        sealed = AESGCM(self._key.reveal()).encrypt(nonce, bytes(plaintext_key), bytes(context))
+        sealed = AESGCM(self._secret()).encrypt(nonce, bytes(plaintext_key), aad)
         return bytes([_WRAP_VERSION]) + nonce + sealed
 
-    def unwrap(self, wrapped: bytes, context: bytes) -> bytes:
-        if not isinstance(wrapped, (bytes, bytearray)) or not isinstance(
-            context, (bytes, bytearray)
-        ):
-            raise KekError("wrapped and context must be bytes")
+    def unwrap(self, wrapped: bytes, context: ContextLike) -> bytes:
+        if not isinstance(wrapped, (bytes, bytearray)):
+            raise KekError("wrapped must be bytes")
+        aad = check_context(context)
         header = 1 + _NONCE_BYTES
         if (
             len(wrapped) <= header + _TAG_BYTES
@@ -221,10 +245,25 @@ class LocalFileKek:
             self._unwrap_failed()
         nonce, sealed = bytes(wrapped[1:header]), bytes(wrapped[header:])
         try:
-            return AESGCM(self._key.reveal()).decrypt(nonce, sealed, bytes(context))
+            return AESGCM(self._secret()).decrypt(nonce, sealed, aad)
         except InvalidTag:
             pass
         self._unwrap_failed()
+
+    def key_id_of(self, wrapped: bytes, context: ContextLike | None = None) -> str | None:
+        """This KEK's id if ``wrapped`` unwraps under ``context``; None otherwise (the blob does not
+        name its KEK, so without a context this provider cannot tell)."""
+        if context is None:
+            return None
+        try:
+            self.unwrap(wrapped, context)
+        except KekError:
+            return None
+        return self._key_id
+
+    def close(self) -> None:
+        """Stop serving: later calls raise ``KekError`` (the key bytes go with the object)."""
+        self._closed = True
 
     def _unwrap_failed(self) -> NoReturn:
         raise KekError(f"unwrap failed under KEK {self._key_id} (wrong key, context or data)")
@@ -236,7 +275,7 @@ class LocalFileKek:
             on_disk = _read_key_file(self._path)
         except FileNotFoundError:
             raise KekError(f"KEK file {self._path} has disappeared") from None
-        if not hmac.compare_digest(on_disk, self._key.reveal()):
+        if not hmac.compare_digest(on_disk, self._secret()):
             raise KekError(f"KEK file {self._path} changed since it was loaded")
         probe = secrets.token_bytes(_KEY_BYTES)
         if self.unwrap(self.wrap(probe, _HEALTH_CONTEXT), _HEALTH_CONTEXT) != probe:

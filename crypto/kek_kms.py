@@ -5,8 +5,9 @@ KMS. The caller's context (which binds tenant and key version) goes into the KMS
 context*, as the AWS Encryption SDK does: KMS authenticates it with the ciphertext, records it in
 CloudTrail, and refuses to decrypt under any other context. The encryption context carries the
 whole context (``kvgate:ctx``, base64url) and, for the contexts kvgate uses, readable copies of
-its fields (``kvgate:purpose``, ``kvgate:tenant``, ``kvgate:key-version`` ...) so an auditor
-reading CloudTrail sees which tenant's key was unwrapped.
+its fields (``kvgate:purpose``, ``kvgate:tenant``, ``kvgate:key-version`` ..., from the typed
+``crypto.contexts.WrapContext``) so an auditor reading CloudTrail sees which tenant's key was
+unwrapped.
 
 Wrapped format v1 (the key ARN travels with the blob; ``Decrypt`` is always called with that
 ``KeyId``, and only the configured key and the ``previous_key_ids`` are accepted, the Encryption
@@ -37,59 +38,28 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from crypto.contexts import ContextLike, WrapContext, context_bytes
 from crypto.errors import KekError
+from crypto.kek import check_context
 
 __all__ = ["KmsKek", "encryption_context"]
 
 _VERSION = 1
 _MAX_KEY_BYTES = 1024
 _HEALTH_CONTEXT = b"kvgate/kek/health"
-# The contexts kvgate builds (tenancy.namespaces.lp fields), for readable encryption-context copies.
-_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
-    "kvgate/dek/v1": (("tenant", str), ("key-version", int)),
-    "kvgate/ns-salt/v1": (("tenant", str), ("namespace", str), ("epoch", int)),
-    "kvgate/secret/v1": (("secret", str),),
-}
 _CONNECTION_ERRORS = ("EndpointConnectionError", "ConnectTimeoutError", "ReadTimeoutError", "ConnectionClosedError")
 
 
-def _split_lp(context: bytes) -> list[bytes] | None:
-    parts, i = [], 0
-    while i < len(context):
-        if i + 4 > len(context):
-            return None
-        (n,) = struct.unpack_from(">I", context, i)
-        if i + 4 + n > len(context):
-            return None
-        parts.append(context[i + 4 : i + 4 + n])
-        i += 4 + n
-    return parts
-
-
-def encryption_context(context: bytes) -> dict[str, str]:
-    """The KMS encryption context for a wrap context: the whole context, plus readable fields."""
-    out = {"kvgate:ctx": base64.urlsafe_b64encode(bytes(context)).decode("ascii")}
-    parts = _split_lp(bytes(context))
-    if not parts:
+def encryption_context(context: ContextLike) -> dict[str, str]:
+    """The KMS encryption context for a wrap context: the whole context (``kvgate:ctx``), plus
+    its purpose and fields in readable form when it is one of kvgate's (``crypto.contexts``)."""
+    typed = context if isinstance(context, WrapContext) else WrapContext.decode(context_bytes(context))
+    raw = typed.encode() if typed is not None else context_bytes(context)
+    out = {"kvgate:ctx": base64.urlsafe_b64encode(raw).decode("ascii")}
+    if typed is None:
         return out
-    try:
-        purpose = parts[0].decode("utf-8")
-    except UnicodeDecodeError:
-        return out
-    fields = _FIELDS.get(purpose)
-    if fields is None or len(parts) != len(fields) + 1:
-        return out
-    readable = {"kvgate:purpose": purpose}
-    for (name, kind), raw in zip(fields, parts[1:]):
-        if kind is int:
-            if len(raw) != 8:
-                return out
-            readable[f"kvgate:{name}"] = str(int.from_bytes(raw, "big"))
-        else:
-            try:
-                readable[f"kvgate:{name}"] = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                return out
+    readable = {"kvgate:purpose": typed.purpose.label}
+    readable.update({f"kvgate:{name}": value for name, value in typed.fields().items()})
     return out | readable
 
 
@@ -109,6 +79,8 @@ class KmsKek:
         timeout_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        self._owns_client = client is None
+        self._closed = False
         self._client = client if client is not None else self._make_client(region, endpoint_url, timeout_s)
         self._endpoint = endpoint_url
         self._state_ttl = state_ttl_s
@@ -155,6 +127,8 @@ class KmsKek:
         circuit so a dead endpoint fails fast)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
+        if self._closed:
+            raise KekError(f"KEK {self.key_id} is closed")
         if self._clock() < self._down_until:
             raise KekError("KMS is unreachable (retrying shortly)")
         try:
@@ -190,11 +164,10 @@ class KmsKek:
             self._state_until[arn] = now + self._state_ttl
 
     # -- KekProvider -------------------------------------------------------------------------------
-    def wrap(self, plaintext_key: bytes, context: bytes) -> bytes:
+    def wrap(self, plaintext_key: bytes, context: ContextLike) -> bytes:
         if not isinstance(plaintext_key, (bytes, bytearray)) or not 0 < len(plaintext_key) <= _MAX_KEY_BYTES:
             raise KekError(f"plaintext_key must be 1 to {_MAX_KEY_BYTES} bytes")
-        if not isinstance(context, (bytes, bytearray)):
-            raise KekError("context must be bytes")
+        check_context(context)
         self._check_state(self._arn)
         res = self._request(
             "Encrypt",
@@ -202,7 +175,7 @@ class KmsKek:
                 KeyId=self._arn, Plaintext=bytes(plaintext_key), EncryptionContext=encryption_context(context)
             ),
         )
-        blob = res["CiphertextBlob"]
+        blob = bytes(res["CiphertextBlob"])
         return bytes([_VERSION]) + struct.pack(">H", len(self._arn_bytes)) + self._arn_bytes + blob
 
     def _parse(self, wrapped: bytes) -> tuple[str, bytes]:
@@ -217,13 +190,13 @@ class KmsKek:
             self._failed()
         return arn, bytes(wrapped[3 + n :])
 
-    def key_id_of(self, wrapped: bytes) -> str:
-        """The key id of the KMS key that wrapped ``wrapped`` (``KekError`` if malformed)."""
+    def key_id_of(self, wrapped: bytes, context: ContextLike | None = None) -> str:
+        """The key id of the KMS key that wrapped ``wrapped`` (named in the blob; ``context`` is
+        not needed; ``KekError`` if malformed)."""
         return f"kms:{self._parse(wrapped)[0]}"
 
-    def unwrap(self, wrapped: bytes, context: bytes) -> bytes:
-        if not isinstance(context, (bytes, bytearray)):
-            raise KekError("context must be bytes")
+    def unwrap(self, wrapped: bytes, context: ContextLike) -> bytes:
+        check_context(context)
         arn, blob = self._parse(wrapped)
         if arn not in self._allowed:
             raise KekError(f"wrapped under KMS key {arn}, which is neither the KEK nor a previous one")
@@ -240,6 +213,16 @@ class KmsKek:
 
     def _failed(self) -> NoReturn:
         raise KekError(f"unwrap failed under KEK {self.key_id} (wrong key, context or data)")
+
+    def close(self) -> None:
+        """Stop serving (later calls raise ``KekError``) and close the boto3 client if this
+        provider made it (one handed in belongs to the caller). Idempotent."""
+        self._closed = True
+        if self._owns_client:
+            self._owns_client = False
+            close = getattr(self._client, "close", None)
+            if close is not None:
+                close()
 
     def health(self) -> None:
         probe = os.urandom(32)

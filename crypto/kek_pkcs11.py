@@ -39,8 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
+from crypto.contexts import ContextLike
 from crypto.errors import KekError
-from crypto.kek import Secret
+from crypto.kek import Secret, check_context
 
 __all__ = ["Pkcs11Kek", "generate_pkcs11_kek"]
 
@@ -319,16 +320,15 @@ class Pkcs11Kek:
         raise lost
 
     # -- KekProvider -----------------------------------------------------------------------------
-    def wrap(self, plaintext_key: bytes, context: bytes) -> bytes:
+    def wrap(self, plaintext_key: bytes, context: ContextLike) -> bytes:
         if not isinstance(plaintext_key, (bytes, bytearray)) or not 0 < len(plaintext_key) <= _MAX_KEY_BYTES:
             raise KekError(f"plaintext_key must be 1 to {_MAX_KEY_BYTES} bytes")
-        if not isinstance(context, (bytes, bytearray)):
-            raise KekError("context must be bytes")
+        aad = check_context(context)
         from pkcs11 import Mechanism
         from pkcs11.mechanisms import GCMParams
 
         nonce = secrets.token_bytes(_NONCE_BYTES)
-        params = GCMParams(nonce, bytes(context), _TAG_BYTES * 8)
+        params = GCMParams(nonce, aad, _TAG_BYTES * 8)
         sealed = self._call(
             self._label, lambda k: k.encrypt(bytes(plaintext_key), mechanism=Mechanism.AES_GCM, mechanism_param=params)
         )
@@ -347,18 +347,18 @@ class Pkcs11Kek:
             self._failed()
         return label, bytes(wrapped[2 + n : start]), bytes(wrapped[start:])
 
-    def key_id_of(self, wrapped: bytes) -> str:
-        """The key id of the KEK version that wrapped ``wrapped`` (``KekError`` if malformed)."""
+    def key_id_of(self, wrapped: bytes, context: ContextLike | None = None) -> str:
+        """The key id of the KEK version that wrapped ``wrapped`` (named in the blob; ``context``
+        is not needed; ``KekError`` if malformed)."""
         return f"pkcs11:{self._token_label}/{self._parse(wrapped)[0]}"
 
-    def unwrap(self, wrapped: bytes, context: bytes) -> bytes:
-        if not isinstance(context, (bytes, bytearray)):
-            raise KekError("context must be bytes")
+    def unwrap(self, wrapped: bytes, context: ContextLike) -> bytes:
+        aad = check_context(context)
         label, nonce, sealed = self._parse(wrapped)
         from pkcs11 import Mechanism
         from pkcs11.mechanisms import GCMParams
 
-        params = GCMParams(nonce, bytes(context), _TAG_BYTES * 8)
+        params = GCMParams(nonce, aad, _TAG_BYTES * 8)
         return bytes(self._call(label, lambda k: k.decrypt(sealed, mechanism=Mechanism.AES_GCM, mechanism_param=params)))
 
     def _failed(self) -> NoReturn:

@@ -2,7 +2,7 @@
 
 What is rewrapped, in this order, each row in its own small conditional UPDATE:
 
-1. data keys (``kv_data_keys.wrapped_key``, context ``lp("kvgate/dek/v1", tenant, version)``);
+1. data keys (``kv_data_keys.wrapped_key``, context ``crypto.contexts.dek_context(tenant, version)``);
 2. gateway secrets (``kv_secrets``: the namespace master secret, the capability key);
 3. namespace epoch salts (``kv_namespaces.wrapped_salt``).
 
@@ -32,12 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from audit.types import Actions, Actor, AuditEvent, AuditSink, record_durably
+from crypto.contexts import dek_context, ns_salt_context, secret_context
 from crypto.errors import KekError
 from crypto.kek import KekProvider, LocalFileKek
-from tenancy.keyring import dek_context
-from tenancy.namespaces import lp
 from tenancy.registry import Registry
 from tenancy.rewrap import RewrapQueries
 
@@ -67,14 +65,6 @@ class RotationReport:
         return not self.failed
 
 
-def salt_context(tenant: str, namespace: str, epoch: int) -> bytes:
-    return lp("kvgate/ns-salt/v1", tenant, namespace, epoch)  # as gateway.core.Gateway._salt_context
-
-
-def secret_context(name: str) -> bytes:
-    return lp("kvgate/secret/v1", name)  # as gateway.runtime._gateway_secret
-
-
 class _Rewrapper:
     """Unwraps with whichever provider can, wraps with the new KEK (synchronous provider calls)."""
 
@@ -86,7 +76,7 @@ class _Rewrapper:
         key_id_of = getattr(self.kek, "key_id_of", None)
         try:
             if key_id_of is not None:
-                return key_id_of(blob) == self.kek.key_id
+                return key_id_of(blob, context) == self.kek.key_id
             self.kek.unwrap(blob, context)
             return True
         except KekError:
@@ -185,7 +175,7 @@ async def _rotate_salts(rows: RewrapQueries, rw: _Rewrapper, report: RotationRep
         def work(page: list[Any] = page) -> list[tuple[Any, bytes]]:
             todo = []
             for r in page:
-                context = salt_context(r.tenant_id, r.name, r.epoch)
+                context = ns_salt_context(r.tenant_id, r.name, r.epoch)
                 if rw.is_current(r.wrapped_salt, context):
                     report.already_current += 1
                     continue

@@ -19,20 +19,16 @@ import hashlib
 import os
 from collections.abc import Sequence
 
+from crypto.contexts import ns_salt_context
 from crypto.kek import KekProvider
 from gateway.errors import TenantUnavailable
 from storage.types import ChunkKey
-from tenancy.namespaces import NamespaceDeriver, NamespaceKeys, lp
+from tenancy.namespaces import NamespaceDeriver, NamespaceKeys
 from tenancy.registry import Registry, TenantDisabled, UnknownTenant
 
-__all__ = ["NamespaceResolver", "keys_digest", "ns_salt_context"]
+__all__ = ["NamespaceResolver", "keys_digest"]
 
 _Key = tuple[str, str]
-
-
-def ns_salt_context(tenant: str, namespace: str, epoch: int) -> bytes:
-    """The KEK wrap context of a namespace epoch's salt."""
-    return lp("kvgate/ns-salt/v1", tenant, namespace, epoch)
 
 
 def keys_digest(keys: Sequence[ChunkKey]) -> str:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from audit.checkpointer import Checkpointer
 from audit.signing import AuditSigner
 from audit.writer import AuditWriter
+from crypto.contexts import secret_context
 from crypto.kek import KekProvider, LocalFileKek
 from gateway.access import Access
 from gateway.admin import Admin
@@ -39,7 +40,7 @@ from storage.manager import TierManager
 from storage.memory import MemoryTier
 from tenancy.capabilities import CapabilityAuthority, RevocationList
 from tenancy.keyring import Keyring
-from tenancy.namespaces import NamespaceDeriver, lp
+from tenancy.namespaces import NamespaceDeriver
 from tenancy.registry import Registry
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def make_kek(settings: Settings) -> KekProvider:
 
 
 async def _gateway_secret(registry: Registry, kek: KekProvider, name: str) -> bytes:
-    context = lp("kvgate/secret/v1", name)
+    context = secret_context(name)
     stored = await registry.get_secret(name)
     if stored is None:
         wrapped = await asyncio.to_thread(kek.wrap, os.urandom(32), context)

@@ -24,18 +24,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from crypto.contexts import dek_context
 from crypto.errors import KeyUnavailable
 from crypto.kek import KekProvider
-from tenancy.namespaces import lp
 from tenancy.registry import Registry
 
-__all__ = ["Keyring", "DEFAULT_INVOCATION_LIMIT"]
+__all__ = ["DEFAULT_INVOCATION_LIMIT", "Keyring", "dek_context"]
 
 DEFAULT_INVOCATION_LIMIT = 2**32
-
-
-def dek_context(tenant: str, version: int) -> bytes:
-    return lp("kvgate/dek/v1", tenant, version)
 
 
 @dataclass(slots=True)

@@ -20,27 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import struct
 from dataclasses import dataclass, field
 
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-__all__ = ["lp", "NamespaceKeys", "NamespaceDeriver"]
+from crypto.contexts import lp
 
-
-def lp(*parts: str | bytes | int) -> bytes:
-    """Length-prefixed canonical encoding: no two different field lists encode alike."""
-    out = bytearray()
-    for part in parts:
-        if isinstance(part, int):
-            raw = struct.pack(">Q", part)
-        elif isinstance(part, str):
-            raw = part.encode("utf-8")
-        else:
-            raw = bytes(part)
-        out += struct.pack(">I", len(raw)) + raw
-    return bytes(out)
+__all__ = ["NamespaceDeriver", "NamespaceKeys", "lp"]
 
 
 def _hkdf(ikm: bytes, salt: bytes | None, info: bytes) -> bytes:

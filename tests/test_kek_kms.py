@@ -209,3 +209,34 @@ async def test_audit_checkpoints_and_manifests_are_signed_by_kms(kms: dict, tmp_
     with pytest.raises(AuditKeyError, match="SIGN_VERIFY"):
         async with gateway_runtime(tmp_path / "state2", **(settings | {"audit_kms_key_id": kek_arn})):
             pass
+
+
+def test_keys_wrapped_under_raw_contexts_unwrap_under_typed_ones(kms: dict) -> None:
+    """Keys wrapped before crypto.contexts (raw lp bytes) carry the same encryption context."""
+    from crypto.contexts import lp, ns_salt_context
+
+    kek = _kek(kms, _key(kms))
+    typed = ns_salt_context("acme", "chat", 3)
+    old = kek.wrap(b"s" * 32, lp("kvgate/ns-salt/v1", "acme", "chat", 3))
+    assert kek.unwrap(old, typed) == b"s" * 32
+    assert kek.unwrap(kek.wrap(b"t" * 32, typed), typed.encode()) == b"t" * 32
+    with pytest.raises(KekError):
+        kek.unwrap(old, ns_salt_context("acme", "chat", 4))
+    assert kek.key_id_of(old, typed) == kek.key_id_of(old) == kek.key_id
+
+
+def test_close_stops_the_provider(kms: dict) -> None:
+    kek = _kek(kms, _key(kms))
+    wrapped = kek.wrap(b"k" * 32, dek_context("acme", 1))
+    kek.close()
+    kek.close()  # idempotent
+    with pytest.raises(KekError, match="closed"):
+        kek.unwrap(wrapped, dek_context("acme", 1))
+    with pytest.raises(KekError, match="closed"):
+        kek.health()
+    # a client handed in belongs to the caller: closing the provider leaves it usable
+    from crypto.kek_kms import KmsKek
+
+    shared = KmsKek(kek.key_version, client=kms["client"])
+    shared.close()
+    assert kms["client"].describe_key(KeyId=kek.key_version)["KeyMetadata"]["Arn"] == kek.key_version

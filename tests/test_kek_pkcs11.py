@@ -121,6 +121,21 @@ def test_wrap_unwrap_round_trip(hsm: dict) -> None:
     assert TOKENS["kvgate-main"] not in repr(kek) and "hidden" in repr(kek)
 
 
+def test_typed_contexts_and_close(hsm: dict) -> None:
+    from crypto.contexts import dek_context, lp
+
+    kek = _kek(hsm)
+    ctx = dek_context("acme", 7)
+    old = kek.wrap(b"k" * 32, lp("kvgate/dek/v1", "acme", 7))  # as tenancy wrapped before crypto.contexts
+    assert kek.unwrap(old, ctx) == b"k" * 32
+    assert kek.unwrap(kek.wrap(b"j" * 32, ctx), ctx.encode()) == b"j" * 32
+    with pytest.raises(KekError):
+        kek.unwrap(old, dek_context("acme", 8))
+    assert kek.key_id_of(old, ctx) == kek.key_id_of(old) == kek.key_id
+    kek.close()
+    kek.close()  # idempotent
+
+
 def test_kek_cannot_be_read_out_of_the_token(hsm: dict) -> None:
     import pkcs11
     from pkcs11 import Attribute, KeyType, ObjectClass
