@@ -23,10 +23,11 @@ from sqlalchemy import func, insert, select
 
 from audit.models import audit_events
 from audit.types import AuditEvent
+from crypto.contexts import ns_salt_context as salt_context
 from crypto.errors import KekError, KeyUnavailable
 from crypto.kek import LocalFileKek
 from gateway.config import Settings
-from gateway.kekrotate import ROTATE_ACTION, rotate_kek, salt_context
+from gateway.kekrotate import ROTATE_ACTION, rotate_kek
 from tenancy.keyring import Keyring, dek_context
 from tenancy.models import DataKey, Tenant
 from tenancy.registry import Registry
