@@ -1,6 +1,6 @@
 """Plots and the Markdown report of a `kvgate bench` JSON file.
 
-    python -m gateway.bench_plots bench-results/bench.json --out bench-results [--docs docs]
+    python -m gateway.bench.plots bench-results/bench.json --out bench-results [--docs docs]
 
 Writes ``throughput.png``, ``concurrency.png``, ``lmcache.png``, ``attack.png`` and ``bench.md`` to
 ``--out``; with ``--docs``, also the PNGs to ``docs/img/`` (small, for the README) and
@@ -117,17 +117,21 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
             f"Made by `{command}` on {m.get('platform', '?')}, {m.get('cpus', '?')} CPUs, Python {m.get('python', '?')}, "
             f"torch {m.get('torch', '?')}; medians of {data.get('reps', '?')} repetitions. Every figure stands beside a "
             "ceiling measured in the same run on the same bytes (AES-256-GCM `encrypt_into`, memory copy, raw redis-py, "
-            "a raw loopback socket)."
+            "a raw loopback socket). Encrypted memory-tier results also stand beside `single_pass` = "
+            "min(AES-256-GCM, memory copy) over the same bytes and threads: one pass over the bytes with the "
+            "encryption fused into it."
         ), "",
         "### Throughput", "",
-        "| op | tier | encrypted | chunk | threads | GB/s | ceiling | ceiling GB/s | fraction |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | tier | encrypted | chunk | threads | GB/s | ceiling | ceiling GB/s | fraction | single_pass GB/s | vs single_pass |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["results"]:
         c = r["ceiling"]
         frac = r["gbps"] / c["gbps"] if c["gbps"] else 0.0
+        sp = r.get("single_pass")
+        sp_cols = f"{sp['gbps']:.2f} | {sp['ratio']:.2f}" if sp else " | "
         lines.append(f"| {r['op']} | {r['tier']} | {'yes' if r['encrypted'] else 'no'} | {_mib(r['chunk_bytes'])} | "
-                     f"{r['threads']} | {r['gbps']:.2f} | {c['name']} | {c['gbps']:.2f} | {frac:.2f} |")
+                     f"{r['threads']} | {r['gbps']:.2f} | {c['name']} | {c['gbps']:.2f} | {frac:.2f} | {sp_cols} |")
     lines += ["", f"![throughput]({img_prefix}throughput.png)", "", "### Lookup latency (32K-token prefix, 128 chunks)", "",
               "| tier | p50 ms | p99 ms |", "| --- | --- | --- |"]
     for t, v in data.get("latency", {}).get("lookup_ms_by_tier", {}).items():
@@ -151,9 +155,11 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
                        "its `fs` store time runs until its background L2 write completes; buffered `fs` loads may be served "
                        "from the page cache, `fs-odirect` is not; kvgate's disk tier writes with fsync. kvgate encrypts "
                        "with AES-256-GCM everywhere; LMCache's `aesgcm` serde (AES-256 here) covers L2 only."), "",
-                  "| figure | kvgate GB/s | LMCache GB/s | ratio |", "| --- | --- | --- | --- |"]
+                  "| figure | kvgate GB/s | LMCache GB/s | ratio | single_pass GB/s |", "| --- | --- | --- | --- | --- |"]
         for c in data.get("comparisons", []):
-            lines.append(f"| {c['figure']} | {c['kvgate']:.2f} | {c['peer_value']:.2f} | {c['ratio']:.2f} |")
+            sp = c.get("single_pass_gbps")
+            lines.append(f"| {c['figure']} | {c['kvgate']:.2f} | {c['peer_value']:.2f} | {c['ratio']:.2f} | "
+                         f"{'' if sp is None else f'{sp:.2f}'} |")
         lines += ["", f"![lmcache]({img_prefix}lmcache.png)"]
     att = data.get("attacks") or []
     if att:
