@@ -136,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--redis", default="", help="host:port of a Redis server (skip when empty)")
     ap.add_argument("--tiers", nargs="+", default=["memory", "disk", "redis"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the copies (kvgate's figures: 1)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     import lmcache
 
     work = tempfile.mkdtemp(prefix="lmcache-bench-")

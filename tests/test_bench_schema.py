@@ -89,6 +89,10 @@ def test_quick_bench_json_schema(tmp_path):
     for c in data["concurrency"]:
         assert 0 < c["store"]["jain_fairness"] <= 1 and c["load"]["aggregate_gbps"] > 0
     assert data["latency"]["lookup_ms_by_tier"]["memory"]["p99"] >= data["latency"]["lookup_ms_by_tier"]["memory"]["p50"]
+    from gateway.bench.plots import markdown  # the report (matplotlib only for the PNGs)
+
+    md = markdown(data)
+    assert "| single_pass GB/s | vs single_pass |" in md and "--no-peers" in md
     flood = {bool(f["quota_bytes"]): f for f in data["workloads"]["eviction_flood"]}
     assert flood[True]["tenant_a_hit_ratio"] > flood[False]["tenant_a_hit_ratio"]
     query = [t for t in data["workloads"]["tenants"] if t["workload"] == "long-doc-qa-query"]

@@ -18,6 +18,16 @@ from typing import Any
 __all__ = ["main", "markdown", "write_plots"]
 
 PLOTS = ("throughput.png", "concurrency.png", "lmcache.png", "attack.png")
+PEERS_NOTE = (
+    "How the peer runs: `kvgate bench` first runs `scripts/lmcache_runner.py` (outside every package, started "
+    "with `python -I`) in LMCache's own environment, named by `--lmcache-python` / `KVGATE_BENCH_LMCACHE_PYTHON` "
+    "(default `.venv-lmcache/bin/python` under the current directory; `--lmcache-runner` / "
+    "`KVGATE_BENCH_LMCACHE_RUNNER`, default `scripts/lmcache_runner.py`). A peer that fails to run fails the "
+    "command (exit 2, with its error); `--no-peers` skips peers on purpose; an environment neither named nor at its "
+    "default place is skipped with a note (`make bench` names it). LMCache's L1 (`l1-dram`) is measured on the same "
+    "chunk sizes and the same bytes as kvgate's memory tier (as many distinct buffers, one torch thread), and "
+    "kvgate's encrypted memory-tier figures stand beside it as well as beside `single_pass`."
+)
 
 
 def _mib(b: int) -> str:
@@ -144,7 +154,7 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
             lines.append(f"| {c['tenants']} | {c['store']['aggregate_gbps']} | {c['store']['jain_fairness']} | "
                          f"{c['load']['aggregate_gbps']} | {c['load']['jain_fairness']} |")
         lines += ["", f"![concurrency]({img_prefix}concurrency.png)"]
-    lines += ["", "### kvgate beside LMCache", ""]
+    lines += ["", "### kvgate beside LMCache", "", PEERS_NOTE, ""]
     lm = data.get("lmcache", {})
     if lm.get("skipped"):
         lines.append(f"LMCache skipped: {lm['skipped']}")
