@@ -97,3 +97,10 @@ def test_quick_bench_json_schema(tmp_path):
     assert flood[True]["tenant_a_hit_ratio"] > flood[False]["tenant_a_hit_ratio"]
     query = [t for t in data["workloads"]["tenants"] if t["workload"] == "long-doc-qa-query"]
     assert query and all(t["hit_ratio"] > 0.9 for t in query)
+
+
+def test_single_pass_is_the_slower_of_aes_gcm_and_memcpy():
+    from gateway.bench.ceilings import Ceilings
+
+    c = Ceilings(aes_gcm_seal=5.0, aes_gcm_open=7.0, memcpy=6.0)
+    assert c.single_pass("store") == 5.0 and c.single_pass("load") == 6.0

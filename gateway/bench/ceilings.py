@@ -51,9 +51,9 @@ def aes_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) -> 
     n_chunks = max(1, total_bytes // chunk_bytes)
     per_thread = [list(range(i, n_chunks, threads)) for i in range(threads)]
     rng = np.random.default_rng(0)
-    src = [memoryview(rng.integers(0, 256, chunk_bytes, dtype=np.uint8)) for _ in range(n_chunks)]
-    sealed = [memoryview(np.empty(chunk_bytes + 16, np.uint8)) for _ in range(n_chunks)]
-    opened = [memoryview(np.empty(chunk_bytes, np.uint8)) for _ in range(n_chunks)]
+    src = [rng.integers(0, 256, chunk_bytes, dtype=np.uint8).data for _ in range(n_chunks)]
+    sealed = [np.empty(chunk_bytes + 16, np.uint8).data for _ in range(n_chunks)]
+    opened = [np.empty(chunk_bytes, np.uint8).data for _ in range(n_chunks)]
     nonce = os.urandom(12)
 
     def seal(i: int) -> None:
