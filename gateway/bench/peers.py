@@ -117,7 +117,7 @@ def comparisons(results: list[dict[str, Any]], peer: list[dict[str, Any]]) -> li
                 continue
             ours_enc = "encrypted" if encrypted else "plaintext"
             peer_enc = "encrypted" if p["encrypted"] else "plaintext"
-            label = ours_enc if encrypted == p["encrypted"] else f"kvgate {ours_enc} vs LMCache {peer_enc}"
+            label = ours_enc if encrypted == p["encrypted"] else f"{ours_enc} vs {peer_enc}"  # kvgate vs LMCache
             row = {
                 "figure": f"{p['op']} {p['tier']} {label} {p['chunk_bytes'] / 2**20:.0f} MiB [LMCache path: {p['path']}]",
                 "kvgate": r["gbps"], "kvgate_encrypted": encrypted, "peer": "lmcache", "peer_value": p["gbps"],
