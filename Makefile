@@ -37,7 +37,9 @@ test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm -m "not slow" $(PYTEST_ARGS)
 
 # bench-setup: LMCache in its own environment (never a dependency of kvgate) for the side-by-side
-#   figures, and matplotlib in .venv for the plots. `kvgate bench` skips LMCache, with a note, without it.
+#   figures, and the bench extra (scipy, matplotlib) in .venv. `kvgate bench` alone skips LMCache,
+#   with a note, when .venv-lmcache is absent; `make bench` names it, so there a peer that is missing
+#   or fails to run fails the target (`kvgate bench --no-peers` skips peers on purpose).
 LMCACHE_VENV ?= .venv-lmcache
 LMCACHE_SPEC ?= lmcache==0.5.6
 
@@ -47,14 +49,15 @@ $(LMCACHE_VENV)/.installed:
 	touch $@
 
 bench-setup: setup $(LMCACHE_VENV)/.installed
-	$(PY) -m pip install -q --disable-pip-version-check "matplotlib>=3.8,<4"
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test,bench]'
 
 # bench: the whole suite (about 15 minutes here): JSON, PNG plots and the Markdown table
 #   (bench-results/), and the README's copies (docs/bench.md, docs/img/*.png).
 bench: bench-setup
 	mkdir -p bench-results
-	$(VENV)/bin/kvgate bench --json bench-results/bench.json
-	$(PY) -m gateway.bench_plots bench-results/bench.json --out bench-results --docs docs
+	$(VENV)/bin/kvgate bench --json bench-results/bench.json \
+		--lmcache-python $(LMCACHE_VENV)/bin/python --lmcache-runner scripts/lmcache_runner.py
+	$(PY) -m gateway.bench.plots bench-results/bench.json --out bench-results --docs docs
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis build *.egg-info

@@ -132,11 +132,30 @@ def bench(
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write results as JSON here")] = None,
     quick: Annotated[bool, typer.Option(help="fewer repetitions and sizes (smoke run)")] = False,
     reps: Annotated[int, typer.Option(help="repetitions per figure (median is reported)")] = 7,
+    no_peers: Annotated[bool, typer.Option("--no-peers", help="skip the peers (LMCache) on purpose")] = False,
+    lmcache_python: Annotated[Optional[Path], typer.Option(
+        envvar="KVGATE_BENCH_LMCACHE_PYTHON",
+        help="python of the LMCache environment (default .venv-lmcache/bin/python under the current directory, "
+             "skipped with a note when absent; once named it must run)")] = None,
+    lmcache_runner: Annotated[Path, typer.Option(
+        envvar="KVGATE_BENCH_LMCACHE_RUNNER", help="the LMCache runner script (relative to the current directory)",
+    )] = Path("scripts/lmcache_runner.py"),
 ) -> None:
-    """Store and load throughput through the gateway core beside ceilings measured in the same run."""
-    from gateway.bench import run_bench
+    """Store and load throughput through the gateway core beside ceilings measured in the same run,
+    and beside LMCache on the same bytes (a peer that fails to run fails the command)."""
+    from gateway.clierrors import require_extra
 
-    results = asyncio.run(run_bench(quick=quick, reps=reps, console=console))
+    try:
+        require_extra("scipy")  # the bench extra, checked before the bench package is imported
+        from gateway.bench import run_bench
+        from gateway.bench.peers import PeerConfig, PeerFailed
+    except Exception as exc:  # noqa: BLE001 - one line, exit 2
+        raise _fail(exc) from None
+    peers = PeerConfig(enabled=not no_peers, lmcache_python=lmcache_python, lmcache_runner=lmcache_runner)
+    try:
+        results = asyncio.run(run_bench(quick=quick, reps=reps, console=console, peers=peers))
+    except PeerFailed as exc:  # the peer's error in one line, exit 2
+        raise _fail(exc) from None
     if json_path is not None:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(results, indent=2) + "\n")

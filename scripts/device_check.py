@@ -9,7 +9,7 @@ section raised, 0 otherwise. Sections:
 
 - ``tests``: ``pytest -m cuda tests/test_device_aes.py tests/test_kernels.py`` in a subprocess
   (on a CPU-only host they are all skipped; the counts say so).
-- ``pack_unpack``: ``kernels.bench.measure`` for a 256-token Llama-3-8B chunk (32 layers, 8 KV
+- ``pack_unpack``: ``gateway.bench.pack.measure`` for a 256-token Llama-3-8B chunk (32 layers, 8 KV
   heads, head size 128, fp16: 33.5 MB), both paged layouts, beside a plain contiguous device copy.
 - ``aes_gcm``: ``TorchAesGcm.encrypt_`` / ``decrypt_`` in place on a 2 MiB and the 33.5 MB buffer.
 - ``store`` / ``load``: end to end for one chunk. Store: pack, [encrypt on the device,] copy to
@@ -50,7 +50,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kernels import KVLayout, PagedKV, pack, slots_from_block_ids, unpack
 from kernels.aes_gcm import TorchAesGcm
-from kernels.bench import NUM_BLOCKS, llama3_8b, measure
+from gateway.bench.pack import NUM_BLOCKS, llama3_8b, measure
 
 TOKENS = 256
 

@@ -4,12 +4,13 @@ run writes JSON of the documented shape (results with ceilings, comparisons, att
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from typer.testing import CliRunner
 
-from gateway.bench_attack import run_attack
-from gateway.bench_suite import jain_index
+from gateway.bench.attack import run_attack
+from gateway.bench.suite import jain_index
 
 
 async def test_attack_p_values_are_ordered(tmp_path):
@@ -45,17 +46,33 @@ def test_jain_index():
 
 
 def test_quick_bench_json_schema(tmp_path):
+    """With an LMCache environment (``KVGATE_BENCH_LMCACHE_PYTHON``, or ``.venv-lmcache`` here) the
+    comparison must run; without one, ``--no-peers`` skips it on purpose and says so."""
+    from gateway.bench.peers import DEFAULT_LMCACHE_PYTHON
     from gateway.cli import app
 
     out = tmp_path / "bench.json"
-    res = CliRunner().invoke(app, ["bench", "--quick", "--json", str(out)])
+    has_peer = bool(os.environ.get("KVGATE_BENCH_LMCACHE_PYTHON")) or DEFAULT_LMCACHE_PYTHON.exists()
+    res = CliRunner().invoke(app, ["bench", "--quick", "--json", str(out)] + ([] if has_peer else ["--no-peers"]))
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
+    if has_peer:
+        assert not data["lmcache"].get("skipped") and data["comparisons"], data["lmcache"]
+        l1 = [c for c in data["comparisons"] if "l1-dram" in c["peer_path"]]
+        assert {c["figure"].split()[0] for c in l1} == {"store", "load"}, l1  # its L1 on the same bytes
+    else:
+        assert "--no-peers" in data["lmcache"]["skipped"] and not data["comparisons"]
     assert data["results"]
     for r in data["results"]:
         assert set(r) >= {"op", "tier", "encrypted", "chunk_bytes", "threads", "gbps", "ceiling"}
         assert r["op"] in ("store", "load") and isinstance(r["gbps"], float) and r["gbps"] > 0
         assert isinstance(r["ceiling"]["name"], str) and r["ceiling"]["gbps"] > 0
+        if r["tier"] == "memory" and r["encrypted"]:  # issue 17: beside one pass over the same bytes
+            sp = r["single_pass"]
+            assert 0 < sp["gbps"] <= r["ceiling"]["gbps"] * 1.001
+            assert sp["ratio"] == pytest.approx(r["gbps"] / sp["gbps"], rel=0.01)
+        else:
+            assert "single_pass" not in r
     assert {r["chunk_bytes"] for r in data["results"]} == {2 << 20, 32 << 20}
     for c in data["comparisons"]:
         assert set(c) >= {"figure", "kvgate", "peer", "peer_value", "ratio"}
@@ -72,7 +89,18 @@ def test_quick_bench_json_schema(tmp_path):
     for c in data["concurrency"]:
         assert 0 < c["store"]["jain_fairness"] <= 1 and c["load"]["aggregate_gbps"] > 0
     assert data["latency"]["lookup_ms_by_tier"]["memory"]["p99"] >= data["latency"]["lookup_ms_by_tier"]["memory"]["p50"]
+    from gateway.bench.plots import markdown  # the report (matplotlib only for the PNGs)
+
+    md = markdown(data)
+    assert "| single_pass GB/s | vs single_pass |" in md and "--no-peers" in md
     flood = {bool(f["quota_bytes"]): f for f in data["workloads"]["eviction_flood"]}
     assert flood[True]["tenant_a_hit_ratio"] > flood[False]["tenant_a_hit_ratio"]
     query = [t for t in data["workloads"]["tenants"] if t["workload"] == "long-doc-qa-query"]
     assert query and all(t["hit_ratio"] > 0.9 for t in query)
+
+
+def test_single_pass_is_the_slower_of_aes_gcm_and_memcpy():
+    from gateway.bench.ceilings import Ceilings
+
+    c = Ceilings(aes_gcm_seal=5.0, aes_gcm_open=7.0, memcpy=6.0)
+    assert c.single_pass("store") == 5.0 and c.single_pass("load") == 6.0

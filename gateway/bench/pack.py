@@ -1,6 +1,6 @@
 """Measure pack/unpack throughput against a plain contiguous copy of the same bytes.
 
-    python -m kernels.bench [--device cpu|cuda] [--threads 1,2] [--repeats 30] [--variants]
+    python -m gateway.bench.pack [--device cpu|cuda] [--threads 1,2] [--repeats 30] [--variants]
 
 Geometry: Llama-3-8B (32 layers, 8 KV heads, head size 128, fp16, block size 16) in a 4096-block
 paged cache per layer, chunks of 256 tokens (33.5 MB) and 16 tokens (2 MB) on randomly placed
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from .layouts import KVGeometry, KVLayout
-from .pack import _checked_slots, pack, slots_from_block_ids, unpack
-from .paged import PagedKV, rows_view
+from kernels.layouts import KVGeometry, KVLayout
+from kernels.pack import _checked_slots, pack, slots_from_block_ids, unpack
+from kernels.paged import PagedKV, rows_view
 
 __all__ = ["llama3_8b", "main", "measure"]
 

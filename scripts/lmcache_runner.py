@@ -1,9 +1,12 @@
 """LMCache's storage path on the same chunks as `kvgate bench`, for the side-by-side figures.
 
 Run with the python of ``.venv-lmcache`` (``make bench-setup`` creates it; lmcache is never a
-dependency of kvgate). It imports only numpy/torch and lmcache, never kvgate, and prints one JSON
-object on stdout: ``{"lmcache_version", "results": [{"path", "op", "tier", "encrypted",
-"chunk_bytes", "chunks", "gbps"}], "errors": [...]}``.
+dependency of kvgate) by :mod:`gateway.bench.peers`, as ``python -I scripts/lmcache_runner.py``:
+this file lives outside every package directory and runs isolated, so no module of the checkout
+can shadow the standard library or LMCache. It imports only torch and lmcache, never kvgate,
+exits non-zero when any configuration fails, and prints one JSON object on stdout:
+``{"lmcache_version", "results": [{"path", "op", "tier", "encrypted", "chunk_bytes", "chunks",
+"gbps"}], "errors": [...]}``.
 
 Path measured (label ``lmcache-mp-storage-manager``): LMCache 0.5.x's multiprocess-mode
 ``StorageManager`` on CPU with the DRAM L1 and one L2 adapter:
@@ -18,7 +21,9 @@ Path measured (label ``lmcache-mp-storage-manager``): LMCache 0.5.x's multiproce
   cache: that is what LMCache's fs path does on this machine, not disk speed.
 - ``redis``: L2 adapter ``resp`` (its native RESP client), plaintext, and with ``aesgcm``.
 
-Bytes are random (incompressible) fp16 tensors of the chunk size; median of ``reps``.
+Bytes are random (incompressible) fp16 tensors of the chunk size, as many distinct sources and
+destinations as there are chunks (the same bytes kvgate's figures stream, never one buffer that
+stays hot in the CPU cache); median of ``reps``.
 """
 
 from __future__ import annotations
@@ -75,8 +80,8 @@ def measure(tier: str, adapter: dict | None, chunk_bytes: int, n: int, reps: int
 
     elems = chunk_bytes // 2
     layout = MemoryLayoutDesc(shapes=[torch.Size([elems])], dtypes=[torch.float16])
-    src = [torch.randn(elems).half() for _ in range(min(n, 4))]
-    dst = torch.empty(elems, dtype=torch.float16)
+    src = [torch.randn(elems).half() for _ in range(n)]
+    dst = [torch.empty(elems, dtype=torch.float16) for _ in range(n)]
     sm = _manager(chunk_bytes * n * 2 + (256 << 20), adapter)
     try:
         store_t, load_t = [], []
@@ -110,8 +115,8 @@ def measure(tier: str, adapter: dict | None, chunk_bytes: int, n: int, reps: int
             with sm.read_prefetched_results(keys, result.l1_owners or None) as got:
                 if got is None:
                     raise RuntimeError("read_prefetched_results found nothing")
-                for obj in got:
-                    dst.copy_(obj.tensor.view(torch.float16).view(-1))
+                for i, obj in enumerate(got):
+                    dst[i].copy_(obj.tensor.view(torch.float16).view(-1))
             sm.finish_read_prefetched(keys, 1, result.l1_owners or None)
             t3 = time.perf_counter()
             sm.delete_l1_keys(keys, force=True)
@@ -131,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--redis", default="", help="host:port of a Redis server (skip when empty)")
     ap.add_argument("--tiers", nargs="+", default=["memory", "disk", "redis"])
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the copies (kvgate's figures: 1)")
     args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
     import lmcache
 
     work = tempfile.mkdtemp(prefix="lmcache-bench-")
@@ -174,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     json.dump(out, sys.stdout)
     sys.stdout.write("\n")
-    return 0
+    return 1 if out["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -14,8 +14,8 @@ first token would be faster): alternative "hit samples are stochastically larger
 
 Targets:
 
-- ``shared-baseline``: a shared cache without namespaces, i.e. kvgate with isolation switched
-  off by the bench-only ``Gateway._bench_shared_tenant`` flag (every capability maps to one
+- ``shared-baseline``: a shared cache without namespaces, i.e. kvgate with isolation off, built by
+  :func:`gateway.bench.baselines.shared_tenant_runtime` (every capability maps to one
   pseudo-tenant). Expected: p tiny (and the attacker even reads ``loaded_tokens`` directly).
 - ``kvgate``: kvgate as shipped; B's storage keys are HMACs under B's namespace secret, so both
   kinds of prompt miss in the same way. Expected: p >= 0.01.
@@ -41,10 +41,12 @@ import torch
 from scipy.stats import ks_2samp
 
 from gateway import dbschema
+from gateway.bench.baselines import shared_tenant_runtime
 from gateway.config import Settings
 from gateway.core import KVModel
 from gateway.runtime import open_runtime
 from kernels.layouts import KVGeometry, KVLayout
+from storage.base import Tier
 from storage.memory import MemoryTier
 
 __all__ = ["TARGETS", "AttackResult", "run_attack", "run_attacks"]
@@ -93,11 +95,12 @@ async def run_attack(
     g = ATTACK_GEOMETRY
     prompt_bytes = g.chunk_nbytes(prompt_tokens)
     settings = Settings(state_dir=state, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=1, tiers=["memory"])
-    rt = await open_runtime(settings, tiers=[MemoryTier(max(64 << 20, prompt_bytes * 24))])
+    tiers: list[Tier] = [MemoryTier(max(64 << 20, prompt_bytes * 24))]
+    if target == "shared-baseline":  # the baseline: isolation OFF
+        rt = await shared_tenant_runtime(settings, tiers=tiers, pseudo_tenant=_SHARED)
+    else:
+        rt = await open_runtime(settings, tiers=tiers)
     try:
-        if target == "shared-baseline":
-            await rt.admin.create_tenant(_SHARED)
-            rt.gateway._bench_shared_tenant = _SHARED  # bench-only: isolation OFF
         for t in ("tenant-a", "tenant-b"):
             await rt.admin.create_tenant(t)
         victim = await rt.gateway.mint_capability("tenant-a", "default", ["put", "get", "lookup"], 600)

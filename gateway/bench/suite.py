@@ -1,22 +1,20 @@
-"""The rest of `kvgate bench` (issue 9), called from :func:`gateway.bench.run_bench`:
+"""The rest of `kvgate bench` (issue 9), called from :func:`gateway.bench.run.run_bench`:
 
 - ``concurrency``: 2..16 tenants storing then loading at once through one gateway (memory tier,
   encrypted, 2 MiB chunks): aggregate GB/s and per-tenant fairness (Jain's index, min/max).
 - ``latency.lookup_ms_by_tier``: lookup p50/p99 of a 32K-token prefix (128 chunks) per tier.
-- ``comparisons``: kvgate beside LMCache on the same chunk sizes, from
-  :mod:`gateway.bench_lmcache_runner` run with ``.venv-lmcache``'s python (skipped, with a note,
-  when that environment is absent; ``make bench-setup`` creates it).
-- ``workloads``: :mod:`gateway.bench_workloads` (multi-round QA, long-document QA, eviction flood).
-- ``attacks``: :mod:`gateway.bench_attack` (prefix-cache timing attack, three targets).
+- ``comparisons``: kvgate beside LMCache on the same chunk sizes and bytes, from
+  :mod:`gateway.bench.peers` (``scripts/lmcache_runner.py`` in ``.venv-lmcache``; a peer that
+  fails fails the run, ``--no-peers`` skips it).
+- ``workloads``: :mod:`gateway.bench.workloads` (multi-round QA, long-document QA, eviction flood).
+- ``attacks``: :mod:`gateway.bench.attack` (prefix-cache timing attack, three targets).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -25,20 +23,18 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gateway import bench_attack, bench_workloads, dbschema
+from gateway import dbschema
+from gateway.bench import attack as bench_attack
+from gateway.bench import workloads as bench_workloads
+from gateway.bench.common import GEOMETRY, MODEL, percentiles_ms
+from gateway.bench.peers import comparisons
 from gateway.config import Settings
-from gateway.core import KVModel
-from gateway.runtime import open_runtime
-from kernels.layouts import KVGeometry, KVLayout
+from gateway.runtime import Runtime, open_runtime
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
 
-__all__ = ["comparisons", "jain_index", "lmcache_python", "run_suite"]
-
-GEOMETRY = KVGeometry(32, 8, 128, torch.float16, 16, KVLayout.KV_FIRST)  # Llama-3-8B, as bench.py
-MODEL = KVModel("bench-llama-3-8b", GEOMETRY)
-REPO = Path(__file__).resolve().parents[1]
+__all__ = ["comparisons", "jain_index", "run_suite"]
 
 
 def jain_index(xs: list[float]) -> float:
@@ -46,7 +42,7 @@ def jain_index(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else 0.0
 
 
-async def _runtime(base: Path, name: str, tiers: list[Tier], chunk_tokens: int = 16):
+async def _runtime(base: Path, name: str, tiers: list[Tier], chunk_tokens: int = 16) -> Runtime:
     state = base / name
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True, mode=0o700)
@@ -132,8 +128,7 @@ async def lookup_by_tier(base: Path, tiers: list[str], redis_url: str | None, re
                     lat.append(time.perf_counter() - t0)
             if res.hit_tokens != 32768:
                 raise RuntimeError(f"lookup on {name} hit {res.hit_tokens} tokens")
-            lat.sort()
-            out[name] = {"p50": round(lat[len(lat) // 2] * 1e3, 3), "p99": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
+            out[name] = percentiles_ms(lat)
             if name == "redis":
                 await tier.delete_owner(keys[0].owner)
         finally:
@@ -141,65 +136,19 @@ async def lookup_by_tier(base: Path, tiers: list[str], redis_url: str | None, re
     return out
 
 
-def lmcache_python() -> Path | None:
-    exe = Path(os.environ.get("KVGATE_BENCH_LMCACHE_PYTHON", REPO / ".venv-lmcache" / "bin" / "python"))
-    return exe if exe.exists() else None
-
-
-def run_lmcache(chunk_sizes: list[int], total_bytes: int, reps: int, redis_url: str | None, tiers: list[str]) -> dict[str, Any]:
-    """LMCache's figures from its own environment, or a note saying why there are none."""
-    exe = lmcache_python()
-    if exe is None:
-        return {"skipped": "no .venv-lmcache (run `make bench-setup`)", "results": []}
-    hostport = ""
-    if redis_url:
-        from urllib.parse import urlparse
-
-        u = urlparse(redis_url)
-        hostport = f"{u.hostname or '127.0.0.1'}:{u.port or 6379}"
-    cmd = [str(exe), str(REPO / "gateway" / "bench_lmcache_runner.py"), "--chunk-bytes", *map(str, chunk_sizes),
-           "--total-bytes", str(total_bytes), "--reps", str(reps), "--redis", hostport, "--tiers", *tiers]
-    env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING"}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, check=False, cwd=tempfile.gettempdir())
-        return json.loads(proc.stdout.strip().splitlines()[-1])
-    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError) as exc:
-        return {"skipped": f"LMCache runner failed: {exc!r}", "results": []}
-
-
-def comparisons(results: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kvgate (one thread) / LMCache on the same op, tier, chunk bytes and encryption."""
-    ours = {(r["op"], r["tier"], r["chunk_bytes"], r["encrypted"]): r["gbps"] for r in results if r["threads"] == 1}
-    out = []
-    for p in peer:
-        k = ours.get((p["op"], p["tier"], p["chunk_bytes"], p["encrypted"]))
-        if k is None or not p["gbps"]:
-            continue
-        enc = "encrypted" if p["encrypted"] else "plaintext"
-        out.append({
-            "figure": f"{p['op']} {p['tier']} {enc} {p['chunk_bytes'] / 2**20:.0f} MiB [LMCache path: {p['path']}]",
-            "kvgate": k, "peer": "lmcache", "peer_value": p["gbps"], "ratio": round(k / p["gbps"], 3),
-            "peer_path": p["path"],
-        })
-    return out
-
-
 async def run_suite(
-    results: list[dict[str, Any]], *, quick: bool, redis_url: str | None, console: Console
+    results: list[dict[str, Any]], *, quick: bool, redis_url: str | None, console: Console, lmcache: dict[str, Any],
 ) -> dict[str, Any]:
+    """``lmcache``: what :func:`gateway.bench.peers.run_lmcache` returned (measured first, on the
+    same chunk sizes and bytes as ``results``)."""
     base = Path(tempfile.mkdtemp(prefix="kvgate-bench-suite-"))
-    sizes = sorted({r["chunk_bytes"] for r in results if r["tier"] != "rest"})
+    lm = lmcache
     try:
         console.print("bench: concurrent tenants")
         conc = await concurrency(base, [2, 4] if quick else [2, 4, 8, 16], 4 if quick else 8)
         console.print("bench: lookup latency per tier")
         tiers = ["memory"] if quick else ["memory", "disk"] + (["redis"] if redis_url else [])
         lookups = await lookup_by_tier(base, tiers, redis_url, 50 if quick else 300)
-        console.print("bench: LMCache side by side")
-        lm = await asyncio.to_thread(
-            run_lmcache, sizes, 32 << 20 if quick else 256 << 20, 2 if quick else 5, redis_url,
-            ["memory"] if quick else ["memory", "disk", "redis"],
-        )
         console.print("bench: workloads")
         work = await bench_workloads.run_workloads(base, quick=quick)
         console.print("bench: prefix-cache timing attack")

@@ -1,18 +1,14 @@
 """`kvgate bench`: store and load throughput through the gateway core, beside ceilings measured
-in the same run on the same bytes with the same number of threads.
-
-- ``aes_gcm``: cryptography's AESGCM ``encrypt_into`` / ``decrypt_into`` into preallocated output,
-  the irreducible cost of an encrypted store / load; bounds the encrypted results.
-- ``memcpy``: a plain copy of the same bytes (torch ``copy_`` into a preallocated tensor); bounds
-  the plaintext results.
-
-Both ceilings run over as many distinct buffers as the gateway run has chunks (the same bytes, the
-same amount of memory streamed), never one buffer that stays hot in the CPU cache.
+in the same run on the same bytes with the same number of threads (:mod:`gateway.bench.ceilings`):
+``aes_gcm`` bounds the encrypted results, ``memcpy`` the plaintext ones, and every encrypted
+memory-tier result is also reported against ``single_pass`` = min(AES-256-GCM, memcpy) (its
+``single_pass`` field: the ceiling's GB/s and the result's ratio to it).
 
 Each figure is the median of ``reps`` repetitions (the machine is small and noisy). Chunk sizes
 are those of Llama-3-8B geometry (32 layers, 8 KV heads, head size 128, fp16): 16 tokens = 2 MiB
 and 256 tokens = 32 MiB (33.5 MB). Results use the JSON shape later benchmarks extend:
-``{"results": [{"op", "tier", "encrypted", "chunk_bytes", "threads", "gbps", "ceiling": {"name", "gbps"}}]}``.
+``{"results": [{"op", "tier", "encrypted", "chunk_bytes", "threads", "gbps", "ceiling": {"name",
+"gbps"}, "single_pass"?: {"gbps", "ratio"}}]}``.
 """
 
 from __future__ import annotations
@@ -23,107 +19,30 @@ import platform
 import shutil
 import statistics
 import tempfile
-import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from gateway import bench_net, bench_suite, dbschema
+from gateway import dbschema
+from gateway.bench import net as bench_net
+from gateway.bench import suite as bench_suite
+from gateway.bench.baselines import plaintext_runtime
+from gateway.bench.ceilings import Ceilings, measure_ceilings
+from gateway.bench.common import GEOMETRY, MODEL, percentiles_ms
+from gateway.bench.peers import PeerConfig, run_lmcache
 from gateway.config import Settings
-from gateway.core import KVModel
 from gateway.runtime import open_runtime
-from kernels.layouts import KVGeometry, KVLayout
+from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
 
 __all__ = ["run_bench"]
-
-GEOMETRY = KVGeometry(32, 8, 128, torch.float16, 16, KVLayout.KV_FIRST)
-MODEL = KVModel("bench-llama-3-8b", GEOMETRY)
-
-
-def _median_time(fn: Callable[[], Any], reps: int) -> float:
-    fn()  # warm-up (page faults, caches, staging buffers)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _parallel(threads: int, work: Callable[[int], None]) -> Callable[[], None]:
-    """A callable that runs work(i) on ``threads`` threads at once (GIL released inside)."""
-
-    def run() -> None:
-        if threads == 1:
-            work(0)
-            return
-        ts = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-
-    return run
-
-
-def aes_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) -> tuple[float, float]:
-    """GB/s of AES-256-GCM seal and open over ``total_bytes`` in ``chunk_bytes`` pieces.
-
-    The same bytes as the gateway run: as many distinct source and output buffers as the run has
-    chunks (not one hot buffer encrypted again and again, which stays in the CPU cache and would
-    measure the cache, not the memory the gateway actually streams through)."""
-    import numpy as np
-
-    aead = AESGCM(os.urandom(32))
-    n_chunks = max(1, total_bytes // chunk_bytes)
-    per_thread = [list(range(i, n_chunks, threads)) for i in range(threads)]
-    rng = np.random.default_rng(0)
-    src = [memoryview(rng.integers(0, 256, chunk_bytes, dtype=np.uint8)) for _ in range(n_chunks)]
-    sealed = [memoryview(np.empty(chunk_bytes + 16, np.uint8)) for _ in range(n_chunks)]
-    opened = [memoryview(np.empty(chunk_bytes, np.uint8)) for _ in range(n_chunks)]
-    nonce = os.urandom(12)
-
-    def seal(i: int) -> None:
-        for k in per_thread[i]:
-            aead.encrypt_into(nonce, src[k], None, sealed[k])
-
-    def open_(i: int) -> None:
-        for k in per_thread[i]:
-            aead.decrypt_into(nonce, sealed[k], None, opened[k])
-
-    done = n_chunks * chunk_bytes
-    return (
-        done / _median_time(_parallel(threads, seal), reps) / 1e9,
-        done / _median_time(_parallel(threads, open_), reps) / 1e9,
-    )
-
-
-def memcpy_ceiling(total_bytes: int, chunk_bytes: int, threads: int, reps: int) -> float:
-    """GB/s of a plain copy of the same bytes (distinct buffers, as above)."""
-    n_chunks = max(1, total_bytes // chunk_bytes)
-    per_thread = [list(range(i, n_chunks, threads)) for i in range(threads)]
-    src = [torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8) for _ in range(n_chunks)]
-    dst = [torch.empty_like(s) for s in src]
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-
-        def copy(i: int) -> None:
-            for k in per_thread[i]:
-                dst[k].copy_(src[k])
-
-        return n_chunks * chunk_bytes / _median_time(_parallel(threads, copy), reps) / 1e9
-    finally:
-        torch.set_num_threads(old)
 
 
 async def _gateway_figures(
@@ -137,6 +56,7 @@ async def _gateway_figures(
     )
     chunk_bytes = GEOMETRY.chunk_nbytes(chunk_tokens)
     tokens_n = chunk_tokens * n_chunks
+    tiers: list[Tier]
     if tier == "memory":
         tiers = [MemoryTier(chunk_bytes * n_chunks * 3 + (64 << 20))]
     elif tier == "redis":
@@ -146,7 +66,7 @@ async def _gateway_figures(
     else:
         shutil.rmtree(base / "bench-disk", ignore_errors=True)
         tiers = [await DiskTier.open(base / "bench-disk", fsync=True)]
-    rt = await open_runtime(settings, tiers=tiers, encrypt=encrypted)
+    rt = await (open_runtime(settings, tiers=tiers) if encrypted else plaintext_runtime(settings, tiers=tiers))
     try:
         tenant = f"bench-{tier}-{int(encrypted)}-{chunk_tokens}-{threads}"
         await rt.admin.create_tenant(tenant)
@@ -159,7 +79,7 @@ async def _gateway_figures(
         prompt = torch.randint(0, 32000, (tokens_n,), generator=gen).tolist()
         loop = asyncio.get_running_loop()
 
-        async def timed(coro_fn) -> float:
+        async def timed(coro_fn: Callable[[], Awaitable[Any]]) -> float:
             await coro_fn()
             times = []
             for _ in range(reps):
@@ -198,9 +118,9 @@ async def _lookup_latency(base: Path, db_url: str, reps: int = 300) -> dict[str,
             t0 = time.perf_counter()
             res = await rt.gateway.lookup(cap, MODEL, tokens)
             lat.append(time.perf_counter() - t0)
-        assert res.hit_tokens == 32768
-        lat.sort()
-        return {"p50": round(lat[len(lat) // 2] * 1e3, 3), "p99": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
+        if res.hit_tokens != 32768:
+            raise RuntimeError(f"bench lookup hit {res.hit_tokens} of 32768 tokens")
+        return percentiles_ms(lat)
     finally:
         await rt.aclose()
 
@@ -219,14 +139,27 @@ def _redis_url() -> str | None:
         return None
 
 
-async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | None = None) -> dict[str, Any]:
+async def run_bench(
+    *, quick: bool = False, reps: int = 7, console: Console | None = None, peers: PeerConfig | None = None
+) -> dict[str, Any]:
+    """Every figure of `kvgate bench` as one JSON-able dict; :class:`gateway.bench.peers.PeerFailed`
+    when a peer asked for fails to run."""
     console = console or Console()
+    peers = peers or PeerConfig()
     reps = 3 if quick else reps
     sizes = [16, 256]
     thread_counts = [1] if quick else [1, 2]
     redis_url = _redis_url()
     tiers = ["memory"] if quick else ["memory", "disk"] + (["redis"] if redis_url else [])
     target_bytes = 64 << 20 if quick else 256 << 20
+    # the peer first, on the same chunk sizes and bytes: one that fails ends the run before the rest
+    console.print("bench: LMCache side by side" if peers.enabled else "bench: peers skipped (--no-peers)")
+    lm = await asyncio.to_thread(
+        run_lmcache, peers, [GEOMETRY.chunk_nbytes(c) for c in sizes], target_bytes, reps, redis_url,
+        ["memory"] if quick else ["memory", "disk"] + (["redis"] if redis_url else []),
+    )
+    if lm.get("skipped") and peers.enabled:
+        console.print(f"[yellow]bench: LMCache skipped: {lm['skipped']}[/yellow]")
     results: list[dict[str, Any]] = []
     base = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
     db_url = f"sqlite+aiosqlite:///{base / 'bench.db'}"
@@ -238,20 +171,18 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
         ]
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("bench", total=len(configs))
-            ceilings: dict[tuple[int, int], dict[str, float]] = {}
+            ceilings: dict[tuple[int, int], Ceilings] = {}
+            net_ceilings: dict[int, dict[str, float]] = {}
             for chunk_tokens, threads, tier, encrypted in configs:
                 chunk_bytes = GEOMETRY.chunk_nbytes(chunk_tokens)
                 n_chunks = max(2, target_bytes // chunk_bytes) if tier == "memory" else max(2, (target_bytes // 4) // chunk_bytes)
-                if tier == "redis" and ("redis", chunk_tokens) not in ceilings:
+                if tier == "redis" and chunk_tokens not in net_ceilings:
+                    assert redis_url is not None  # the redis tier runs only with a server
                     rs, rg = await bench_net.redis_ceilings(redis_url, chunk_bytes, n_chunks, reps)
-                    ceilings[("redis", chunk_tokens)] = {"redis_set": rs, "redis_get": rg}
+                    net_ceilings[chunk_tokens] = {"redis_set": rs, "redis_get": rg}
                 total = chunk_bytes * n_chunks
                 if (chunk_tokens, threads) not in ceilings:
-                    seal, open_ = aes_ceiling(total, chunk_bytes, threads, reps)
-                    ceilings[(chunk_tokens, threads)] = {
-                        "aes_gcm_seal": seal, "aes_gcm_open": open_,
-                        "memcpy": memcpy_ceiling(total, chunk_bytes, threads, reps),
-                    }
+                    ceilings[(chunk_tokens, threads)] = measure_ceilings(total, chunk_bytes, threads, reps)
                 ceil = ceilings[(chunk_tokens, threads)]
                 progress.update(task, description=f"{tier} {chunk_bytes >> 20} MiB x{threads} {'enc' if encrypted else 'plain'}")
                 store, load = await _gateway_figures(
@@ -260,15 +191,20 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
                 for op, gbps in (("store", store), ("load", load)):
                     if tier == "redis":
                         name = "redis_set" if op == "store" else "redis_get"
-                        ceiling = {"name": name, "gbps": round(ceilings[("redis", chunk_tokens)][name], 3)}
+                        ceiling = {"name": name, "gbps": round(net_ceilings[chunk_tokens][name], 3)}
                     elif encrypted:
-                        ceiling = {"name": "aes_gcm", "gbps": round(ceil["aes_gcm_seal" if op == "store" else "aes_gcm_open"], 3)}
+                        aes = ceil.aes_gcm_seal if op == "store" else ceil.aes_gcm_open
+                        ceiling = {"name": "aes_gcm", "gbps": round(aes, 3)}
                     else:
-                        ceiling = {"name": "memcpy", "gbps": round(ceil["memcpy"], 3)}
-                    results.append({
+                        ceiling = {"name": "memcpy", "gbps": round(ceil.memcpy, 3)}
+                    row: dict[str, Any] = {
                         "op": op, "tier": tier, "encrypted": encrypted, "chunk_bytes": chunk_bytes,
                         "threads": threads, "gbps": round(gbps, 3), "ceiling": ceiling,
-                    })
+                    }
+                    if tier == "memory" and encrypted:  # issue 17: one pass over the bytes
+                        sp = ceil.single_pass(op)
+                        row["single_pass"] = {"gbps": round(sp, 3), "ratio": round(gbps / sp, 3) if sp else 0.0}
+                    results.append(row)
                 progress.advance(task)
             latency = {"lookup_32k_tokens_in_process_ms": await _lookup_latency(base, db_url)}
             if not quick:
@@ -287,7 +223,7 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
     finally:
         shutil.rmtree(base, ignore_errors=True)
     # issue 9: tenants, lookups per tier, LMCache side by side, workloads, the timing attack
-    suite = await bench_suite.run_suite(results, quick=quick, redis_url=redis_url, console=console)
+    suite = await bench_suite.run_suite(results, quick=quick, redis_url=redis_url, console=console, lmcache=lm)
     latency["lookup_ms_by_tier"] = suite.pop("lookup_ms_by_tier")
     if "lookup_32k_tokens_rest_ms" in latency:
         latency["lookup_ms_by_tier"]["rest"] = latency["lookup_32k_tokens_rest_ms"]
@@ -300,6 +236,7 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
         **suite,
     }
     _print_table(console, results)
+    _print_comparisons(console, out["comparisons"])
     for name, v in latency.items():
         if name == "lookup_ms_by_tier":
             continue
@@ -308,14 +245,27 @@ async def run_bench(*, quick: bool = False, reps: int = 7, console: Console | No
 
 
 def _print_table(console: Console, results: list[dict[str, Any]]) -> None:
-    table = Table("op", "tier", "enc", "chunk", "thr", "GB/s", "ceiling", "ceil GB/s", "ratio", "enc/plain",
-                  title="kvgate bench (medians)")
+    table = Table("op", "tier", "enc", "chunk", "thr", "GB/s", "ceiling", "ceil GB/s", "ratio", "single_pass GB/s",
+                  "vs single_pass", "enc/plain", title="kvgate bench (medians)")
     plain = {(r["op"], r["tier"], r["chunk_bytes"], r["threads"]): r["gbps"] for r in results if not r["encrypted"]}
     for r in results:
         ratio = r["gbps"] / r["ceiling"]["gbps"] if r["ceiling"]["gbps"] else 0.0
         key = (r["op"], r["tier"], r["chunk_bytes"], r["threads"])
         ep = f"{r['gbps'] / plain[key]:.2f}" if r["encrypted"] and plain.get(key) else ""
+        sp = r.get("single_pass")
         table.add_row(r["op"], r["tier"], "yes" if r["encrypted"] else "no", f"{r['chunk_bytes'] / 2**20:.0f} MiB",
                       str(r["threads"]), f"{r['gbps']:.2f}", r["ceiling"]["name"], f"{r['ceiling']['gbps']:.2f}",
-                      f"{ratio:.2f}", ep)
+                      f"{ratio:.2f}", f"{sp['gbps']:.2f}" if sp else "", f"{sp['ratio']:.2f}" if sp else "", ep)
+    console.print(table)
+
+
+def _print_comparisons(console: Console, comps: list[dict[str, Any]]) -> None:
+    if not comps:
+        return
+    table = Table("figure", "kvgate GB/s", "LMCache GB/s", "kvgate / LMCache", "single_pass GB/s",
+                  title="kvgate beside LMCache (same bytes, 1 thread, medians)")
+    for c in comps:
+        sp = c.get("single_pass_gbps")
+        table.add_row(c["figure"], f"{c['kvgate']:.2f}", f"{c['peer_value']:.2f}", f"{c['ratio']:.2f}",
+                      f"{sp:.2f}" if sp is not None else "")
     console.print(table)

@@ -1,6 +1,6 @@
 """Plots and the Markdown report of a `kvgate bench` JSON file.
 
-    python -m gateway.bench_plots bench-results/bench.json --out bench-results [--docs docs]
+    python -m gateway.bench.plots bench-results/bench.json --out bench-results [--docs docs]
 
 Writes ``throughput.png``, ``concurrency.png``, ``lmcache.png``, ``attack.png`` and ``bench.md`` to
 ``--out``; with ``--docs``, also the PNGs to ``docs/img/`` (small, for the README) and
@@ -18,6 +18,16 @@ from typing import Any
 __all__ = ["main", "markdown", "write_plots"]
 
 PLOTS = ("throughput.png", "concurrency.png", "lmcache.png", "attack.png")
+PEERS_NOTE = (
+    "How the peer runs: `kvgate bench` first runs `scripts/lmcache_runner.py` (outside every package, started "
+    "with `python -I`) in LMCache's own environment, named by `--lmcache-python` / `KVGATE_BENCH_LMCACHE_PYTHON` "
+    "(default `.venv-lmcache/bin/python` under the current directory; `--lmcache-runner` / "
+    "`KVGATE_BENCH_LMCACHE_RUNNER`, default `scripts/lmcache_runner.py`). A peer that fails to run fails the "
+    "command (exit 2, with its error); `--no-peers` skips peers on purpose; an environment neither named nor at its "
+    "default place is skipped with a note (`make bench` names it). LMCache's L1 (`l1-dram`) is measured on the same "
+    "chunk sizes and the same bytes as kvgate's memory tier (as many distinct buffers, one torch thread), and "
+    "kvgate's encrypted memory-tier figures stand beside it as well as beside `single_pass`."
+)
 
 
 def _mib(b: int) -> str:
@@ -117,17 +127,21 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
             f"Made by `{command}` on {m.get('platform', '?')}, {m.get('cpus', '?')} CPUs, Python {m.get('python', '?')}, "
             f"torch {m.get('torch', '?')}; medians of {data.get('reps', '?')} repetitions. Every figure stands beside a "
             "ceiling measured in the same run on the same bytes (AES-256-GCM `encrypt_into`, memory copy, raw redis-py, "
-            "a raw loopback socket)."
+            "a raw loopback socket). Encrypted memory-tier results also stand beside `single_pass` = "
+            "min(AES-256-GCM, memory copy) over the same bytes and threads: one pass over the bytes with the "
+            "encryption fused into it."
         ), "",
         "### Throughput", "",
-        "| op | tier | encrypted | chunk | threads | GB/s | ceiling | ceiling GB/s | fraction |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| op | tier | encrypted | chunk | threads | GB/s | ceiling | ceiling GB/s | fraction | single_pass GB/s | vs single_pass |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in data["results"]:
         c = r["ceiling"]
         frac = r["gbps"] / c["gbps"] if c["gbps"] else 0.0
+        sp = r.get("single_pass")
+        sp_cols = f"{sp['gbps']:.2f} | {sp['ratio']:.2f}" if sp else " | "
         lines.append(f"| {r['op']} | {r['tier']} | {'yes' if r['encrypted'] else 'no'} | {_mib(r['chunk_bytes'])} | "
-                     f"{r['threads']} | {r['gbps']:.2f} | {c['name']} | {c['gbps']:.2f} | {frac:.2f} |")
+                     f"{r['threads']} | {r['gbps']:.2f} | {c['name']} | {c['gbps']:.2f} | {frac:.2f} | {sp_cols} |")
     lines += ["", f"![throughput]({img_prefix}throughput.png)", "", "### Lookup latency (32K-token prefix, 128 chunks)", "",
               "| tier | p50 ms | p99 ms |", "| --- | --- | --- |"]
     for t, v in data.get("latency", {}).get("lookup_ms_by_tier", {}).items():
@@ -140,7 +154,7 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
             lines.append(f"| {c['tenants']} | {c['store']['aggregate_gbps']} | {c['store']['jain_fairness']} | "
                          f"{c['load']['aggregate_gbps']} | {c['load']['jain_fairness']} |")
         lines += ["", f"![concurrency]({img_prefix}concurrency.png)"]
-    lines += ["", "### kvgate beside LMCache", ""]
+    lines += ["", "### kvgate beside LMCache", "", PEERS_NOTE, ""]
     lm = data.get("lmcache", {})
     if lm.get("skipped"):
         lines.append(f"LMCache skipped: {lm['skipped']}")
@@ -151,9 +165,11 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
                        "its `fs` store time runs until its background L2 write completes; buffered `fs` loads may be served "
                        "from the page cache, `fs-odirect` is not; kvgate's disk tier writes with fsync. kvgate encrypts "
                        "with AES-256-GCM everywhere; LMCache's `aesgcm` serde (AES-256 here) covers L2 only."), "",
-                  "| figure | kvgate GB/s | LMCache GB/s | ratio |", "| --- | --- | --- | --- |"]
+                  "| figure | kvgate GB/s | LMCache GB/s | ratio | single_pass GB/s |", "| --- | --- | --- | --- | --- |"]
         for c in data.get("comparisons", []):
-            lines.append(f"| {c['figure']} | {c['kvgate']:.2f} | {c['peer_value']:.2f} | {c['ratio']:.2f} |")
+            sp = c.get("single_pass_gbps")
+            lines.append(f"| {c['figure']} | {c['kvgate']:.2f} | {c['peer_value']:.2f} | {c['ratio']:.2f} | "
+                         f"{'' if sp is None else f'{sp:.2f}'} |")
         lines += ["", f"![lmcache]({img_prefix}lmcache.png)"]
     att = data.get("attacks") or []
     if att:
