@@ -22,7 +22,7 @@ from crypto.envelope import (
     segment_scratch_bytes,
 )
 from crypto.errors import DecryptionFailed, InvalidParameter
-from gateway.bench_plaintext import PlaintextCodec
+from gateway.bench.plaintext import PlaintextCodec
 from gateway.datapath import DataPath, OpenJob, SealJob
 from kernels.errors import KVLayoutError
 from kernels.layouts import KVGeometry, KVLayout

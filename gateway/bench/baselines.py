@@ -7,43 +7,72 @@ isolation. Nothing outside ``gateway/bench/`` may call them; the product has no 
   from one pseudo-tenant's namespace, data key and envelope context), the target of the
   prefix-cache timing attack's ``shared-baseline``.
 
-For now both reach the two benchmark switches that still exist in the core
-(``open_runtime(encrypt=False)`` threading ``DataPath(encrypt=False)``, and the private
-``Gateway._bench_shared_tenant``). Issue 14 removes those switches from ``gateway/core.py``,
-``gateway/datapath.py`` and ``gateway/runtime.py``; these two functions are then re-implemented
-on public seams passed to the normal constructors (a plaintext cipher in place of the AEAD, and a
-shared-tenant namespace resolver), with the same signatures, so the bench does not change.
+Both are built from the product's public seams, passed to the normal constructors: a plaintext
+envelope codec (``gateway.bench.plaintext``) as the data path's codec, and an access service that
+maps every verified capability to one pseudo-tenant. The core has no parameter that turns
+encryption or isolation off.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import replace
+
+from audit.types import AuditSink
+from gateway.access import Access
 from gateway.config import Settings
 from gateway.runtime import Runtime, open_runtime
 from storage.base import Tier
+from tenancy.capabilities import CapabilityAuthority
+from tenancy.registry import Registry
+from tenancy.types import Capability
 
-__all__ = ["plaintext_runtime", "shared_tenant_runtime"]
+__all__ = ["SharedTenantAccess", "plaintext_runtime", "shared_tenant_runtime"]
+
+
+class SharedTenantAccess(Access):
+    """Capabilities are verified as in the product, then every one is served from one
+    pseudo-tenant's namespace (isolation OFF: the shared cache the timing attack targets)."""
+
+    def __init__(
+        self, pseudo_tenant: str, authority: CapabilityAuthority, registry: Registry, audit: AuditSink,
+        stats: Counter[str],
+    ) -> None:
+        super().__init__(authority, registry, audit, stats)
+        self.pseudo_tenant = pseudo_tenant
+
+    def authorize(self, token: str, op: str, *, chunks: Sequence[str] = ()) -> Capability:
+        cap = super().authorize(token, op, chunks=chunks)
+        return replace(cap, tenant=self.pseudo_tenant, namespace="default")
 
 
 async def plaintext_runtime(settings: Settings, *, tiers: list[Tier]) -> Runtime:
-    """A runtime whose data path stores and loads plaintext (benchmark baseline only).
+    """A runtime whose data path stores and loads plaintext (benchmark baseline only): the same
+    data path, buffers and threads, with the plaintext codec in place of AES-256-GCM."""
+    from gateway.bench.plaintext import PlaintextCodec
+    from gateway.datapath.path import DataPath
 
-    Today: ``open_runtime(..., encrypt=False)``. After issue 14: ``open_runtime`` with a plaintext
-    cipher passed through its public cipher seam; the core keeps no ``encrypt`` parameter."""
-    return await open_runtime(settings, tiers=tiers, encrypt=False)
+    def datapath() -> DataPath:
+        return DataPath(
+            PlaintextCodec(settings.segment_bytes), settings.cpu_threads,
+            device_cipher=settings.device_cipher, device_aes=settings.device_aes,
+        )
+
+    return await open_runtime(settings, tiers=tiers, datapath=datapath)
 
 
 async def shared_tenant_runtime(settings: Settings, *, tiers: list[Tier], pseudo_tenant: str) -> Runtime:
     """A runtime with isolation OFF: every verified capability, of whichever tenant, is served
     from ``pseudo_tenant``'s namespace (created here), as in a shared cache without namespaces
-    (benchmark baseline only: the timing attack's ``shared-baseline``).
+    (benchmark baseline only: the timing attack's ``shared-baseline``)."""
 
-    Today: sets the private ``Gateway._bench_shared_tenant``. After issue 14: ``open_runtime`` with
-    a shared-tenant namespace resolver passed to the normal constructors; the core keeps no
-    switch that turns isolation off."""
-    rt = await open_runtime(settings, tiers=tiers)
+    def access(authority: CapabilityAuthority, registry: Registry, audit: AuditSink, stats: Counter[str]) -> Access:
+        return SharedTenantAccess(pseudo_tenant, authority, registry, audit, stats)
+
+    rt = await open_runtime(settings, tiers=tiers, access=access)
     try:
         await rt.admin.create_tenant(pseudo_tenant)
-        rt.gateway._bench_shared_tenant = pseudo_tenant
     except BaseException:
         await rt.aclose()
         raise

@@ -93,8 +93,8 @@ class DataPath:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def key_version(self, envelope: memoryview) -> int:
-        """The data-key version an envelope was sealed with."""
+    def key_version(self, envelope: memoryview) -> int | None:
+        """The data-key version an envelope was sealed with (None: a codec without keys)."""
         return self.codec.key_version(envelope)
 
     def segment_bytes(self, layer_nbytes: int) -> int:

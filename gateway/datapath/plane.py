@@ -234,7 +234,7 @@ class DataPlane:
                     break
                 try:
                     version = self.datapath.key_version(found.envelope)
-                    dek = await session.opening_key(version)
+                    dek = b"" if version is None else await session.opening_key(version)
                 except (KeyUnavailable, KekError):
                     stats["unavailable"] += 1
                     self.stats["key_unavailable"] += 1
@@ -244,7 +244,7 @@ class DataPlane:
                     jobs.append(OpenJob(found.envelope, slots[c.start : c.end], b"", session.context(i, model, 1)))
                     tiers.append(found.tier)
                     break
-                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], dek, session.context(i, model, version)))
+                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], dek, session.context(i, model, version or 0)))
                 tiers.append(found.tier)
             if not jobs:
                 return 0

@@ -30,8 +30,8 @@ class PlaintextCodec:
     def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int:
         return plaintext_len
 
-    def key_version(self, envelope: memoryview) -> int:
-        return 0
+    def key_version(self, envelope: memoryview) -> int | None:
+        return None  # no data key: the plane opens without asking for one
 
     def plaintext_length(self, envelope: memoryview) -> int:
         return envelope.nbytes
