@@ -31,6 +31,7 @@ from dataclasses import asdict
 from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, Target, record_durably
+from gateway import errors
 from gateway.core import Gateway
 from gateway.types import ClearResult, check_name
 from gateway.errors import InvalidRequest, TenantUnavailable
@@ -64,7 +65,7 @@ class Admin:
         try:
             await self.gw.registry.create_tenant(tenant)
         except TenantExists:
-            raise InvalidRequest("tenant exists") from None
+            raise errors.TenantExists("tenant exists") from None
         version = await self.gw.keyring.create(tenant)
         for action, details in ((Actions.TENANT_CREATE, {}), (Actions.KEY_CREATE, {"version": version})):
             self.gw.audit.emit(AuditEvent(action, actor=actor or Actor(), target=Target(tenant=tenant), details=details))
