@@ -76,7 +76,7 @@ class Gatekeeper:
             await self.app(scope, receive, send)
             return
         from gateway.server.deps import authenticate
-        from gateway.server.problems import RateLimited
+        from gateway.errors import RateLimited
 
         s = self.settings
         headers = scope["headers"]
