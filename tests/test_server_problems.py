@@ -4,8 +4,8 @@ app sends with it (problem+json, the table's headers, nothing internal in a 500)
 from __future__ import annotations
 
 import inspect
-import re
 import logging
+import re
 from collections.abc import AsyncIterator
 
 import httpx
@@ -23,7 +23,13 @@ from gateway.errors import (
     TenantExists,
     TenantUnavailable,
 )
-from gateway.server.problems import INTERNAL, PROBLEMS, handle, install_problem_handlers, lookup
+from gateway.server.problems import (
+    INTERNAL,
+    PROBLEMS,
+    handle,
+    install_problem_handlers,
+    lookup,
+)
 from storage.types import TierError, TierFull, TierTimeout
 from tenancy.errors import DependencyUnavailable, PermissionDenied
 

@@ -22,7 +22,6 @@ from gateway.server.deps import (
     Authorize,
     AuthorizeBody,
     Name,
-    NamePath,
     NameQuery,
     PrincipalDep,
     Scope,

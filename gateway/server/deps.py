@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from audit.types import Actions, Actor, AuditEvent, Target
 from gateway.config import Settings
 from gateway.envelopes import EnvelopePlane
-from gateway.runtime import Runtime
 from gateway.errors import RateLimited, Unauthenticated
+from gateway.runtime import Runtime
 from gateway.server.telemetry import Telemetry
 from tenancy.capabilities import read_unverified
 from tenancy.errors import AuthenticationFailed, CapabilityDenied, PermissionDenied
@@ -111,7 +111,8 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
-    return request.app.state.kvgate
+    state: ServerState = request.app.state.kvgate
+    return state
 
 
 StateDep = Annotated[ServerState, Depends(get_state)]
@@ -149,9 +150,9 @@ async def get_principal(
     request: Request, state: StateDep, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
     """The principal the gatekeeper verified before the body was read (or verify it now)."""
-    principal = request.scope.get("state", {}).get("kvgate_principal")
-    if principal is not None:
-        return principal
+    verified: Principal | None = request.scope.get("state", {}).get("kvgate_principal")
+    if verified is not None:
+        return verified
     client = request.client.host if request.client else "-"
     principal = await authenticate(state, authorization, client)
     request.scope.setdefault("state", {})["kvgate_principal"] = principal
