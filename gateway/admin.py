@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
+from gateway import errors
 from gateway.access import Access
 from gateway.errors import InvalidRequest, TenantUnavailable
 from gateway.invalidation import Invalidation
@@ -92,7 +93,7 @@ class Admin:
         try:
             await self.registry.create_tenant(tenant)
         except TenantExists:
-            raise InvalidRequest("tenant exists") from None
+            raise errors.TenantExists("tenant exists") from None
         version = await self.keyring.create(tenant)
         for action, details in ((Actions.TENANT_CREATE, {}), (Actions.KEY_CREATE, {"version": version})):
             self.audit.emit(AuditEvent(action, actor=actor or Actor(), target=Target(tenant=tenant), details=details))

@@ -1,12 +1,34 @@
-"""Errors of the gateway core. Lower packages' errors are translated here, at the boundary.
+"""Errors of the gateway. Lower packages' errors are translated at the boundary: inside the core
+(``InvalidRequest`` for a bad name, ``TenantUnavailable`` for an unknown tenant, ...) or, for the
+REST server, by the one exception table in ``gateway.server.problems``.
+
+Exception tree (HTTP status as the server answers it)::
 
     GatewayError
-     +-- AccessDenied       no valid capability for this tenant, namespace, operation or chunk
-     +-- InvalidRequest     bad input: tokens, KV tensors, block ids, names (also ValueError)
-     +-- TenantUnavailable  the tenant is unknown or disabled (told to callers as AccessDenied
-     |                      where existence must not leak)
-     +-- ChunkMissing       an admin operation named a chunk that is not stored
-     +-- NotReady           the gateway is not open, or its schema is behind (`kvgate migrate`)
+     +-- AccessDenied            403  no valid capability for this tenant, namespace, operation or chunk
+     +-- InvalidRequest          422  bad input: tokens, KV tensors, block ids, names (also ValueError)
+     +-- TenantUnavailable       403  the tenant is unknown or disabled (told to callers as a 403
+     |                                wherever existence must not leak)
+     +-- ChunkMissing            404  an operation named a chunk that is not stored
+     +-- NotReady                503  the gateway is not open, or its schema is behind (`kvgate migrate`)
+     +-- Conflict                409  the request contradicts the stored state
+     |    +-- TenantExists       409  a tenant of that name is already registered
+     +-- TooLarge                413  a body over the configured limit
+     +-- Unauthenticated         401  no, or no valid, bearer token
+     +-- RateLimited             429  too many failed authentications from this client
+     |
+     |   defined beside the code that raises them (not raised to the REST server's clients):
+     +-- InsecureStateFiles           state files readable by group or others (gateway.statefiles)
+     +-- RemoteUnavailable            the remote kvgate server failed or cannot be reached (gateway.remote)
+     +-- ConnectorConfigError,        the vLLM integration's own tree, drawn in gateway.vllm.errors
+         GatewayTimeout,
+         TenantRequestError ...
+
+Lower packages' errors the server answers by type (``gateway.server.problems``): ``tenancy``'s
+``AuthenticationFailed`` (401), ``CapabilityDenied`` and ``PermissionDenied`` (403),
+``CapabilityRequestInvalid`` (422), ``DependencyUnavailable`` (503, Retry-After); ``crypto``'s
+``KekError`` (503, Retry-After); ``storage``'s ``TierError`` (503, Retry-After). Anything else
+is a 500 whose body names nothing.
 
 Misses, failed authentication of a stored chunk and unreachable tiers are *results* (a shorter
 hit, a miss counted and audited), never exceptions for the engine.
@@ -21,6 +43,11 @@ __all__ = [
     "TenantUnavailable",
     "ChunkMissing",
     "NotReady",
+    "Conflict",
+    "TenantExists",
+    "TooLarge",
+    "Unauthenticated",
+    "RateLimited",
 ]
 
 
@@ -47,4 +74,24 @@ class ChunkMissing(GatewayError):
 
 
 class NotReady(GatewayError):
+    pass
+
+
+class Conflict(GatewayError):
+    """The request contradicts what is stored; ``str()`` is told to the caller."""
+
+
+class TenantExists(Conflict):
+    pass
+
+
+class TooLarge(GatewayError):
+    pass
+
+
+class Unauthenticated(GatewayError):
+    pass
+
+
+class RateLimited(GatewayError):
     pass

@@ -17,18 +17,23 @@ from pydantic import BaseModel, Field, model_validator
 from audit import AuditExport, ExportError
 from audit.checkpointer import CheckpointTampered
 from gateway.envelopes import parse_hash
-from gateway.errors import InvalidRequest
+from gateway.errors import Conflict, InvalidRequest
 from gateway.server.deps import (
+    Authorize,
+    AuthorizeBody,
     Name,
-    NamePath,
     NameQuery,
     PrincipalDep,
+    Scope,
+    Scoped,
     StateDep,
     Strict,
-    actor_of,
     authorize_action,
+    on_every_tenant,
+    on_own_tenant,
+    on_path,
 )
-from gateway.server.problems import COMMON_PROBLEMS, Conflict, problem_responses
+from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles
 
@@ -94,22 +99,32 @@ class RotateResponse(BaseModel):
     key_version: int
 
 
+# The verified scope of each admin action (kv.admin: its own tenant; kv.operator: any tenant).
+ClearScope = Annotated[Scoped[ClearRequest], Depends(AuthorizeBody(Action.CLEAR, ClearRequest))]
+MoveScope = Annotated[Scoped[MoveRequest], Depends(AuthorizeBody(Action.MOVE, MoveRequest))]
+CreateTenantScope = Annotated[Scoped[TenantRequest], Depends(AuthorizeBody(Action.MANAGE_TENANTS, TenantRequest))]
+TenantScope = Annotated[Scope, Depends(Authorize(Action.MANAGE_TENANTS, on=on_path))]
+RotateScope = Annotated[Scope, Depends(Authorize(Action.ROTATE_KEYS, on=on_path))]
+OwnAuditScope = Annotated[Scope, Depends(Authorize(Action.EXPORT_AUDIT, on=on_own_tenant))]
+# Checkpoints cover every tenant's rows: writing one is for operators.
+WholeAuditScope = Annotated[Scope, Depends(Authorize(Action.EXPORT_AUDIT, on=on_every_tenant))]
+
+
 async def _keys(state, tenant: str, namespace: str, hashes: list[str]) -> list[ChunkKey]:
     resolver = state.runtime.resolver
     return resolver.chunk_keys(await resolver.keys(tenant, namespace), [parse_hash(h) for h in hashes])
 
 
 @router.post("/clear", response_model=ClearResponse)
-async def clear(body: ClearRequest, principal: PrincipalDep, state: StateDep, request: Request) -> ClearResponse:
+async def clear(call: ClearScope, state: StateDep) -> ClearResponse:
     """Secure clear of a tenant, a namespace or a list of chunks: crypto-shred, delete, audit."""
-    tenant = body.tenant
-    authorize_action(state, principal, tenant, Action.CLEAR, request)
+    body, tenant = call.body, call.scope.tenant
     chunks = None
     if body.scope == "chunks":
         assert body.namespace is not None and body.hashes is not None  # the model's rule
         chunks = await _keys(state, tenant, body.namespace, body.hashes)
     res = await state.runtime.admin.clear(
-        tenant, body.namespace if body.scope == "namespace" else None, chunks=chunks, actor=actor_of(principal, request)
+        tenant, body.namespace if body.scope == "namespace" else None, chunks=chunks, actor=call.scope.actor
     )
     return ClearResponse(
         job_id=res.job_id, tenant=res.tenant, namespace=body.namespace, scope=body.scope,
@@ -118,40 +133,31 @@ async def clear(body: ClearRequest, principal: PrincipalDep, state: StateDep, re
 
 
 @router.post("/move", response_model=MoveResponse)
-async def move(body: MoveRequest, principal: PrincipalDep, state: StateDep, request: Request) -> MoveResponse:
-    tenant = body.tenant
-    authorize_action(state, principal, tenant, Action.MOVE, request)
-    keys = await _keys(state, tenant, body.namespace, body.hashes)
-    moved = await state.runtime.gateway.move(keys, body.source, body.destination, actor=actor_of(principal, request))
+async def move(call: MoveScope, state: StateDep) -> MoveResponse:
+    body = call.body
+    keys = await _keys(state, call.scope.tenant, body.namespace, body.hashes)
+    moved = await state.runtime.gateway.move(keys, body.source, body.destination, actor=call.scope.actor)
     return MoveResponse(requested=len(keys), moved=moved)
 
 
 @router.post("/tenants", response_model=TenantResponse, status_code=201, responses=problem_responses(409))
-async def create_tenant(body: TenantRequest, principal: PrincipalDep, state: StateDep, request: Request) -> TenantResponse:
-    authorize_action(state, principal, body.tenant, Action.MANAGE_TENANTS, request)
-    try:
-        version = await state.runtime.admin.create_tenant(body.tenant, actor=actor_of(principal, request))
-    except InvalidRequest:
-        raise Conflict("tenant exists") from None
-    return TenantResponse(tenant=body.tenant, status="active", key_version=version)
+async def create_tenant(call: CreateTenantScope, state: StateDep) -> TenantResponse:
+    """Register a tenant and its first data key; a name already registered is a 409."""
+    scope = call.scope
+    version = await state.runtime.admin.create_tenant(scope.tenant, actor=scope.actor)
+    return TenantResponse(tenant=scope.tenant, status="active", key_version=version)
 
 
 @router.delete("/tenants/{tenant}", response_model=TenantResponse)
-async def disable_tenant(
-    tenant: NamePath, principal: PrincipalDep, state: StateDep, request: Request
-) -> TenantResponse:
-    authorize_action(state, principal, tenant, Action.MANAGE_TENANTS, request)
-    await state.runtime.admin.disable_tenant(tenant, actor=actor_of(principal, request))
-    return TenantResponse(tenant=tenant, status="disabled")
+async def disable_tenant(scope: TenantScope, state: StateDep) -> TenantResponse:
+    await state.runtime.admin.disable_tenant(scope.tenant, actor=scope.actor)
+    return TenantResponse(tenant=scope.tenant, status="disabled")
 
 
 @router.post("/tenants/{tenant}/keys/rotate", response_model=RotateResponse)
-async def rotate(
-    tenant: NamePath, principal: PrincipalDep, state: StateDep, request: Request
-) -> RotateResponse:
-    authorize_action(state, principal, tenant, Action.ROTATE_KEYS, request)
-    version = await state.runtime.admin.rotate_key(tenant, actor=actor_of(principal, request))
-    return RotateResponse(tenant=tenant, key_version=version)
+async def rotate(scope: RotateScope, state: StateDep) -> RotateResponse:
+    version = await state.runtime.admin.rotate_key(scope.tenant, actor=scope.actor)
+    return RotateResponse(tenant=scope.tenant, key_version=version)
 
 
 def _export_params(principal, state, request, since, until, tenant) -> dict:
@@ -228,9 +234,8 @@ async def audit_manifest(window: ExportWindow, state: StateDep) -> JSONResponse:
 
 
 @router.get("/audit/public-key", response_class=Response)
-async def audit_public_key(principal: PrincipalDep, state: StateDep, request: Request) -> Response:
+async def audit_public_key(_: OwnAuditScope, state: StateDep) -> Response:
     """The public half of the audit signing key (PEM): manifests and checkpoints verify with it."""
-    authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
     return Response(state.runtime.signer.public_key_pem(), media_type="application/x-pem-file")
 
 
@@ -242,25 +247,16 @@ async def _checkpoint(state) -> dict:
     return dict(cp.document)
 
 
-def _require_operator(state, principal, request: Request) -> None:
-    """Checkpoints cover every tenant's rows: writing one is for operators."""
-    if Role.OPERATOR not in parse_roles(principal.roles):
-        authorize_action(state, principal, "*", Action.EXPORT_AUDIT, request)  # audited denial
-        raise InvalidRequest("operators only")  # pragma: no cover - the line above raises
-
-
 @router.post("/audit/checkpoints", status_code=201, responses=problem_responses(409))
-async def audit_checkpoint(principal: PrincipalDep, state: StateDep, request: Request) -> JSONResponse:
+async def audit_checkpoint(_: WholeAuditScope, state: StateDep) -> JSONResponse:
     """Write a signed checkpoint (tree size, RFC 9162 root, time) now: into the checkpoint
     directory and into the log; returns it (``kvgate audit verify --checkpoint`` takes it)."""
-    _require_operator(state, principal, request)
     return JSONResponse(await _checkpoint(state), status_code=201)
 
 
 @router.get("/audit/checkpoints/latest", responses=problem_responses(404))
-async def audit_latest_checkpoint(principal: PrincipalDep, state: StateDep, request: Request) -> JSONResponse:
+async def audit_latest_checkpoint(_: OwnAuditScope, state: StateDep) -> JSONResponse:
     """The newest signed checkpoint in the checkpoint directory."""
-    authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
     import asyncio
 
     cp = await asyncio.to_thread(state.runtime.checkpointer.latest)
@@ -271,13 +267,12 @@ async def audit_latest_checkpoint(principal: PrincipalDep, state: StateDep, requ
 
 @router.get("/audit/consistency")
 async def audit_consistency(
-    principal: PrincipalDep, state: StateDep, request: Request,
+    _: OwnAuditScope, state: StateDep,
     first: Annotated[int, Query(ge=1, le=2**62)], second: Annotated[int, Query(ge=1, le=2**62)],
 ) -> JSONResponse:
     """An RFC 9162 consistency proof between two tree sizes of the stored log (two checkpoints'
     ``tree_size``): ``kvgate audit verify-consistency OLD NEW PROOF`` checks it offline against
     the two signed roots, without the log."""
-    authorize_action(state, principal, principal.tenant, Action.EXPORT_AUDIT, request)
     if first > second:
         raise InvalidRequest("first must not be larger than second")
     try:

@@ -10,14 +10,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from typing import Annotated
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from gateway.config import Settings
 from gateway.runtime import open_runtime
 from gateway.server import admin_routes, data
-from gateway.server.deps import PrincipalDep, ServerState, StateDep, authorize_action
+from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
 from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.telemetry import Telemetry
@@ -27,6 +28,8 @@ from tenancy.roles import Action
 __all__ = ["create_app", "DEV_ISSUER_PATH"]
 
 DEV_ISSUER_PATH = "/dev-issuer"
+# /metrics spans every tenant: an operator's action on ``*``.
+OperatorScope = Annotated[Scope, Depends(Authorize(Action.MANAGE_TENANTS, on=on_every_tenant))]
 
 
 def _issuers(settings: Settings, dev) -> list[IssuerConfig]:
@@ -127,9 +130,8 @@ def create_app(settings: Settings) -> FastAPI:
         "/metrics", response_class=Response,
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}, **problem_responses(401, 403, 429)},
     )
-    async def metrics(principal: PrincipalDep, state: StateDep, request: Request) -> Response:
+    async def metrics(_: OperatorScope, state: StateDep) -> Response:
         """Prometheus text format. Needs an operator token (it spans every tenant)."""
-        authorize_action(state, principal, "*", Action.MANAGE_TENANTS, request)
         return Response(state.telemetry.scrape(), media_type="text/plain; version=0.0.4")
 
     @app.get(DEV_ISSUER_PATH + "/.well-known/openid-configuration", include_in_schema=False)

@@ -6,26 +6,26 @@ import base64
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from gateway.errors import InvalidRequest
+from gateway.errors import InvalidRequest, TooLarge
 from gateway.server.deps import (
-    CapabilityDep,
+    Authorize,
     Name,
     PrincipalDep,
-    ServerState,
+    Scope,
     StateDep,
     Strict,
     actor_of,
     authorize_action,
+    on_capability,
 )
-from gateway.server.problems import COMMON_PROBLEMS, TooLarge, problem_responses
+from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from tenancy.capabilities import read_unverified
-from tenancy.errors import CapabilityDenied, PermissionDenied
+from tenancy.errors import PermissionDenied
 from tenancy.roles import Action, allowed_capability_ops
-from tenancy.types import Principal
 
 router = APIRouter(prefix="/v1", responses=problem_responses(*COMMON_PROBLEMS))
 _NOT_FOUND = problem_responses(404)
@@ -92,14 +92,18 @@ class LeaseResponse(BaseModel):
     chunk_tokens: int = Field(description="tokens per chunk; a worker must chain-hash with the same")
 
 
-def _same_tenant(state: ServerState, principal: Principal, token: str, action: Action, request: Request) -> None:
-    """The caller's roles must allow ``action`` on the tenant the capability names: a capability
-    never crosses tenants, whoever holds it."""
-    try:
-        tenant = read_unverified(token).tenant
-    except CapabilityDenied:
-        tenant = principal.tenant  # a garbled token: the capability check itself will deny it
-    authorize_action(state, principal, tenant, action, request)
+# The verified scope of each data-plane action: the caller's roles allow it on the tenant the
+# request's capability names (``scope.capability``), decided before the route runs.
+LookupScope = Annotated[Scope, Depends(Authorize(Action.LOOKUP, on=on_capability))]
+GetScope = Annotated[Scope, Depends(Authorize(Action.GET, on=on_capability))]
+PutScope = Annotated[Scope, Depends(Authorize(Action.PUT, on=on_capability))]
+PinScope = Annotated[Scope, Depends(Authorize(Action.PIN, on=on_capability))]
+LeaseScope = Annotated[Scope, Depends(Authorize(Action.LEASE_KEY, on=on_capability))]
+
+
+def _cap(scope: Scope) -> str:
+    assert scope.capability is not None  # on_capability always sets it
+    return scope.capability
 
 
 @router.post("/capabilities", response_model=CapabilityResponse, status_code=201)
@@ -120,9 +124,8 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
 
 
 @router.post("/lookup", response_model=LookupResponse)
-async def lookup(body: LookupRequest, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> LookupResponse:
-    _same_tenant(state, principal, cap, Action.LOOKUP, request)
-    answer = await state.plane.lookup(cap, body.hashes)
+async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> LookupResponse:
+    answer = await state.plane.lookup(_cap(scope), body.hashes)
     hit_tokens = None
     if body.chunk_tokens is not None:
         hit_tokens = answer.hit_chunks * body.chunk_tokens
@@ -132,10 +135,10 @@ async def lookup(body: LookupRequest, principal: PrincipalDep, cap: CapabilityDe
 
 
 @router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
-async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
+async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
     """The body is the envelope (application/octet-stream), read straight into one buffer -- after
     the capability is checked: a forged or foreign capability costs no body read."""
-    _same_tenant(state, principal, cap, Action.PUT, request)
+    cap = _cap(scope)
     state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
     limit = state.settings.max_chunk_bytes
     declared = request.headers.get("content-length")
@@ -167,9 +170,8 @@ async def put_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: Capabili
     "/chunks/{chunk_hash}", response_class=Response,
     responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}, **_NOT_FOUND},
 )
-async def get_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    _same_tenant(state, principal, cap, Action.GET, request)
-    found = await state.plane.get(cap, chunk_hash)
+async def get_chunk(chunk_hash: HashPath, scope: GetScope, state: StateDep) -> Response:
+    found = await state.plane.get(_cap(scope), chunk_hash)
     data = found.data
     state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": found.tier})
 
@@ -185,40 +187,33 @@ async def get_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: Capabili
 
 
 @router.head("/chunks/{chunk_hash}", responses=_NOT_FOUND)
-async def head_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    _same_tenant(state, principal, cap, Action.LOOKUP, request)
-    where = await state.plane.head(cap, chunk_hash)
+async def head_chunk(chunk_hash: HashPath, scope: LookupScope, state: StateDep) -> Response:
+    where = await state.plane.head(_cap(scope), chunk_hash)
     return Response(status_code=200, headers={"X-KV-Tiers": ",".join(where)})
 
 
 @router.delete("/chunks/{chunk_hash}", status_code=204, responses=_NOT_FOUND)
-async def delete_chunk(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    _same_tenant(state, principal, cap, Action.PUT, request)
-    await state.plane.delete(cap, chunk_hash)
+async def delete_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep) -> Response:
+    await state.plane.delete(_cap(scope), chunk_hash)
     return Response(status_code=204)
 
 
 @router.post("/pins", status_code=204, responses=_NOT_FOUND)
-async def pin(body: PinRequest, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    _same_tenant(state, principal, cap, Action.PIN, request)
-    await state.plane.pin(cap, body.hash, pin=True)
+async def pin(body: PinRequest, scope: PinScope, state: StateDep) -> Response:
+    await state.plane.pin(_cap(scope), body.hash, pin=True)
     return Response(status_code=204)
 
 
 @router.delete("/pins/{chunk_hash}", status_code=204, responses=_NOT_FOUND)
-async def unpin(chunk_hash: HashPath, principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request) -> Response:
-    _same_tenant(state, principal, cap, Action.PIN, request)
-    await state.plane.pin(cap, chunk_hash, pin=False)
+async def unpin(chunk_hash: HashPath, scope: PinScope, state: StateDep) -> Response:
+    await state.plane.pin(_cap(scope), chunk_hash, pin=False)
     return Response(status_code=204)
 
 
 @router.post("/keys/lease", response_model=LeaseResponse, responses=_NOT_FOUND)
-async def lease(
-    principal: PrincipalDep, cap: CapabilityDep, state: StateDep, request: Request, body: LeaseRequest | None = None
-) -> LeaseResponse:
-    _same_tenant(state, principal, cap, Action.LEASE_KEY, request)
+async def lease(scope: LeaseScope, state: StateDep, body: LeaseRequest | None = None) -> LeaseResponse:
     version = body.version if body is not None else None
-    got = await state.plane.lease_key(cap, version=version, actor=actor_of(principal, request))
+    got = await state.plane.lease_key(_cap(scope), version=version, actor=scope.actor)
     b64 = lambda b: base64.b64encode(b).decode()
     return LeaseResponse(
         tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,

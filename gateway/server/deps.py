@@ -1,13 +1,22 @@
-"""Request dependencies: the server state, the authenticated principal and the tenant scope are
-decided once per request here (as `Annotated` aliases), not in every route."""
+"""Request dependencies: the server state, the authenticated principal and the verified scope of
+an action are decided once per request here (as `Annotated` aliases), not in every route.
+
+A route that acts on a tenant takes a ``Scope`` from ``Authorize(action, on=...)``: ``on`` says
+where the tenant comes from (the capability's claim, the path, the caller's own tenant, every
+tenant), the role check runs before the route does, and a refusal is a 403 with an audited
+denial. A route whose tenant is in its JSON body takes ``AuthorizeBody(action, Model)``, which
+owns the body (read and validated once) and returns it with its scope.
+"""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 from fastapi import Depends, Header, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,10 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from audit.types import Actions, Actor, AuditEvent, Target
 from gateway.config import Settings
 from gateway.envelopes import EnvelopePlane
+from gateway.errors import RateLimited, Unauthenticated
 from gateway.runtime import Runtime
-from gateway.server.problems import RateLimited, Unauthenticated
 from gateway.server.telemetry import Telemetry
-from tenancy.errors import AuthenticationFailed, PermissionDenied
+from tenancy.capabilities import read_unverified
+from tenancy.errors import AuthenticationFailed, CapabilityDenied, PermissionDenied
 from tenancy.names import NAME_MAX, NAME_PATTERN
 from tenancy.oidc import OidcVerifier
 from tenancy.roles import Action, can_act_on
@@ -31,6 +41,15 @@ __all__ = [
     "StateDep",
     "PrincipalDep",
     "CapabilityDep",
+    "Authorize",
+    "AuthorizeBody",
+    "Scope",
+    "Scoped",
+    "TenantRef",
+    "on_capability",
+    "on_path",
+    "on_own_tenant",
+    "on_every_tenant",
     "authorize_action",
     "actor_of",
     "FailureLimiter",
@@ -92,7 +111,8 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
-    return request.app.state.kvgate
+    state: ServerState = request.app.state.kvgate
+    return state
 
 
 StateDep = Annotated[ServerState, Depends(get_state)]
@@ -130,9 +150,9 @@ async def get_principal(
     request: Request, state: StateDep, authorization: Annotated[str | None, Header()] = None
 ) -> Principal:
     """The principal the gatekeeper verified before the body was read (or verify it now)."""
-    principal = request.scope.get("state", {}).get("kvgate_principal")
-    if principal is not None:
-        return principal
+    verified: Principal | None = request.scope.get("state", {}).get("kvgate_principal")
+    if verified is not None:
+        return verified
     client = request.client.host if request.client else "-"
     principal = await authenticate(state, authorization, client)
     request.scope.setdefault("state", {})["kvgate_principal"] = principal
@@ -177,3 +197,105 @@ async def get_capability(x_kv_capability: Annotated[str | None, Header()] = None
 
 
 CapabilityDep = Annotated[str, Depends(get_capability)]
+
+
+# -- the verified scope of an action --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a route may do, decided before it runs: ``principal`` may perform ``action`` on
+    ``tenant``; ``actor`` names the caller in audit events; ``capability`` is the request's
+    ``X-KV-Capability`` on data-plane routes (still to be checked by the core, against the
+    namespace, operation and chunk)."""
+
+    principal: Principal
+    tenant: str
+    action: Action
+    actor: Actor
+    capability: str | None = None
+
+
+@dataclass(frozen=True)
+class TenantRef:
+    """The tenant an action is on, as a tenant source found it."""
+
+    tenant: str
+    capability: str | None = None
+
+
+async def on_capability(principal: PrincipalDep, cap: CapabilityDep) -> TenantRef:
+    """The tenant the capability names (read before its tag is checked): the caller's roles must
+    allow the action there, so a capability never crosses tenants, whoever holds it."""
+    try:
+        tenant = read_unverified(cap).tenant
+    except CapabilityDenied:
+        tenant = principal.tenant  # a garbled token: the capability check itself will deny it
+    return TenantRef(tenant, cap)
+
+
+async def on_path(tenant: NamePath) -> TenantRef:
+    return TenantRef(tenant)
+
+
+async def on_own_tenant(principal: PrincipalDep) -> TenantRef:
+    return TenantRef(principal.tenant)
+
+
+async def on_every_tenant() -> TenantRef:
+    """Every tenant at once: only an operator's roles allow an action on ``*``."""
+    return TenantRef("*")
+
+
+def _verify(state: ServerState, principal: Principal, request: Request, action: Action, target: TenantRef) -> Scope:
+    authorize_action(state, principal, target.tenant, action, request)
+    return Scope(principal, target.tenant, action, actor_of(principal, request), target.capability)
+
+
+def _signature(fn: Callable[..., Any], **annotations: Any) -> inspect.Signature:
+    """``fn``'s signature with its string annotations resolved and ``annotations`` put in
+    (FastAPI reads a dependency's parameters from its signature)."""
+    sig = inspect.signature(fn, eval_str=True)
+    params = [p.replace(annotation=annotations.get(p.name, p.annotation)) for p in sig.parameters.values() if p.name != "self"]
+    return sig.replace(parameters=params)
+
+
+class Authorize:
+    """``Annotated[Scope, Depends(Authorize(Action.GET, on=on_capability))]``: the verified scope
+    of ``action`` on the tenant ``on`` finds, once per request."""
+
+    def __init__(self, action: Action, on: Callable[..., Awaitable[TenantRef]]) -> None:
+        self.action = action
+        self.__signature__ = _signature(self.__call__, target=Annotated[TenantRef, Depends(on)])
+
+    async def __call__(self, request: Request, state: StateDep, principal: PrincipalDep, target: TenantRef) -> Scope:
+        return _verify(state, principal, request, self.action, target)
+
+
+class _TenantBody(Protocol):
+    @property
+    def tenant(self) -> str: ...
+
+
+B = TypeVar("B", bound=_TenantBody)
+
+
+@dataclass(frozen=True)
+class Scoped(Generic[B]):
+    """A JSON body whose ``tenant`` field names the tenant of the action, with its verified scope."""
+
+    body: B
+    scope: Scope
+
+
+class AuthorizeBody(Generic[B]):
+    """``Annotated[Scoped[M], Depends(AuthorizeBody(Action.CLEAR, M))]``: the body of model ``M``,
+    validated once (a bad body is a 422 before any role check, as a route's own body would be),
+    and the verified scope of ``action`` on its ``tenant``."""
+
+    def __init__(self, action: Action, model: type[B]) -> None:
+        self.action = action
+        self.__signature__ = _signature(self.__call__, body=model)
+
+    async def __call__(self, body: Any, request: Request, state: StateDep, principal: PrincipalDep) -> Scoped[B]:
+        return Scoped(body, _verify(state, principal, request, self.action, TenantRef(body.tenant)))

@@ -75,8 +75,8 @@ class Gatekeeper:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        from gateway.errors import RateLimited
         from gateway.server.deps import authenticate
-        from gateway.server.problems import RateLimited
 
         s = self.settings
         headers = scope["headers"]

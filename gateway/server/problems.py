@@ -1,4 +1,10 @@
-"""RFC 9457 problem details: the one place where domain errors become HTTP responses.
+"""RFC 9457 problem details: the one place where errors become HTTP responses.
+
+``PROBLEMS`` is the one exception table (type -> status, title, type URI, detail, headers) and
+``handle`` the one handler: it walks the exception's MRO through the table, as starlette's
+``_lookup_exception_handler`` walks its handlers, so a subclass is answered as its nearest listed
+base. Errors of the lower packages join the answer here, by type; anything not listed (a bug)
+meets the ``Exception`` row: a 500 whose body names nothing, the traceback in the log only.
 
 Bodies carry a type, a title, a status and a short generic detail; never a stack trace, an
 internal name or the precise reason a token was refused (that goes to the audit log). Statuses
@@ -10,6 +16,8 @@ another tenant is a 403 whether or not that tenant exists.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -22,9 +30,14 @@ from crypto.errors import KekError
 from gateway.errors import (
     AccessDenied,
     ChunkMissing,
+    Conflict,
     InvalidRequest,
     NotReady,
+    RateLimited,
+    TenantExists,
     TenantUnavailable,
+    TooLarge,
+    Unauthenticated,
 )
 from storage.types import TierError
 from tenancy.errors import (
@@ -37,34 +50,22 @@ from tenancy.errors import (
 
 __all__ = [
     "COMMON_PROBLEMS",
+    "PROBLEMS",
     "Conflict",
     "Problem",
+    "ProblemType",
     "RateLimited",
     "TooLarge",
     "Unauthenticated",
+    "handle",
     "install_problem_handlers",
+    "lookup",
     "problem",
     "problem_responses",
 ]
 
 log = logging.getLogger("kvgate.server")
 PROBLEM = "application/problem+json"
-
-
-class Conflict(Exception):
-    pass
-
-
-class TooLarge(Exception):
-    pass
-
-
-class Unauthenticated(Exception):
-    pass
-
-
-class RateLimited(Exception):
-    pass
 
 
 class Problem(BaseModel):
@@ -97,14 +98,94 @@ def problem_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 COMMON_PROBLEMS = (400, 401, 403, 413, 422, 429, 503)
 
 
-def problem(status: int, title: str, detail: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"type": "about:blank", "title": title, "status": status}
+def problem(status: int, title: str, detail: str | None = None, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"type": "about:blank", "title": title, "status": status}
     if detail:
         body["detail"] = detail
     return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
-_UNAUTHORIZED = {"WWW-Authenticate": 'Bearer realm="kvgate"'}
+def _echo(exc: BaseException) -> str:
+    """The exception's own message: only for types whose message is written for the caller."""
+    return str(exc)[:300]
+
+
+def _unavailable(exc: BaseException) -> str:
+    return f"{getattr(exc, 'dependency', 'the key provider')} unavailable; retry later"
+
+
+@dataclass(frozen=True)
+class ProblemType:
+    """How one exception type is answered. ``detail`` is fixed text, or a function of the exception
+    for types whose message is written for the caller."""
+
+    status: int
+    title: str
+    detail: str | Callable[[BaseException], str] | None = None
+    headers: Mapping[str, str] | None = None
+    type: str = "about:blank"
+    warn: bool = False  # log it: an outage is worth a line (refusals are audited instead)
+
+    def render(self, exc: BaseException) -> dict[str, Any]:
+        detail = self.detail(exc) if callable(self.detail) else self.detail
+        body: dict[str, Any] = {"type": self.type, "title": self.title, "status": self.status}
+        if detail:
+            body["detail"] = detail
+        return body
+
+
+_UNAUTHORIZED = ProblemType(401, "Unauthorized", "a valid bearer token is required", {"WWW-Authenticate": 'Bearer realm="kvgate"'})
+_FORBIDDEN = ProblemType(403, "Forbidden", "not allowed")
+_INVALID = ProblemType(422, "Unprocessable Content", _echo)
+_CONFLICT = ProblemType(409, "Conflict", _echo)
+# an outage, not a refusal and not a bug: 503 with Retry-After, on a connection that stays open
+# (a 500 from an unhandled error makes the server drop keep-alive)
+_DEPENDENCY = ProblemType(503, "Service Unavailable", _unavailable, {"Retry-After": "5"}, warn=True)
+INTERNAL = ProblemType(500, "Internal Server Error")
+
+
+def _from_http_exception(exc: BaseException) -> ProblemType:
+    """Starlette's and FastAPI's own ``HTTPException`` (a 404 route, a 405, the gatekeeper's 408
+    and 413): its status, its detail as the title below 500."""
+    assert isinstance(exc, StarletteHTTPException)
+    title = str(exc.detail) if exc.status_code < 500 else "Error"
+    return ProblemType(exc.status_code, title, None, exc.headers)
+
+
+Entry = ProblemType | Callable[[BaseException], ProblemType]
+
+# The one exception table. Order does not matter: the nearest class in an exception's MRO wins.
+PROBLEMS: dict[type[Exception], Entry] = {
+    Unauthenticated: _UNAUTHORIZED,
+    AuthenticationFailed: _UNAUTHORIZED,
+    AccessDenied: _FORBIDDEN,
+    CapabilityDenied: _FORBIDDEN,
+    PermissionDenied: _FORBIDDEN,
+    TenantUnavailable: _FORBIDDEN,  # unknown or disabled: told like any refusal
+    ChunkMissing: ProblemType(404, "Not Found", "no such chunk"),
+    InvalidRequest: _INVALID,
+    CapabilityRequestInvalid: _INVALID,
+    RequestValidationError: ProblemType(422, "Unprocessable Content", "the request does not match the schema"),
+    Conflict: _CONFLICT,
+    TenantExists: _CONFLICT,
+    TooLarge: ProblemType(413, "Content Too Large", "the body is larger than the configured limit"),
+    RateLimited: ProblemType(429, "Too Many Requests", "too many failed authentications", {"Retry-After": "10"}),
+    NotReady: ProblemType(503, "Service Unavailable", "not ready"),
+    TierError: ProblemType(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"}),
+    DependencyUnavailable: _DEPENDENCY,
+    KekError: _DEPENDENCY,
+    StarletteHTTPException: _from_http_exception,
+    Exception: INTERNAL,
+}
+
+
+def lookup(exc: BaseException, table: Mapping[type[Exception], Entry] = PROBLEMS) -> ProblemType:
+    """The answer for ``exc``: its nearest class in the table (``INTERNAL`` if none is)."""
+    for cls in type(exc).__mro__:
+        entry = table.get(cls)
+        if entry is not None:
+            return entry if isinstance(entry, ProblemType) else entry(exc)
+    return INTERNAL
 
 
 _NAME_FIELDS = frozenset({"tenant", "namespace"})
@@ -136,77 +217,23 @@ def _audit_refused_names(request: Request, e: RequestValidationError) -> None:
         )
 
 
+async def handle(request: Request, exc: Exception) -> JSONResponse:
+    """The one exception handler: the table's answer for ``exc`` as problem+json."""
+    kind = lookup(exc)
+    body = kind.render(exc)
+    if kind is INTERNAL:
+        log.exception("unhandled error", exc_info=exc)
+    elif kind.warn:
+        what = getattr(exc, "dependency", "the key provider")
+        log.warning("dependency unavailable: %s (%s)", what, type(exc.__cause__ or exc).__name__)
+    if isinstance(exc, RequestValidationError):  # which fields, never the values sent
+        _audit_refused_names(request, exc)
+        body["errors"] = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in exc.errors()][:20]
+    return JSONResponse(body, status_code=kind.status, media_type=PROBLEM, headers=kind.headers)
+
+
 def install_problem_handlers(app: FastAPI) -> None:
-    async def unauthenticated(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(401, "Unauthorized", "a valid bearer token is required", _UNAUTHORIZED)
-
-    async def forbidden(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(403, "Forbidden", "not allowed")
-
-    async def not_found(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(404, "Not Found", "no such chunk")
-
-    async def invalid(_r: Request, e: Exception) -> JSONResponse:
-        return problem(422, "Unprocessable Content", str(e)[:300])
-
-    async def conflict(_r: Request, e: Exception) -> JSONResponse:
-        return problem(409, "Conflict", str(e)[:300])
-
-    async def too_large(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(413, "Content Too Large", "the body is larger than the configured limit")
-
-    async def rate_limited(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(429, "Too Many Requests", "too many failed authentications", {"Retry-After": "10"})
-
-    async def not_ready(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(503, "Service Unavailable", "not ready")
-
-    async def tier_unavailable(_r: Request, _e: Exception) -> JSONResponse:
-        return problem(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"})
-
-    async def dependency_unavailable(_r: Request, e: Exception) -> JSONResponse:
-        # an outage, not a refusal and not a bug: 503 with Retry-After, on a connection that stays
-        # open (a 500 from an unhandled error makes the server drop keep-alive)
-        what = getattr(e, "dependency", "the key provider")
-        log.warning("dependency unavailable: %s (%s)", what, type(e.__cause__ or e).__name__)
-        return problem(503, "Service Unavailable", f"{what} unavailable; retry later", {"Retry-After": "5"})
-
-    async def validation(r: Request, e: RequestValidationError) -> JSONResponse:
-        _audit_refused_names(r, e)
-        errors = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in e.errors()][:20]
-        resp = problem(422, "Unprocessable Content", "the request does not match the schema")
-        import json
-
-        body = json.loads(resp.body)
-        body["errors"] = errors
-        return JSONResponse(body, status_code=422, media_type=PROBLEM)
-
-    async def http_exc(_r: Request, e: StarletteHTTPException) -> JSONResponse:
-        return problem(e.status_code, str(e.detail) if e.status_code < 500 else "Error", None, getattr(e, "headers", None))
-
-    async def unexpected(_r: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=e)
-        return problem(500, "Internal Server Error")
-
-    for exc, handler in (
-        (Unauthenticated, unauthenticated),
-        (AuthenticationFailed, unauthenticated),
-        (AccessDenied, forbidden),
-        (CapabilityDenied, forbidden),
-        (PermissionDenied, forbidden),
-        (TenantUnavailable, forbidden),
-        (ChunkMissing, not_found),
-        (InvalidRequest, invalid),
-        (CapabilityRequestInvalid, invalid),
-        (Conflict, conflict),
-        (TooLarge, too_large),
-        (RateLimited, rate_limited),
-        (NotReady, not_ready),
-        (TierError, tier_unavailable),
-        (DependencyUnavailable, dependency_unavailable),
-        (KekError, dependency_unavailable),
-        (RequestValidationError, validation),
-        (StarletteHTTPException, http_exc),
-        (Exception, unexpected),
-    ):
-        app.add_exception_handler(exc, handler)  # type: ignore[arg-type]
+    """``handle`` for every type in the table. Starlette routes each listed type to it (its own
+    MRO walk finds the same row), ``Exception`` through its outermost server-error middleware."""
+    for exc in PROBLEMS:
+        app.add_exception_handler(exc, handle)
