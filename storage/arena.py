@@ -56,7 +56,7 @@ class Extent:
 
     @property
     def span(self) -> int:
-        return _round(self.nbytes) if self.offset >= 0 else 0
+        return _round(max(1, self.nbytes)) if self.offset >= 0 else 0
 
     def leased(self) -> bool:
         alive = [r for r in self.leases if r() is not None]

@@ -129,7 +129,13 @@ class MemoryTier(Tier):
             raise InvalidChunk(f"key must be a ChunkKey, not {type(key).__name__}")
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise InvalidChunk("nbytes must be a non-negative int")
-        self._make_room(key, nbytes)
+        held = self._index.size(key) if key in self._index else 0
+        if held and nbytes + held <= (self._index.capacity or 0):
+            self._make_room(key, nbytes + held)  # the old value stays readable until commit
+        else:
+            if held:  # both cannot fit at once: the old value goes now
+                self._drop(key)
+            self._make_room(key, nbytes)
         ext = self._arena.alloc(nbytes)
         self._index.reserved += nbytes
         res = Reservation(key, ext, self._arena.lease(ext, writable=True))
