@@ -92,17 +92,16 @@ class WriteBehind:
                 await lane.wake.wait()
                 continue
             copy = lane.queue[0]
-            try:
+            try:  # cancelled (close): the copy stays queued and close counts it dropped
                 await lane.tier.put(copy.key, copy.data)
                 self.written[lane.tier.name] += 1
             except TierError as exc:
                 self.errors[lane.tier.name] += 1
                 log.debug("write-behind copy to %s failed: %s", lane.tier.name, type(exc).__name__)
-            finally:
-                if lane.queue and lane.queue[0] is copy:  # purge may have taken it meanwhile
-                    lane.queue.popleft()
-                    self._items -= 1
-                    self._bytes -= copy.nbytes
+            if lane.queue and lane.queue[0] is copy:
+                lane.queue.popleft()
+                self._items -= 1
+                self._bytes -= copy.nbytes
 
     async def flush(self) -> None:
         """Wait until every queue is empty (copies written or failed)."""
