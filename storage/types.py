@@ -36,6 +36,13 @@ class ChunkKey:
     digest: str
 
     def __post_init__(self) -> None:
+        o, g, d = self.owner, self.group, self.digest
+        if (  # the common case in one expression (a lookup builds 128 keys); the loop says which field
+            type(o) is str and type(g) is str and type(d) is str
+            and 0 < len(o) <= 128 and 0 < len(g) <= 128 and 0 < len(d) <= 128
+            and _HEX.issuperset(o) and _HEX.issuperset(g) and _HEX.issuperset(d)
+        ):
+            return
         for name in ("owner", "group", "digest"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value or not _is_hex(value) or len(value) > 128:
