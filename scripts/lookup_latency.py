@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import tempfile
-import os
 import time
 
 SORT = os.environ.get("SORT", "tottime")

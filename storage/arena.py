@@ -45,7 +45,7 @@ def _round(n: int, to: int = ALIGN) -> int:
 class Extent:
     """One envelope's bytes: ``offset`` into the region, or -1 for a heap fallback in ``heap``."""
 
-    __slots__ = ("offset", "nbytes", "heap", "leases", "owned")
+    __slots__ = ("heap", "leases", "nbytes", "offset", "owned")
 
     def __init__(self, offset: int, nbytes: int, heap: np.ndarray | None = None) -> None:
         self.offset = offset
@@ -152,7 +152,7 @@ class Arena:
             if len(ext.leases) > 8:
                 ext.leased()  # prune dead references
             ext.leases.append(weakref.ref(arr))
-        view = memoryview(arr)
+        view = memoryview(arr)  # type: ignore[arg-type]  # ndarray exports a buffer
         return view if writable else view.toreadonly()
 
     # -- fragmentation -------------------------------------------------------------------------

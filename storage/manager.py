@@ -24,9 +24,10 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 from storage.base import Tier
+from storage.memory import MemoryTier, Reservation
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, TierFull
 from storage.writebehind import WriteBehind
 
@@ -118,19 +119,30 @@ class TierManager:
                 log.warning("tier %s refused a put: %s", t.name, type(exc).__name__)
         return written, last
 
-    def reserve(self, key: ChunkKey, nbytes: int) -> Any:
+    @property
+    def can_reserve(self) -> bool:
+        """Whether the fastest tier hands out extents to seal into (a memory tier)."""
+        return isinstance(self.tiers[0], MemoryTier)
+
+    def reserve(self, key: ChunkKey, nbytes: int) -> Reservation:
         """An extent of the fastest tier to seal into (``MemoryTier.reserve``); TierFull, or
         TypeError when the fastest tier cannot hand one out (then seal and ``put`` instead)."""
-        reserve = getattr(self.tiers[0], "reserve", None)
-        if reserve is None:
-            raise TypeError(f"tier {self.tiers[0].name} does not hand out extents")
-        return reserve(key, nbytes)
+        fast = self.tiers[0]
+        if not isinstance(fast, MemoryTier):
+            raise TypeError(f"tier {fast.name} does not hand out extents")
+        return fast.reserve(key, nbytes)
 
-    async def commit(self, reservation: Any) -> bool:
+    def abort(self, reservation: Reservation) -> None:
+        fast = self.tiers[0]
+        assert isinstance(fast, MemoryTier)
+        fast.abort(reservation)
+
+    async def commit(self, reservation: Reservation) -> bool:
         """Publish a reservation in the fastest tier and queue the slower tiers' copies (views
         of the committed extent, which stay valid while queued); False if nothing was stored."""
         fast = self.tiers[0]
-        if not fast.commit(reservation):  # type: ignore[attr-defined]
+        assert isinstance(fast, MemoryTier)
+        if not fast.commit(reservation):
             return False
         rest = self.tiers[1:]
         if rest:

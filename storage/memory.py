@@ -35,7 +35,14 @@ import numpy as np
 from storage._index import KeyIndex, byte_view
 from storage.arena import Arena, ArenaStats, Extent
 from storage.base import Tier
-from storage.types import ChunkKey, ChunkNotFound, InvalidChunk, StoredChunk, TierFull, TierUnavailable
+from storage.types import (
+    ChunkKey,
+    ChunkNotFound,
+    InvalidChunk,
+    StoredChunk,
+    TierFull,
+    TierUnavailable,
+)
 
 __all__ = ["MemoryTier", "MemoryTierStats", "Reservation"]
 
@@ -63,7 +70,7 @@ class Reservation:
     """An extent promised to one key: write ``view`` (exactly ``nbytes``), then hand it to
     ``commit`` or ``abort`` on the event loop. The writer may fill ``view`` on another thread."""
 
-    __slots__ = ("key", "nbytes", "view", "extent", "cancelled", "done")
+    __slots__ = ("cancelled", "done", "extent", "key", "nbytes", "view")
 
     def __init__(self, key: ChunkKey, extent: Extent, view: memoryview) -> None:
         self.key = key

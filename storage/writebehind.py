@@ -141,7 +141,7 @@ class WriteBehind:
             self._closed = True
             try:
                 await asyncio.wait_for(self.flush(), drain_timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         lost = 0
         for lane in self._lanes.values():

@@ -4,6 +4,7 @@ state machine for "no extent is ever shared by two live envelopes, and a held vi
 from __future__ import annotations
 
 import gc
+import itertools
 import resource
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -37,7 +38,7 @@ def test_alloc_free_coalesces_back_to_one_hole() -> None:
     arena = Arena(1 << 20)
     exts = [arena.alloc(n) for n in (1, 100, 4096, 70_000, 3)]
     spans = sorted((e.offset, e.offset + e.span) for e in exts)
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # disjoint
     assert all(e.offset % ALIGN == 0 for e in exts)
     for e in exts[::2] + exts[1::2]:
         arena.release(e)
@@ -173,7 +174,7 @@ class ArenaMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.pending)
     @rule(j=st.integers(0, 10), commit=st.booleans())
     def finish(self, j: int, commit: bool) -> None:
-        res, data = self.pending.pop(j % len(self.pending))
+        res, _ = self.pending.pop(j % len(self.pending))
         if commit:
             self.tier.commit(res)
         else:
@@ -223,7 +224,7 @@ class ArenaMachine(RuleBasedStateMachine):
         live = list(self.tier._data.values()) + [r.extent for r, _ in self.pending]
         assert len({id(e) for e in live}) == len(live)
         spans = sorted((e.offset, e.offset + e.span) for e in arena.region_extents())
-        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
         assert not spans or (spans[0][0] >= 0 and spans[-1][1] <= arena.size)
         region = {id(e) for e in arena.region_extents()}
         assert all(id(e) in region for e in live if e.offset >= 0)

@@ -34,7 +34,7 @@ def _redis_server(port: int) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     for _ in range(100):
-        ping = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True)
+        ping = subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True, text=True, check=False)
         if ping.stdout.strip() == "PONG":
             return proc
         time.sleep(0.05)
