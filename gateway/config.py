@@ -60,7 +60,7 @@ class Settings(BaseSettings):
     # write_behind: a store returns once the chunk is in the first (fastest) tier; the slower
     # tiers get their copies from a bounded queue (full: copies dropped, counted; a crash loses
     # only queued copies). write_through: every tier is written before a store returns.
-    # With write_behind and no write_back_tiers, write_back_tiers becomes every tier but the first.
+    # runtime passes it on: TierManager(..., write_mode="behind" if write_behind else "through").
     tier_write_mode: Literal["write_behind", "write_through"] = "write_behind"
     disk_dir: Path | None = None  # default: state_dir / "chunks"
     disk_bytes: int | None = None
@@ -180,8 +180,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} must be in (0, 60] seconds")
         if "redis" in self.tiers and not self.redis_url:
             raise ValueError("the redis tier needs redis_url")
-        if self.tier_write_mode == "write_behind" and not self.write_back_tiers:
-            self.write_back_tiers = list(self.tiers[1:])
         return self
 
     # derived paths -----------------------------------------------------------------------------
