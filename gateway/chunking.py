@@ -10,8 +10,10 @@ tokens and model give the same hashes everywhere. Tenant namespacing happens lat
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,9 +73,28 @@ class Chunk:
         return self.end - self.start
 
 
-def _as_int32(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> np.ndarray:
+def _list_as_int32(tokens: list[int] | tuple[int, ...]) -> np.ndarray | None:
+    """A list of Python ints packed in one C pass (numpy's asarray on a 32K-token list costs
+    about as much as the rest of a lookup); None when it is not plainly a list of int32 (the
+    numpy path then says why)."""
+    if not tokens or sys.byteorder != "little":
+        return None
     try:
-        arr = np.asarray(tokens)
+        packed = array.array("q", tokens)  # rejects floats, strings, nesting and ints past int64
+    except (TypeError, OverflowError, ValueError):
+        return None
+    if packed.itemsize != 8:
+        return None
+    arr = np.frombuffer(packed, dtype="<i8")
+    if int(arr.max()) <= 1 and all(type(t) is bool for t in tokens):
+        return None  # only bools: numpy's path rejects them
+    return arr
+
+
+def _as_int32(tokens: Sequence[int] | np.ndarray, vocab_size: int | None) -> np.ndarray:
+    fast = _list_as_int32(tokens) if isinstance(tokens, (list, tuple)) else None
+    try:
+        arr = np.asarray(tokens) if fast is None else fast
     except (TypeError, ValueError) as exc:
         raise InvalidTokens("tokens must be a sequence of integers") from exc
     if arr.ndim != 1:
@@ -101,10 +122,13 @@ def chain_hashes(
         raise ValueError("chunk_size must be positive")
     arr = _as_int32(tokens, vocab_size)
     prev = hashlib.sha256(fingerprint.canonical()).digest()
+    raw = memoryview(arr.tobytes())  # int32 little endian, one copy for every chunk
     chunks: list[Chunk] = []
     for i, start in enumerate(range(0, arr.size, chunk_size)):
         end = min(start + chunk_size, arr.size)
-        prev = hashlib.sha256(prev + arr[start:end].tobytes()).digest()
+        h = hashlib.sha256(prev)
+        h.update(raw[start * 4 : end * 4])
+        prev = h.digest()
         chunks.append(Chunk(index=i, start=start, end=end, chained_hash=prev))
     return chunks
 

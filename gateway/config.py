@@ -57,6 +57,11 @@ class Settings(BaseSettings):
     memory_bytes: int = 4 << 30
     memory_owner_quota_bytes: int | None = None
     write_back_tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=list)
+    # write_behind: a store returns once the chunk is in the first (fastest) tier; the slower
+    # tiers get their copies from a bounded queue (full: copies dropped, counted; a crash loses
+    # only queued copies). write_through: every tier is written before a store returns.
+    # runtime passes it on: TierManager(..., write_mode="behind" if write_behind else "through").
+    tier_write_mode: Literal["write_behind", "write_through"] = "write_behind"
     disk_dir: Path | None = None  # default: state_dir / "chunks"
     disk_bytes: int | None = None
     disk_fsync: bool = True

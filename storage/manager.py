@@ -1,9 +1,18 @@
-"""The tier manager: ordered tiers (fastest first), write-through or write-back puts per tier,
-first-hit gets with promotion into faster tiers, and group/owner deletion across all of them.
+"""The tier manager: ordered tiers (fastest first), write-through or write-behind puts, first-hit
+gets with promotion into faster tiers, and group/owner deletion across all of them.
 
-Write-back tiers get their copy from a background task after ``put`` returned (bounded: past
-``max_pending`` queued bytes a write-back copy is dropped and counted, since a cache may always
-lose a copy). ``aclose`` and ``flush`` wait for the copies in flight.
+Writes (``write_mode``):
+
+- ``"through"``: ``put`` writes every tier before it returns (the tiers named in ``write_back``
+  excepted: they get their copy behind, as below).
+- ``"behind"``: ``put`` returns once the chunk is in the fastest tier that takes it; every slower
+  tier gets its copy from :class:`storage.writebehind.WriteBehind` (a bounded queue and a worker
+  per tier). Back-pressure drops copies (``dropped``, per tier), never blocks a store. A crash
+  loses only the queued copies (cache copies: recomputation brings them back).
+
+``flush`` waits for the queued copies; ``delete*`` first purges the queued copies they cover (a
+copy must not land after a delete); ``aclose`` drains for at most ``drain_timeout_s`` and counts
+what it drops.
 
 A tier that fails (TierUnavailable, or any TierError on a read) is counted and passed over: for
 a cache, an unreachable tier is a miss, never an error for the engine.
@@ -15,9 +24,12 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from typing import Literal
 
 from storage.base import Tier
+from storage.memory import MemoryTier, Reservation
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, TierFull
+from storage.writebehind import WriteBehind
 
 __all__ = ["TierManager"]
 
@@ -31,13 +43,18 @@ class TierManager:
         *,
         promote: bool = True,
         write_back: Sequence[str] = (),
+        write_mode: Literal["through", "behind"] = "through",
         max_pending_bytes: int = 1 << 30,
+        max_pending_items: int = 4096,
+        drain_timeout_s: float = 5.0,
     ) -> None:
         if not tiers:
             raise ValueError("at least one tier is needed")
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
+        if write_mode not in ("through", "behind"):
+            raise ValueError(f"write_mode must be 'through' or 'behind', not {write_mode!r}")
         self.tiers: list[Tier] = list(tiers)
         self.promote = promote
         unknown = set(write_back) - set(names)
@@ -45,12 +62,17 @@ class TierManager:
             raise ValueError(f"write_back names unknown tiers: {sorted(unknown)}")
         if write_back and set(write_back) == set(names):
             raise ValueError("at least one tier must be written through")
-        self.write_back = frozenset(write_back)
+        self.write_mode = write_mode
+        self.write_back = frozenset(write_back) | (frozenset(names[1:]) if write_mode == "behind" else frozenset())
         self.max_pending_bytes = max_pending_bytes
+        self.drain_timeout_s = drain_timeout_s
         self.errors: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
-        self._pending: set[asyncio.Task[None]] = set()
-        self._pending_bytes = 0
+        self.behind = WriteBehind(max_items=max_pending_items, max_bytes=max_pending_bytes)
+
+    @property
+    def dropped(self) -> Counter[str]:
+        """Write-behind copies never written (queue full, or dropped by ``aclose``), per tier."""
+        return self.behind.dropped
 
     def tier(self, name: str) -> Tier:
         for t in self.tiers:
@@ -63,50 +85,78 @@ class TierManager:
         return [t.name for t in self.tiers]
 
     async def put(self, key: ChunkKey, data: bytes | bytearray | memoryview, *, only: Sequence[str] | None = None) -> list[str]:
-        """Write to every tier (or those named); returns the names written. Raises the last
-        error only if no tier took the chunk."""
+        """Write the chunk; returns the names of the tiers written before returning (copies
+        queued behind are not named). Raises the last error only if no tier took the chunk."""
         targets = self.tiers if only is None else [self.tier(n) for n in only]
-        written: list[str] = []
-        last: TierError | None = None
+        behind: list[Tier] = []
         if only is None and self.write_back:
-            for t in [t for t in targets if t.name in self.write_back]:
-                self._write_back(t, key, data)
+            behind = [t for t in targets if t.name in self.write_back]
             targets = [t for t in targets if t.name not in self.write_back]
-        for t in targets:
-            try:
-                await t.put(key, data)
-                written.append(t.name)
-            except TierError as exc:
-                self.errors[t.name] += 1
-                last = exc
-                log.warning("tier %s refused a put: %s", t.name, type(exc).__name__)
+        written, last = await self._put_each(targets, key, data, first_only=False)
+        if not written and behind:  # nothing faster took it: the first slower tier that does
+            written, last = await self._put_each(behind, key, data, first_only=True)
+            behind = behind[behind.index(self.tier(written[0])) + 1 :] if written else []
+        for t in behind:
+            self.behind.offer(t, key, data)
         if not written and last is not None:
             raise last
         return written
 
-    def _write_back(self, tier: Tier, key: ChunkKey, data: bytes | bytearray | memoryview) -> None:
-        size = memoryview(data).nbytes
-        if self._pending_bytes + size > self.max_pending_bytes:
-            self.dropped[tier.name] += 1
-            return
-        self._pending_bytes += size
-
-        async def copy() -> None:
+    async def _put_each(
+        self, tiers: Sequence[Tier], key: ChunkKey, data: bytes | bytearray | memoryview, *, first_only: bool
+    ) -> tuple[list[str], TierError | None]:
+        written: list[str] = []
+        last: TierError | None = None
+        for t in tiers:
             try:
-                await tier.put(key, data)
-            except TierError:
-                self.errors[tier.name] += 1
-            finally:
-                self._pending_bytes -= size
+                await t.put(key, data)
+                written.append(t.name)
+                if first_only:
+                    break
+            except TierError as exc:
+                self.errors[t.name] += 1
+                last = exc
+                log.warning("tier %s refused a put: %s", t.name, type(exc).__name__)
+        return written, last
 
-        task = asyncio.get_running_loop().create_task(copy())
-        self._pending.add(task)
-        task.add_done_callback(self._pending.discard)
+    @property
+    def can_reserve(self) -> bool:
+        """Whether the fastest tier hands out extents to seal into (a memory tier)."""
+        return isinstance(self.tiers[0], MemoryTier)
+
+    def reserve(self, key: ChunkKey, nbytes: int) -> Reservation:
+        """An extent of the fastest tier to seal into (``MemoryTier.reserve``); TierFull, or
+        TypeError when the fastest tier cannot hand one out (then seal and ``put`` instead)."""
+        fast = self.tiers[0]
+        if not isinstance(fast, MemoryTier):
+            raise TypeError(f"tier {fast.name} does not hand out extents")
+        return fast.reserve(key, nbytes)
+
+    def abort(self, reservation: Reservation) -> None:
+        fast = self.tiers[0]
+        assert isinstance(fast, MemoryTier)
+        fast.abort(reservation)
+
+    async def commit(self, reservation: Reservation) -> bool:
+        """Publish a reservation in the fastest tier and queue the slower tiers' copies (views
+        of the committed extent, which stay valid while queued); False if nothing was stored."""
+        fast = self.tiers[0]
+        assert isinstance(fast, MemoryTier)
+        if not fast.commit(reservation):
+            return False
+        rest = self.tiers[1:]
+        if rest:
+            view = (await fast.get(reservation.key)).data
+            for t in rest:
+                if t.name in self.write_back:
+                    self.behind.offer(t, reservation.key, view)
+                else:
+                    await self._put_each([t], reservation.key, view, first_only=True)
+        return True
 
     async def flush(self) -> None:
-        """Wait for every write-back copy in flight."""
-        while self._pending:
-            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        """Wait for every write-behind copy queued."""
+        await self.behind.flush()
 
     async def get(self, key: ChunkKey) -> StoredChunk:
         misses: list[Tier] = []
@@ -168,16 +218,16 @@ class TierManager:
         return out
 
     async def delete(self, key: ChunkKey) -> int:
-        await self.flush()
+        await self.behind.purge(lambda k: k == key)
         results = await asyncio.gather(*(t.delete(key) for t in self.tiers))
         return sum(1 for r in results if r)
 
     async def delete_group(self, group: str) -> int:
-        await self.flush()  # a copy in flight must not land after the delete
+        await self.behind.purge(lambda k: k.group == group)  # no queued copy may land after it
         return sum(await asyncio.gather(*(t.delete_group(group) for t in self.tiers)))
 
     async def delete_owner(self, owner: str) -> int:
-        await self.flush()
+        await self.behind.purge(lambda k: k.owner == owner)
         return sum(await asyncio.gather(*(t.delete_owner(owner) for t in self.tiers)))
 
     async def move(self, key: ChunkKey, src: str, dst: str) -> int:
@@ -207,6 +257,8 @@ class TierManager:
             await t.unpin(key)
 
     async def aclose(self) -> None:
-        await self.flush()
+        """Drain the write-behind queues (at most ``drain_timeout_s``; the rest is dropped and
+        counted), then close every tier."""
+        await self.behind.close(self.drain_timeout_s)
         for t in self.tiers:
             await t.aclose()

@@ -1,8 +1,14 @@
 """The in-process memory tier: LRU within a byte budget, pins, optional per-owner fair share.
 
 It is a product tier (the first, fastest place envelopes are kept) and also the one fake storage
-the tests need (no ``unittest.mock`` for storage). Envelopes are ciphertext; the tier keeps a
-reference to the buffer ``put`` was given (no copy) and hands out read-only views of it.
+the tests need (no ``unittest.mock`` for storage). Envelopes are ciphertext, kept in an
+:class:`storage.arena.Arena`: one region mapped once (``prefault`` populates it up front,
+``huge_pages`` asks for THP), so a store in steady state allocates nothing and faults no page.
+``put`` copies the bytes into an extent; the data path can skip that copy by sealing straight into
+an extent: ``res = tier.reserve(key, nbytes)``, write ``res.view``, then ``tier.commit(res)`` (or
+``tier.abort(res)``). ``get`` returns a read-only view of the extent itself (no copy), which stays
+valid and unchanged while held: an evicted or replaced envelope's extent is reused only once
+every view of it has died (see the arena's docstring).
 
 Budget and eviction (see :mod:`storage._index` for the exact order):
 
@@ -13,6 +19,9 @@ Budget and eviction (see :mod:`storage._index` for the exact order):
   least-recent chunks, so one owner flooding the tier cannot evict another owner's chunks that are
   within that owner's quota.
 
+A namespace or owner deletion cancels the reservations of its keys: their ``commit`` stores
+nothing and returns False (a seal in flight cannot bring back a cleared chunk).
+
 All methods run to completion without awaiting, so each is atomic for coroutines sharing a loop.
 """
 
@@ -21,11 +30,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from storage._index import KeyIndex, byte_view
-from storage.base import Tier
-from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierFull, TierUnavailable
+import numpy as np
 
-__all__ = ["MemoryTier", "MemoryTierStats"]
+from storage._index import KeyIndex, byte_view
+from storage.arena import Arena, ArenaStats, Extent
+from storage.base import Tier
+from storage.types import (
+    ChunkKey,
+    ChunkNotFound,
+    InvalidChunk,
+    StoredChunk,
+    TierFull,
+    TierUnavailable,
+)
+
+__all__ = ["MemoryTier", "MemoryTierStats", "Reservation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +62,23 @@ class MemoryTierStats:
     evictions: int
     rejected_puts: int
     owner_bytes: dict[str, int] = field(default_factory=dict)
+    arena: ArenaStats | None = None
+    reservations: int = 0
+
+
+class Reservation:
+    """An extent promised to one key: write ``view`` (exactly ``nbytes``), then hand it to
+    ``commit`` or ``abort`` on the event loop. The writer may fill ``view`` on another thread."""
+
+    __slots__ = ("cancelled", "done", "extent", "key", "nbytes", "view")
+
+    def __init__(self, key: ChunkKey, extent: Extent, view: memoryview) -> None:
+        self.key = key
+        self.nbytes = extent.nbytes
+        self.view = view
+        self.extent = extent
+        self.cancelled = False
+        self.done = False
 
 
 class MemoryTier(Tier):
@@ -50,42 +86,130 @@ class MemoryTier(Tier):
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int, *, owner_quota_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        *,
+        owner_quota_bytes: int | None = None,
+        prefault: bool = False,
+        huge_pages: bool = False,
+    ) -> None:
         if capacity_bytes is None:
             raise ValueError("MemoryTier needs a capacity_bytes budget")
         self._index = KeyIndex(capacity_bytes, owner_quota_bytes)
-        self._data: dict[ChunkKey, memoryview] = {}
+        # room for the 64-byte alignment of each extent beside the budget
+        self._arena = Arena(capacity_bytes + min(capacity_bytes // 16, 64 << 20), prefault=prefault, huge_pages=huge_pages)
+        self._data: dict[ChunkKey, Extent] = {}
+        self._reservations: set[Reservation] = set()
         self._closed = False
         self._hits = self._misses = self._puts = self._evictions = self._rejected = 0
 
     # -- the Tier interface --------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> StoredChunk:
         self._check_open()
-        view = self._data.get(key)
-        if view is None:
+        ext = self._data.get(key)
+        if ext is None:
             self._misses += 1
             raise ChunkNotFound(key, self.name)
         self._hits += 1
         self._index.touch(key)
-        return StoredChunk(key=key, data=view, tier=self.name)
+        return StoredChunk(key=key, data=self._arena.lease(ext), tier=self.name)
 
     async def put(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> None:
         self._check_open()
         view = byte_view(key, data)
+        self._make_room(key, view.nbytes)
+        old = self._data.pop(key, None)
+        if old is not None:  # its room goes to the new value (a reader's view keeps it a zombie)
+            self._arena.release(old)
+        ext = self._arena.alloc(view.nbytes)
+        if view.nbytes:
+            np.copyto(self._arena.array(ext), np.frombuffer(view, dtype=np.uint8))
+        self._install(key, ext)
+
+    # -- sealing straight into the arena -------------------------------------------------------
+    def reserve(self, key: ChunkKey, nbytes: int) -> Reservation:
+        """Claim an extent of exactly ``nbytes`` for ``key`` (evicting as a put would, or
+        TierFull changing nothing). Nothing is visible until ``commit``."""
+        self._check_open()
+        if not isinstance(key, ChunkKey):
+            raise InvalidChunk(f"key must be a ChunkKey, not {type(key).__name__}")
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise InvalidChunk("nbytes must be a non-negative int")
+        held = self._index.size(key) if key in self._index else 0
+        if held and nbytes + held <= (self._index.capacity or 0):
+            self._make_room(key, nbytes + held)  # the old value stays readable until commit
+        else:
+            if held:  # both cannot fit at once: the old value goes now
+                self._drop(key)
+            self._make_room(key, nbytes)
+        ext = self._arena.alloc(nbytes)
+        self._index.reserved += nbytes
+        res = Reservation(key, ext, self._arena.lease(ext, writable=True))
+        self._reservations.add(res)
+        return res
+
+    def commit(self, res: Reservation) -> bool:
+        """Make a reservation's bytes the key's value; False (nothing stored) if it was cancelled
+        by a deletion or the tier closed, or if its room is gone (every byte pinned since)."""
+        if not self._finish(res):
+            return False
         try:
-            victims = self._index.plan_eviction(key, view.nbytes)
+            self._make_room(res.key, res.nbytes)
+        except TierFull:
+            self._arena.release(res.extent)
+            return False
+        self._install(res.key, res.extent)
+        return True
+
+    def abort(self, res: Reservation) -> None:
+        """Give a reservation back (its extent is reused once the writer's views are gone)."""
+        if self._finish(res):
+            self._arena.release(res.extent)
+
+    def _finish(self, res: Reservation) -> bool:
+        if res.done:
+            raise ValueError("this reservation was already committed or aborted")
+        res.done = True
+        self._reservations.discard(res)
+        try:
+            res.view.release()  # best effort: the writer's own slices stay theirs
+        except BufferError:
+            pass
+        if self._closed:
+            return False
+        self._index.reserved -= res.nbytes
+        if res.cancelled:
+            self._arena.release(res.extent)
+            return False
+        return True
+
+    def _make_room(self, key: ChunkKey, nbytes: int) -> None:
+        try:
+            victims = self._index.plan_eviction(key, nbytes)
         except TierFull:
             self._rejected += 1
             raise
         for victim in victims:
             self._drop(victim)
         self._evictions += len(victims)
-        self._data[key] = view
-        self._index.add(key, view.nbytes)
+
+    def _install(self, key: ChunkKey, ext: Extent) -> None:
+        old = self._data.get(key)
+        if old is not None and old is not ext:
+            self._arena.release(old)
+        self._data[key] = ext
+        self._index.add(key, ext.nbytes)
         self._puts += 1
+
+    def _cancel(self, *, key: ChunkKey | None = None, group: str | None = None, owner: str | None = None) -> None:
+        for res in self._reservations:
+            if res.key == key or res.key.group == group or res.key.owner == owner:
+                res.cancelled = True
 
     async def delete(self, key: ChunkKey) -> bool:
         self._check_open()
+        self._cancel(key=key)
         if key not in self._data:
             return False
         self._drop(key)
@@ -101,6 +225,7 @@ class MemoryTier(Tier):
 
     async def delete_group(self, group: str) -> int:
         self._check_open()
+        self._cancel(group=group)
         keys = self._index.group_keys(group)
         for key in keys:
             self._drop(key)
@@ -108,6 +233,7 @@ class MemoryTier(Tier):
 
     async def delete_owner(self, owner: str) -> int:
         self._check_open()
+        self._cancel(owner=owner)
         keys = self._index.owner_keys(owner)
         for key in keys:
             self._drop(key)
@@ -134,8 +260,11 @@ class MemoryTier(Tier):
     async def aclose(self) -> None:
         """Drop every reference held; later calls raise TierUnavailable. Idempotent."""
         self._closed = True
+        for res in self._reservations:
+            res.cancelled = True
         self._data.clear()
         self._index.clear()
+        self._arena.close()
 
     # -- extras --------------------------------------------------------------------------------
     def is_pinned(self, key: ChunkKey) -> bool:
@@ -155,10 +284,16 @@ class MemoryTier(Tier):
             evictions=self._evictions,
             rejected_puts=self._rejected,
             owner_bytes=index.owner_bytes(),
+            arena=self._arena.stats(),
+            reservations=len(self._reservations),
         )
 
+    @property
+    def arena(self) -> Arena:
+        return self._arena
+
     def _drop(self, key: ChunkKey) -> None:
-        del self._data[key]
+        self._arena.release(self._data.pop(key))
         self._index.remove(key)
 
     def _check_open(self) -> None:

@@ -7,7 +7,7 @@ per-owner quotas and for deleting a whole namespace without listing every key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -36,14 +36,41 @@ class ChunkKey:
     digest: str
 
     def __post_init__(self) -> None:
+        o, g, d = self.owner, self.group, self.digest
+        if (  # the common case in one expression (a lookup builds 128 keys); the loop says which field
+            type(o) is str and type(g) is str and type(d) is str
+            and 0 < len(o) <= 128 and 0 < len(g) <= 128 and 0 < len(d) <= 128
+            and _HEX.issuperset(o) and _HEX.issuperset(g) and _HEX.issuperset(d)
+        ):
+            return
         for name in ("owner", "group", "digest"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value or not _is_hex(value) or len(value) > 128:
                 raise ValueError(f"ChunkKey.{name} must be a non-empty lowercase hex string")
 
+    @classmethod
+    def many(cls, owner: str, group: str, digests: Iterable[str]) -> list[ChunkKey]:
+        """The keys of one owner and group (a request's chunks), with the constructor's checks;
+        the labels are checked once (half the cost of 128 constructor calls)."""
+        cls(owner, group, "0")  # the constructor's checks (and errors) for the labels
+        new, put = object.__new__, object.__setattr__
+        out = []
+        for digest in digests:
+            if not (type(digest) is str and 0 < len(digest) <= 128 and _HEX.issuperset(digest)):
+                cls(owner, group, digest)  # raises the constructor's error (or accepts a str subclass)
+            key = new(cls)
+            put(key, "owner", owner)
+            put(key, "group", group)
+            put(key, "digest", digest)
+            out.append(key)
+        return out
+
+
+_HEX = frozenset("0123456789abcdef")
+
 
 def _is_hex(value: str) -> bool:
-    return all(c in "0123456789abcdef" for c in value)
+    return _HEX.issuperset(value)  # one C call: a lookup builds 128 keys per request
 
 
 @dataclass(frozen=True, slots=True)

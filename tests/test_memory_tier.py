@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import random
 
+import numpy as np
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -45,13 +47,18 @@ async def test_replace_accounts_bytes_and_refreshes() -> None:
     assert tier.stats().owner_bytes == {"aa": 110}
 
 
-async def test_keeps_a_reference_no_copy() -> None:
+async def test_put_copies_into_the_arena_and_get_is_a_view_of_it() -> None:
+    # issue 17: envelopes live in the tier's arena (put copies once, or the data path seals
+    # straight into a reserved extent); get hands out views of the arena, not copies
     tier = MemoryTier(1000)
     buf = bytearray(b"abc")
     await tier.put(k(0), buf)
-    got = await tier.get(k(0))
-    buf[0] = ord("z")  # the contract forbids this; here it shows the bytes were not copied
-    assert bytes(got.data) == b"zbc"
+    buf[0] = ord("z")  # the caller's buffer is its own again after put
+    got, again = await tier.get(k(0)), await tier.get(k(0))
+    assert bytes(got.data) == b"abc"
+    base = tier.arena.array(tier._data[k(0)]).ctypes.data
+    assert np.frombuffer(got.data, dtype=np.uint8).ctypes.data == base  # zero copy
+    assert np.frombuffer(again.data, dtype=np.uint8).ctypes.data == base
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

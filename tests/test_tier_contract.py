@@ -252,3 +252,16 @@ async def test_used_bytes_tracks_puts_and_deletes(tier: Tier) -> None:
     assert tier.used_bytes == one
     await tier.delete(k)
     assert tier.used_bytes == 0
+
+
+async def test_a_held_view_never_changes_when_its_key_is_replaced_or_deleted(tier: Tier) -> None:
+    # issue 17: the memory tier reuses arena extents; a reader's view must outlive eviction
+    k, other = key(), key()
+    first = secrets.token_bytes(8192)
+    await tier.put(k, first)
+    held = (await tier.get(k)).data
+    await tier.put(k, secrets.token_bytes(8192))  # replaced while held
+    await tier.delete(k)
+    for _ in range(8):  # the freed room is reused by other chunks
+        await tier.put(other, secrets.token_bytes(8192))
+    assert bytes(held) == first

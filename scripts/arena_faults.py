@@ -1,0 +1,77 @@
+"""Page faults and GB/s of a memory-tier store loop, 2 MiB and 32 MiB envelopes (issue 17 item 1).
+
+Each mode fills the tier once (warm-up: the tier then evicts on every store), then stores
+``--gib`` GiB more and reports minor page faults per GB stored (resource.getrusage ru_minflt) and
+GB/s. "Writing an envelope" is an np.copyto from a source buffer (what the seal does to its
+output buffer).
+
+  fresh    a new np.empty envelope per store, handed to ``put`` (the tier before the arena kept
+           that buffer: run this mode with PYTHONPATH=/work/main for the "before" figure)
+  reuse    one envelope buffer written and ``put`` each time (the arena copies it in)
+  reserve  ``reserve`` an extent, write the envelope straight into it, ``commit`` (no copy)
+
+    PYTHONPATH=$PWD python scripts/arena_faults.py --mode reserve [--prefault]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import time
+
+import numpy as np
+
+from storage import ChunkKey, MemoryTier
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey("aa", "bb", f"{i:064x}")
+
+
+async def loop(mode: str, size: int, capacity: int, total: int, prefault: bool) -> tuple[float, float]:
+    kw = {"prefault": True} if prefault else {}
+    tier = MemoryTier(capacity, **kw)
+    src = np.random.default_rng(1).integers(0, 255, size, dtype=np.uint8)
+    env = np.empty(size, dtype=np.uint8)
+    n_warm, n = capacity // size, total // size
+
+    async def store(i: int) -> None:
+        if mode == "fresh":
+            buf = np.empty(size, dtype=np.uint8)
+            np.copyto(buf, src)
+            await tier.put(key(i), buf.data)
+        elif mode == "reuse":
+            np.copyto(env, src)
+            await tier.put(key(i), env.data)
+        else:
+            res = tier.reserve(key(i), size)
+            np.copyto(np.frombuffer(res.view, dtype=np.uint8), src)
+            tier.commit(res)
+
+    for i in range(n_warm):
+        await store(i)
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    for i in range(n_warm, n_warm + n):
+        await store(i)
+    dt = time.perf_counter() - t0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    await tier.aclose()
+    return faults / (n * size / 1e9), n * size / dt / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["fresh", "reuse", "reserve"], required=True)
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--capacity-mib", type=int, default=256)
+    p.add_argument("--prefault", action="store_true")
+    a = p.parse_args()
+    for mib in (2, 32):
+        fpg, gbs = asyncio.run(loop(a.mode, mib << 20, a.capacity_mib << 20, int(a.gib * (1 << 30)), a.prefault))
+        print(f"mode={a.mode} chunk={mib}MiB faults/GB={fpg:.0f} GB/s={gbs:.2f}")
+
+
+if __name__ == "__main__":
+    main()

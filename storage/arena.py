@@ -1,0 +1,248 @@
+"""The memory tier's arena: one anonymous mapping, carved into extents, reused in place.
+
+Why: a tier that keeps each envelope in its own fresh buffer pays a page fault per 4 KiB of every
+store (malloc hands buffers over its mmap threshold back to the kernel on free, and fresh pages
+fault in while the cipher writes them). The arena maps its region once (``prefault=True`` adds
+``MAP_POPULATE``; ``huge_pages=True`` asks for transparent huge pages with ``MADV_HUGEPAGE``), and
+every envelope after that lands in pages that are already there: no allocation, no fault per chunk
+in steady state.
+
+Allocation is best fit over a free list of holes that coalesce on free (64-byte aligned extents).
+When no hole is large enough although enough bytes are free (fragmentation under mixed sizes),
+:meth:`Arena.compact` slides every extent nobody is reading towards the start of the region; if
+even that leaves no hole, the extent comes from the heap (counted in ``overflow``). The caller
+(the memory tier) bounds the bytes held with its budget; the arena never refuses.
+
+Readers and reuse. A view handed out by :meth:`Arena.lease` is a ``memoryview`` of a numpy array
+made for that lease alone; every view, slice, cast, ``np.frombuffer`` or ``torch.frombuffer``
+derived from it keeps that array alive, and the arena holds only a weak reference to it. An
+extent is *leased* while any such array lives. A leased extent is never moved, and one its owner
+released (an envelope evicted, replaced or deleted) becomes a *zombie*: its bytes stay as they
+were, out of every free list, until the last lease dies. So one buffer is never handed to two live
+envelopes, and a reader's view never changes under it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Arena", "ArenaStats", "Extent"]
+
+ALIGN = 64
+_PAGE = mmap.PAGESIZE
+_MAP_NORESERVE = 0x4000  # Linux; a lazily faulted region is not charged up front
+
+
+def _round(n: int, to: int = ALIGN) -> int:
+    return -(-n // to) * to
+
+
+class Extent:
+    """One envelope's bytes: ``offset`` into the region, or -1 for a heap fallback in ``heap``."""
+
+    __slots__ = ("heap", "leases", "nbytes", "offset", "owned")
+
+    def __init__(self, offset: int, nbytes: int, heap: np.ndarray | None = None) -> None:
+        self.offset = offset
+        self.nbytes = nbytes
+        self.heap = heap
+        self.leases: list[weakref.ref[np.ndarray]] = []
+        self.owned = True  # False once the owner released it (a zombie while leased)
+
+    @property
+    def span(self) -> int:
+        return _round(max(1, self.nbytes)) if self.offset >= 0 else 0
+
+    def leased(self) -> bool:
+        alive = [r for r in self.leases if r() is not None]
+        self.leases = alive
+        return bool(alive)
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaStats:
+    region_bytes: int
+    extents: int
+    free_bytes: int
+    largest_hole: int
+    zombie_bytes: int
+    overflow: int  # extents that came from the heap because no hole fitted
+    compactions: int
+
+
+class Arena:
+    """A fixed region of ``nbytes`` (rounded up to whole pages). Not thread-safe: one event loop
+    allocates; other threads may only read or write the views they were handed."""
+
+    def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = False) -> None:
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ValueError("arena size must be a non-negative int")
+        self.size = max(_PAGE, _round(nbytes, _PAGE))
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        flags |= mmap.MAP_POPULATE if prefault else _MAP_NORESERVE
+        self._map: mmap.mmap | None = mmap.mmap(-1, self.size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        self._buf = np.frombuffer(self._map, dtype=np.uint8)
+        self._base = self._buf.ctypes.data
+        self._holes: dict[int, int] = {0: self.size}  # start -> size
+        self._ends: dict[int, int] = {self.size: 0}  # end -> start
+        self._extents: dict[int, Extent] = {}  # region extents not yet free, by offset
+        self._zombies: list[Extent] = []
+        self.overflow = 0
+        self.compactions = 0
+
+    # -- allocation ----------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> Extent:
+        """An extent of exactly ``nbytes`` (its contents are whatever was there)."""
+        self.sweep()
+        span = _round(max(1, nbytes))
+        start = self._best_fit(span)
+        if start is None and self.free_bytes() >= span:
+            self.compact()
+            start = self._best_fit(span)
+        if start is None or self._map is None:
+            self.overflow += 1
+            return Extent(-1, nbytes, np.empty(nbytes, dtype=np.uint8))
+        self._take(start, span)
+        ext = self._extents[start] = Extent(start, nbytes)
+        return ext
+
+    def release(self, ext: Extent) -> None:
+        """The owner lets go: the extent is free now, or once its last lease dies."""
+        if not ext.owned:
+            return
+        ext.owned = False
+        if ext.offset < 0:
+            ext.heap = None
+        elif ext.leased():
+            self._zombies.append(ext)
+        else:
+            self._free(ext)
+
+    def sweep(self) -> None:
+        """Free the zombies nobody reads any more."""
+        if self._zombies:
+            keep = []
+            for z in self._zombies:
+                if z.leased():
+                    keep.append(z)
+                else:
+                    self._free(z)
+            self._zombies = keep
+
+    # -- views ---------------------------------------------------------------------------------
+    def array(self, ext: Extent) -> np.ndarray:
+        """A fresh array over the extent's bytes (the arena keeps no strong reference to it)."""
+        if ext.offset < 0:
+            assert ext.heap is not None
+            return ext.heap[:]
+        return self._buf[ext.offset : ext.offset + ext.nbytes]
+
+    def lease(self, ext: Extent, *, writable: bool = False) -> memoryview:
+        """A view that keeps the extent's bytes in place (never moved, never reused) while it,
+        or anything made from it, is alive."""
+        arr = self.array(ext)
+        if ext.offset >= 0:
+            if len(ext.leases) > 8:
+                ext.leased()  # prune dead references
+            ext.leases.append(weakref.ref(arr))
+        view = memoryview(arr)  # type: ignore[arg-type]  # ndarray exports a buffer
+        return view if writable else view.toreadonly()
+
+    # -- fragmentation -------------------------------------------------------------------------
+    def compact(self) -> int:
+        """Slide every owned, unleased extent towards the start; return bytes moved."""
+        self.sweep()
+        cursor = moved = 0
+        placed: dict[int, Extent] = {}
+        for off in sorted(self._extents):
+            ext = self._extents[off]
+            if ext.owned and not ext.leased() and off > cursor:
+                ctypes.memmove(self._base + cursor, self._base + off, ext.nbytes)
+                ext.offset = cursor
+                moved += ext.nbytes
+            placed[ext.offset] = ext
+            cursor = ext.offset + ext.span
+        self._extents = placed
+        self._holes, self._ends = {}, {}
+        cursor = 0
+        for off in sorted(placed):
+            if off > cursor:
+                self._add_hole(cursor, off - cursor)
+            cursor = off + placed[off].span
+        if cursor < self.size:
+            self._add_hole(cursor, self.size - cursor)
+        self.compactions += 1
+        return moved
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def free_bytes(self) -> int:
+        return sum(self._holes.values())
+
+    def stats(self) -> ArenaStats:
+        return ArenaStats(
+            region_bytes=self.size,
+            extents=len(self._extents),
+            free_bytes=self.free_bytes(),
+            largest_hole=max(self._holes.values(), default=0),
+            zombie_bytes=sum(z.span for z in self._zombies),
+            overflow=self.overflow,
+            compactions=self.compactions,
+        )
+
+    def region_extents(self) -> list[Extent]:
+        """Extents in the region not yet free (owned or zombie), by offset (for tests)."""
+        return [self._extents[o] for o in sorted(self._extents)]
+
+    def close(self) -> None:
+        """Drop the region. Views still held keep the mapping alive until they die."""
+        self._extents.clear()
+        self._zombies.clear()
+        self._holes, self._ends = {}, {}
+        mapping, self._map = self._map, None
+        self._buf = np.empty(0, dtype=np.uint8)
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:  # a reader still holds a view: the GC unmaps it later
+                pass
+
+    def _best_fit(self, span: int) -> int | None:
+        best: int | None = None
+        best_size = 0
+        for start, size in self._holes.items():
+            if size >= span and (best is None or size < best_size):
+                best, best_size = start, size
+                if size == span:
+                    break
+        return best
+
+    def _take(self, start: int, span: int) -> None:
+        size = self._holes.pop(start)
+        del self._ends[start + size]
+        if size > span:
+            self._add_hole(start + span, size - span)
+
+    def _add_hole(self, start: int, size: int) -> None:
+        self._holes[start] = size
+        self._ends[start + size] = start
+
+    def _free(self, ext: Extent) -> None:
+        del self._extents[ext.offset]
+        start, end = ext.offset, ext.offset + ext.span
+        before = self._ends.pop(start, None)
+        if before is not None:
+            del self._holes[before]
+            start = before
+        after = self._holes.pop(end, None)
+        if after is not None:
+            del self._ends[end + after]
+            end += after
+        self._add_hole(start, end - start)
+        ext.offset = -2  # freed: not in the region any more
