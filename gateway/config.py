@@ -60,7 +60,6 @@ class Settings(BaseSettings):
     # write_behind: a store returns once the chunk is in the first (fastest) tier; the slower
     # tiers get their copies from a bounded queue (full: copies dropped, counted; a crash loses
     # only queued copies). write_through: every tier is written before a store returns.
-    # runtime passes it on: TierManager(..., write_mode="behind" if write_behind else "through").
     tier_write_mode: Literal["write_behind", "write_through"] = "write_behind"
     disk_dir: Path | None = None  # default: state_dir / "chunks"
     disk_bytes: int | None = None

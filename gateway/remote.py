@@ -41,7 +41,7 @@ from crypto.errors import KeyUnavailable
 from gateway.chunking import Chunk
 from gateway.datapath.path import DataPath
 from gateway.datapath.plane import DataPlane
-from gateway.datapath.stores import Fetched, FetchFailed, Presence
+from gateway.datapath.stores import Fetched, FetchFailed, Presence, Reserved
 from gateway.envelopes import KeyLease
 from gateway.errors import AccessDenied, GatewayError, InvalidRequest
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
@@ -329,6 +329,15 @@ class _HttpSession:
         except AccessDenied:
             self.client._forget()  # revoked (a clear): the lease it was sealed under is gone too
             raise
+
+    def reserve(self, i: int, nbytes: int) -> Reserved | None:
+        return None  # envelopes are sent, not kept here
+
+    async def commit(self, reserved: Reserved) -> bool:
+        raise AssertionError("nothing is reserved in remote mode")
+
+    def abort(self, reserved: Reserved) -> None:
+        return None
 
     async def integrity_failure(self, i: int, tier: str) -> None:
         self.client.stats["integrity_failures"] += 1

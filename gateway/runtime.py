@@ -220,7 +220,8 @@ async def open_runtime(
         raise
     stats: Counter[str] = Counter()
     tier_manager = TierManager(
-        tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers
+        tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers,
+        write_mode="behind" if settings.tier_write_mode == "write_behind" else "through",
     )
     keyring = Keyring(registry, kek, invocation_limit=settings.invocation_limit, cache_ttl=settings.kek_cache_ttl_s)
     resolver = NamespaceResolver(registry, kek, NamespaceDeriver(master))

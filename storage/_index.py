@@ -73,6 +73,7 @@ class KeyIndex:
         self.pinned_bytes = 0
         #: bytes promised to puts in flight (the disk tier reserves room before its I/O)
         self.reserved = 0
+        self.reserved_by_owner: dict[str, int] = {}  # reservations count against their owner's quota
 
     # -- queries -------------------------------------------------------------------------------
     def __contains__(self, key: object) -> bool:
@@ -221,7 +222,8 @@ class _Plan:
         self.delta: dict[str, int] = {key.owner: delta}
 
     def over(self, owner: str, quota: int) -> bool:
-        return self.index._owner_bytes.get(owner, 0) + self.delta.get(owner, 0) > quota
+        index = self.index
+        return index._owner_bytes.get(owner, 0) + index.reserved_by_owner.get(owner, 0) + self.delta.get(owner, 0) > quota
 
     def eligible(self, k: ChunkKey) -> bool:
         return k != self.key and k not in self.chosen and not (self.skip and self.skip(k))

@@ -145,6 +145,8 @@ class MemoryTier(Tier):
             self._make_room(key, nbytes)
         ext = self._arena.alloc(nbytes)
         self._index.reserved += nbytes
+        by_owner = self._index.reserved_by_owner
+        by_owner[key.owner] = by_owner.get(key.owner, 0) + nbytes
         res = Reservation(key, ext, self._arena.lease(ext, writable=True))
         self._reservations.add(res)
         return res
@@ -179,6 +181,12 @@ class MemoryTier(Tier):
         if self._closed:
             return False
         self._index.reserved -= res.nbytes
+        by_owner = self._index.reserved_by_owner
+        left = by_owner.get(res.key.owner, 0) - res.nbytes
+        if left > 0:
+            by_owner[res.key.owner] = left
+        else:
+            by_owner.pop(res.key.owner, None)
         if res.cancelled:
             self._arena.release(res.extent)
             return False

@@ -101,6 +101,16 @@ class DataPath:
         """A chunk's segment size: the codec's, rounded down to whole layers (at least one)."""
         return layer_segment_bytes(self.codec.segment_bytes, layer_nbytes)
 
+    def envelope_nbytes(self, kv: PagedKV, num_tokens: int) -> int:
+        """The size of the envelope a chunk of ``num_tokens`` tokens of ``kv`` seals into (to
+        reserve its slot before sealing)."""
+        g = kv.geometry
+        n = g.chunk_nbytes(num_tokens)
+        sealer = self.sealer_for(kv)
+        if isinstance(sealer, HostSealer):
+            return self.codec.envelope_size(n)
+        return self.codec.envelope_size(n, self.segment_bytes(n // g.num_layers))
+
     # -- the sealer of a KV cache: chosen once ----------------------------------------------
     def _on_device(self, kv: PagedKV) -> bool:
         if self.codec.cipher is None:

@@ -28,6 +28,7 @@ from gateway.datapath.stores import (
     ChunkStore,
     FetchFailed,
     KeysUnavailable,
+    Reserved,
 )
 from gateway.errors import AccessDenied
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
@@ -152,13 +153,34 @@ class DataPlane:
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
 
         async def run(batch: list[int]) -> int:
-            async with gate:
-                envelopes = await self.datapath.run(self.datapath.seal_batch, kv, binding, [jobs[k] for k in batch])
+            # Each envelope is sealed straight into its slot of the fastest tier where one is
+            # handed out (gather + encrypt in one pass, no allocation), else into a pool buffer.
+            reserved: dict[int, Reserved] = {}
+            for k in batch:
+                job = jobs[k]
+                slot = session.reserve(todo[k], self.datapath.envelope_nbytes(kv, job.slots.numel()))
+                if slot is not None:
+                    reserved[k] = slot
+                    job.out = slot.view
+            try:
+                async with gate:
+                    envelopes = await self.datapath.run(self.datapath.seal_batch, kv, binding, [jobs[k] for k in batch])
+            except BaseException:
+                for slot in reserved.values():
+                    session.abort(slot)
+                raise
             stored = 0
             for k, env in zip(batch, envelopes):
+                jobs[k].out = None
+                slot = reserved.get(k)
+                nbytes = env.nbytes  # a committed slot's view is released by the tier
                 try:
-                    await session.put(todo[k], env)
-                    stored += env.nbytes
+                    if slot is not None:
+                        if not await session.commit(slot):  # a clear or close cancelled it
+                            continue
+                    else:
+                        await session.put(todo[k], env)
+                    stored += nbytes
                 except TierError:  # no tier took it: the cache loses this chunk, the engine goes on
                     self.stats["store_failures"] += 1
             return stored

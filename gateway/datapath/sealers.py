@@ -44,6 +44,15 @@ class SealJob:
     slots: torch.Tensor
     dek: bytes
     ctx: EnvelopeContext
+    out: memoryview | None = None  # seal straight into this (a tier's slot) instead of a new buffer
+
+
+def _out(job: SealJob, pool: BufferPool, nbytes: int) -> memoryview:
+    if job.out is None:
+        return pool.envelope(nbytes)
+    if job.out.nbytes != nbytes:
+        raise ValueError(f"the slot holds {job.out.nbytes} bytes, the envelope is {nbytes}")
+    return job.out
 
 
 @dataclass(slots=True)
@@ -97,7 +106,7 @@ class CpuSealer:
         for job in jobs:
             chunk = ChunkPieces(flat, job.slots)
             seg = layer_segment_bytes(self.codec.segment_bytes, chunk.layer_nbytes)
-            env = self.pool.envelope(self.codec.envelope_size(chunk.nbytes, seg))
+            env = _out(job, self.pool, self.codec.envelope_size(chunk.nbytes, seg))
             self.codec.seal_pieces_into(job.dek, binding, job.ctx, chunk.pieces(), chunk.nbytes, env, segment_bytes=seg)
             out.append(env)
         return out
@@ -154,7 +163,8 @@ class HostSealer:
             staging = self.pool.staging(kv.geometry, job.slots.numel())
             staging.copy_(pack(kv, job.slots, kv.geometry))
             plain = _bytes(staging)
-            env = empty(self.codec.envelope_size(plain.nbytes))
+            size = self.codec.envelope_size(plain.nbytes)
+            env = job.out if job.out is not None and job.out.nbytes == size else empty(size)
             self.codec.seal_into(job.dek, binding, job.ctx, plain, env)
             out.append(env)
         return out
@@ -194,7 +204,7 @@ class DeviceSealer:
             pack(kv, job.slots, kv.geometry, out=staging)
             plain = staging.view(-1).view(torch.uint8)
             seg = layer_segment_bytes(self.segment_bytes, plain.numel() // kv.geometry.num_layers)  # as the CPU path
-            env = self.pool.envelope(self.cipher.envelope_size(plain.numel(), seg))
+            env = _out(job, self.pool, self.cipher.envelope_size(plain.numel(), seg))
             self.cipher.seal_device_into(
                 job.dek, binding, job.ctx, plain, plain.numel(), env, to_host=_to_host, segment_bytes=seg
             )
@@ -213,7 +223,7 @@ class DeviceSealer:
             n = plain.numel()
             seg = layer_segment_bytes(self.segment_bytes, n // kv.geometry.num_layers)
             copier = self.pool.copier(kv.device, n)
-            env = self.pool.envelope(self.cipher.envelope_size(n, seg))
+            env = _out(job, self.pool, self.cipher.envelope_size(n, seg))
 
             def encrypt(key: bytes, segments: list[Any], rows: torch.Tensor = rows, plain: torch.Tensor = plain) -> list[bytes]:
                 on_segment = lambda s, e: copier.issue_d2h(plain, s, e)  # noqa: E731

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
@@ -57,6 +57,14 @@ class Fetched:
 
 
 @dataclass(slots=True)
+class Reserved:
+    """A slot handed out for one envelope: seal into ``view``, then commit or abort it."""
+
+    view: memoryview
+    token: Any
+
+
+@dataclass(slots=True)
 class Presence:
     present: list[bool]
     errors: list[BaseException] = field(default_factory=list)
@@ -76,6 +84,10 @@ class ChunkSession(Protocol):
     def prefetch(self, indices: Sequence[int]) -> None: ...
     async def fetch(self, i: int) -> Fetched: ...
     async def put(self, i: int, envelope: memoryview) -> None: ...
+    def reserve(self, i: int, nbytes: int) -> Reserved | None:
+        """A slot of the fastest tier to seal chunk ``i`` straight into, or None (then ``put``)."""
+    async def commit(self, reserved: Reserved) -> bool: ...
+    def abort(self, reserved: Reserved) -> None: ...
     async def integrity_failure(self, i: int, tier: str) -> None: ...
     async def aclose(self) -> None: ...
 
@@ -171,6 +183,22 @@ class _TierSession:
 
     async def put(self, i: int, envelope: memoryview) -> None:
         await self.store.tiers.put(self.keys[i], envelope)
+
+    def reserve(self, i: int, nbytes: int) -> Reserved | None:
+        tiers = self.store.tiers
+        if not tiers.can_reserve:
+            return None
+        try:
+            res = tiers.reserve(self.keys[i], nbytes)
+        except (TierError, TypeError, ValueError):  # full (or pinned out): seal, then put
+            return None
+        return Reserved(res.view, res)
+
+    async def commit(self, reserved: Reserved) -> bool:
+        return await self.store.tiers.commit(reserved.token)
+
+    def abort(self, reserved: Reserved) -> None:
+        self.store.tiers.abort(reserved.token)
 
     async def integrity_failure(self, i: int, tier: str) -> None:
         """A stored envelope failed authentication: audit it and drop every copy of it, so the
