@@ -25,7 +25,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
@@ -82,7 +82,7 @@ class Admin:
         self.audit = audit
         self.broadcaster: Broadcaster | None = None  # when scale-out is configured
 
-    async def _publish(self, kind: str, tenant: str, **fields) -> None:
+    async def _publish(self, kind: str, tenant: str, **fields: Any) -> None:
         if self.broadcaster is not None:
             await self.broadcaster.publish(kind, tenant, **fields)
 
@@ -153,7 +153,8 @@ class Admin:
             owner = self.resolver.owner_label(tenant)
             if any(k.owner != owner for k in chunks):
                 raise InvalidRequest("every chunk must belong to the tenant being cleared")
-            scope, details = "chunks", {"digests": sorted(k.digest for k in chunks), "groups": sorted({k.group for k in chunks})}
+            details: dict[str, Any] = {"digests": sorted(k.digest for k in chunks), "groups": sorted({k.group for k in chunks})}
+            scope = "chunks"
         elif namespace is not None:
             check_name(namespace, "namespace")
             rec = await self.registry.get_namespace(tenant, namespace)
@@ -170,7 +171,10 @@ class Admin:
             span.set_attributes({"kvgate.tenant": self.resolver.owner_label(tenant)[:16], "kvgate.scope": scope})
             return await self._record_and_run(tenant, namespace, scope, details, chunks, actor)
 
-    async def _record_and_run(self, tenant, namespace, scope, details, chunks, actor) -> ClearResult:
+    async def _record_and_run(
+        self, tenant: str, namespace: str | None, scope: str, details: dict[str, Any],
+        chunks: Sequence[ChunkKey] | None, actor: Actor | None,
+    ) -> ClearResult:
         requester = actor or Actor()
         details = {**details, "requested_by": asdict(requester)}
         if chunks:
@@ -180,7 +184,7 @@ class Admin:
         return await self._run(job, actor)
 
     async def _record_requested(self, job: ClearJobRecord, requester: Actor, *, resumed: bool) -> None:
-        details: dict = {"job_id": job.id, "scope": job.scope}
+        details: dict[str, Any] = {"job_id": job.id, "scope": job.scope}
         if resumed:
             details["resumed"] = True
         await self._record(
@@ -227,7 +231,7 @@ class Admin:
                                    details={"versions": destroyed, "job_id": job.id})
                     )
             await self.registry.update_clear_job(job.id, state="shredded")
-            fields = {"namespace": job.namespace} if job.scope == "namespace" else {}
+            fields: dict[str, Any] = {"namespace": job.namespace} if job.scope == "namespace" else {}
             if revoke_before is not None:
                 fields["revoke_before"] = revoke_before
             await self._publish("clear", tenant, **fields)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import os
 from collections.abc import Sequence
 
@@ -107,7 +108,9 @@ class NamespaceResolver:
         return ChunkKey(ns.owner, ns.group, ns.storage_key(chained_hash))
 
     def chunk_keys(self, ns: NamespaceKeys, chained_hashes: Sequence[bytes]) -> list[ChunkKey]:
-        return [self.chunk_key(ns, h) for h in chained_hashes]
+        """A request's storage keys (labels checked once, not per chunk)."""
+        index_key = ns.index_key
+        return ChunkKey.many(ns.owner, ns.group, [hmac.digest(index_key, h, "sha256").hex() for h in chained_hashes])
 
     def chunk_key_of_labels(self, tenant: str, group: str, digest: str) -> ChunkKey:
         """A stored chunk's key from a clear job's record (owner label, group label, digest)."""

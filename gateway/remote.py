@@ -31,7 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Self
+from typing import Any, Self
 
 import httpx
 import torch
@@ -114,7 +114,7 @@ class RemoteGateway:
             await self._http.aclose()
 
     # -- HTTP --------------------------------------------------------------------------------
-    async def _send(self, method: str, path: str, *, cap: bool = True, **kw) -> httpx.Response:
+    async def _send(self, method: str, path: str, *, cap: bool = True, **kw: Any) -> httpx.Response:
         headers = {"Authorization": f"Bearer {self._bearer}"}
         if cap:
             headers["X-KV-Capability"] = await self.capability()
@@ -130,7 +130,7 @@ class RemoteGateway:
             raise RemoteUnavailable(f"{method} {path}: {r.status_code}")
         return r
 
-    async def _retrying(self, method: str, path: str, **kw) -> httpx.Response:
+    async def _retrying(self, method: str, path: str, **kw: Any) -> httpx.Response:
         """One retry with a fresh capability and lease after a 403 (revoked by a clear)."""
         try:
             return await self._send(method, path, **kw)
@@ -169,7 +169,7 @@ class RemoteGateway:
             self._used = 0
             return self._lease
 
-    def _parse_lease(self, j: dict) -> KeyLease:
+    def _parse_lease(self, j: dict[str, Any]) -> KeyLease:
         if j.get("chunk_tokens", self.chunk_tokens) != self.chunk_tokens:
             raise InvalidRequest(f"the server chunks {j['chunk_tokens']} tokens, this worker {self.chunk_tokens}")
         b = base64.b64decode

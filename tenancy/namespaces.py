@@ -47,7 +47,7 @@ class NamespaceKeys:
     binding_secret: bytes = field(repr=False)
 
     def storage_key(self, chained_hash: bytes) -> str:
-        return hmac.new(self.index_key, chained_hash, hashlib.sha256).hexdigest()
+        return hmac.digest(self.index_key, chained_hash, "sha256").hex()  # one C call (lookup path)
 
 
 class NamespaceDeriver:

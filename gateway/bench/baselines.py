@@ -26,7 +26,7 @@ from gateway.runtime import Runtime, open_runtime
 from storage.base import Tier
 from tenancy.capabilities import CapabilityAuthority
 from tenancy.registry import Registry
-from tenancy.types import Capability
+from tenancy.types import Capability, Namespace, TenantId
 
 __all__ = ["SharedTenantAccess", "plaintext_runtime", "shared_tenant_runtime"]
 
@@ -44,7 +44,7 @@ class SharedTenantAccess(Access):
 
     def authorize(self, token: str, op: str, *, chunks: Sequence[str] = ()) -> Capability:
         cap = super().authorize(token, op, chunks=chunks)
-        return replace(cap, tenant=self.pseudo_tenant, namespace="default")
+        return replace(cap, tenant=TenantId(self.pseudo_tenant), namespace=Namespace("default"))
 
 
 async def plaintext_runtime(settings: Settings, *, tiers: list[Tier]) -> Runtime:

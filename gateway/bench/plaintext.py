@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from crypto.envelope import ChunkCipher
 from crypto.errors import DecryptionFailed
 
 __all__ = ["PlaintextCodec"]
@@ -18,7 +19,7 @@ __all__ = ["PlaintextCodec"]
 class PlaintextCodec:
     """The "envelope" is the chunk's bytes; keys and contexts are ignored."""
 
-    cipher = None  # no device path: a device cache is packed and copied on the host
+    cipher: ChunkCipher | None = None  # no device path: a device cache is packed and copied on the host
 
     def __init__(self, segment_bytes: int = 2 << 20) -> None:
         self._segment_bytes = segment_bytes

@@ -30,8 +30,10 @@ class EnvelopeCodec(Protocol):
     """What the data path needs of an envelope format. Every failure raises
     ``crypto.errors.DecryptionFailed``; nothing of a segment is delivered before it is authentic."""
 
-    #: the device path (encrypt where the KV lives) needs the AES-GCM cipher itself
-    cipher: ChunkCipher | None
+    @property
+    def cipher(self) -> ChunkCipher | None:
+        """The AES-GCM cipher itself, which the device path (encrypt where the KV lives) needs;
+        None for a codec without one."""
 
     @property
     def segment_bytes(self) -> int: ...
@@ -96,7 +98,9 @@ class CipherCodec:
 
 
 def codec_of(cipher_or_codec: ChunkCipher | EnvelopeCodec) -> EnvelopeCodec:
-    return CipherCodec(cipher_or_codec) if isinstance(cipher_or_codec, ChunkCipher) else cipher_or_codec
+    if isinstance(cipher_or_codec, ChunkCipher):
+        return CipherCodec(cipher_or_codec)
+    return cipher_or_codec
 
 
 def layer_segment_bytes(segment_bytes: int, layer_nbytes: int) -> int:

@@ -226,13 +226,17 @@ class DeviceSealer:
             env = _out(job, self.pool, self.cipher.envelope_size(n, seg))
 
             def encrypt(key: bytes, segments: list[Any], rows: torch.Tensor = rows, plain: torch.Tensor = plain) -> list[bytes]:
-                on_segment = lambda s, e: copier.issue_d2h(plain, s, e)  # noqa: E731
+                def on_segment(s: int, e: int) -> None:
+                    copier.issue_d2h(plain, s, e)
+
                 result: list[bytes] = factory(key).gather_encrypt_(kv, rows, plain, segments, on_segment=on_segment)
                 return result
 
+            def to_host(s: int, e: int, dst: memoryview, plain: torch.Tensor = plain) -> None:
+                copier.fetch_d2h(plain, s, e, dst)
+
             self.cipher.seal_device_fused(
-                job.dek, binding, job.ctx, n, env, encrypt=encrypt,
-                to_host=lambda s, e, dst, plain=plain: copier.fetch_d2h(plain, s, e, dst), segment_bytes=seg,
+                job.dek, binding, job.ctx, n, env, encrypt=encrypt, to_host=to_host, segment_bytes=seg,
             )
             out.append(env)
         return out
@@ -264,10 +268,14 @@ class DeviceSealer:
                 if plaintext_length(job.envelope) != plain.numel():
                     raise DecryptionFailed
                 copier = self.pool.copier(kv.device, plain.numel())
+                def to_device(src: memoryview, s: int, e: int, plain: torch.Tensor = plain) -> None:
+                    copier.h2d(src, plain, s, e)
+
+                def decrypt(key: bytes, segs: list[Any], rows: torch.Tensor = rows, plain: torch.Tensor = plain) -> Any:
+                    return factory(key).decrypt_scatter_(plain, kv, rows, segs)
+
                 self.cipher.open_device_fused(
-                    job.dek, binding, job.ctx, job.envelope,
-                    to_device=lambda src, s, e, plain=plain: copier.h2d(src, plain, s, e),
-                    decrypt=lambda key, segs, rows=rows, plain=plain: factory(key).decrypt_scatter_(plain, kv, rows, segs),
+                    job.dek, binding, job.ctx, job.envelope, to_device=to_device, decrypt=decrypt,
                 )
             except DecryptionFailed:
                 return i, True
