@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-core test-exhaustive test-fast bench bench-setup clean
+.PHONY: setup demo test test-core test-exhaustive test-fast lint bench bench-setup clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test-core: setup
 # every NIST/Wycheproof vector through the Triton interpreter too (about 10 minutes more)
 test-exhaustive: setup
 	KVGATE_EXHAUSTIVE=1 $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm -m exhaustive $(PYTEST_ARGS)
+
+# static checks (.ci/run runs them before the tests): ruff, mypy --strict, the import contracts
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test-fast: setup
 	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm -m "not slow" $(PYTEST_ARGS)
