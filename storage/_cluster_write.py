@@ -1,0 +1,84 @@
+"""The Redis Cluster tier's write path: put and delete of one chunk, each one MULTI/EXEC on one slot.
+
+put, in one MULTI/EXEC on the chunk's slot: read the old header (GETRANGE) and the pin flag,
+write the new segments (named after a fresh random version), swap the head and add the payload
+bytes to the tag's counter. Then, outside the transaction: unlink the old version's segments and
+subtract its bytes from the tag counter (same slot, one pipeline), and add the difference to the
+total counter's shard (another slot: best effort, it is a gauge). Re-PERSIST a pinned chunk when a
+TTL is set. delete: the same with the head unlinked in the transaction.
+
+No index sets: a namespace clear finds every key by its tag (SCAN per master), so a client dying
+between the transaction and the cleanup leaves old segments that the next clear still finds.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from storage._cluster_layout import ClusterLayout
+from storage._redis_layout import HEADER_SIZE, BadHeader, Header, pack_header, unpack_header
+from storage.types import ChunkKey
+
+__all__ = ["delete_chunk", "put_chunk"]
+
+
+async def put_chunk(
+    redis: Any, lay: ClusterLayout, key: ChunkKey, view: memoryview, *, segment_bytes: int, ttl_s: int | None
+) -> tuple[str, int]:
+    """Write the chunk; return the total counter shard's name and its new value."""
+    size, seg = view.nbytes, segment_bytes
+    head = lay.head(key)
+    count = 0 if size <= seg else -(-size // seg)
+    header = Header(length=size, segments=count, version=secrets.token_bytes(8))
+    seg_keys = lay.segments(head, header)
+    pipe = redis.pipeline(transaction=True)
+    pipe.getrange(head, 0, HEADER_SIZE - 1)
+    pipe.sismember(lay.pins(key), head)
+    for i, name in enumerate(seg_keys):
+        pipe.set(name, view[i * seg:(i + 1) * seg], ex=ttl_s)  # views: no copy of the payload
+    pipe.set(head, pack_header(header) + view if count == 0 else pack_header(header), ex=ttl_s)
+    pipe.incrby(lay.tag_bytes(key), size)
+    result = await pipe.execute()
+    old, pinned = result[0], bool(result[1])
+    after = redis.pipeline(transaction=True)  # same slot: one round trip, one node
+    if pinned and ttl_s is not None:
+        for name in (head, *seg_keys):
+            after.persist(name)
+    delta = size - (_forget(after, lay, key, head, old) if old else 0)
+    if len(after):
+        await after.execute()
+    return lay.shard(key), int(await redis.incrby(lay.shard(key), delta))
+
+
+async def delete_chunk(redis: Any, lay: ClusterLayout, key: ChunkKey) -> tuple[bool, str, int | None]:
+    """Delete the chunk; return whether it was there, the counter shard and its new value (if known)."""
+    head = lay.head(key)
+    pipe = redis.pipeline(transaction=True)
+    pipe.getrange(head, 0, HEADER_SIZE - 1)
+    pipe.execute_command("UNLINK", head)
+    pipe.srem(lay.pins(key), head)
+    old, removed, _ = await pipe.execute()
+    used = None
+    if old:
+        after = redis.pipeline(transaction=True)
+        freed = _forget(after, lay, key, head, old)
+        if len(after):
+            await after.execute()
+        if freed:
+            used = int(await redis.decrby(lay.shard(key), freed))
+    return bool(removed), lay.shard(key), used
+
+
+def _forget(pipe: Any, lay: ClusterLayout, key: ChunkKey, head: str, old_header: bytes) -> int:
+    """Queue the unlink of a replaced or deleted version's segments and the tag counter's
+    decrement on ``pipe``; return the bytes freed (0 for a header this code did not write)."""
+    try:
+        old = unpack_header(old_header)
+    except BadHeader:
+        return 0
+    names = lay.segments(head, old)
+    if names:
+        pipe.execute_command("UNLINK", *names)
+    pipe.decrby(lay.tag_bytes(key), old.length)
+    return old.length
