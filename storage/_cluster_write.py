@@ -17,6 +17,7 @@ import secrets
 from typing import Any
 
 from storage._cluster_layout import ClusterLayout
+from storage._cluster_slot import on_slot
 from storage._redis_layout import HEADER_SIZE, BadHeader, Header, pack_header, unpack_header
 from storage.types import ChunkKey
 
@@ -32,53 +33,50 @@ async def put_chunk(
     count = 0 if size <= seg else -(-size // seg)
     header = Header(length=size, segments=count, version=secrets.token_bytes(8))
     seg_keys = lay.segments(head, header)
-    pipe = redis.pipeline(transaction=True)
-    pipe.getrange(head, 0, HEADER_SIZE - 1)
-    pipe.sismember(lay.pins(key), head)
+    ex = ("EX", ttl_s) if ttl_s is not None else ()
+    cmds: list[tuple[Any, ...]] = [("GETRANGE", head, 0, HEADER_SIZE - 1), ("SISMEMBER", lay.pins(key), head)]
     for i, name in enumerate(seg_keys):
-        pipe.set(name, view[i * seg:(i + 1) * seg], ex=ttl_s)  # views: no copy of the payload
-    pipe.set(head, pack_header(header) + view if count == 0 else pack_header(header), ex=ttl_s)
-    pipe.incrby(lay.tag_bytes(key), size)
-    result = await pipe.execute()
+        cmds.append(("SET", name, view[i * seg:(i + 1) * seg], *ex))  # views: no copy of the payload
+    cmds.append(("SET", head, pack_header(header) + view if count == 0 else pack_header(header), *ex))
+    cmds.append(("INCRBY", lay.tag_bytes(key), size))
+    result = await on_slot(redis, head, cmds, transaction=True)
     old, pinned = result[0], bool(result[1])
-    after = redis.pipeline(transaction=True)  # same slot: one round trip, one node
+    after: list[tuple[Any, ...]] = []  # same slot: one round trip, one node
     if pinned and ttl_s is not None:
-        for name in (head, *seg_keys):
-            after.persist(name)
+        after += [("PERSIST", name) for name in (head, *seg_keys)]
     delta = size - (_forget(after, lay, key, head, old) if old else 0)
-    if len(after):
-        await after.execute()
-    return lay.shard(key), int(await redis.incrby(lay.shard(key), delta))
+    if after:
+        await on_slot(redis, head, after, transaction=True)
+    shard = lay.shard(key)
+    return shard, int((await on_slot(redis, shard, [("INCRBY", shard, delta)], transaction=False))[0])
 
 
 async def delete_chunk(redis: Any, lay: ClusterLayout, key: ChunkKey) -> tuple[bool, str, int | None]:
     """Delete the chunk; return whether it was there, the counter shard and its new value (if known)."""
     head = lay.head(key)
-    pipe = redis.pipeline(transaction=True)
-    pipe.getrange(head, 0, HEADER_SIZE - 1)
-    pipe.execute_command("UNLINK", head)
-    pipe.srem(lay.pins(key), head)
-    old, removed, _ = await pipe.execute()
+    old, removed, _ = await on_slot(redis, head, [
+        ("GETRANGE", head, 0, HEADER_SIZE - 1), ("UNLINK", head), ("SREM", lay.pins(key), head)], transaction=True)
     used = None
     if old:
-        after = redis.pipeline(transaction=True)
+        after: list[tuple[Any, ...]] = []
         freed = _forget(after, lay, key, head, old)
-        if len(after):
-            await after.execute()
+        if after:
+            await on_slot(redis, head, after, transaction=True)
         if freed:
-            used = int(await redis.decrby(lay.shard(key), freed))
+            shard = lay.shard(key)
+            used = int((await on_slot(redis, shard, [("DECRBY", shard, freed)], transaction=False))[0])
     return bool(removed), lay.shard(key), used
 
 
-def _forget(pipe: Any, lay: ClusterLayout, key: ChunkKey, head: str, old_header: bytes) -> int:
+def _forget(cmds: list[tuple[Any, ...]], lay: ClusterLayout, key: ChunkKey, head: str, old_header: bytes) -> int:
     """Queue the unlink of a replaced or deleted version's segments and the tag counter's
-    decrement on ``pipe``; return the bytes freed (0 for a header this code did not write)."""
+    decrement on ``cmds``; return the bytes freed (0 for a header this code did not write)."""
     try:
         old = unpack_header(old_header)
     except BadHeader:
         return 0
     names = lay.segments(head, old)
     if names:
-        pipe.execute_command("UNLINK", *names)
-    pipe.decrby(lay.tag_bytes(key), old.length)
+        cmds.append(("UNLINK", *names))
+    cmds.append(("DECRBY", lay.tag_bytes(key), old.length))
     return old.length

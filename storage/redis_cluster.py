@@ -29,11 +29,12 @@ from typing import Any, TypeVar
 from storage._cluster_clear import ClusterClearer
 from storage._cluster_client import is_cluster_url, make_cluster_client, node_of
 from storage._cluster_layout import ClusterLayout
+from storage._cluster_slot import on_slot
 from storage._cluster_write import delete_chunk, put_chunk
 from storage._index import byte_view
 from storage._redis_breaker import CLOSED, CircuitBreaker
 from storage._redis_client import Guard
-from storage._redis_layout import HEADER_SIZE
+from storage._redis_layout import HEADER_SIZE, Header
 from storage.redis import RedisTier, RedisTierStats
 from storage.types import ChunkKey, ChunkNotFound, TierError, TierFull
 
@@ -144,14 +145,12 @@ class RedisClusterTier(RedisTier):
         head = self._head(key)
 
         async def run() -> None:
-            raw = await self._redis.getrange(head, 0, HEADER_SIZE - 1)
+            raw = (await on_slot(self._redis, head, [("GETRANGE", head, 0, HEADER_SIZE - 1)], transaction=False))[0]
             if not raw:
                 raise ChunkNotFound(key, self.name)
-            pipe = self._redis.pipeline(transaction=True)  # one slot
-            pipe.sadd(self._layout.pins(key), head)
-            for name in [head, *self._segment_names(head, raw)]:
-                pipe.persist(name)
-            await pipe.execute()
+            cmds: list[tuple[Any, ...]] = [("SADD", self._layout.pins(key), head)]
+            cmds += [("PERSIST", name) for name in [head, *self._segment_names(head, raw)]]
+            await on_slot(self._redis, head, cmds, transaction=True)
 
         await self._call("pin", self.op_timeout_s, run, route=head)
 
@@ -159,16 +158,11 @@ class RedisClusterTier(RedisTier):
         head = self._head(key)
 
         async def run() -> None:
-            pipe = self._redis.pipeline(transaction=True)
-            pipe.srem(self._layout.pins(key), head)
-            pipe.getrange(head, 0, HEADER_SIZE - 1)
-            raw: bytes
-            _, raw = await pipe.execute()
+            _, raw = await on_slot(self._redis, head, [
+                ("SREM", self._layout.pins(key), head), ("GETRANGE", head, 0, HEADER_SIZE - 1)], transaction=True)
             if raw and self.ttl_s is not None:
-                pipe = self._redis.pipeline(transaction=True)
-                for name in [head, *self._segment_names(head, raw)]:
-                    pipe.expire(name, self.ttl_s)
-                await pipe.execute()
+                names = [head, *self._segment_names(head, raw)]
+                await on_slot(self._redis, head, [("EXPIRE", n, self.ttl_s) for n in names], transaction=True)
 
         await self._call("unpin", self.op_timeout_s, run, route=head)
 
@@ -194,6 +188,11 @@ class RedisClusterTier(RedisTier):
         return self._guard_for(node).breaker
 
     # -- internals -----------------------------------------------------------------------------
+    async def _segments(self, head: str, header: Header) -> list[bytes] | None:
+        names = self._layout.segments(head, header)
+        parts = await on_slot(self._redis, head, [("GET", n) for n in names], transaction=False)
+        return None if any(p is None for p in parts) else parts
+
     def _set_shard(self, name: str, value: int) -> None:
         self._shards[name] = value
 

@@ -16,10 +16,13 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Cluster", "start_cluster"]
+import pytest
+
+__all__ = ["Cluster", "redis_cluster", "start_cluster"]
 
 NODE_TIMEOUT_MS = 1000
 
@@ -151,3 +154,27 @@ def start_cluster() -> Cluster:
         cluster.stop()
         raise
     return cluster
+
+
+# -- the pytest fixture: one cluster per test session, shared by every module that imports it --
+_shared: list[Cluster] = []
+_users = [0]
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[Cluster]:
+    """A running 6-node cluster (started once per session; a module that imports this fixture
+    gets the same cluster as any other)."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        from tests.conftest import missing
+
+        missing("redis-server and redis-cli are needed for the Redis Cluster tests")
+    if not _shared:
+        _shared.append(start_cluster())
+    _users[0] += 1
+    try:
+        yield _shared[0]
+    finally:
+        _users[0] -= 1
+        if _users[0] == 0:
+            _shared.pop().stop()
