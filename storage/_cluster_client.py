@@ -8,7 +8,10 @@ follows MOVED/ASK redirections itself. ACL users and passwords apply to every no
 Client configuration: the single-node tier's choices (no retries of its own, one connect timeout,
 1 MiB reads, the connection class that writes payload views piece by piece instead of joining a
 pipeline into one bytes object), plus ``require_full_coverage=False`` so that slots of a dead
-master do not stop the others being served. After a connection error redis-py reloads the slot
+master do not stop the others being served, and ``reinitialize_steps=0``: by default every fifth
+MOVED reply (a reshard makes many) makes redis-py close every connection of every node, including
+those other coroutines are reading from ("Connection closed by server"); with 0 a MOVED only
+updates that slot in the map. After a connection error redis-py reloads the slot
 map on the next call, which is how a promoted replica is found.
 """
 
@@ -89,6 +92,7 @@ def make_cluster_client(
     kwargs: dict[str, Any] = {
         "startup_nodes": [ClusterNode(h, p) for h, p in spec.nodes],
         "require_full_coverage": False,
+        "reinitialize_steps": 0,  # else every 5th MOVED closes every connection, in flight or not
         "max_connections": max_connections,
         "retry": Retry(NoBackoff(), 0),
         "socket_connect_timeout": connect_timeout_s,

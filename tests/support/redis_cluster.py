@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["Cluster", "redis_cluster", "start_cluster"]
+__all__ = ["Cluster", "redis_cluster", "replication_caught_up", "start_cluster"]
 
 NODE_TIMEOUT_MS = 1000
 
@@ -61,7 +61,7 @@ class Cluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:3])
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
 
     def _start(self, port: int) -> None:
         d = self.root / str(port)
@@ -178,3 +178,21 @@ def redis_cluster() -> Iterator[Cluster]:
         _users[0] -= 1
         if _users[0] == 0:
             _shared.pop().stop()
+
+
+def replication_caught_up(cluster: Cluster, timeout: float = 30.0) -> None:
+    """Until every live master's replicas report its replication offset (so a kill loses nothing
+    written before this returns)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        behind = False
+        for port in cluster.masters():
+            info = dict(line.split(":", 1) for line in cli(port, "info", "replication").splitlines() if ":" in line)
+            offset = int(info.get("master_repl_offset", "0"))
+            replicas = [v for k, v in info.items() if k.startswith("slave") and k[5:].isdigit()]
+            if not replicas or any(int(dict(f.split("=") for f in r.split(","))["offset"]) < offset for r in replicas):
+                behind = True
+        if not behind:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("replicas did not catch up")
