@@ -2,9 +2,10 @@
 
 put, in one MULTI/EXEC on the chunk's slot: read the old header (GETRANGE) and the pin flag,
 write the new segments (named after a fresh random version), swap the head and add the payload
-bytes to the tag's counter. Then, outside the transaction: unlink the old version's segments and
-subtract its bytes from the tag counter (same slot, one pipeline), and add the difference to the
-total counter's shard (another slot: best effort, it is a gauge). Re-PERSIST a pinned chunk when a
+bytes to the tag's counter; sent together with the INCRBY of the total counter's shard (another
+slot, so not atomic with it: the total is a gauge; a failed transaction takes its bytes back).
+Then, for a replaced chunk: unlink the old version's segments and subtract its bytes from the tag
+counter (same slot, one pipeline) and from the shard. Re-PERSIST a pinned chunk when a
 TTL is set. delete: the same with the head unlinked in the transaction.
 
 No index sets: a namespace clear finds every key by its tag (SCAN per master), so a client dying
@@ -13,6 +14,7 @@ between the transaction and the cleanup leaves old segments that the next clear 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from typing import Any
 
@@ -39,16 +41,28 @@ async def put_chunk(
         cmds.append(("SET", name, view[i * seg:(i + 1) * seg], *ex))  # views: no copy of the payload
     cmds.append(("SET", head, pack_header(header) + view if count == 0 else pack_header(header), *ex))
     cmds.append(("INCRBY", lay.tag_bytes(key), size))
-    result = await on_slot(redis, head, cmds, transaction=True)
-    old, pinned = result[0], bool(result[1])
+    shard = lay.shard(key)
+    # the transaction and the shard's increment go out together (two slots: one round trip)
+    tx, inc = await asyncio.gather(on_slot(redis, head, cmds, transaction=True),
+                                   on_slot(redis, shard, [("INCRBY", shard, size)], transaction=False),
+                                   return_exceptions=True)
+    if isinstance(tx, BaseException):
+        if not isinstance(inc, BaseException):  # the chunk was not written: take its bytes back
+            await on_slot(redis, shard, [("DECRBY", shard, size)], transaction=False)
+        raise tx
+    if isinstance(inc, BaseException):  # the chunk was written: count it, once more
+        inc = await on_slot(redis, shard, [("INCRBY", shard, size)], transaction=False)
+    used = int(inc[0])
+    old, pinned = tx[0], bool(tx[1])
     after: list[tuple[Any, ...]] = []  # same slot: one round trip, one node
     if pinned and ttl_s is not None:
         after += [("PERSIST", name) for name in (head, *seg_keys)]
-    delta = size - (_forget(after, lay, key, head, old) if old else 0)
+    freed = _forget(after, lay, key, head, old) if old else 0
     if after:
         await on_slot(redis, head, after, transaction=True)
-    shard = lay.shard(key)
-    return shard, int((await on_slot(redis, shard, [("INCRBY", shard, delta)], transaction=False))[0])
+    if freed:
+        used = int((await on_slot(redis, shard, [("DECRBY", shard, freed)], transaction=False))[0])
+    return shard, used
 
 
 async def delete_chunk(redis: Any, lay: ClusterLayout, key: ChunkKey) -> tuple[bool, str, int | None]:

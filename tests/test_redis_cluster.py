@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 
 from storage._cluster_client import make_cluster_client, node_of, parse_cluster_url
 from storage._cluster_layout import ClusterLayout
+from storage._cluster_slot import on_slot
 from storage._redis_layout import Header, pack_header
 from storage.events import RedisEventChannel
 from storage.redis_cluster import RedisClusterTier
@@ -95,22 +96,28 @@ async def keys_per_node(cluster: Cluster, pattern: str) -> dict[int, int]:
     return counts
 
 
-async def fill(url: str, prefix: str, owner: str, group: str, n: int, batch: int = 5000) -> int:
-    """Write ``n`` tiny chunks of one (owner, group) through pipelines, exactly as
-    RedisClusterTier.put lays them out (head, tag counter, counter shard), without a round trip
+async def fill(url: str, prefix: str, owner: str, group: str, n: int, batch: int = 20_000) -> int:
+    """Write ``n`` tiny chunks of one (owner, group) exactly as RedisClusterTier.put lays them out
+    (head, tag counters, counter shards), one pipeline per slot per batch instead of a round trip
     per chunk. Returns the payload bytes written."""
     lay = ClusterLayout(prefix)
-    client = make_cluster_client(url, connect_timeout_s=5.0, socket_timeout_s=60.0, max_connections=16)
+    client = make_cluster_client(url, connect_timeout_s=5.0, socket_timeout_s=120.0, max_connections=16)
     payload = pack_header(Header(16, 0, b"\0" * 8)) + bytes(16)
     try:
+        await client.initialize()
         for start in range(0, n, batch):
-            keys = [ChunkKey(owner, group, f"{i:064x}") for i in range(start, min(n, start + batch))]
-            pipe = client.pipeline(transaction=False)
-            for k in keys:
-                pipe.set(lay.head(k), payload)
-                pipe.incrby(lay.tag_bytes(k), 16)
-                pipe.incrby(lay.shard(k), 16)
-            await pipe.execute()
+            by_slot: dict[str, list[tuple[object, ...]]] = {}
+            for i in range(start, min(n, start + batch)):
+                k = ChunkKey(owner, group, hashlib.sha256(i.to_bytes(8, "little")).hexdigest())
+                by_slot.setdefault(lay.tag_bytes(k), []).append(("SET", lay.head(k), payload))
+            shards: dict[str, int] = {}
+            for tag_counter, cmds in by_slot.items():
+                cmds.append(("INCRBY", tag_counter, 16 * len(cmds)))
+                shard = lay.shard_name(tag_counter[len(prefix) + 1:].split(".")[2][0])
+                shards[shard] = shards.get(shard, 0) + 16 * (len(cmds) - 1)
+            for name, total in shards.items():
+                by_slot.setdefault(name, []).append(("INCRBY", name, total))
+            await asyncio.gather(*(on_slot(client, key, cmds, transaction=False) for key, cmds in by_slot.items()))
     finally:
         await client.aclose()
     return 16 * n
