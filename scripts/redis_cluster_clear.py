@@ -15,11 +15,11 @@ import time
 
 sys.path.insert(0, os.getcwd())
 
-import redis.asyncio as aioredis  # noqa: E402
+import redis.asyncio as aioredis
 
-from storage.redis_cluster import RedisClusterTier  # noqa: E402
-from tests.support.redis_cluster import replication_caught_up, start_cluster  # noqa: E402
-from tests.test_redis_cluster import fill  # noqa: E402
+from storage.redis_cluster import RedisClusterTier
+from tests.support.redis_cluster import replication_caught_up, start_cluster
+from tests.test_redis_cluster import fill
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
 

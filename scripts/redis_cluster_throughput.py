@@ -20,12 +20,12 @@ import time
 
 sys.path.insert(0, os.getcwd())
 
-from redis.asyncio.cluster import ClusterNode, RedisCluster  # noqa: E402
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from storage._cluster_client import parse_cluster_url  # noqa: E402
-from storage.redis_cluster import RedisClusterTier  # noqa: E402
-from storage.types import ChunkKey  # noqa: E402
-from tests.support.redis_cluster import start_cluster  # noqa: E402
+from storage._cluster_client import parse_cluster_url
+from storage.redis_cluster import RedisClusterTier
+from storage.types import ChunkKey
+from tests.support.redis_cluster import start_cluster
 
 MiB = 1024 * 1024
 

@@ -1,7 +1,7 @@
 """Namespace and owner clears and key listings for the Redis Cluster tier: SCAN on every master.
 
 Every key of an (owner, group) carries the tag ``{owner.group.bb}`` (see _cluster_layout), so a
-clear walks each master with ``SCAN MATCH <the tags' pattern> COUNT <batch>`` and, for each batch,
+clear walks every master (in parallel) with ``SCAN MATCH <the tags' pattern> COUNT <batch>`` and, for each batch,
 deletes the keys it found in one pipeline of per-slot commands (``UNLINK`` of heads, ``UNLINK`` of
 segments and pin sets, ``GETDEL`` of tag counters, so their bytes are taken off the total). The
 next SCAN runs while that pipeline is in flight. Only heads are counted, so the count is chunks.
@@ -21,7 +21,7 @@ from typing import Any
 
 from redis.crc import key_slot
 
-from storage._cluster_layout import COUNTER, HEAD, SHARDS, ClusterLayout
+from storage._cluster_layout import COUNTER, HEAD, SHARDS, ClusterLayout, Parsed
 from storage._redis_clear import _label
 from storage.types import ChunkKey
 
@@ -67,7 +67,8 @@ class ClusterClearer:
             await self._redis.initialize()
             return list(self._redis.get_primaries())
 
-        return await self._call("clear", self._timeout, run)
+        primaries: list[Any] = await self._call("clear", self._timeout, run)
+        return primaries
 
     async def _scan(self, node: Any, pattern: str) -> Any:
         cursor = 0
@@ -83,40 +84,50 @@ class ClusterClearer:
             "SCAN", cursor, "MATCH", pattern, "COUNT", self._batch, target_nodes=node)
         return int(cursors.get(node.name, 0)), list(names)
 
-    async def _sweep(self, pattern: str, want: Callable[[Any], bool]) -> int:
+    async def _sweep(self, pattern: str, want: Callable[[Parsed], bool]) -> int:
         removed = 0
         for _ in range(_MAX_PASSES):
-            seen = 0
-            for node in await self._primaries():
-                pending: asyncio.Task[int] | None = None
-                try:
-                    async for names in self._scan(node, pattern):
-                        mine = [n for n in names if (p := self._layout.parse(n)) is not None and want(p)]
-                        seen += len(mine)
-                        if pending is not None:
-                            removed += await pending
-                            pending = None
-                        if mine:
-                            pending = asyncio.ensure_future(self._call("clear", self._timeout,
-                                                                       partial(self._unlink, mine)))
-                    if pending is not None:
-                        removed += await pending
-                        pending = None
-                finally:
-                    if pending is not None:
-                        pending.cancel()
-            if not seen:
+            counts = await asyncio.gather(*(self._sweep_node(node, pattern, want) for node in await self._primaries()))
+            removed += sum(n for n, _ in counts)
+            if not sum(seen for _, seen in counts):
                 break
         return removed
 
-    async def _unlink(self, names: list[bytes]) -> int:
+    async def _sweep_node(self, node: Any, pattern: str, want: Callable[[Parsed], bool]) -> tuple[int, int]:
+        """One pass over one master (the masters are swept in parallel): (chunks removed, keys seen)."""
+        removed = seen = 0
+        pending: asyncio.Future[int] | None = None
+        try:
+            async for names in self._scan(node, pattern):
+                mine = [(n, p) for n in names if (p := self._layout.parse(n)) is not None and want(p)]
+                seen += len(mine)
+                if pending is not None:
+                    removed += await pending
+                    pending = None
+                if mine:  # deleted while the next SCAN is in flight
+                    pending = asyncio.ensure_future(self._call("clear", self._timeout, partial(self._unlink, mine)))
+            if pending is not None:
+                removed += await pending
+                pending = None
+        finally:
+            if pending is not None:
+                pending.cancel()
+        return removed, seen
+
+    async def _unlink(self, found: list[tuple[bytes, Parsed]]) -> int:
         """Delete one batch of keys (one pipeline, per-slot commands); return the heads removed."""
         lay = self._layout
         by_slot: dict[int, tuple[list[bytes], list[bytes], list[bytes]]] = {}
-        for name in names:
+        buckets: dict[bytes, str] = {}
+        for name, parsed in found:
             heads, others, counters = by_slot.setdefault(key_slot(name), ([], [], []))
-            kind = lay.parse(name).kind  # type: ignore[union-attr]  # filtered by the caller
-            (heads if kind == HEAD else counters if kind == COUNTER else others).append(name)
+            if parsed.kind == HEAD:
+                heads.append(name)
+            elif parsed.kind == COUNTER:
+                counters.append(name)
+                buckets[name] = parsed.bucket
+            else:
+                others.append(name)
         pipe = self._redis.pipeline(transaction=False)
         plan: list[tuple[str, Any]] = []
         for heads, others, counters in by_slot.values():
@@ -136,8 +147,7 @@ class ClusterClearer:
             if kind == HEAD:
                 removed += int(result)
             elif kind == COUNTER and result:
-                bucket = lay.parse(counter).bucket  # type: ignore[union-attr]
-                freed[bucket[0]] += int(result)
+                freed[buckets[counter][0]] += int(result)
         if any(freed.values()):
             pipe = self._redis.pipeline(transaction=False)
             digits = [d for d, n in freed.items() if n]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from storage._redis_layout import Header
 from storage.types import ChunkKey
 
-__all__ = ["ClusterLayout", "Parsed", "SHARDS"]
+__all__ = ["SHARDS", "ClusterLayout", "Parsed"]
 
 SHARDS = "0123456789abcdef"
 HEAD, SEGMENT, PINS, COUNTER = "head", "segment", "pins", "counter"

@@ -23,7 +23,15 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ConnectionError, ExecAbortError, MovedError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ConnectionError,
+    ExecAbortError,
+    MaxConnectionsError,
+    MovedError,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["on_slot"]
@@ -60,11 +68,22 @@ async def on_slot(client: RedisCluster, key: str, commands: Sequence[Command], *
     raise TryAgainError("slot kept redirecting")
 
 
+async def _acquire(node: Any) -> Any:
+    """A connection of ``node``; when all ``max_connections`` are busy, wait for one (as the
+    single-node tier's blocking pool does; the caller's deadline bounds the wait) instead of
+    failing with MaxConnectionsError, which the breaker would count against a healthy node."""
+    while True:
+        try:
+            return node.acquire_connection()
+        except MaxConnectionsError:
+            await asyncio.sleep(0.001)
+
+
 async def _send(client: RedisCluster, node: Any, commands: Sequence[Command], *, transaction: bool,
                 asking: bool) -> list[Any]:
     wrapped: list[Command] = [*([("ASKING",)] if asking else []), *([("MULTI",)] if transaction else []),
                               *commands, *([("EXEC",)] if transaction else [])]
-    conn = node.acquire_connection()
+    conn = await _acquire(node)
     try:
         await conn.send_packed_command(conn.pack_commands(wrapped), False)
         replies: list[Any] = []

@@ -20,7 +20,13 @@ from typing import Any
 
 from storage._cluster_layout import ClusterLayout
 from storage._cluster_slot import on_slot
-from storage._redis_layout import HEADER_SIZE, BadHeader, Header, pack_header, unpack_header
+from storage._redis_layout import (
+    HEADER_SIZE,
+    BadHeader,
+    Header,
+    pack_header,
+    unpack_header,
+)
 from storage.types import ChunkKey
 
 __all__ = ["delete_chunk", "put_chunk"]
@@ -43,6 +49,8 @@ async def put_chunk(
     cmds.append(("INCRBY", lay.tag_bytes(key), size))
     shard = lay.shard(key)
     # the transaction and the shard's increment go out together (two slots: one round trip)
+    tx: list[Any] | BaseException
+    inc: list[Any] | BaseException
     tx, inc = await asyncio.gather(on_slot(redis, head, cmds, transaction=True),
                                    on_slot(redis, shard, [("INCRBY", shard, size)], transaction=False),
                                    return_exceptions=True)

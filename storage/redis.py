@@ -145,13 +145,13 @@ class RedisTier(Tier):
         self.clear_timeout_s = float(clear_timeout_s)
         self.min_bytes_per_s = float(min_bytes_per_s)
         self.max_value_bytes = max_value_bytes
-        self._layout: Any = self._new_layout(prefix)
+        self._layout = self._new_layout(prefix)
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
         self._n = dict.fromkeys(("hits", "misses", "puts", "errors", "fast", "rejected", "corrupt",
                                  "retried", "in", "out"), 0)
         self._guard = Guard(self.breaker, self._n)
         self._redis: Any = self._new_client(url, max_connections)
-        self._clearer: Any = self._new_clearer(clear_batch)
+        self._clearer = self._new_clearer(clear_batch)
         self._closed = False
         self._used = 0
 
@@ -172,14 +172,14 @@ class RedisTier(Tier):
         if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("url must be a redis://, rediss:// or unix:// URL")
 
-    def _new_layout(self, prefix: str) -> Any:
+    def _new_layout(self, prefix: str) -> Layout:
         return Layout(prefix)
 
     def _new_client(self, url: str, max_connections: int) -> Any:
         return make_client(url, connect_timeout_s=self.op_timeout_s,
                            socket_timeout_s=max(30.0, self.clear_timeout_s), max_connections=max_connections)
 
-    def _new_clearer(self, batch: int) -> Any:
+    def _new_clearer(self, batch: int) -> Clearer:
         return Clearer(self._redis, self._layout, batch, self._call, self.clear_timeout_s, self._set_used)
 
     async def __aenter__(self) -> RedisTier:  # noqa: PYI034 (as DiskTier)

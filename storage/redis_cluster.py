@@ -47,6 +47,8 @@ class RedisClusterTier(RedisTier):
     """Envelopes in a Redis Cluster under ``prefix`` (url: ``redis+cluster://host:port[,...]``)."""
 
     name = "redis"
+    _layout: ClusterLayout  # type: ignore[assignment]  # built by _new_layout
+    _clearer: ClusterClearer  # type: ignore[assignment]  # built by _new_clearer
 
     # -- construction hooks --------------------------------------------------------------------
     @staticmethod

@@ -10,6 +10,7 @@ not received it yet). The figures (misses, recovery time, lost chunks) are print
 The tier contract itself runs against the same cluster in test_tier_contract.py.
 """
 
+# ruff: noqa: F811  (the redis_cluster fixture is imported from tests/support, then used as a parameter)
 from __future__ import annotations
 
 import asyncio
@@ -29,7 +30,13 @@ from storage._cluster_slot import on_slot
 from storage._redis_layout import Header, pack_header
 from storage.events import RedisEventChannel
 from storage.redis_cluster import RedisClusterTier
-from storage.types import ChunkKey, ChunkNotFound, InvalidChunk, TierError, TierUnavailable
+from storage.types import (
+    ChunkKey,
+    ChunkNotFound,
+    InvalidChunk,
+    TierError,
+    TierUnavailable,
+)
 from tests.support.redis_cluster import Cluster, redis_cluster, replication_caught_up  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.redis]
@@ -50,8 +57,8 @@ def new_key(owner: str = OWNER, group: str = GROUP) -> ChunkKey:
 
 
 def make_tier(cluster: Cluster, prefix: str, **kw: float) -> RedisClusterTier:
-    opts = dict(segment_bytes=4096, op_timeout_s=1.0, read_timeout_s=0.5, put_timeout_s=2.0,
-                breaker_failures=3, breaker_cooldown_s=0.5)
+    opts: dict[str, float] = {"segment_bytes": 4096, "op_timeout_s": 1.0, "read_timeout_s": 0.5,
+                              "put_timeout_s": 2.0, "breaker_failures": 3, "breaker_cooldown_s": 0.5}
     opts.update(kw)
     return RedisClusterTier(cluster.url, prefix=prefix, **opts)  # type: ignore[arg-type]
 
@@ -105,6 +112,12 @@ async def fill(url: str, prefix: str, owner: str, group: str, n: int, batch: int
     payload = pack_header(Header(16, 0, b"\0" * 8)) + bytes(16)
     try:
         await client.initialize()
+        gate = asyncio.Semaphore(12)
+
+        async def send(key: str, cmds: list[tuple[object, ...]]) -> None:
+            async with gate:
+                await on_slot(client, key, cmds, transaction=False)
+
         for start in range(0, n, batch):
             by_slot: dict[str, list[tuple[object, ...]]] = {}
             for i in range(start, min(n, start + batch)):
@@ -117,7 +130,7 @@ async def fill(url: str, prefix: str, owner: str, group: str, n: int, batch: int
                 shards[shard] = shards.get(shard, 0) + 16 * (len(cmds) - 1)
             for name, total in shards.items():
                 by_slot.setdefault(name, []).append(("INCRBY", name, total))
-            await asyncio.gather(*(on_slot(client, key, cmds, transaction=False) for key, cmds in by_slot.items()))
+            await asyncio.gather(*(send(key, cmds) for key, cmds in by_slot.items()))
     finally:
         await client.aclose()
     return 16 * n
@@ -235,7 +248,7 @@ class Load:
                 w = (str(exc) + " " + type(exc.__cause__).__name__ + ": " + str(exc.__cause__))[:160]
                 self.why[w] = self.why.get(w, 0) + 1
                 self.slowest_miss_s = max(self.slowest_miss_s, time.monotonic() - t0)
-            except Exception as exc:  # anything else reaching the engine is a failure of the tier
+            except Exception as exc:  # noqa: BLE001  (anything else reaching the engine fails the tier)
                 self.errors.append(repr(exc))
             else:
                 if bytes(got.data) != value(k):
@@ -253,7 +266,7 @@ class Load:
             except TierError:
                 self.failed_puts += 1
                 await asyncio.sleep(0.01)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001  (as in loads)
                 self.errors.append(repr(exc))
             else:
                 self.acked[k] = time.monotonic()

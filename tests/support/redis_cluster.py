@@ -49,7 +49,7 @@ def _free_ports(n: int) -> list[int]:
 
 def cli(port: int, *args: str, timeout: float = 30.0) -> str:
     out = subprocess.run(["redis-cli", "-h", "127.0.0.1", "-p", str(port), *args],
-                         capture_output=True, text=True, timeout=timeout)
+                         capture_output=True, text=True, timeout=timeout, check=False)
     return out.stdout
 
 
@@ -112,7 +112,7 @@ class Cluster:
             ["redis-cli", "--cluster", "reshard", f"127.0.0.1:{src}", "--cluster-from", self.node_id(src),
              "--cluster-to", self.node_id(dst), "--cluster-slots", str(slots), "--cluster-yes",
              "--cluster-pipeline", "100"],
-            capture_output=True, text=True, timeout=timeout)
+            capture_output=True, text=True, timeout=timeout, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"reshard failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
 
@@ -146,7 +146,7 @@ def start_cluster() -> Cluster:
             _wait_ping(port)
         out = subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
-             "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=60)
+             "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=60, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"cluster create failed: {out.stdout[-2000:]} {out.stderr[-2000:]}")
         cluster.wait_ok()
