@@ -62,7 +62,8 @@ class RedisClusterTier(RedisTier):
         return ClusterLayout(prefix)
 
     def _new_client(self, url: str, max_connections: int) -> Any:
-        return make_cluster_client(url, connect_timeout_s=self.op_timeout_s,
+        # connects are bounded by each call's deadline; a clear gets its own (longer) one
+        return make_cluster_client(url, connect_timeout_s=max(self.op_timeout_s, self.clear_timeout_s),
                                    socket_timeout_s=max(30.0, self.clear_timeout_s), max_connections=max_connections)
 
     def _new_clearer(self, batch: int) -> Any:

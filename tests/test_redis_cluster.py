@@ -359,6 +359,12 @@ async def test_master_killed_under_load(redis_cluster: Cluster, prefix: str) -> 
         await asyncio.sleep(1.0)
         killed_at = time.monotonic()
         await asyncio.to_thread(redis_cluster.kill, victim)
+        # a lookup while the master is down: its keys answer False, the others still answer
+        probe = random.sample(load.keys, 200)
+        try:
+            answer = await load.reader.contains_many(probe)
+        except TierUnavailable:  # allowed only if every master failed to answer in time
+            answer = None
         deadline = killed_at + 45
         while time.monotonic() < deadline:  # until a key of the dead master's slots hits again
             if any(t > killed_at for t in load.hit_times.get(victim_name, [])):
@@ -396,6 +402,9 @@ async def test_master_killed_under_load(redis_cluster: Cluster, prefix: str) -> 
           f"{len(load.acked)} stores acked, {load.failed_puts} refused; lost: {len(lost_pre)} of the "
           f"replicated preload, {len(lost_acked)} acked stores ({len(lost_after_kill)} acked after the kill); "
           f"event channel reconnected: {bool(reconnects)}")
+    if answer is not None:
+        survivors = [a for k, a in zip(probe, answer) if nodes[k] != victim_name]
+        print(f"contains_many during the failover: {sum(survivors)} of {len(survivors)} keys on live masters found")
     redis_cluster.restart(victim)  # it rejoins as a replica of its successor
     redis_cluster.wait_ok()
     assert load.errors == []
