@@ -229,7 +229,7 @@ class Load:
     wrong: int = 0
     errors: list[str] = field(default_factory=list)
     slowest_miss_s: float = 0.0
-    hit_times: dict[str, list[float]] = field(default_factory=dict)  # node (before the fault) -> hit times
+    hit_times: dict[str, list[float]] = field(default_factory=dict)  # node (before the fault) -> when hits were asked
     acked: dict[ChunkKey, float] = field(default_factory=dict)  # stores acknowledged, and when
     failed_puts: int = 0
     stop: bool = False
@@ -255,7 +255,7 @@ class Load:
                     self.wrong += 1
                 else:
                     self.hits += 1
-                    self.hit_times.setdefault(node_at_start[k], []).append(time.monotonic())
+                    self.hit_times.setdefault(node_at_start[k], []).append(t0)  # when it was asked
             await asyncio.sleep(0)
 
     async def stores(self) -> None:
@@ -276,11 +276,18 @@ class Load:
         lost_pre, lost_acked, wrong = [], [], 0
         for keys, lost in ((self.keys, lost_pre), (list(self.acked), lost_acked)):
             for k in keys:
-                try:
-                    if bytes((await tier.get(k)).data) != value(k):
-                        wrong += 1
-                except ChunkNotFound:
-                    lost.append(k)
+                for attempt in range(50):  # a fresh client may still meet the dead node once
+                    try:
+                        if bytes((await tier.get(k)).data) != value(k):
+                            wrong += 1
+                    except ChunkNotFound:
+                        lost.append(k)
+                    except TierUnavailable:
+                        if attempt == 49:
+                            raise
+                        await asyncio.sleep(0.1)
+                        continue
+                    break
         return lost_pre, lost_acked, wrong
 
 
