@@ -102,12 +102,12 @@ async def _tiers(settings: Settings) -> list[Tier]:
                 await DiskTier.open(settings.chunk_dir, capacity_bytes=settings.disk_bytes, fsync=settings.disk_fsync)
             )
         elif name == "redis":
-            from storage.redis import (
-                RedisTier,  # redis-py only where the tier is chosen
-            )
+            from storage.redis import RedisTier  # redis-py only where the tier is chosen
+            from storage.redis_cluster import RedisClusterTier
 
             assert settings.redis_url is not None  # validated by Settings
-            tiers.append(await RedisTier.open(
+            cluster = settings.redis_url.startswith(("redis+cluster://", "rediss+cluster://"))
+            tiers.append(await (RedisClusterTier if cluster else RedisTier).open(
                 settings.redis_url, prefix=settings.redis_prefix, op_timeout_s=settings.tier_lookup_timeout_s,
                 read_timeout_s=settings.tier_read_timeout_s, put_timeout_s=settings.tier_write_timeout_s,
             ))

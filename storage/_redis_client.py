@@ -56,7 +56,8 @@ REFUSED = "refused"
 class _Connection(aioredis.Connection):
     async def _send_packed_command(self, command: Iterable[bytes]) -> None:
         writer = self._writer
-        assert writer is not None  # send_packed_command connects first
+        if writer is None:  # connected, then closed meanwhile (a cluster client resetting a node)
+            raise RedisConnectionError("the connection was closed before the command was sent")
         for piece in command:
             writer.write(piece)
             if len(piece) >= _DRAIN_AT:  # bound what the transport copies into its buffer

@@ -132,8 +132,7 @@ class RedisTier(Tier):
                              ("clear_timeout_s", clear_timeout_s), ("min_bytes_per_s", min_bytes_per_s)):
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{field} must be a positive number")
-        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("url must be a redis://, rediss:// or unix:// URL")
+        self._check_url(url)
         self.url_scheme = url.split(":", 1)[0]
         self.prefix = prefix
         self.segment_bytes = segment_bytes
@@ -146,16 +145,13 @@ class RedisTier(Tier):
         self.clear_timeout_s = float(clear_timeout_s)
         self.min_bytes_per_s = float(min_bytes_per_s)
         self.max_value_bytes = max_value_bytes
-        self._layout = Layout(prefix)
+        self._layout = self._new_layout(prefix)
         self.breaker = CircuitBreaker(breaker_failures, breaker_cooldown_s)
         self._n = dict.fromkeys(("hits", "misses", "puts", "errors", "fast", "rejected", "corrupt",
                                  "retried", "in", "out"), 0)
         self._guard = Guard(self.breaker, self._n)
-        self._redis: Any = make_client(url, connect_timeout_s=self.op_timeout_s,
-                                  socket_timeout_s=max(30.0, self.clear_timeout_s),
-                                  max_connections=max_connections)
-        self._clearer = Clearer(self._redis, self._layout, clear_batch, self._call, self.clear_timeout_s,
-                                self._set_used)
+        self._redis: Any = self._new_client(url, max_connections)
+        self._clearer = self._new_clearer(clear_batch)
         self._closed = False
         self._used = 0
 
@@ -170,6 +166,22 @@ class RedisTier(Tier):
         raw = await self._call("start", self.op_timeout_s, lambda: self._redis.get(self._layout.bytes))
         self._used = int(raw or 0)
 
+    # -- construction hooks (the cluster tier overrides them) ------------------------------------
+    @staticmethod
+    def _check_url(url: str) -> None:
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("url must be a redis://, rediss:// or unix:// URL")
+
+    def _new_layout(self, prefix: str) -> Layout:
+        return Layout(prefix)
+
+    def _new_client(self, url: str, max_connections: int) -> Any:
+        return make_client(url, connect_timeout_s=self.op_timeout_s,
+                           socket_timeout_s=max(30.0, self.clear_timeout_s), max_connections=max_connections)
+
+    def _new_clearer(self, batch: int) -> Clearer:
+        return Clearer(self._redis, self._layout, batch, self._call, self.clear_timeout_s, self._set_used)
+
     async def __aenter__(self) -> RedisTier:  # noqa: PYI034 (as DiskTier)
         return self
 
@@ -177,7 +189,8 @@ class RedisTier(Tier):
     async def get(self, key: ChunkKey) -> StoredChunk:
         head = self._head(key)
         for _ in range(_READ_ATTEMPTS):
-            raw: bytes | None = await self._call("get", self.read_timeout_s, lambda: self._redis.get(head))
+            raw: bytes | None = await self._call("get", self.read_timeout_s, lambda: self._redis.get(head),
+                                                  route=head)
             if raw is None:
                 break
             try:
@@ -193,7 +206,7 @@ class RedisTier(Tier):
                 data = memoryview(raw)[HEADER_SIZE:]  # a view of the reply: no copy
             else:
                 budget = self.read_timeout_s + header.length / self.min_bytes_per_s
-                parts = await self._call("get", budget, partial(self._segments, head, header))
+                parts = await self._call("get", budget, partial(self._segments, head, header), route=head)
                 if parts is None:  # that version was replaced or deleted meanwhile: read again
                     self._n["retried"] += 1
                     continue
@@ -231,7 +244,7 @@ class RedisTier(Tier):
 
     async def contains(self, key: ChunkKey) -> bool:
         head = self._head(key)
-        return bool(await self._call("contains", self.op_timeout_s, lambda: self._redis.exists(head)))
+        return bool(await self._call("contains", self.op_timeout_s, lambda: self._redis.exists(head), route=head))
 
     async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         heads = [self._head(k) for k in keys]
@@ -352,7 +365,9 @@ class RedisTier(Tier):
         if self._closed:
             raise TierUnavailable("the redis tier is closed")
 
-    async def _call(self, what: str, timeout: float, fn: Callable[[], Awaitable[T]]) -> T:
+    async def _call(self, what: str, timeout: float, fn: Callable[[], Awaitable[T]], route: str | None = None) -> T:
+        """Run ``fn`` under the deadline and the breaker (``route``: a key it touches; the
+        cluster tier picks that key's node's breaker by it)."""
         self._check_open()
         return await self._guard.run(what, timeout, fn)
 

@@ -7,6 +7,8 @@ audit database (gateway.auditing); this module only moves bytes, so redis-py sta
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["RedisStream", "StreamUnavailable"]
 
 
@@ -16,11 +18,17 @@ class StreamUnavailable(Exception):
 
 class RedisStream:
     def __init__(self, url: str, key: str, *, maxlen: int | None = None) -> None:
-        import redis.asyncio as aioredis  # redis-py only where a stream is configured
-
         self.key = key
         self._maxlen = maxlen
-        self._client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._client: Any
+        if url.startswith(("redis+cluster://", "rediss+cluster://")):  # one key: any slot will do
+            from storage._cluster_client import make_cluster_client
+
+            self._client = make_cluster_client(url, connect_timeout_s=2.0, socket_timeout_s=2.0, max_connections=4)
+        else:
+            import redis.asyncio as aioredis  # redis-py only where a stream is configured
+
+            self._client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
 
     async def append(self, record: bytes) -> str:
         """Append one record; returns its stream id."""

@@ -21,6 +21,7 @@ import pytest
 
 from storage import ChunkKey, ChunkNotFound, DiskTier, InvalidChunk, MemoryTier, StoredChunk, Tier
 from storage.types import TierError
+from tests.support.redis_cluster import redis_cluster  # noqa: F401 (a fixture)
 
 BIG = 33_554_432 + 512 * 1024  # 33.5 MiB: a 256-token chunk of a large model
 
@@ -52,11 +53,20 @@ async def _redis(tmp_path: Path, fx: dict[str, Any]) -> Tier:
     return RedisTier(fx["redis_url"], prefix=fx["redis_prefix"], op_timeout_s=2.0, put_timeout_s=10.0)
 
 
+async def _redis_cluster(tmp_path: Path, fx: dict[str, Any]) -> Tier:
+    from storage.redis_cluster import RedisClusterTier
+
+    return RedisClusterTier(fx["redis_cluster"].url, prefix=f"kvgate-test:{secrets.token_hex(4)}:",
+                            op_timeout_s=2.0, read_timeout_s=5.0, put_timeout_s=10.0)
+
+
 SPECS: dict[str, TierSpec] = {
     "memory": TierSpec(_memory),
     "disk": TierSpec(_disk),
     "disk-sha256-nofsync": TierSpec(_disk_sha256),
     "redis": TierSpec(_redis, fixtures=("redis_url", "redis_prefix"), marks=(pytest.mark.redis,)),
+    # a real 6-process cluster the session starts (tests/support/redis_cluster.py)
+    "redis-cluster": TierSpec(_redis_cluster, fixtures=("redis_cluster",), marks=(pytest.mark.redis,)),
 }
 
 
