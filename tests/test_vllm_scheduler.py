@@ -208,7 +208,7 @@ def _resumed_store(reported: set[int]) -> list:
     blocks = list(range(100, 120))
     side.allocated(view, blocks, side.matched_tokens(view, 0))
     out = SchedulerOutput([NewRequestData("r1", 256, (blocks,))], num_scheduled_tokens={"r1": 32})
-    (load,), stores = side.build(step_requests(out, side.tracked))  # a partial step: no store yet
+    (_load,), stores = side.build(step_requests(out, side.tracked))  # a partial step: no store yet
     assert stores == []
     assert side.load_errors(reported) == ({"r1"} if reported else set())
     resumed = list(range(300, 320))  # preempted, then resumed on other blocks from token 0

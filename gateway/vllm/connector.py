@@ -57,7 +57,12 @@ from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.ledger import LoadOp, StoreOp
 from gateway.vllm.logs import Tracer, ensure_visible_logging
-from gateway.vllm.scheduler import CAPABILITY_PARAM, SchedulerSide, request_view, step_requests
+from gateway.vllm.scheduler import (
+    CAPABILITY_PARAM,
+    SchedulerSide,
+    request_view,
+    step_requests,
+)
 from gateway.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
