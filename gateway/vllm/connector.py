@@ -30,6 +30,9 @@ Hooks, by side:
     both
         shutdown                        release the backend (the last user closes it)
 
+Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no asynchronous sends or
+receives (``get_finished`` reports none), no KV events, no handshake, no worker metadata.
+
 A chunk is stored only from KV the engine computed or kvgate authenticated for that request
 (DESIGN section 2, rule 9): never from blocks whose load failed or was partial, nor from blocks
 computed over them in the same step (``ledger.py`` says why that matters and where it is cut).
