@@ -1,9 +1,16 @@
 """Paged KV-cache layouts and the geometry of a packed chunk.
 
-vLLM keeps one paged tensor per attention layer, in one of two layouts:
+vLLM keeps one paged tensor per attention layer, in one of three layouts:
 
     KVLayout.KV_FIRST     [2, num_blocks, block_size, num_kv_heads, head_size]   (flash-attn)
-    KVLayout.BLOCK_FIRST  [num_blocks, 2, block_size, num_kv_heads, head_size]   (FlashInfer, CPU)
+    KVLayout.BLOCK_FIRST  [num_blocks, 2, block_size, num_kv_heads, head_size]   (FlashInfer)
+    CPU                   [num_blocks, num_kv_heads, block_size, 2 * head_size]  (vLLM's CPU backend;
+                          memory: per block and head, block_size K rows, then block_size V rows)
+
+pack/unpack take the first two; ``block_first_view`` sees any of the three as BLOCK_FIRST (a
+strided view, no copy), and ``BlockView`` holds every layer of a worker's cache that way: it
+gathers a request's blocks into a contiguous compact buffer (BLOCK_FIRST, blocks 0..n-1) and
+scatters back only chosen blocks (the vLLM connector writes back only what authenticated).
 
 A token's place in a layer is its slot: ``slot = block_id * block_size + offset``.
 
@@ -20,7 +27,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +35,7 @@ import torch
 
 from .errors import KVLayoutError
 
-__all__ = ["CHUNK_LAYOUT", "KVGeometry", "KVLayout"]
+__all__ = ["CHUNK_LAYOUT", "PAGED_LAYOUTS", "BlockView", "KVGeometry", "KVLayout", "block_first_view", "layer_order"]
 
 #: Names the fixed chunk layout; part of the model fingerprint so a format change cannot be misread.
 CHUNK_LAYOUT = "layer,kv,token,head,dim:v1"
@@ -179,3 +186,93 @@ def _describe(obj: object) -> str:
     if isinstance(obj, torch.Tensor):
         return f"a {obj.dim()}-D tensor of shape {tuple(obj.shape)}"
     return type(obj).__name__
+
+
+# -- vLLM's paged tensors, seen as blocks ---------------------------------------------------------
+
+#: names a caller may give for a paged tensor's layout ("auto": recognised by shape)
+PAGED_LAYOUTS = ("auto", "cpu", "kv_first", "block_first")
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Layer names sorted by the first integer in them (``model.layers.10.attn`` after ``.9.``)."""
+
+    def key(name: str) -> tuple[int, str]:
+        for part in name.split("."):
+            if part.isdigit():
+                return int(part), name
+        return -1, name
+
+    return sorted(names, key=key)
+
+
+def block_first_view(t: torch.Tensor, block_size: int, layout: str = "auto") -> torch.Tensor:
+    """``t`` (CPU, KV-first or block-first paged layout) as ``[num_blocks, 2, block_size, heads,
+    head_size]``, without a copy. ``KVLayoutError`` for a shape none of them explains."""
+    if layout in ("auto", "cpu") and t.dim() == 4 and t.shape[2] == block_size and t.shape[3] % 2 == 0:
+        b, h, bs, d2 = t.shape
+        return t.view(b, h, 2, bs, d2 // 2).permute(0, 2, 3, 1, 4)
+    if t.dim() == 5 and t.shape[2] == block_size:
+        if layout == "kv_first" or (layout == "auto" and t.shape[0] == 2 and t.shape[1] != 2):
+            return t.permute(1, 0, 2, 3, 4)
+        if layout == "block_first" or (layout == "auto" and t.shape[1] == 2 and t.shape[0] != 2):
+            return t
+    raise KVLayoutError(
+        f"unsupported paged KV layout: shape {tuple(t.shape)}, block size {block_size}, layout {layout!r}; "
+        "set kv_connector_extra_config.layout to cpu, kv_first or block_first"
+    )
+
+
+@dataclass(frozen=True)
+class BlockView:
+    """Every layer of a worker's KV cache as ``[num_blocks, 2, block_size, heads, head_size]``."""
+
+    names: tuple[str, ...]
+    views: tuple[torch.Tensor, ...]
+    geometry: KVGeometry  # of the compact buffers (BLOCK_FIRST)
+
+    @classmethod
+    def of(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int, layout: str = "auto") -> BlockView:
+        if not kv_caches:
+            raise KVLayoutError("vLLM registered no KV caches")
+        names = tuple(layer_order(list(kv_caches)))
+        views = tuple(block_first_view(kv_caches[n], block_size, layout) for n in names)
+        first = views[0]
+        for n, v in zip(names, views):
+            if v.shape[1:] != first.shape[1:] or v.dtype != first.dtype:
+                raise KVLayoutError(f"layer {n} has shape {tuple(v.shape)}, {names[0]} {tuple(first.shape)}")
+        _, _, bs, heads, head_size = first.shape
+        geometry = KVGeometry(
+            num_layers=len(views), num_kv_heads=heads, head_size=head_size, dtype=first.dtype,
+            block_size=bs, layout=KVLayout.BLOCK_FIRST,
+        )
+        return cls(names, views, geometry)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.views[0].shape[0])
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.int64, device=self.views[0].device)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_blocks):
+            raise KVLayoutError(f"block ids must lie in [0, {self.num_blocks})")
+        return idx
+
+    def gather(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """A contiguous copy of these blocks of every layer (the compact buffer for a store)."""
+        idx = self._index(block_ids)
+        return [v.index_select(0, idx).contiguous() for v in self.views]
+
+    def empty(self, num_blocks: int) -> list[torch.Tensor]:
+        """A zeroed compact buffer of ``num_blocks`` blocks (for a load)."""
+        shape = (num_blocks, *self.views[0].shape[1:])
+        return [torch.zeros(shape, dtype=self.geometry.dtype, device=self.views[0].device) for _ in self.views]
+
+    def scatter(self, compact: Sequence[torch.Tensor], positions: range, block_ids: Sequence[int]) -> None:
+        """Write compact blocks ``positions`` into the engine's blocks ``block_ids[positions]``."""
+        if not positions:
+            return
+        idx = self._index([block_ids[p] for p in positions])
+        src = torch.as_tensor(list(positions), dtype=torch.int64, device=idx.device)
+        for view, buf in zip(self.views, compact):
+            view.index_copy_(0, idx, buf.index_select(0, src))

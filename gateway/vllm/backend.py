@@ -1,113 +1,137 @@
 """The connector's way to the gateway: embedded (the core in this process) or remote (a server).
 
-vLLM calls the connector from its own threads and expects plain return values; the gateway is
-asyncio. A ``Backend`` owns one event loop in a dedicated daemon thread and submits coroutines to
-it with ``run_coroutine_threadsafe``, waiting with a timeout. One backend is shared by every
-connector of a process with the same configuration (the scheduler-side and worker-side
-connectors of a single-process engine then see the same memory tier), opened on first use:
-
+    Backend           the protocol: ``open``, the three data operations, ``aclose`` (all async),
+                      ``chunk_tokens``, and ``loop`` (the thread that runs them)
+    LoopThread        one asyncio event loop in a daemon thread of its own; vLLM calls the
+                      connector from its threads and wants plain return values, so every
+                      operation is submitted with ``call`` and waited for with a timeout
     EmbeddedBackend   open_runtime(Settings(**kvgate_settings)): registry, KEK, tiers, audit
     RemoteBackend     a RemoteGateway per capability, against ``remote_url`` with a service
                       bearer token; the capability from the request goes on every call
+    backend_for       the process's backend for a ``ConnectorConfig``, shared by every connector
+                      of the process with the same configuration (the scheduler-side and
+                      worker-side connectors of a single-process engine then see one memory
+                      tier), opened on first use; ``release`` closes it after its last user
 
+Building a backend starts nothing: its loop thread starts in ``backend_for`` (or ``start``).
 Nothing is opened at import time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-import torch
+from pydantic import ValidationError
 
-from gateway.core import KVModel, LookupResult, RetrieveResult, StoreResult
+from gateway.vllm.config import ConnectorConfig, explain_validation, refuse_secrets
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 
-__all__ = ["Backend", "EmbeddedBackend", "RemoteBackend", "backend_for"]
+if TYPE_CHECKING:
+    import torch
+
+    from gateway.config import Settings
+    from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
+
+__all__ = [
+    "Backend", "EmbeddedBackend", "LoopThread", "RemoteBackend", "backend_for", "refuse_secrets", "release", "start",
+]
 
 T = TypeVar("T")
-_LOCK = threading.Lock()
-_BACKENDS: dict[str, Backend] = {}
 
 
-class Backend:
-    """An event loop in a thread of its own, and the three data operations on top of it."""
+class LoopThread:
+    """An asyncio event loop in a daemon thread, for synchronous callers (vLLM's threads)."""
 
-    chunk_tokens: int
-
-    def __init__(self, timeout_s: float = 30.0) -> None:
+    def __init__(self, timeout_s: float = 30.0, name: str = "kvgate-connector") -> None:
         self.timeout_s = timeout_s
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvgate-connector", daemon=True)
-        self._thread.start()
-        self.users = 0
+        self._name = name
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+            self._thread = threading.Thread(target=self._loop.run_forever, name=self._name, daemon=True)
+            self._thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop; ``GatewayTimeout`` (and the coroutine cancelled) past the timeout."""
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("the backend's loop thread is not running")
+        wait = self.timeout_s if timeout is None else timeout
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
-            return fut.result(self.timeout_s if timeout is None else timeout)
+            return fut.result(wait)
         except FutureTimeout:
             fut.cancel()
-            raise GatewayTimeout(f"the gateway did not answer in {self.timeout_s if timeout is None else timeout:g} s") from None
+            raise GatewayTimeout(f"the gateway did not answer in {wait:g} s") from None
 
-    async def open(self) -> None:
-        raise NotImplementedError
+    def stop(self) -> None:
+        loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
+        if loop is not None and thread is not None:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(10)
 
-    async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult:
-        raise NotImplementedError
+
+class Backend(Protocol):
+    """What the connector needs from the gateway (embedded core or remote server)."""
+
+    chunk_tokens: int
+    loop: LoopThread
+
+    async def open(self) -> None: ...
+
+    async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult: ...
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
-    ) -> RetrieveResult:
-        raise NotImplementedError
+    ) -> RetrieveResult: ...
 
     async def store(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
-    ) -> StoreResult:
-        raise NotImplementedError
+    ) -> StoreResult: ...
 
-    async def aclose(self) -> None:
-        return None
-
-    def close(self) -> None:
-        try:
-            self.call(self.aclose(), timeout=60)
-        finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+    async def aclose(self) -> None: ...
 
 
-class EmbeddedBackend(Backend):
+class EmbeddedBackend:
     def __init__(self, settings: dict[str, Any], timeout_s: float = 30.0) -> None:
         from gateway.config import Settings
 
         try:
-            self.settings = Settings(**settings)
-        except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError, with every field named
-            raise ConnectorConfigError(f"kvgate_settings: {exc}") from None
+            self.settings: Settings = Settings(**settings)
+        except ValidationError as exc:  # every bad field named
+            raise ConnectorConfigError(explain_validation(exc, "kvgate_settings")) from None
         self.chunk_tokens = self.settings.chunk_tokens
         self.runtime: Any = None
-        super().__init__(timeout_s)
+        self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
         from gateway.runtime import open_runtime
 
         self.runtime = await open_runtime(self.settings, auto_migrate=True)
 
-    async def lookup(self, cap, model, tokens):
-        return await self.runtime.gateway.lookup(cap, model, tokens)
+    async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult:
+        result: LookupResult = await self.runtime.gateway.lookup(cap, model, tokens)
+        return result
 
-    async def retrieve(self, cap, model, tokens, layers, block_ids):
-        return await self.runtime.gateway.retrieve(cap, model, tokens, layers, block_ids=list(block_ids))
+    async def retrieve(
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+    ) -> RetrieveResult:
+        result: RetrieveResult = await self.runtime.gateway.retrieve(cap, model, tokens, layers, block_ids=list(block_ids))
+        return result
 
-    async def store(self, cap, model, tokens, layers, block_ids):
-        return await self.runtime.gateway.store(cap, model, tokens, layers, block_ids=list(block_ids))
+    async def store(
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+    ) -> StoreResult:
+        result: StoreResult = await self.runtime.gateway.store(cap, model, tokens, layers, block_ids=list(block_ids))
+        return result
 
     async def aclose(self) -> None:
         if self.runtime is not None:
@@ -115,7 +139,7 @@ class EmbeddedBackend(Backend):
             self.runtime = None
 
 
-class RemoteBackend(Backend):
+class RemoteBackend:
     """Remote mode. The service token authenticates the worker (role ``kv.worker`` of one
     tenant, or ``kv.operator`` for a worker shared by tenants); the request's capability decides
     the tenant and namespace of every call."""
@@ -127,12 +151,12 @@ class RemoteBackend(Backend):
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
         self._http: Any = None
-        super().__init__(timeout_s)
+        self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
         import httpx
 
-        self._http = httpx.AsyncClient(timeout=self.timeout_s)
+        self._http = httpx.AsyncClient(timeout=self.loop.timeout_s)
 
     def _client(self, cap: str) -> Any:
         from gateway.remote import RemoteGateway
@@ -156,14 +180,21 @@ class RemoteBackend(Backend):
             self._clients.popitem(last=False)
         return client
 
-    async def lookup(self, cap, model, tokens):
-        return await self._client(cap).lookup(model, tokens)
+    async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult:
+        result: LookupResult = await self._client(cap).lookup(model, tokens)
+        return result
 
-    async def retrieve(self, cap, model, tokens, layers, block_ids):
-        return await self._client(cap).retrieve(model, tokens, layers, block_ids=list(block_ids))
+    async def retrieve(
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+    ) -> RetrieveResult:
+        result: RetrieveResult = await self._client(cap).retrieve(model, tokens, layers, block_ids=list(block_ids))
+        return result
 
-    async def store(self, cap, model, tokens, layers, block_ids):
-        return await self._client(cap).store(model, tokens, layers, block_ids=list(block_ids))
+    async def store(
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+    ) -> StoreResult:
+        result: StoreResult = await self._client(cap).store(model, tokens, layers, block_ids=list(block_ids))
+        return result
 
     async def aclose(self) -> None:
         self._clients.clear()
@@ -171,76 +202,61 @@ class RemoteBackend(Backend):
             await self._http.aclose()
 
 
-# settings that hold secrets: vLLM prints the whole --kv-transfer-config at start, so they come
-# from the environment (KVGATE_*) or a file, never from kv_connector_extra_config
-_SECRET_SETTINGS = ("pkcs11_pin", "api_token")
-_URL_SETTINGS = ("database_url", "redis_url")
+# -- one backend per configuration and process ------------------------------------------------
+
+_LOCK = threading.Lock()
+_BACKENDS: dict[tuple[Any, ...], tuple[Backend, int]] = {}  # key -> (backend, users)
 
 
-def refuse_secrets(extra: dict[str, Any]) -> None:
-    """ConnectorConfigError if ``kv_connector_extra_config`` carries a secret (vLLM logs it)."""
-    settings = extra.get("kvgate_settings") or {}
-    found = [k for k in _SECRET_SETTINGS if k in settings]
-    found += [k for k in _URL_SETTINGS if isinstance(settings.get(k), str) and _has_password(settings[k])]
-    if extra.get("remote_token"):
-        found.append("remote_token")
-    if found:
-        env = ", ".join("KVGATE_REMOTE_TOKEN or remote_token_file" if k == "remote_token" else f"KVGATE_{k.upper()}" for k in found)
-        raise ConnectorConfigError(
-            f"secrets in --kv-transfer-config ({', '.join(found)}) would be printed in vLLM's log: "
-            f"set {env} in the engine's environment instead"
-        )
-
-
-def _has_password(url: str) -> bool:
-    from urllib.parse import urlsplit
-
+def start(backend: Backend, open_timeout_s: float = 120.0) -> None:
+    """Start the backend's loop thread and open it; on failure stop it again and raise
+    ``ConnectorConfigError`` with the cause and the fix in one line (vLLM prints it)."""
+    backend.loop.start()
     try:
-        return urlsplit(url).password is not None
-    except ValueError:
-        return False
+        backend.loop.call(backend.open(), timeout=max(backend.loop.timeout_s, open_timeout_s))
+    except BaseException as exc:
+        close(backend)
+        if isinstance(exc, Exception) and not isinstance(exc, ConnectorConfigError):
+            from gateway.clierrors import explain
+
+            raise ConnectorConfigError(f"kvgate could not open its state: {explain(exc)}") from exc
+        raise
 
 
-def backend_for(extra: dict[str, Any]) -> Backend:
+def close(backend: Backend) -> None:
+    try:
+        backend.loop.call(backend.aclose(), timeout=60)
+    finally:
+        backend.loop.stop()
+
+
+def _build(config: ConnectorConfig) -> Backend:
+    if config.mode == "embedded":
+        return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s)
+    return RemoteBackend(config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s)
+
+
+def backend_for(config: ConnectorConfig) -> Backend:
     """The process's backend for this configuration (opened on first use, then shared)."""
-    refuse_secrets(extra)
-    mode = extra.get("mode", "embedded")
-    timeout = float(extra.get("timeout_s", 30.0))
-    key = json.dumps({k: extra.get(k) for k in ("mode", "kvgate_settings", "remote_url", "chunk_tokens")}, sort_keys=True, default=str)
+    key = config.backend_key()
     with _LOCK:
-        backend = _BACKENDS.get(key)
-        if backend is None:
-            if mode == "embedded":
-                backend = EmbeddedBackend(dict(extra.get("kvgate_settings") or {}), timeout)
-            elif mode == "remote":
-                token = os.environ.get("KVGATE_REMOTE_TOKEN")
-                if not token and extra.get("remote_token_file"):
-                    with open(extra["remote_token_file"], encoding="utf-8") as f:
-                        token = f.read().strip()
-                backend = RemoteBackend(extra.get("remote_url", ""), token or "", int(extra.get("chunk_tokens", 256)), timeout)
-            else:
-                raise ConnectorConfigError(f"mode must be 'embedded' or 'remote', got {mode!r}")
-            try:
-                backend.call(backend.open(), timeout=max(timeout, 120))
-            except BaseException as exc:
-                backend.close()
-                if isinstance(exc, Exception) and not isinstance(exc, ConnectorConfigError):
-                    from gateway.clierrors import explain
-
-                    # refuse to start, with the cause and the fix in one line (vLLM prints it)
-                    raise ConnectorConfigError(f"kvgate could not open its state: {explain(exc)}") from exc
-                raise
-            _BACKENDS[key] = backend
-        backend.users += 1
-        return backend
+        entry = _BACKENDS.get(key)
+        if entry is None:
+            backend = _build(config)
+            start(backend)
+            entry = (backend, 0)
+        _BACKENDS[key] = (entry[0], entry[1] + 1)
+        return entry[0]
 
 
 def release(backend: Backend) -> None:
+    """One user fewer; the last one closes the backend."""
     with _LOCK:
-        backend.users -= 1
-        if backend.users > 0:
-            return
-        for k, v in list(_BACKENDS.items()):
-            if v is backend:
-                del _BACKENDS[k]
-    backend.close()
+        for key, (b, users) in list(_BACKENDS.items()):
+            if b is backend:
+                if users > 1:
+                    _BACKENDS[key] = (b, users - 1)
+                    return
+                del _BACKENDS[key]
+                break
+    close(backend)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from gateway.errors import GatewayError
 
-__all__ = ["BadRequest", "ConnectorConfigError", "GatewayTimeout", "Unavailable", "Forbidden", "TenantRequestError", "Unauthorized"]
+__all__ = ["BadRequest", "ConnectorConfigError", "Forbidden", "GatewayTimeout", "TenantRequestError", "Unauthorized", "Unavailable"]
 
 
 class ConnectorConfigError(GatewayError, ValueError):

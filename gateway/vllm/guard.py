@@ -14,15 +14,15 @@ capability (every request mints one, so the epoch is never stale): a secure clea
 the namespace bumps it, and the next request's salt shares no prefix-cache block with any block
 vLLM cached before the clear. There is no configured epoch (``KVGATE_VLLM_SALT_EPOCH`` is refused).
 
-and returns the new body. ``GuardConfig.from_env()`` reads ``KVGATE_VLLM_*`` (see docs/vllm.md).
+and returns the new body. ``GuardConfig.from_env()`` reads ``KVGATE_VLLM_*`` through
+``config.MiddlewareSettings`` (see docs/vllm.md).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from gateway.errors import GatewayError
+from gateway.vllm.config import MiddlewareSettings
 from gateway.vllm.errors import (
     BadRequest,
     ConnectorConfigError,
@@ -67,38 +68,19 @@ class GuardConfig:
     max_body_bytes: int = 16 << 20
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> GuardConfig:
-        env = dict(os.environ if env is None else env)
-        issuer = env.get("KVGATE_VLLM_ISSUER")
-        if not issuer:
-            raise ConnectorConfigError("KVGATE_VLLM_ISSUER (the OIDC issuer URL) is required")
-        secret_hex = env.get("KVGATE_VLLM_SALT_SECRET")
-        if not secret_hex and env.get("KVGATE_VLLM_SALT_SECRET_FILE"):
-            with open(env["KVGATE_VLLM_SALT_SECRET_FILE"], encoding="ascii") as f:
-                secret_hex = f.read().strip()
-        try:
-            secret = bytes.fromhex(secret_hex or "")
-        except ValueError:
-            raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must be hex") from None
-        if len(secret) < 32:
-            raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must hold at least 32 bytes (64 hex digits)")
-        if "KVGATE_VLLM_SALT_EPOCH" in env:
-            raise ConnectorConfigError(
-                "KVGATE_VLLM_SALT_EPOCH is no longer read: the cache_salt epoch is the namespace epoch the "
-                "kvgate server reports (a secure clear bumps it); remove the variable"
-            )
+    def from_env(cls, env: Mapping[str, str] | None = None) -> GuardConfig:
+        """From ``KVGATE_VLLM_*`` (``config.MiddlewareSettings``; see docs/vllm.md)."""
+        return cls.from_settings(MiddlewareSettings.from_env(env))
+
+    @classmethod
+    def from_settings(cls, s: MiddlewareSettings) -> GuardConfig:
         cfg = IssuerConfig(
-            issuer=issuer,
-            audience=env.get("KVGATE_VLLM_AUDIENCE", "kvgate"),
-            tenant_claim=env.get("KVGATE_VLLM_TENANT_CLAIM", "tenant"),
-            roles_claim=env.get("KVGATE_VLLM_ROLES_CLAIM", "roles"),
-            required_typ=env.get("KVGATE_VLLM_REQUIRED_TYP", "at+jwt") or None,
-            allow_http=_loopback(issuer),
+            issuer=s.issuer, audience=s.audience, tenant_claim=s.tenant_claim, roles_claim=s.roles_claim,
+            required_typ=s.required_typ, allow_http=_loopback(s.issuer),
         )
         return cls(
-            issuers=[cfg], salt_secret=secret, gateway_url=env.get("KVGATE_VLLM_GATEWAY_URL"),
-            namespace=env.get("KVGATE_VLLM_NAMESPACE", "default"),
-            capability_ttl=int(env.get("KVGATE_VLLM_CAPABILITY_TTL", "300")),
+            issuers=[cfg], salt_secret=s.salt_secret_bytes(), gateway_url=s.gateway_url, namespace=s.namespace,
+            capability_ttl=s.capability_ttl,
         )
 
 

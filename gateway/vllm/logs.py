@@ -4,17 +4,19 @@ vLLM configures its ``vllm`` logger and leaves the root logger bare, so a ``kvga
 would reach only Python's last-resort handler (unformatted) or nothing. ``ensure_visible_logging``
 gives the ``kvgate`` logger one stderr handler at WARNING when nobody configured logging for it
 (an application that did keeps its own). The logger tree is drawn in ``gateway/logs.py``.
+``Tracer`` appends the connector's optional JSON-lines trace (``trace_path``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
 import time
 from typing import Any
 
-__all__ = ["RateLimitedLogger", "ensure_visible_logging", "miss_reason"]
+__all__ = ["RateLimitedLogger", "Tracer", "ensure_visible_logging", "miss_reason"]
 
 
 def ensure_visible_logging() -> None:
@@ -23,6 +25,21 @@ def ensure_visible_logging() -> None:
     from gateway.logs import configure_logging
 
     configure_logging(os.environ.get("KVGATE_LOG_LEVEL") or "warning")
+
+
+class Tracer:
+    """One JSON line per lookup, load and store (hit tokens, failure reason, timings; no
+    secrets) appended to ``path``; nothing when ``path`` is None."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        if not self.path:
+            return
+        line = json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields})
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
 
 
 class RateLimitedLogger:

@@ -9,11 +9,11 @@ The upstream must be reachable only through the proxy, or clients could bypass i
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import httpx
 
+from gateway.vllm.config import MiddlewareSettings
 from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.guard import GuardConfig, TenantGuard
 from gateway.vllm.middleware import KvgateMiddleware
@@ -66,7 +66,7 @@ def create_proxy(upstream: str, guard: TenantGuard | None = None, *, timeout: fl
 
 
 def app_from_env() -> Any:
-    upstream = os.environ.get("KVGATE_VLLM_UPSTREAM")
-    if not upstream:
+    settings = MiddlewareSettings.from_env()
+    if not settings.upstream:
         raise ConnectorConfigError("KVGATE_VLLM_UPSTREAM (the vLLM server URL) is required")
-    return create_proxy(upstream, TenantGuard(GuardConfig.from_env()))
+    return create_proxy(settings.upstream, TenantGuard(GuardConfig.from_settings(settings)))

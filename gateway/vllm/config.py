@@ -1,0 +1,181 @@
+"""The vLLM integration's two configurations, as pydantic models validated at start.
+
+    ConnectorConfig     ``kv_connector_extra_config`` of ``--kv-transfer-config`` (the connector)
+    MiddlewareSettings  ``KVGATE_VLLM_*`` environment variables (the tenant middleware and proxy)
+
+Both refuse what they cannot use with one ``ConnectorConfigError`` that names the key (or the
+environment variable) and says what was wrong; neither is read at import time. Every key and
+variable is listed in docs/vllm.md.
+
+Secrets never come from ``kv_connector_extra_config``: vLLM prints it at start. ``refuse_secrets``
+names the environment variable to use instead (and never echoes the secret).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
+
+from gateway.vllm.errors import ConnectorConfigError
+
+__all__ = ["ENV_PREFIX", "ConnectorConfig", "MiddlewareSettings", "explain_validation", "refuse_secrets"]
+
+ENV_PREFIX = "KVGATE_VLLM_"
+
+# settings that hold secrets: from the environment (KVGATE_*) or a file, never from the config
+_SECRET_SETTINGS = ("pkcs11_pin", "api_token")
+_URL_SETTINGS = ("database_url", "redis_url")
+
+
+def explain_validation(exc: ValidationError, where: str, name: Any = None) -> str:
+    """One line per error of ``exc``: the key (``name(field)`` if given) and pydantic's message."""
+    parts = []
+    for err in exc.errors(include_url=False, include_input=False):
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        key = name(loc) if name is not None else loc
+        msg = "unknown key" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{key}: {msg}")
+    return f"{where}: " + "; ".join(parts)
+
+
+def _has_password(url: str) -> bool:
+    try:
+        return urlsplit(url).password is not None
+    except ValueError:
+        return False
+
+
+def refuse_secrets(extra: Mapping[str, Any]) -> None:
+    """ConnectorConfigError if ``kv_connector_extra_config`` carries a secret (vLLM logs it)."""
+    settings = extra.get("kvgate_settings") or {}
+    if not isinstance(settings, Mapping):
+        return  # ConnectorConfig says what is wrong with it
+    found = [k for k in _SECRET_SETTINGS if k in settings]
+    found += [k for k in _URL_SETTINGS if isinstance(settings.get(k), str) and _has_password(settings[k])]
+    if extra.get("remote_token"):
+        found.append("remote_token")
+    if found:
+        env = ", ".join("KVGATE_REMOTE_TOKEN or remote_token_file" if k == "remote_token" else f"KVGATE_{k.upper()}" for k in found)
+        raise ConnectorConfigError(
+            f"secrets in --kv-transfer-config ({', '.join(found)}) would be printed in vLLM's log: "
+            f"set {env} in the engine's environment instead"
+        )
+
+
+class ConnectorConfig(BaseModel):
+    """``kv_connector_extra_config``; unknown keys are refused (a typo must not pass silently)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["embedded", "remote"] = "embedded"
+    # embedded: fields of gateway.config.Settings (KVGATE_* variables fill what is left out);
+    # validated when the embedded backend opens (``embedded_settings``)
+    kvgate_settings: dict[str, Any] = Field(default_factory=dict)
+    remote_url: str = ""
+    remote_token_file: str | None = None
+    chunk_tokens: int = Field(256, gt=0)  # remote mode (embedded: kvgate_settings.chunk_tokens)
+    model_name: str | None = None
+    layout: Literal["auto", "cpu", "kv_first", "block_first"] = "auto"
+    timeout_s: float = Field(30.0, gt=0)
+    trace_path: str | None = None
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Validate ``kv_connector_extra_config``: secrets first, then every key."""
+        extra = dict(extra or {})
+        refuse_secrets(extra)
+        extra.pop("remote_token", None)  # an empty one: nothing to refuse, nothing to use
+        try:
+            return cls.model_validate(extra)
+        except ValidationError as exc:
+            raise ConnectorConfigError(explain_validation(exc, "kv_connector_extra_config")) from None
+
+    def backend_key(self) -> tuple[Any, ...]:
+        """What makes two connectors of a process share one backend."""
+        settings = tuple(sorted((k, repr(v)) for k, v in self.kvgate_settings.items()))
+        return (self.mode, settings, self.remote_url, self.chunk_tokens)
+
+    def remote_token(self, env: Mapping[str, str] | None = None) -> str:
+        """The worker's service token: ``KVGATE_REMOTE_TOKEN``, else ``remote_token_file``."""
+        token = (os.environ if env is None else env).get("KVGATE_REMOTE_TOKEN")
+        if not token and self.remote_token_file:
+            try:
+                with open(self.remote_token_file, encoding="utf-8") as f:
+                    token = f.read().strip()
+            except OSError as exc:
+                raise ConnectorConfigError(f"remote_token_file: cannot read it ({exc.strerror})") from None
+        return token or ""
+
+
+class MiddlewareSettings(BaseModel):
+    """The middleware's and the proxy's settings, from ``KVGATE_VLLM_<FIELD>`` variables (other
+    ``KVGATE_VLLM_*`` variables are not theirs and are ignored)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    issuer: str = Field(min_length=1)
+    audience: str = "kvgate"
+    tenant_claim: str = "tenant"
+    roles_claim: str = "roles"
+    required_typ: str | None = "at+jwt"  # empty: no typ check
+    gateway_url: str | None = None
+    salt_secret: SecretStr | None = None  # hex, >= 32 bytes
+    salt_secret_file: str | None = None
+    namespace: str = "default"
+    capability_ttl: int = Field(300, gt=0)
+    upstream: str | None = None  # the proxy's vLLM server
+    salt_epoch: str | None = None  # refused: the epoch is the namespace epoch the server reports
+
+    @field_validator("required_typ")
+    @classmethod
+    def _empty_is_none(cls, v: str | None) -> str | None:
+        return v or None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> MiddlewareSettings:
+        env = os.environ if env is None else env
+        values = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.upper().startswith(ENV_PREFIX)}
+        if "issuer" not in values or not values["issuer"]:
+            raise ConnectorConfigError("KVGATE_VLLM_ISSUER (the OIDC issuer URL) is required")
+        try:
+            settings = cls.model_validate(values)
+        except ValidationError as exc:
+            raise ConnectorConfigError(explain_validation(exc, "middleware settings", _env_name)) from None
+        if settings.salt_epoch is not None:
+            raise ConnectorConfigError(
+                "KVGATE_VLLM_SALT_EPOCH is no longer read: the cache_salt epoch is the namespace epoch the "
+                "kvgate server reports (a secure clear bumps it); remove the variable"
+            )
+        return settings
+
+    def salt_secret_bytes(self) -> bytes:
+        """The cache-salt secret, from ``KVGATE_VLLM_SALT_SECRET`` or ``..._FILE`` (hex, >= 32 bytes)."""
+        secret_hex = self.salt_secret.get_secret_value() if self.salt_secret else ""
+        if not secret_hex and self.salt_secret_file:
+            try:
+                with open(self.salt_secret_file, encoding="ascii") as f:
+                    secret_hex = f.read().strip()
+            except OSError as exc:
+                raise ConnectorConfigError(f"KVGATE_VLLM_SALT_SECRET_FILE: cannot read it ({exc.strerror})") from None
+        try:
+            secret = bytes.fromhex(secret_hex)
+        except ValueError:
+            raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must be hex") from None
+        if len(secret) < 32:
+            raise ConnectorConfigError("KVGATE_VLLM_SALT_SECRET must hold at least 32 bytes (64 hex digits)")
+        return secret
+
+
+def _env_name(field: str) -> str:
+    return ENV_PREFIX + field.split(".", 1)[0].upper()
