@@ -7,7 +7,7 @@
     gf128_basis()      x^e mod (x^128 + x^7 + x^2 + x + 1) for e = 0..254, in GCM's bit order
 
 Everything is computed on first use (``functools.cache``), never at import. Known-answer checks
-live in ``tests/test_device_aes.py`` (S-box entries, FIPS-197 C.3, NIST/Wycheproof GCM vectors).
+live in ``tests/kernels/test_aes_gcm.py`` (S-box entries, FIPS-197 C.3, NIST/Wycheproof GCM vectors).
 
 T-table layout. The device keeps the state as ``[N, 16]`` bytes (byte ``4c + r`` is row ``r`` of
 column ``c``). After ShiftRows, input byte ``x`` at row ``r`` of a column contributes

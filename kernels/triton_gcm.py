@@ -13,7 +13,7 @@
 
 Importing this module imports ``triton``; ``kernels.device_aead`` decides whether to (the product
 works without triton, on ``TorchAesGcm``). Output is bit-identical to ``cryptography``'s AESGCM
-(tests/test_triton_gcm.py, NIST CAVP and Wycheproof vectors included).
+(tests/kernels/test_triton_gcm.py, NIST CAVP and Wycheproof vectors included).
 
 Kernels
 - ``_ctr_kernel``: AES-256 of the counter blocks ``nonce || be32(ctr0 + b)`` (T-tables, four

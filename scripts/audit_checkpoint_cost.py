@@ -54,7 +54,7 @@ async def db(rows: int) -> None:
     from audit.checkpoint import CheckpointDirectory
     from audit.checkpointer import Checkpointer
     from audit.types import Actor, AuditEvent, Target
-    from tests.conftest import scratch_database
+    from tests.support.services import scratch_database
 
     with scratch_database("kvgate_cpcost") as url:
         engine = create_audit_engine(url)

@@ -4,7 +4,7 @@
 
 - admin: ``await writer.record(event)`` one after another (each returns once committed): events/s
   and latency, which is what one admin action pays;
-- data: ``emit`` x N then one flush (the data path, as tests/test_audit_writer.py throughput);
+- data: ``emit`` x N then one flush (the data path, as tests/audit/test_writer.py throughput);
 - mixed: the data path again while a task records one admin event every 10 ms beside it.
 """
 
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 async def main(admin: int, data: int) -> None:
     from audit import AuditWriter, create_audit_engine, create_audit_schema
     from audit.types import Actor, AuditEvent, Target
-    from tests.conftest import scratch_database
+    from tests.support.services import scratch_database
 
     def ev(kind: str, i: int) -> AuditEvent:
         return AuditEvent(kind, actor=Actor(subject="bench", tenant="t1"), target=Target(tenant="t1"), details={"i": i})

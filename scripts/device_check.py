@@ -7,7 +7,7 @@
 Prints exactly one JSON object on stdout (progress goes to stderr); exits 1 if a test failed or a
 section raised, 0 otherwise. Sections:
 
-- ``tests``: ``pytest -m cuda tests/test_device_aes.py tests/test_kernels.py`` in a subprocess
+- ``tests``: ``pytest -m cuda tests/kernels/test_aes_gcm.py tests/kernels/test_kernels.py`` in a subprocess
   (on a CPU-only host they are all skipped; the counts say so).
 - ``pack_unpack``: ``gateway.bench.pack.measure`` for a 256-token Llama-3-8B chunk (32 layers, 8 KV
   heads, head size 128, fp16: 33.5 MB), both paged layouts, beside a plain contiguous device copy.
@@ -23,7 +23,7 @@ section raised, 0 otherwise. Sections:
   and bit-identity against ``cryptography`` on a sample. On the CPU the interpreter runs it on a
   small chunk (``--triton-tokens``, default 2 of a 2-layer model) and small buffers: the figures
   then say nothing about a GPU, the bit-identity does. Its tests run too
-  (``tests/test_triton_gcm.py -m "not slow"``, compiled on CUDA).
+  (``tests/kernels/test_triton_gcm.py -m "not slow"``, compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def _timer(dev: torch.device) -> Callable[..., float]:
 
 def run_tests(timeout: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-           "tests/test_device_aes.py", "tests/test_kernels.py"]
+           "tests/kernels/test_aes_gcm.py", "tests/kernels/test_kernels.py"]
     _log("running " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
     try:
@@ -107,7 +107,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def run_triton_tests(timeout: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider", "tests/test_triton_gcm.py"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-p", "no:cacheprovider", "tests/kernels/test_triton_gcm.py"]
     _log("running " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
     try:

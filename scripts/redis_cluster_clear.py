@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 
 from storage.redis_cluster import RedisClusterTier
 from tests.support.redis_cluster import replication_caught_up, start_cluster
-from tests.test_redis_cluster import fill
+from tests.support.redis_cluster import fill
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
 

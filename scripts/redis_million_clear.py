@@ -3,12 +3,12 @@ RedisTier.delete_group (issue 6). Run from the repository root:
 
     PYTHONPATH=. python scripts/redis_million_clear.py
 """
-import asyncio, subprocess, sys, time
+import asyncio, subprocess, time
 
 import redis.asyncio as aioredis
 from storage.redis import RedisTier
-from tests.conftest import free_port
-from tests.test_redis_tier import fill
+from tests.support.services import free_port
+from tests.support.redis_server import fill
 
 N = 1_000_000
 

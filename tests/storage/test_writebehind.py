@@ -17,7 +17,7 @@ import pytest
 from storage import ChunkKey, DiskTier, MemoryTier
 from storage.manager import TierManager
 from storage.redis import RedisTier
-from tests.conftest import free_port
+from tests.support.services import free_port
 
 
 def k(i: int, group: str = "bb") -> ChunkKey:

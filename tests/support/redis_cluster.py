@@ -9,6 +9,8 @@ seconds. Persistence is off; a node restarted with :meth:`Cluster.restart` rejoi
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import random
 import shutil
 import signal
@@ -21,6 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from storage._cluster_client import make_cluster_client
+from storage._cluster_layout import ClusterLayout
+from storage._cluster_slot import on_slot
+from storage._redis_layout import Header, pack_header
+from storage.types import (
+    ChunkKey,
+)
 
 __all__ = ["Cluster", "redis_cluster", "replication_caught_up", "start_cluster"]
 
@@ -166,7 +176,7 @@ def redis_cluster() -> Iterator[Cluster]:
     """A running 6-node cluster (started once per session; a module that imports this fixture
     gets the same cluster as any other)."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        from tests.conftest import missing
+        from tests.support.services import missing
 
         missing("redis-server and redis-cli are needed for the Redis Cluster tests")
     if not _shared:
@@ -196,3 +206,36 @@ def replication_caught_up(cluster: Cluster, timeout: float = 30.0) -> None:
             return
         time.sleep(0.1)
     raise RuntimeError("replicas did not catch up")
+
+
+async def fill(url: str, prefix: str, owner: str, group: str, n: int, batch: int = 20_000) -> int:
+    """Write ``n`` tiny chunks of one (owner, group) exactly as RedisClusterTier.put lays them out
+    (head, tag counters, counter shards), one pipeline per slot per batch instead of a round trip
+    per chunk. Returns the payload bytes written."""
+    lay = ClusterLayout(prefix)
+    client = make_cluster_client(url, connect_timeout_s=5.0, socket_timeout_s=120.0, max_connections=16)
+    payload = pack_header(Header(16, 0, b"\0" * 8)) + bytes(16)
+    try:
+        await client.initialize()
+        gate = asyncio.Semaphore(12)
+
+        async def send(key: str, cmds: list[tuple[object, ...]]) -> None:
+            async with gate:
+                await on_slot(client, key, cmds, transaction=False)
+
+        for start in range(0, n, batch):
+            by_slot: dict[str, list[tuple[object, ...]]] = {}
+            for i in range(start, min(n, start + batch)):
+                k = ChunkKey(owner, group, hashlib.sha256(i.to_bytes(8, "little")).hexdigest())
+                by_slot.setdefault(lay.tag_bytes(k), []).append(("SET", lay.head(k), payload))
+            shards: dict[str, int] = {}
+            for tag_counter, cmds in by_slot.items():
+                cmds.append(("INCRBY", tag_counter, 16 * len(cmds)))
+                shard = lay.shard_name(tag_counter[len(prefix) + 1:].split(".")[2][0])
+                shards[shard] = shards.get(shard, 0) + 16 * (len(cmds) - 1)
+            for name, total in shards.items():
+                by_slot.setdefault(name, []).append(("INCRBY", name, total))
+            await asyncio.gather(*(send(key, cmds) for key, cmds in by_slot.items()))
+    finally:
+        await client.aclose()
+    return 16 * n

@@ -24,7 +24,7 @@ def require_vllm() -> None:
 
 
 def redis_or_fail() -> str:
-    from tests.conftest import REDIS_URL, _need
+    from tests.support.services import REDIS_URL, _need
 
     _need("Redis", REDIS_URL, 6379)
     return REDIS_URL

@@ -16,49 +16,25 @@ and the worker-side store meet only in a tier both processes see.
 
 from __future__ import annotations
 
+from tests.vllm.engine_steps import _ids, _run, _setup, _trace  # noqa: F401
 import asyncio
 import json
 import os
 import secrets
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.vllm.engine_env import (
-    PYTHON,
     cleanup_redis,
-    engine_env,
     redis_or_fail,
     require_vllm,
 )
-from tests.vllm.tiny_model import build_tiny_llama, prompt_words
+from tests.vllm.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK, BLOCK, MODEL_NAME = 64, 32, "tiny-llama"
-
-
-def _ids(model_dir: Path, n: int, seed: int) -> list[int]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    ids = tok(prompt_words(n, seed), add_special_tokens=False)["input_ids"]
-    assert len(ids) == n
-    return ids
-
-
-def _run(plan: dict, workdir: Path, name: str) -> list[dict]:
-    (workdir / f"{name}.json").write_text(json.dumps(plan))
-    out = workdir / f"{name}.out.json"
-    proc = subprocess.run(
-        [PYTHON, "-m", "tests.vllm.engine_run", str(workdir / f"{name}.json"), str(out)],
-        env=engine_env(), cwd=str(Path(__file__).resolve().parents[2]), capture_output=True, text=True, timeout=400,
-    )
-    (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)  # what an operator would see
-    if proc.returncode != 0:
-        raise AssertionError(f"engine run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
 
 
 def _model(geometry_dtype: str = "float32"):
@@ -69,24 +45,6 @@ def _model(geometry_dtype: str = "float32"):
 
     g = KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=BLOCK, layout=KVLayout.BLOCK_FIRST)
     return KVModel(MODEL_NAME, g)
-
-
-async def _setup(settings: dict) -> dict[str, str]:
-    from gateway import dbschema
-    from gateway.config import Settings
-    from gateway.runtime import open_runtime
-
-    Path(settings["state_dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
-    await asyncio.to_thread(dbschema.upgrade, Settings(**settings).db_url)
-    rt = await open_runtime(Settings(**settings))
-    try:
-        caps = {}
-        for tenant, name in (("acme", "A"), ("globex", "B")):
-            await rt.admin.create_tenant(tenant)
-            caps[name] = await rt.gateway.mint_capability(tenant, "default", ["lookup", "get", "put"], 600)
-        return caps
-    finally:
-        await rt.aclose()
 
 
 async def _tamper(settings: dict, tokens: list[int]) -> int:
@@ -121,10 +79,6 @@ async def _audit_actions(settings: dict) -> list[str]:
         return [r.event.action async for r in rt.audit.store.iter_records()]
     finally:
         await rt.aclose()
-
-
-def _trace(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 @pytest.fixture(scope="module")

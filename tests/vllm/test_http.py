@@ -1,6 +1,6 @@
 """Through vLLM's OpenAI server with the tenant middleware, the connector in remote mode.
 
-A live kvgate server (tests/server_fixture.py: the development issuer, capabilities, the remote
+A live kvgate server (tests/support/server_fixture.py: the development issuer, capabilities, the remote
 data plane) and ``python -m vllm.entrypoints.openai.api_server`` with ``--middleware
 gateway.vllm.middleware.KvgateMiddleware`` and the connector talking to that server. vLLM's own
 prefix cache is on here: the middleware's cache_salt is what keeps tenants apart in it.
@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
     require_vllm()
-    from tests.conftest import free_port
-    from tests.server_fixture import running_server
+    from tests.support.services import free_port
+    from tests.support.server_fixture import running_server
 
     work = tmp_path_factory.mktemp("vllm-http")
     model_dir = build_tiny_llama(work / "model")

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, missing
+from tests.support.services import free_port, missing
 from tests.vllm.engine_env import cleanup_redis, redis_or_fail, require_vllm
-from tests.vllm.test_engine import _ids, _run, _setup, _trace
+from tests.vllm.engine_steps import _ids, _run, _setup, _trace
 from tests.vllm.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -1,0 +1,234 @@
+"""Issue 5, data plane: every endpoint under a live server, on SQLite and Postgres -- success,
+401 (no token, invalid token), 403 (wrong role, other tenant's capability) and 404/413/422 where
+they apply, every error an RFC 9457 problem."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+from tenancy.devissuer import DevIssuer
+from tests.support import server_fixture
+from tests.support.server_fixture import (
+    LiveServer,
+    assert_problem,
+    fake_envelope,
+    random_hash,
+)
+
+live_any = server_fixture.live_any  # a fixture, registered in this module
+
+
+@dataclass
+class World:
+    live: LiveServer
+    http: httpx.AsyncClient
+    a: str
+    b: str
+    worker_a: str
+    worker_b: str
+    admin_a: str
+    cap_a: str  # lookup, get, put
+    cap_b: str
+    pin_a: str  # pin (minted by the admin)
+
+    def h(self, token: str | None, cap: str | None = None) -> dict[str, str]:
+        return self.live.headers(token, cap)
+
+
+@pytest.fixture
+async def world(live_any: LiveServer):
+    live = live_any
+    async with live.client() as http:
+        a, b = await live.create_tenant(http), await live.create_tenant(http)
+        w = World(
+            live, http, a, b, live.worker_token(a), live.worker_token(b), live.admin_token(a),
+            await live.capability(http, a), await live.capability(http, b),
+            await live.capability(http, a, ops=["pin"], token=live.admin_token(a)),
+        )
+        yield w
+
+
+def foreign_token(tmp_path, live: LiveServer, tenant: str) -> str:
+    """Right issuer URL and claims, wrong signing key."""
+    return DevIssuer(tmp_path / "other", issuer_url=live.issuer.issuer_url).mint(tenant, ["kv.worker"])
+
+
+async def put(w: World, h: str, cap: str | None = None, token: str | None = None, body: bytes | None = None):
+    return await w.http.put(
+        f"/v1/chunks/{h}", content=body if body is not None else fake_envelope(),
+        headers=w.h(token or w.worker_a, cap or w.cap_a),
+    )
+
+
+# -- capabilities ---------------------------------------------------------------------------------
+async def test_capabilities(world: World, tmp_path):
+    w = world
+    ok = await w.http.post("/v1/capabilities", json={"namespace": "ns", "ops": ["get"], "ttl": 60}, headers=w.h(w.worker_a))
+    assert ok.status_code == 201
+    body = ok.json()
+    assert (body["tenant"], body["namespace"], body["ops"]) == (w.a, "ns", ["get"])
+    req = {"namespace": "ns", "ops": ["get"]}
+    assert_problem(await w.http.post("/v1/capabilities", json=req), 401)
+    assert_problem(await w.http.post("/v1/capabilities", json=req, headers=w.h("not-a-jwt")), 401)
+    assert_problem(await w.http.post("/v1/capabilities", json=req, headers=w.h(foreign_token(tmp_path, w.live, w.a))), 401)
+    # wrong tenant, for an existing and for an absent one; wrong role (pin needs kv.admin)
+    for tenant in (w.b, "no-such-tenant"):
+        assert_problem(await w.http.post("/v1/capabilities", json={**req, "tenant": tenant}, headers=w.h(w.worker_a)), 403)
+    assert_problem(await w.http.post("/v1/capabilities", json={"namespace": "ns", "ops": ["pin"]}, headers=w.h(w.worker_a)), 403)
+    # an operator on an absent tenant: 403 as well
+    op = w.live.operator_token()
+    assert_problem(await w.http.post("/v1/capabilities", json={**req, "tenant": "no-such-tenant"}, headers=w.h(op)), 403)
+    for bad in ({"namespace": "", "ops": ["get"]}, {"namespace": "ns", "ops": []}, {"namespace": "ns", "ops": ["fly"]},
+                {"namespace": "ns", "ops": ["get"], "ttl": 0}):
+        body = assert_problem(await w.http.post("/v1/capabilities", json=bad, headers=w.h(w.worker_a)), 422)
+        assert body["errors"]
+
+
+# -- lookup ---------------------------------------------------------------------------------------
+async def test_lookup(world: World, tmp_path):
+    w = world
+    h1, h2 = random_hash(), random_hash()
+    assert (await put(w, h1)).status_code == 204
+    r = await w.http.post("/v1/lookup", json={"hashes": [h1, h2], "chunk_tokens": 16}, headers=w.h(w.worker_a, w.cap_a))
+    assert r.status_code == 200 and r.json()["hit_chunks"] == 1 and r.json()["hit_tokens"] == 16
+    assert r.json()["locations"] and r.json()["locations"][0]
+    # tenant B, same hash: a miss (its storage key is unrelated)
+    r = await w.http.post("/v1/lookup", json={"hashes": [h1]}, headers=w.h(w.worker_b, w.cap_b))
+    assert r.status_code == 200 and r.json()["hit_chunks"] == 0
+    body = {"hashes": [h1]}
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers={"X-KV-Capability": w.cap_a}), 401)
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(w.worker_a, w.cap_b)), 403)  # B's capability
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(w.worker_b, w.cap_a)), 403)
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(w.admin_a, w.cap_a)), 403)  # role
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(w.worker_a)), 403)  # no capability
+    assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(w.worker_a, "garbage")), 403)
+    for bad in ({"hashes": []}, {"hashes": ["xyz"]}, {"hashes": [h1.upper()]}, {}):
+        assert_problem(await w.http.post("/v1/lookup", json=bad, headers=w.h(w.worker_a, w.cap_a)), 422)
+
+
+# -- chunks ---------------------------------------------------------------------------------------
+async def test_put_chunk(world: World, tmp_path):
+    w = world
+    h = random_hash()
+    assert (await put(w, h)).status_code == 204
+    assert_problem(await w.http.put(f"/v1/chunks/{h}", content=fake_envelope()), 401)
+    assert_problem(await put(w, h, token=foreign_token(tmp_path, w.live, w.a)), 401)
+    assert_problem(await put(w, h, cap=w.cap_b), 403)
+    assert_problem(await put(w, h, token=w.admin_a), 403)
+    get_only = await w.live.capability(w.http, w.a, ops=["get"])
+    assert_problem(await put(w, h, cap=get_only), 403)  # capability without put
+    assert_problem(await put(w, h, body=b"plain text is not an envelope"), 422)
+    assert_problem(await put(w, h, body=fake_envelope()[:-1]), 422)  # truncated
+    assert_problem(await put(w, "0" * 63), 422)
+    assert_problem(await put(w, "G" * 64), 422)
+
+
+async def test_get_head_delete_chunk(world: World, tmp_path):
+    w = world
+    h, absent = random_hash(), random_hash()
+    env = fake_envelope(1000)
+    assert (await put(w, h, body=env)).status_code == 204
+    r = await w.http.get(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))
+    assert r.status_code == 200 and r.content == env
+    assert r.headers["content-type"] == "application/octet-stream" and r.headers["x-kv-tier"]
+    r = await w.http.head(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))
+    assert r.status_code == 200 and "memory" in r.headers["x-kv-tiers"]
+    for method in ("GET", "HEAD", "DELETE"):
+        url = f"/v1/chunks/{h}"
+        assert_problem(await w.http.request(method, url), 401)
+        assert_problem(await w.http.request(method, url, headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
+        assert_problem(await w.http.request(method, url, headers=w.h(w.worker_a, w.cap_b)), 403)
+        assert_problem(await w.http.request(method, url, headers=w.h(w.admin_a, w.cap_a)), 403)
+        # tenant B with its own valid capability: A's chunk does not exist for B (404, like any absent chunk)
+        assert_problem(await w.http.request(method, url, headers=w.h(w.worker_b, w.cap_b)), 404)
+        assert_problem(await w.http.request(method, f"/v1/chunks/{absent}", headers=w.h(w.worker_a, w.cap_a)), 404)
+        assert_problem(await w.http.request(method, "/v1/chunks/nothex", headers=w.h(w.worker_a, w.cap_a)), 422)
+    assert (await w.http.get(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))).status_code == 200  # untouched
+    assert (await w.http.delete(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))).status_code == 204
+    assert_problem(await w.http.get(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a)), 404)
+
+
+async def test_put_over_the_limit_is_413(tmp_path):
+    from tests.support.server_fixture import running_server
+
+    with running_server(tmp_path / "s", max_chunk_bytes=4096) as live:
+        async with live.client() as http:
+            a = await live.create_tenant(http)
+            cap, tok = await live.capability(http, a), live.worker_token(a)
+            h = random_hash()
+            small = fake_envelope(1000)
+            assert (await http.put(f"/v1/chunks/{h}", content=small, headers=live.headers(tok, cap))).status_code == 204
+            big = fake_envelope(5000)
+            assert_problem(await http.put(f"/v1/chunks/{h}", content=big, headers=live.headers(tok, cap)), 413)
+            # far over the limit: refused before a byte of it is read; without a token, 401 first
+            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20), headers=live.headers(tok, cap)), 413)
+            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20)), 401)
+            # a chunked body (no Content-Length) is refused too, and nothing changed
+            async def gen():
+                yield big
+
+            r = await http.put(f"/v1/chunks/{h}", content=gen(), headers=live.headers(tok, cap))
+            assert r.status_code in (411, 413, 422) and r.headers["content-type"].startswith("application/problem+json")
+            got = await http.get(f"/v1/chunks/{h}", headers=live.headers(tok, cap))
+            assert got.content == small
+
+
+# -- pins -----------------------------------------------------------------------------------------
+async def test_pins(world: World, tmp_path):
+    w = world
+    h, absent = random_hash(), random_hash()
+    assert (await put(w, h)).status_code == 204
+    hdr = w.h(w.admin_a, w.pin_a)
+    assert (await w.http.post("/v1/pins", json={"hash": h}, headers=hdr)).status_code == 204
+    assert_problem(await w.http.post("/v1/pins", json={"hash": h}), 401)
+    assert_problem(await w.http.post("/v1/pins", json={"hash": h}, headers=w.h("x.y.z", w.pin_a)), 401)
+    assert_problem(await w.http.post("/v1/pins", json={"hash": h}, headers=w.h(w.worker_a, w.pin_a)), 403)  # role
+    assert_problem(await w.http.post("/v1/pins", json={"hash": h}, headers=w.h(w.admin_a, w.cap_a)), 403)  # no pin op
+    admin_b = w.live.admin_token(w.b)
+    assert_problem(await w.http.post("/v1/pins", json={"hash": h}, headers=w.h(admin_b, w.pin_a)), 403)
+    assert_problem(await w.http.post("/v1/pins", json={"hash": absent}, headers=hdr), 404)
+    assert_problem(await w.http.post("/v1/pins", json={"hash": "nothex"}, headers=hdr), 422)
+    assert_problem(await w.http.post("/v1/pins", json={}, headers=hdr), 422)
+    assert_problem(await w.http.delete(f"/v1/pins/{h}"), 401)
+    assert_problem(await w.http.delete(f"/v1/pins/{h}", headers=w.h(w.worker_a, w.pin_a)), 403)
+    assert_problem(await w.http.delete(f"/v1/pins/{h}", headers=w.h(admin_b, w.pin_a)), 403)
+    assert_problem(await w.http.delete("/v1/pins/nothex", headers=hdr), 422)
+    assert (await w.http.delete(f"/v1/pins/{h}", headers=hdr)).status_code == 204
+    assert_problem(await w.http.delete(f"/v1/pins/{h}", headers=hdr), 404)  # no longer pinned
+    assert_problem(await w.http.delete(f"/v1/pins/{absent}", headers=hdr), 404)
+
+
+# -- key leases -----------------------------------------------------------------------------------
+async def test_key_lease(world: World, tmp_path):
+    w = world
+    r = await w.http.post("/v1/keys/lease", headers=w.h(w.worker_a, w.cap_a))
+    assert r.status_code == 200
+    lease = r.json()
+    assert lease["tenant"] == w.a and lease["namespace"] == "default" and lease["key_version"] >= 1
+    assert lease["invocations"] >= 1 and lease["chunk_tokens"] == w.live.settings.chunk_tokens
+    other = (await w.http.post("/v1/keys/lease", headers=w.h(w.worker_b, w.cap_b))).json()
+    assert other["dek"] != lease["dek"] and other["index_key"] != lease["index_key"]
+    assert_problem(await w.http.post("/v1/keys/lease", headers={"X-KV-Capability": w.cap_a}), 401)
+    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
+    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(w.worker_a, w.cap_b)), 403)
+    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(w.admin_a, w.cap_a)), 403)
+    get_only = await w.live.capability(w.http, w.a, ops=["get", "lookup"])
+    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(w.worker_a, get_only)), 403)
+
+
+# -- unauthenticated surface -------------------------------------------------------------------
+async def test_health_and_unknown_routes(world: World):
+    w = world
+    assert (await w.http.get("/healthz")).json() == {"status": "ok"}
+    r = await w.http.get("/readyz")
+    assert r.status_code == 200 and r.json()["ready"] is True
+    # under /v1 nothing is answered before the bearer token is verified, not even "no such route"
+    assert_problem(await w.http.get("/v1/nothing-here"), 401)
+    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}"), 401)
+    assert_problem(await w.http.get("/v1/nothing-here", headers=w.h(w.worker_a)), 404)
+    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}", headers=w.h(w.worker_a)), 405)
+    assert (await w.http.get("/openapi.json")).json()["info"]["title"] == "kvgate"

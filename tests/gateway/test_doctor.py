@@ -1,0 +1,142 @@
+"""`kvgate doctor` against a healthy setup (Postgres, Redis, a KEK, a real OIDC issuer over
+HTTP) and against each broken dependency: a stopped Postgres and a killed Redis of the test's
+own, a wrong PKCS#11 PIN (SoftHSM2), an unreachable issuer. Each broken run names the failing
+row, with its fix, and exits 1; the healthy run is the positive control (exit 0)."""
+
+from __future__ import annotations
+
+from tests.support.paths import REPO
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.services import REDIS_URL, _need, free_port
+from tests.support.oidc_issuer import LocalIssuer
+from tests.support.postgres import ThrowawayPostgres
+from tests.support.softhsm import MODULE_PATHS, _missing
+from tests.support.redis_server import Server
+
+pytestmark = [pytest.mark.slow]
+KVGATE = [sys.executable, "-m", "gateway"]
+
+
+def doctor(state: Path, env: dict[str, str]) -> tuple[int, dict[str, tuple[str, str]], str]:
+    e = {**os.environ, "KVGATE_STATE_DIR": str(state), "COLUMNS": "250", **env}
+    proc = subprocess.run([*KVGATE, "doctor"], capture_output=True, text=True, env=e, timeout=120)
+    rows: dict[str, tuple[str, str]] = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+        if len(cells) == 4 and cells[1] in ("ok", "warn", "FAIL"):
+            rows[cells[0]] = (cells[1], cells[3])
+    return proc.returncode, rows, proc.stdout + proc.stderr
+
+
+def migrate(state: Path, env: dict[str, str]) -> None:
+    e = {**os.environ, "KVGATE_STATE_DIR": str(state), **env}
+    for args in (["migrate"], ["tenants", "create", "acme"]):  # the KEK file and secrets exist after
+        subprocess.run([*KVGATE, *args], check=True, capture_output=True, env=e, timeout=120)
+
+
+@pytest.fixture
+def issuer():
+    with LocalIssuer() as iss:
+        iss.add_key("k1")
+        yield iss
+
+
+def _issuers(url: str) -> str:
+    return json.dumps([{"issuer": url, "audience": "kvgate"}])
+
+
+def test_healthy_then_postgres_stopped(tmp_path, issuer):
+    _need("Redis", REDIS_URL, 6379)
+    pg = ThrowawayPostgres()
+    try:
+        pg.init()
+        pg.start()
+        env = {"KVGATE_DATABASE_URL": pg.url, "KVGATE_REDIS_URL": REDIS_URL, "KVGATE_ISSUERS": _issuers(issuer.issuer),
+               "KVGATE_DEV_ISSUER": "false"}
+        migrate(tmp_path, env)
+        code, rows, out = doctor(tmp_path, env)
+        assert code == 0, out  # positive control
+        for name in ("settings", "database", "redis", "kek", f"oidc: {issuer.issuer}"):
+            assert rows[name][0] == "ok", (name, out)
+        pg.stop()
+        code, rows, out = doctor(tmp_path, env)
+        assert code == 1 and rows["database"][0] == "FAIL" and "KVGATE_DATABASE_URL" in rows["database"][1], out
+        assert rows["redis"][0] == "ok" and rows["kek"][0] == "ok"  # the rest still fine
+    finally:
+        pg.cleanup()
+
+
+def test_redis_killed(tmp_path):
+    srv = Server()
+    srv.start()
+    env = {"KVGATE_REDIS_URL": srv.url}
+    migrate(tmp_path, {})
+    try:
+        code, rows, out = doctor(tmp_path, env)
+        assert code == 0 and rows["redis"][0] == "ok", out
+        srv.kill()
+        code, rows, out = doctor(tmp_path, env)
+        assert code == 1 and rows["redis"][0] == "FAIL" and "KVGATE_REDIS_URL" in rows["redis"][1], out
+        assert rows["database"][0] == "ok"
+    finally:
+        srv.kill()
+
+
+def test_unmigrated_postgres_names_kvgate_migrate(tmp_path, fresh_pg_url):
+    code, rows, out = doctor(tmp_path, {"KVGATE_DATABASE_URL": fresh_pg_url})
+    assert code == 1 and rows["database"] == ("FAIL", "kvgate migrate"), out
+
+
+def _own_token(root: Path) -> dict[str, str]:
+    """A SoftHSM2 token of this test's own, set up entirely in subprocesses: SoftHSM2 reads
+    SOFTHSM2_CONF once per process, so loading it here would pin this process to our token
+    directory and break tests/crypto/test_kek_pkcs11.py's tokens later in the same run."""
+    import importlib.util
+    import shutil
+
+    module = next((p for p in MODULE_PATHS if p and Path(p).is_file()), None)
+    util = shutil.which("softhsm2-util")
+    if module is None or util is None or importlib.util.find_spec("pkcs11") is None:
+        _missing("SoftHSM2 or python-pkcs11 is not installed")
+    (root / "tokens").mkdir(parents=True)
+    conf = root / "softhsm2.conf"
+    conf.write_text(f"directories.tokendir = {root / 'tokens'}\nobjectstore.backend = file\nlog.level = ERROR\n")
+    env = {**os.environ, "SOFTHSM2_CONF": str(conf)}
+    subprocess.run([util, "--init-token", "--free", "--label", "doctor", "--pin", "1111", "--so-pin", "so-1111"],
+                   check=True, capture_output=True, env=env)
+    subprocess.run([sys.executable, "-c", "from crypto.kek import Secret; from crypto.kek_pkcs11 import generate_pkcs11_kek;"
+                    f"generate_pkcs11_kek({module!r}, 'doctor', Secret(b'1111'), 'kek-1')"],
+                   check=True, capture_output=True, env=env, cwd=str(REPO))
+    return {"SOFTHSM2_CONF": str(conf), "KVGATE_KEK_PROVIDER": "pkcs11", "KVGATE_PKCS11_MODULE": module,
+            "KVGATE_PKCS11_TOKEN_LABEL": "doctor", "KVGATE_PKCS11_KEY_LABEL": "kek-1"}
+
+
+def test_wrong_kek_pin(tmp_path):
+    base = _own_token(tmp_path / "hsm")
+    code, rows, out = doctor(tmp_path / "state", {**base, "KVGATE_PKCS11_PIN": "1111"})
+    assert rows["kek"][0] == "ok", out  # the right PIN: a round trip through the HSM
+    code, rows, out = doctor(tmp_path / "state", {**base, "KVGATE_PKCS11_PIN": "0000"})
+    assert code == 1 and rows["kek"][0] == "FAIL" and "KVGATE_PKCS11_PIN" in rows["kek"][1], out
+    assert "0000" not in out  # the PIN is never printed
+
+
+def test_unreachable_issuer(tmp_path, issuer):
+    ok = {"KVGATE_ISSUERS": _issuers(issuer.issuer), "KVGATE_DEV_ISSUER": "false"}
+    code, rows, out = doctor(tmp_path, ok)
+    assert rows[f"oidc: {issuer.issuer}"][0] == "ok", out
+    gone = f"http://127.0.0.1:{free_port()}/realms/acme"
+    code, rows, out = doctor(tmp_path, {"KVGATE_ISSUERS": _issuers(gone), "KVGATE_DEV_ISSUER": "false"})
+    assert code == 1 and rows[f"oidc: {gone}"][0] == "FAIL", out
+
+
+def test_bad_settings_is_one_failed_row(tmp_path):
+    code, rows, out = doctor(tmp_path, {"KVGATE_TIERS": '["tape"]'})
+    assert code == 1 and rows["settings"][0] == "FAIL" and "Traceback" not in out, out
