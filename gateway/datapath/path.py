@@ -117,6 +117,10 @@ class DataPath:
             return False
         return self._device_cipher == "always" or (kv.device.type != "cpu" and self._device_cipher == "auto")
 
+    def device_aes_name(self, device: torch.device) -> str:
+        """Which AES-GCM the device path runs on ``device`` (``triton`` or ``torch``)."""
+        return device_aead_factory(device, self.device_aes, failure=DecryptionFailed)[0]
+
     def sealer_for(self, kv: PagedKV) -> Sealer:
         """The sealer of a KV cache on ``kv.device`` (chosen at its first use, kept after)."""
         where = str(kv.device)

@@ -82,7 +82,7 @@ def test_the_setting_reaches_the_data_path(tmp_path, no_triton) -> None:
     with pytest.raises(ValueError):
         Settings(state_dir=tmp_path, device_aes="fast")
     dp = DataPath(ChunkCipher(), threads=0, device_aes="auto")
-    assert dp._device_aead(torch.device("cpu"))[0] == "torch"
+    assert dp.device_aes_name(torch.device("cpu")) == "torch"
 
 
 def test_the_product_imports_without_triton(tmp_path) -> None:
@@ -97,7 +97,7 @@ def test_the_product_imports_without_triton(tmp_path) -> None:
         "from gateway.datapath import DataPath\n"
         "from crypto.envelope import ChunkCipher\n"
         "dp = DataPath(ChunkCipher(), threads=0, device_cipher='always')\n"
-        "name, f = dp._device_aead(torch.device('cpu'))\n"
+        "name = dp.device_aes_name(torch.device('cpu'))\n"
         "assert name == 'torch', name\n"
         "assert 'kernels.triton_gcm' not in sys.modules\n"
         "print('ok')\n"

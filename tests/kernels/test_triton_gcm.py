@@ -314,7 +314,7 @@ def test_envelope_is_the_cpu_paths_bit_for_bit(tg, tokens: int, key_version: int
 
     cpu = DataPath(cipher(), threads=0)
     dev = DataPath(cipher(), threads=0, device_cipher="always", device_aes="triton")
-    dev._device_ciphers[str(kv.device)] = ChunkCipher(dev._device_aead(kv.device)[1], segment_bytes=segment, salt_source=lambda n: salt)
+    assert dev.sealer_for(kv).name == "device-triton"  # the device sealer, with the same salt source
     cpu_kv = PagedKV([t.cpu() for t in src], g)
     a = cpu.seal_batch(cpu_kv, binding, [SealJob(slots.cpu(), dek, ctx)])[0]
     b = dev.seal_batch(kv, binding, [SealJob(slots, dek, ctx)])[0]
