@@ -57,7 +57,45 @@ _NAMES = {
     "CheckpointTampered": "audit.checkpointer",
 }
 
-__all__ = sorted(_NAMES)
+# spelled out (not sorted(_NAMES)) so type checkers and linters see the re-exports
+__all__ = [
+    "Actions",
+    "Actor",
+    "AuditError",
+    "AuditEvent",
+    "AuditExport",
+    "AuditKeyError",
+    "AuditSigner",
+    "AuditSigningKey",
+    "AuditSink",
+    "AuditStorageError",
+    "AuditStore",
+    "AuditWriter",
+    "AuditWriterClosed",
+    "Checkpoint",
+    "CheckpointDirectory",
+    "CheckpointError",
+    "CheckpointTampered",
+    "Checkpointer",
+    "EcdsaSigner",
+    "ExportError",
+    "ExportVerificationFailed",
+    "InvalidAuditEvent",
+    "SpoolError",
+    "Target",
+    "VerificationError",
+    "VerifyInputError",
+    "VerifyReport",
+    "audit_metadata",
+    "create_audit_engine",
+    "create_audit_schema",
+    "export_to_files",
+    "load_public_key",
+    "manifest_path_for",
+    "read_checkpoint",
+    "verify_database",
+    "verify_export",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -74,7 +112,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from audit.checkpoint import Checkpoint, CheckpointDirectory, CheckpointError, read_checkpoint
+    from audit.checkpoint import (
+        Checkpoint,
+        CheckpointDirectory,
+        CheckpointError,
+        read_checkpoint,
+    )
     from audit.checkpointer import Checkpointer, CheckpointTampered
     from audit.db import create_audit_engine, create_audit_schema
     from audit.errors import (

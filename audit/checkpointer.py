@@ -25,7 +25,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
-from audit.checkpoint import CHECKPOINT_ACTION, Checkpoint, CheckpointDirectory, make_checkpoint, parse_checkpoint
+from audit.checkpoint import (
+    CHECKPOINT_ACTION,
+    Checkpoint,
+    CheckpointDirectory,
+    make_checkpoint,
+    parse_checkpoint,
+)
 from audit.errors import AuditError
 from audit.merkle import CompactRange, leaf_hash
 from audit.record import GENESIS_HASH, chain_hash

@@ -117,10 +117,13 @@ class AuditExport:
             raise ExportError("key must be an audit signer (AuditSigningKey, EcdsaSigner)")
         if pseudonymize and tenant is None:
             raise ExportError("pseudonymize needs a tenant (whose actors are kept)")
-        if pseudonymize and not callable(getattr(key, "derive", None)):
+        derive: Callable[[bytes], bytes] | None = getattr(key, "derive", None)
+        if pseudonymize and not callable(derive):
             raise ExportError("a pseudonymized export needs a signer that can derive keys (the local Ed25519 key)")
         self._pseudonym_key = (
-            key.derive(b"pseudonym\x00" + tenant.encode("utf-8")) if pseudonymize and tenant is not None else None
+            derive(b"pseudonym\x00" + tenant.encode("utf-8"))
+            if pseudonymize and tenant is not None and derive is not None
+            else None
         )
         self._store = source if isinstance(source, AuditStore) else AuditStore(source)
         self._key = key

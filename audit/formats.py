@@ -20,7 +20,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from audit.record import ACTOR_FIELDS, RECORD_VERSION, TARGET_FIELDS, AuditRecord, canonical_json
+from audit.record import (
+    ACTOR_FIELDS,
+    RECORD_VERSION,
+    TARGET_FIELDS,
+    AuditRecord,
+    canonical_json,
+)
 
 __all__ = [
     "CSV_COLUMNS",

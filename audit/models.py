@@ -67,9 +67,10 @@ class UTCDateTime(TypeDecorator[datetime]):
     def process_result_value(self, value: Any, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
-        if value.tzinfo is None:
-            return value.replace(tzinfo=UTC)
-        return value.astimezone(UTC)
+        t: datetime = value
+        if t.tzinfo is None:
+            return t.replace(tzinfo=UTC)
+        return t.astimezone(UTC)
 
 
 TABLE = "kv_audit_events"

@@ -25,13 +25,15 @@ import os
 import secrets
 import stat
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
 from typing import Any, Protocol, runtime_checkable
 
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
 
 from audit.errors import AuditKeyError
 
@@ -239,7 +241,7 @@ class EcdsaSigner:
 
     def sign(self, data: bytes) -> bytes:
         try:
-            signature = self._backend.sign(data)
+            signature: bytes = self._backend.sign(data)
         except Exception as exc:  # the HSM or KMS library's errors end here
             raise AuditKeyError(f"the audit signer failed: {type(exc).__name__}: {exc}") from None
         if not verify_signature(self.public_key, signature, data):

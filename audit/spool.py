@@ -25,6 +25,7 @@ import os
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from audit.errors import SpoolError
 from audit.record import PendingEvent, uuid7
@@ -181,7 +182,7 @@ class SpoolFile:
             self._fd = -1
 
 
-def _complete_end(f) -> int:  # type: ignore[no-untyped-def]
+def _complete_end(f: BinaryIO) -> int:
     """Offset just past the last newline of the file."""
     end = f.seek(0, os.SEEK_END)
     pos = end

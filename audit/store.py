@@ -157,7 +157,7 @@ class AuditStore:
         tenant: str | None = None,
         after_seq: int | None = None,
         through_seq: int | None = None,
-    ) -> Select:
+    ) -> Select[Any]:
         """Rows in chain order; ``since <= recorded_at < until``; ``tenant`` matches the target's
         or the actor's tenant (a tenant sees what was done to it and what its principals did);
         ``after_seq``: only rows with a larger seq."""

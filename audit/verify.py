@@ -282,9 +282,10 @@ def verify_export(
         if manifest.get(name) != have:
             checker.problem(f"{name} differs from the manifest", None, None)
     consistent: list[str] = []
-    size = root = None
+    tree_size: int | None = None
+    root: str | None = None
     if heads:
-        size, root, consistent = _check_checkpoints(checker, heads)
+        tree_size, root, consistent = _check_checkpoints(checker, heads)
     return VerifyReport(
         ok=not checker.problems,
         rows=checker.rows,
@@ -293,7 +294,7 @@ def verify_export(
         first_bad_seq=checker.first_bad_seq,
         format=fmt,
         manifest=manifest,
-        tree_size=size,
+        tree_size=tree_size,
         root_hash=root,
         checkpoints=tuple(consistent),
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from audit.checkpoint import CheckpointDirectory
 from audit.checkpointer import Checkpointer
@@ -65,7 +66,7 @@ def make_checkpointer(
 
         stream = RedisStream(settings.redis_url, settings.redis_prefix + settings.audit_checkpoint_stream)
 
-        async def mirror(doc: dict) -> None:
+        async def mirror(doc: dict[str, Any]) -> None:
             await stream.append(json.dumps(doc, sort_keys=True).encode("utf-8"))
 
         mirrors.append(mirror)

@@ -8,14 +8,26 @@ import json
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional, TypeVar
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from gateway.config import Settings, load_settings
+
+if TYPE_CHECKING:
+    from datetime import datetime
+
+    from audit.checkpoint import Checkpoint
+    from audit.checkpointer import Checkpointer
+    from audit.signing import AuditSigner
+    from audit.writer import AuditWriter
+    from gateway.runtime import Runtime
+
+_T = TypeVar("_T")
 
 app = typer.Typer(
     help="kvgate: a secure, multi-tenant KV-cache gateway", no_args_is_help=True, pretty_exceptions_enable=False
@@ -73,7 +85,7 @@ def _fail(exc: BaseException) -> typer.Exit:
     return typer.Exit(2)
 
 
-async def _with_runtime(settings: Settings, fn):
+async def _with_runtime(settings: Settings, fn: Callable[[Runtime], Awaitable[_T]]) -> _T:
     from gateway.runtime import open_runtime
 
     try:  # Postgres behind the schema: SchemaBehind names `kvgate migrate`; loose modes: chmod
@@ -95,7 +107,6 @@ def migrate(
 ) -> None:
     """Upgrade (or downgrade) the registry and audit schema."""
     from gateway import dbschema
-
     from gateway.statefiles import InsecureStateFiles, prepare_state
 
     settings = _settings()
@@ -170,9 +181,8 @@ def serve(
     """Run the REST server under uvicorn (graceful shutdown drains requests and flushes the audit queue)."""
     import uvicorn
 
-    from gateway.server import create_app
-
     from gateway.logs import configure_logging
+    from gateway.server import create_app
 
     settings = _settings()
     configure_logging(settings.log_level, settings.log_format)
@@ -221,7 +231,7 @@ def doctor() -> None:
     raise typer.Exit(1 if failed else 0)
 
 
-async def _noop(rt) -> None:
+async def _noop(rt: Runtime) -> None:
     return None
 
 
@@ -261,7 +271,7 @@ def token_mint(
 
 @tenants_app.command("create")
 def tenants_create(tenant: TenantArg) -> None:
-    async def go(rt):
+    async def go(rt: Runtime) -> None:
         version = await rt.admin.create_tenant(tenant)
         console.print(f"tenant {tenant} created with data key version {version}")
 
@@ -270,7 +280,7 @@ def tenants_create(tenant: TenantArg) -> None:
 
 @tenants_app.command("list")
 def tenants_list() -> None:
-    async def go(rt):
+    async def go(rt: Runtime) -> None:
         table = Table("tenant", "status")
         for t, status in await rt.registry.list_tenants():
             table.add_row(t, status)
@@ -281,7 +291,7 @@ def tenants_list() -> None:
 
 @tenants_app.command("disable")
 def tenants_disable(tenant: TenantArg) -> None:
-    async def go(rt):
+    async def go(rt: Runtime) -> None:
         await rt.admin.disable_tenant(tenant)
         console.print(f"tenant {tenant} disabled; its capabilities are revoked")
 
@@ -290,7 +300,7 @@ def tenants_disable(tenant: TenantArg) -> None:
 
 @keys_app.command("rotate")
 def keys_rotate(tenant: TenantArg) -> None:
-    async def go(rt):
+    async def go(rt: Runtime) -> None:
         version = await rt.admin.rotate_key(tenant)
         console.print(f"tenant {tenant}: data key version {version} is active")
 
@@ -328,7 +338,7 @@ def clear(
 ) -> None:
     """Secure clear: crypto-shred (epoch bump, key destruction) then delete from every tier."""
 
-    async def go(rt):
+    async def go(rt: Runtime) -> None:
         res = await rt.admin.clear(tenant, namespace)
         console.print_json(json.dumps({
             "job_id": res.job_id, "tenant": res.tenant, "namespace": res.namespace,
@@ -339,8 +349,8 @@ def clear(
     asyncio.run(_with_runtime(_settings(), go))
 
 
-def _parse_time(value: str | None):
-    from datetime import datetime, timezone
+def _parse_time(value: str | None) -> datetime | None:
+    from datetime import UTC, datetime
 
     if value is None:
         return None
@@ -349,11 +359,11 @@ def _parse_time(value: str | None):
     except ValueError:
         console.print(f"[red]not an ISO 8601 time:[/red] {value}")
         raise typer.Exit(2) from None
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 @contextlib.asynccontextmanager
-async def _audit_parts(settings: Settings):
+async def _audit_parts(settings: Settings) -> AsyncIterator[tuple[AuditWriter, AuditSigner, Checkpointer]]:
     """The audit writer, signer and checkpointer of the CLI's audit commands (no tiers, no core)."""
     from audit import AuditWriter
     from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
@@ -373,7 +383,7 @@ async def _audit_parts(settings: Settings):
             close_signer(signer)
 
 
-def _audit_failure(exc: Exception) -> None:
+def _audit_failure(exc: Exception) -> NoReturn:
     if _DEBUG["on"]:
         raise exc
     raise _fail(exc) from None  # one line, the most specific cause in the chain, exit 2
@@ -396,7 +406,7 @@ def audit_export(
         raise typer.Exit(2)
     settings = _settings()
 
-    async def go() -> dict:
+    async def go() -> dict[str, Any]:
         async with _audit_parts(settings) as (writer, signer, checkpointer):
             if public_key is not None:
                 public_key.write_bytes(signer.public_key_pem())
@@ -425,7 +435,7 @@ def audit_checkpoint(
 
     settings = _settings()
 
-    async def go():
+    async def go() -> Checkpoint:
         async with _audit_parts(settings) as (_writer, signer, checkpointer):
             if public_key is not None:
                 public_key.write_bytes(signer.public_key_pem())

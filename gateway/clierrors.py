@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import re
+from collections.abc import Iterator
 
 __all__ = ["CliError", "MissingExtra", "explain", "redact_url", "require_extra"]
 
@@ -47,7 +48,7 @@ def redact_url(text: str) -> str:
     return re.sub(r"(\w[\w+.-]*://[^:/@\s]*:)[^@\s]+@", r"\1***@", text)
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
@@ -43,6 +43,10 @@ class IssuerSettings(BaseSettings):
     leeway_s: float = 60.0
 
 
+def _default_tiers() -> list[Literal["memory", "disk", "redis"]]:
+    return ["memory", "disk"]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", env_nested_delimiter="__", extra="forbid")
 
@@ -53,7 +57,7 @@ class Settings(BaseSettings):
     redis_prefix: str = "kvgate:"
 
     # storage
-    tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=lambda: ["memory", "disk"])
+    tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=_default_tiers)
     memory_bytes: int = 4 << 30
     memory_owner_quota_bytes: int | None = None
     write_back_tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=list)
@@ -145,7 +149,7 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _production_rules(self) -> "Settings":
+    def _production_rules(self) -> Settings:
         if self.mode == "production":
             if self.kek_provider == "file":
                 raise ValueError(
@@ -224,9 +228,9 @@ class Settings(BaseSettings):
         return tuple(sources)
 
 
-def load_settings(**overrides: object) -> Settings:
+def load_settings(**overrides: Any) -> Settings:
     """Read and validate settings; a missing config file is an error, not a silent default."""
     path = os.environ.get("KVGATE_CONFIG")
     if path and not Path(path).is_file():
         raise FileNotFoundError(f"KVGATE_CONFIG points at {path}, which is not a file")
-    return Settings(**overrides)  # type: ignore[arg-type]
+    return Settings(**overrides)

@@ -8,6 +8,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import migrations
@@ -45,7 +46,7 @@ async def check_schema(engine: AsyncEngine) -> None:
     """Raise SchemaBehind unless the database is at the head revision."""
     head = head_revision()
 
-    def current(sync_conn) -> str | None:
+    def current(sync_conn: Connection) -> str | None:
         return MigrationContext.configure(sync_conn).get_current_revision()
 
     async with engine.connect() as conn:

@@ -8,6 +8,7 @@ import asyncio
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -44,7 +45,10 @@ def _progress(console: Console) -> Progress:
     )
 
 
-async def _store(rt: Runtime, cap: str, model: KVModel, tokens, kv, blocks, console: Console, label: str) -> float:
+async def _store(
+    rt: Runtime, cap: str, model: KVModel, tokens: Sequence[int], kv: list[torch.Tensor], blocks: torch.Tensor,
+    console: Console, label: str,
+) -> float:
     t0 = time.perf_counter()
     with _progress(console) as progress:
         task = progress.add_task(label, total=len(tokens))

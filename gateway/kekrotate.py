@@ -27,7 +27,7 @@ The queries live in ``tenancy.rewrap`` (tenancy owns the tables).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,7 +73,7 @@ class _Rewrapper:
         self.previous = list(previous)
 
     def is_current(self, blob: bytes, context: bytes) -> bool:
-        key_id_of = getattr(self.kek, "key_id_of", None)
+        key_id_of: Callable[[bytes], str] | None = getattr(self.kek, "key_id_of", None)
         try:
             if key_id_of is not None:
                 return key_id_of(blob, context) == self.kek.key_id
@@ -123,12 +123,12 @@ async def rotate_kek(
     return report
 
 
-def _details(report: RotationReport, phase: str) -> dict:
+def _details(report: RotationReport, phase: str) -> dict[str, Any]:
     return {"phase": phase, "to": report.kek_id, "data_keys": report.data_keys, "secrets": report.secrets,
             "salts": report.salts, "already_current": report.already_current, "failed": len(report.failed)}
 
 
-async def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: dict) -> None:
+async def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: dict[str, Any]) -> None:
     """Each phase of a rotation is durable before the rotation goes on (or returns)."""
     if audit is not None:
         await record_durably(audit, AuditEvent(ROTATE_ACTION, outcome=outcome, actor=actor, details=details))

@@ -30,9 +30,9 @@ class SegmentCopier:
     def __init__(self, device: torch.device | str, capacity: int, *, host: torch.Tensor | None = None) -> None:
         self.device = torch.device(device)
         self.capacity = capacity
-        self._done: dict[int, object] = {}
+        self._done: dict[int, torch.cuda.Event] = {}
         if self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(self.device)
+            self._stream: torch.cuda.Stream | None = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]  # torch leaves the CUDA Stream constructor unannotated
             if host is None:
                 host = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
             elif not host.is_pinned() or host.numel() < capacity:
@@ -48,14 +48,14 @@ class SegmentCopier:
         return self._stream is not None
 
     def issue_d2h(self, src: torch.Tensor, start: int, end: int) -> None:
-        if self._stream is None or end <= start:
+        if self._stream is None or self._host is None or end <= start:  # both set on CUDA only
             return
-        ready = torch.cuda.Event()
+        ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves the CUDA Event constructor unannotated
         ready.record()  # on the compute stream, after the kernels that wrote src[start:end]
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             self._host[start:end].copy_(src[start:end], non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves the CUDA Event constructor unannotated
             done.record(self._stream)
         src.record_stream(self._stream)
         self._done[start] = done
@@ -64,7 +64,7 @@ class SegmentCopier:
         if end <= start:
             return
         out = torch.frombuffer(dst, dtype=torch.uint8)
-        if self._stream is None:
+        if self._stream is None or self._host is None:
             out.copy_(src[start:end])
             return
         done = self._done.pop(start, None)
@@ -80,13 +80,13 @@ class SegmentCopier:
         with warnings.catch_warnings():  # a read-only envelope: torch only reads it here
             warnings.simplefilter("ignore", UserWarning)
             data = torch.frombuffer(src, dtype=torch.uint8)
-        if self._stream is None:
+        if self._stream is None or self._host is None:
             dst[start:end].copy_(data)
             return
         self._host[start:end].copy_(data)  # the previous chunk's copies were waited for by its tag check
         with torch.cuda.stream(self._stream):
             dst[start:end].copy_(self._host[start:end], non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves the CUDA Event constructor unannotated
             done.record(self._stream)
         dst.record_stream(self._stream)
         torch.cuda.current_stream(self.device).wait_event(done)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hmac
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -52,7 +52,6 @@ from ._aes_tables import expand_key, sbox, ttable
 from .aes_gcm import (
     KEY_BYTES,
     MAX_PLAINTEXT_BYTES,
-    NONCE_BYTES,
     TAG_BYTES,
     AeadParameterError,
     TagMismatch,
@@ -72,6 +71,11 @@ _GROUP = 64  # GHASH blocks per program (G): levels = ceil(log_64(blocks))
 _MASK64 = (1 << 64) - 1
 
 
+#: ``triton.jit``, typed for the checker (triton ships no type information): the kernels are
+#: Triton source, their parameters Triton values (pointers, scalars, blocks), typed ``Any``.
+_jit: Callable[[Callable[..., Any]], Any] = triton.jit
+
+
 def _interpreted(dev: torch.device) -> bool:
     return dev.type != "cuda"
 
@@ -79,8 +83,8 @@ def _interpreted(dev: torch.device) -> bool:
 # -- device functions ----------------------------------------------------------------------------
 
 
-@triton.jit
-def _aes_ctr_words(rk_ptr, t_ptr, s_ptr, nonce_ptr, nidx, ctr):
+@_jit
+def _aes_ctr_words(rk_ptr: Any, t_ptr: Any, s_ptr: Any, nonce_ptr: Any, nidx: Any, ctr: Any) -> tuple[Any, Any, Any, Any]:
     """AES-256 of ``nonce || be32(ctr)`` for vectors of uint32 counters and nonce offsets
     ``nidx`` (words into ``nonce_ptr``): four little-endian column words per block."""
     n0 = tl.load(nonce_ptr + nidx + 0).to(tl.uint32, bitcast=True)
@@ -125,12 +129,13 @@ def _aes_ctr_words(rk_ptr, t_ptr, s_ptr, nonce_ptr, nidx, ctr):
     return o0 ^ k0, o1 ^ k1, o2 ^ k2, o3 ^ k3
 
 
-@triton.jit
+@_jit
 def _ctr_kernel(
-    in_ptr, out_ptr, in_rows_ptr, out_rows_ptr, rk_ptr, t_ptr, s_ptr, nonce_ptr,
-    q0, nbytes, ctr0, in_base, out_base, row_bytes,
+    in_ptr: Any, out_ptr: Any, in_rows_ptr: Any, out_rows_ptr: Any,
+    rk_ptr: Any, t_ptr: Any, s_ptr: Any, nonce_ptr: Any,
+    q0: Any, nbytes: Any, ctr0: Any, in_base: Any, out_base: Any, row_bytes: Any,
     IN_ROWS: tl.constexpr, OUT_ROWS: tl.constexpr, BB: tl.constexpr, MASKS: tl.constexpr = False,
-):
+) -> None:
     """``out[..] = in[..] ^ keystream`` over bytes ``[q0, q0 + nbytes)`` of one GCM message; byte
     ``q`` uses counter ``ctr0 + q // 16``. Position ``u = q - q0`` maps to ``in_base + u`` (flat) or
     to a row of a layer (``IN_ROWS``), likewise on the output side."""
@@ -164,8 +169,8 @@ def _ctr_kernel(
     tl.store(out_ptr + dst, data ^ ks, mask=mask)
 
 
-@triton.jit
-def _gf_mul_serial(xh, xl, yh, yl):
+@_jit
+def _gf_mul_serial(xh: Any, xl: Any, yh: Any, yl: Any) -> tuple[Any, Any]:
     """``x * y``, SP 800-38D algorithm 1: 128 shift-and-add steps (registers only; compiled)."""
     zero = xh ^ xh
     zh = zero
@@ -184,8 +189,8 @@ def _gf_mul_serial(xh, xl, yh, yl):
     return zh, zl
 
 
-@triton.jit
-def _gf_mul_table(xh, xl, yh, yl, r8_ptr):
+@_jit
+def _gf_mul_table(xh: Any, xl: Any, yh: Any, yl: Any, r8_ptr: Any) -> tuple[Any, Any]:
     """``x * y`` a byte of ``x`` at a time: a per-lane table ``M[f] = f(x) * y`` of 256 entries
     (from ``y * x^0..7``), then Horner in ``x^8`` over the 16 bytes of ``x`` (high degrees, the low
     bits, first), ``z * x^8 = (z >> 8) ^ R8[z & 255]``. 16 steps instead of 128: the interpreter's
@@ -217,8 +222,8 @@ def _gf_mul_table(xh, xl, yh, yl, r8_ptr):
     return zh, zl
 
 
-@triton.jit
-def _gf_mul(xh, xl, yh, yl, r8_ptr, TABLE: tl.constexpr):
+@_jit
+def _gf_mul(xh: Any, xl: Any, yh: Any, yl: Any, r8_ptr: Any, TABLE: tl.constexpr) -> tuple[Any, Any]:
     """``x * y`` in GF(2^128), GCM bit order, elementwise on uint64 pairs (``hi`` = bytes 0..7
     big-endian)."""
     if TABLE:
@@ -228,15 +233,15 @@ def _gf_mul(xh, xl, yh, yl, r8_ptr, TABLE: tl.constexpr):
     return zh, zl
 
 
-@triton.jit
-def _load_pairs(ptr, idx, mask):
+@_jit
+def _load_pairs(ptr: Any, idx: Any, mask: Any) -> tuple[Any, Any]:
     h = tl.load(ptr + 2 * idx, mask=mask, other=0).to(tl.uint64, bitcast=True)
     lo = tl.load(ptr + 2 * idx + 1, mask=mask, other=0).to(tl.uint64, bitcast=True)
     return h, lo
 
 
-@triton.jit
-def _powers_kernel(base_ptr, out_ptr, r8_ptr, G: tl.constexpr, TABLE: tl.constexpr):
+@_jit
+def _powers_kernel(base_ptr: Any, out_ptr: Any, r8_ptr: Any, G: tl.constexpr, TABLE: tl.constexpr) -> None:
     """``out[k] = K^k`` for ``k`` in ``0..G`` (uint64 pairs as int64), ``K`` at ``base_ptr``. One
     program: doubling, ``out[s + k] = out[k] * K^s`` for ``k < s``, then ``K^s`` squared."""
     k = tl.arange(0, G)
@@ -258,10 +263,11 @@ def _powers_kernel(base_ptr, out_ptr, r8_ptr, G: tl.constexpr, TABLE: tl.constex
     tl.store(out_ptr + 2 * (k + G) + 1, pl.to(tl.int64, bitcast=True), mask=k == 0)
 
 
-@triton.jit
+@_jit
 def _ghash_bytes_kernel(
-    head_ptr, ct_ptr, pw_ptr, out_ptr, r8_ptr, a_blocks, ct_bytes, m, pad, G: tl.constexpr, TABLE: tl.constexpr
-):
+    head_ptr: Any, ct_ptr: Any, pw_ptr: Any, out_ptr: Any, r8_ptr: Any,
+    a_blocks: Any, ct_bytes: Any, m: Any, pad: Any, G: tl.constexpr, TABLE: tl.constexpr,
+) -> None:
     """Level 0: block ``i`` of ``AAD (a_blocks, in head) || C (ct_bytes, zero-padded) || lengths
     (head[a_blocks])``; ``out[g] = sum_j X_(gG + j - pad) * H^(G - j)``."""
     g = tl.program_id(0)
@@ -290,8 +296,10 @@ def _ghash_bytes_kernel(
     tl.store(out_ptr + 2 * g + 1, rl.to(tl.int64, bitcast=True))
 
 
-@triton.jit
-def _ghash_pairs_kernel(in_ptr, pw_ptr, out_ptr, r8_ptr, m, pad, G: tl.constexpr, TABLE: tl.constexpr):
+@_jit
+def _ghash_pairs_kernel(
+    in_ptr: Any, pw_ptr: Any, out_ptr: Any, r8_ptr: Any, m: Any, pad: Any, G: tl.constexpr, TABLE: tl.constexpr
+) -> None:
     """Level >= 1: ``out[g] = sum_j Z_(gG + j - pad) * K^(G - 1 - j)``."""
     g = tl.program_id(0)
     j = tl.arange(0, G)
@@ -572,7 +580,7 @@ class TritonAesGcm:
             raise AeadParameterError("segments must cover the whole chunk")
         return layer
 
-    def _layer_launches(self, kv: PagedKV, layer: int, start: int, end: int):  # type: ignore[no-untyped-def]
+    def _layer_launches(self, kv: PagedKV, layer: int, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
         """``(layer index, offset within the layer, offset within the segment, bytes)`` of the
         pieces of segment ``[start, end)``."""
         pos = start

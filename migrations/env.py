@@ -39,7 +39,10 @@ def _run(connection: Connection) -> None:
 
 
 async def _run_async() -> None:
-    engine = create_async_engine(config.get_main_option("sqlalchemy.url"))
+    url = config.get_main_option("sqlalchemy.url")
+    if url is None:  # gateway.dbschema always sets it
+        raise RuntimeError("the Alembic config has no sqlalchemy.url")
+    engine = create_async_engine(url)
     try:
         async with engine.connect() as conn:
             await conn.run_sync(_run)

@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import zlib
+import importlib
 import io
 import os
 import secrets
 import struct
 import time
+import zlib
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
@@ -92,8 +93,8 @@ class ChecksumUnavailable(Exception):
 
 @functools.cache
 def _crc32c() -> Callable[[Any], int] | None:
-    try:
-        import crc32c
+    try:  # optional (LGPL, no type stubs): imported by name so the type checker needs no stub
+        crc32c = importlib.import_module("crc32c")
     except ImportError:
         return None
     fn: Callable[[Any], int] = crc32c.crc32c
@@ -193,7 +194,7 @@ def read_chunk(path: Path) -> tuple[memoryview, tuple[int, int]]:
         algo, length, expected = _read_header(f, st.st_size, ident)
         # numpy's allocator asks for transparent huge pages on large buffers: far fewer page
         # faults than bytearray (which also zero-fills) for a 32 MiB chunk
-        buf = memoryview(np.empty(length, dtype=np.uint8)).cast("B")
+        buf = np.empty(length, dtype=np.uint8).data.cast("B")
         _read_into(f, buf, ident)
     if checksum(algo, buf) != expected:
         raise Corrupt("checksum mismatch", ident)

@@ -33,7 +33,13 @@ from storage import _diskio
 from storage._index import KeyIndex, byte_view
 from storage._keylocks import KeyLocks
 from storage.base import Tier
-from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierFull, TierUnavailable
+from storage.types import (
+    ChunkKey,
+    ChunkNotFound,
+    StoredChunk,
+    TierFull,
+    TierUnavailable,
+)
 
 __all__ = ["DiskTier", "DiskTierStats"]
 

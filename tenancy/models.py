@@ -6,14 +6,15 @@ the master secret. A destroyed data key or a replaced epoch salt leaves no copy 
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     DateTime,
     ForeignKey,
     Integer,
-    JSON,
     LargeBinary,
     MetaData,
     String,
@@ -46,7 +47,7 @@ registry_metadata = MetaData(
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class RegistryBase(DeclarativeBase):
@@ -105,7 +106,7 @@ class ClearJob(RegistryBase):
     scope: Mapped[str] = mapped_column(String(16))  # tenant | namespace | chunks
     # requested -> shredded (keys destroyed, epochs bumped) -> completed
     state: Mapped[str] = mapped_column(String(16), default="requested", index=True)
-    details: Mapped[dict] = mapped_column(JSON, default=dict)
+    details: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     deleted_chunks: Mapped[int] = mapped_column(BigInteger, default=0)
     deleted_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     requested_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -15,6 +15,7 @@ check names with ``check_name``; ``escape`` renders a refused value safely for l
 from __future__ import annotations
 
 import re
+from typing import TypeGuard
 
 __all__ = ["NAME_MAX", "NAME_PATTERN", "InvalidName", "check_name", "escape", "is_name"]
 
@@ -33,7 +34,7 @@ class InvalidName(ValueError):
         self.value = value
 
 
-def is_name(value: object) -> bool:
+def is_name(value: object) -> TypeGuard[str]:
     return isinstance(value, str) and len(value) <= NAME_MAX and _NAME.match(value) is not None
 
 
@@ -41,7 +42,7 @@ def check_name(value: object, what: str = "name") -> str:
     """``value`` if it is a canonical name, else ``InvalidName`` (a ValueError)."""
     if not is_name(value):
         raise InvalidName(what, value)
-    return value  # type: ignore[return-value]
+    return value
 
 
 def escape(value: object, limit: int = 200) -> str:

@@ -152,7 +152,8 @@ def _import_jwk(data: object, allowed: frozenset[str]) -> tuple[str | None, _Tok
     if not isinstance(data, dict):
         return None
     kty, crv = data.get("kty"), data.get("crv")
-    kind = _KEY_KINDS.get((kty, None) if kty == "RSA" else (kty, crv))  # type: ignore[arg-type]
+    wanted: tuple[Any, Any] = (kty, None) if kty == "RSA" else (kty, crv)  # JSON values: a miss if not str
+    kind = _KEY_KINDS.get(wanted)
     if kind is None or data.get("use", "sig") != "sig":
         return None
     ops = data.get("key_ops")

@@ -10,11 +10,13 @@ from __future__ import annotations
 import functools
 import inspect
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any, ParamSpec, TypeVar, cast
 
-from sqlalchemy import event, select, update, delete, func
+from sqlalchemy import delete, event, func, select, update
+from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
@@ -87,7 +89,7 @@ class ClearJobRecord:
     namespace: str | None
     scope: str
     state: str
-    details: dict
+    details: dict[str, Any]
     deleted_chunks: int
     deleted_bytes: int
     requested_at: datetime
@@ -99,7 +101,7 @@ def make_engine(url: str) -> AsyncEngine:
         engine = create_async_engine(url, connect_args={"timeout": 30})
 
         @event.listens_for(engine.sync_engine, "connect")
-        def _pragmas(dbapi_conn, _record) -> None:  # pragma: no cover - trivial
+        def _pragmas(dbapi_conn: Any, _record: Any) -> None:  # pragma: no cover - trivial
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
@@ -130,7 +132,7 @@ class Registry:
         self._session = async_sessionmaker(engine, expire_on_commit=False)
 
     @classmethod
-    def from_url(cls, url: str) -> "Registry":
+    def from_url(cls, url: str) -> Registry:
         return cls(make_engine(url))
 
     async def aclose(self) -> None:
@@ -169,7 +171,7 @@ class Registry:
             res = await s.execute(
                 update(Tenant).where(Tenant.id == tenant).values(status="disabled", disabled_at=utcnow())
             )
-            if res.rowcount == 0:
+            if _rowcount(res) == 0:
                 raise UnknownTenant("unknown tenant")
 
     async def list_tenants(self) -> list[tuple[str, str]]:
@@ -212,7 +214,7 @@ class Registry:
                 .where(Namespace.tenant_id == tenant, Namespace.name == name, Namespace.epoch == new_epoch - 1)
                 .values(epoch=new_epoch, wrapped_salt=wrapped_salt, updated_at=utcnow())
             )
-            return res.rowcount == 1
+            return _rowcount(res) == 1
 
     # -- data keys ---------------------------------------------------------------------------
     async def active_key(self, tenant: str) -> KeyRecord | None:
@@ -291,7 +293,7 @@ class Registry:
                 )
                 .values(invocations=DataKey.invocations + count)
             )
-            return res.rowcount == 1
+            return _rowcount(res) == 1
 
     async def destroy_keys(self, tenant: str, versions: Sequence[int] | None = None) -> list[int]:
         """Erase wrapped key material (NULL) and mark destroyed. Returns the versions destroyed now."""
@@ -322,7 +324,7 @@ class Registry:
             res = await s.execute(
                 delete(Pin).where(Pin.tenant_id == tenant, Pin.namespace == namespace, Pin.digest == digest)
             )
-            return res.rowcount > 0
+            return _rowcount(res) > 0
 
     async def list_pins(self, tenant: str, namespace: str | None = None) -> list[tuple[str, str]]:
         async with self._session() as s:
@@ -336,10 +338,10 @@ class Registry:
             q = delete(Pin).where(Pin.tenant_id == tenant)
             if namespace is not None:
                 q = q.where(Pin.namespace == namespace)
-            return (await s.execute(q)).rowcount
+            return _rowcount(await s.execute(q))
 
     # -- clear jobs --------------------------------------------------------------------------
-    async def create_clear_job(self, tenant: str, namespace: str | None, scope: str, details: dict) -> ClearJobRecord:
+    async def create_clear_job(self, tenant: str, namespace: str | None, scope: str, details: dict[str, Any]) -> ClearJobRecord:
         job_id = secrets.token_hex(16)
         async with self._session.begin() as s:
             s.add(ClearJob(id=job_id, tenant_id=tenant, namespace=namespace, scope=scope, details=details))
@@ -352,7 +354,7 @@ class Registry:
             row = await s.get(ClearJob, job_id, populate_existing=True)
         return None if row is None else _job(row)
 
-    async def update_clear_job(self, job_id: str, **values) -> None:
+    async def update_clear_job(self, job_id: str, **values: Any) -> None:
         async with self._session.begin() as s:
             await s.execute(update(ClearJob).where(ClearJob.id == job_id).values(**values))
 
@@ -420,9 +422,18 @@ def _is_outage(exc: BaseException) -> bool:
     return type(exc).__module__.startswith("asyncpg") and ("Connect" in name or "Connection" in name)
 
 
-def _translating(fn):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _rowcount(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE matched (its result is a CursorResult; ``execute`` is typed as Result)."""
+    return cast("CursorResult[Any]", result).rowcount
+
+
+def _translating(fn: Callable[_P, Awaitable[_R]]) -> Callable[_P, Coroutine[Any, Any, _R]]:
     @functools.wraps(fn)
-    async def call(*args, **kwargs):
+    async def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return await fn(*args, **kwargs)
         except Exception as exc:
