@@ -99,7 +99,7 @@ def open_device_into(
             part = out[s.start : s.end]
             to_device(envelope[s.offset : s.tag_offset], part)
             aead.decrypt_(part, s.nonce, s.aad, bytes(envelope[s.tag_offset : s.sealed_end]))
-    except Exception:  # noqa: BLE001 -- a bad tag (the AEAD's own error type) or a malformed segment
+    except Exception:
         ok = False
     if not ok:
         zero(out)
@@ -148,7 +148,7 @@ def open_device_fused(
         decrypt(schedule.key, segments)
     except DecryptionFailed:
         raise
-    except Exception:  # noqa: BLE001 -- a bad tag (the device AEAD's own error type) or a malformed envelope
+    except Exception:
         ok = False
     else:
         ok = True
@@ -239,7 +239,7 @@ class DeviceSealing:
         a malformed key included, is DecryptionFailed."""
         try:
             sched: KeySchedule | None = self.open_schedule(dek, binding_secret, ctx, envelope)
-        except Exception:  # noqa: BLE001 -- as before the split: nothing but DecryptionFailed leaves here
+        except Exception:
             sched = None
         if sched is None:
             raise DecryptionFailed

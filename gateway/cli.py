@@ -90,7 +90,7 @@ async def _with_runtime(settings: Settings, fn: Callable[[Runtime], Awaitable[_T
 
     try:  # Postgres behind the schema: SchemaBehind names `kvgate migrate`; loose modes: chmod
         rt = await open_runtime(settings, auto_migrate=True)
-    except Exception as exc:  # noqa: BLE001 - one line, whatever it was
+    except Exception as exc:
         if _DEBUG["on"]:
             raise
         raise _fail(exc) from None
@@ -160,7 +160,7 @@ def bench(
         require_extra("scipy")  # the bench extra, checked before the bench package is imported
         from gateway.bench import run_bench
         from gateway.bench.peers import PeerConfig, PeerFailed
-    except Exception as exc:  # noqa: BLE001 - one line, exit 2
+    except Exception as exc:
         raise _fail(exc) from None
     peers = PeerConfig(enabled=not no_peers, lmcache_python=lmcache_python, lmcache_runner=lmcache_runner)
     try:
@@ -252,7 +252,7 @@ def _check_port_free(host: str, port: int) -> None:
 @token_app.command("mint")
 def token_mint(
     tenant: Annotated[str, typer.Option(callback=_name, help="tenant claim")],
-    roles: Annotated[list[str], typer.Option("--roles", "--role", help="kv.worker, kv.admin, kv.operator")] = ["kv.worker"],
+    roles: Annotated[list[str], typer.Option("--roles", "--role", help="kv.worker, kv.admin, kv.operator")] = ["kv.worker"],  # noqa: B006 - typer reads the default, never mutates it
     ttl: Annotated[int, typer.Option(help="seconds")] = 3600,
     subject: Annotated[Optional[str], typer.Option(help="sub claim")] = None,
 ) -> None:
@@ -309,7 +309,7 @@ def keys_rotate(tenant: TenantArg) -> None:
 
 @keys_app.command("rotate-kek")
 def keys_rotate_kek(
-    from_kek_file: Annotated[list[Path], typer.Option(help="an old KEK key file that may still unwrap rows (repeatable)")] = [],
+    from_kek_file: Annotated[list[Path], typer.Option(help="an old KEK key file that may still unwrap rows (repeatable)")] = [],  # noqa: B006 - typer reads the default
     batch_size: Annotated[int, typer.Option(min=1, help="rows per transaction")] = 500,
 ) -> None:
     """Rewrap every data key, gateway secret and namespace salt under the configured KEK (resumable;
@@ -458,7 +458,7 @@ def audit_verify(
     path: Path,
     manifest: Annotated[Optional[Path], typer.Option(help="manifest (default: <export>.manifest.json)")] = None,
     public_key: Annotated[Path, typer.Option(help="the audit public key (PEM)")] = Path("audit_public.pem"),
-    checkpoint: Annotated[list[Path], typer.Option(help="a signed checkpoint the export must extend (repeatable)")] = [],
+    checkpoint: Annotated[list[Path], typer.Option(help="a signed checkpoint the export must extend (repeatable)")] = [],  # noqa: B006 - typer reads the default
 ) -> None:
     """Check an export offline: manifest signature, digest, count, the hash chain and, with
     --checkpoint, consistency with earlier signed checkpoints (RFC 9162 Merkle tree)."""
@@ -510,7 +510,7 @@ def main() -> None:  # console script entry point
         app()
     except KeyboardInterrupt:
         sys.exit(130)
-    except Exception as exc:  # noqa: BLE001 - the one place that turns any error into one line
+    except Exception as exc:
         if _DEBUG["on"]:
             raise
         _fail(exc)

@@ -89,7 +89,7 @@ async def _database(settings: Settings) -> Check:
         if url.startswith("sqlite"):
             return Check("database", WARN, f"{shown}: {str(exc).split(':')[0]}", "kvgate serve migrates SQLite itself (or run kvgate migrate)")
         return Check("database", FAIL, f"{shown}: {str(exc).split(':')[0]}", "kvgate migrate")
-    except (TimeoutError, Exception) as exc:  # noqa: BLE001 - any failure is the row's answer
+    except (TimeoutError, Exception) as exc:
         return Check("database", FAIL, f"{shown}: {explain(exc)}", "start the database or fix KVGATE_DATABASE_URL")
     finally:
         await engine.dispose()
@@ -107,7 +107,7 @@ async def _redis(settings: Settings) -> Check | None:
         async with asyncio.timeout(3):
             await client.ping()
         return Check("redis", OK, f"{shown}: PING in {(time.perf_counter() - t0) * 1e3:.1f} ms")
-    except (TimeoutError, Exception) as exc:  # noqa: BLE001
+    except (TimeoutError, Exception) as exc:
         return Check("redis", FAIL, f"{shown}: {explain(exc)}", "start Redis or fix KVGATE_REDIS_URL")
     finally:
         await client.aclose()
@@ -130,7 +130,7 @@ def _kek(settings: Settings) -> Check:
             if close is not None:
                 close()
         return Check("kek", OK, f"{settings.kek_provider}: wrap/unwrap round trip")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return Check("kek", FAIL, f"{settings.kek_provider}: {explain(exc)}", _kek_fix(settings))
 
 
@@ -160,7 +160,7 @@ async def _issuers(settings: Settings) -> list[Check]:
                 j.raise_for_status()
                 n = len(j.json().get("keys", []))
                 out.append(Check(name, OK if n else FAIL, f"discovery and JWKS ({n} keys)", "" if n else "the JWKS has no keys"))
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:
                 out.append(Check(name, FAIL, explain(exc), "check the issuer URL (exact iss) and that it is reachable"))
     if not out:
         out.append(Check("oidc", FAIL, "no issuer configured", "set KVGATE_ISSUERS (or KVGATE_DEV_ISSUER=true for development)"))
@@ -176,14 +176,14 @@ def _signing_key(settings: Settings) -> Check:
 
         AuditSigningKey.load(path)
         return Check("signing key", OK, f"{path} loads")
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return Check("signing key", FAIL, f"{path}: {explain(exc)}", "restore the key file or move it away to create a new one")
 
 
 async def run_checks(load: Callable[[], Settings]) -> list[Check]:
     try:
         settings = load()
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return [Check("settings", FAIL, explain(exc), "fix the named setting (README: Configuration)")]
     out = [Check("settings", OK, f"mode {settings.mode}, tiers {', '.join(settings.tiers)}")]
     out += _files(settings)

@@ -123,11 +123,11 @@ class Runtime:
     gateway: Gateway
     admin: Admin
     audit: AuditWriter
-    broadcaster: "Broadcaster | None" = None
+    broadcaster: Broadcaster | None = None
     signer: AuditSigner | None = None
     checkpointer: Checkpointer | None = None
-    checkpoint_task: "asyncio.Task[None] | None" = None
-    checkpoint_close: "object | None" = None  # closes the checkpoint stream mirror
+    checkpoint_task: asyncio.Task[None] | None = None
+    checkpoint_close: object | None = None  # closes the checkpoint stream mirror
 
     async def aclose(self) -> None:
         if self.checkpoint_task is not None:

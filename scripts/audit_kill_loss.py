@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.killed_server import ServeProcess, kill_after, logged, lost_and_order  # noqa: E402
-from tests.support.postgres import ThrowawayPostgres  # noqa: E402
+from tests.support.killed_server import ServeProcess, kill_after, logged, lost_and_order
+from tests.support.postgres import ThrowawayPostgres
 
 
 def one(code: Path, db: str, n: int, delay: float, pg: ThrowawayPostgres | None, kind: str) -> tuple[int, bool]:

@@ -18,8 +18,7 @@ sys.path.insert(0, os.getcwd())
 import redis.asyncio as aioredis
 
 from storage.redis_cluster import RedisClusterTier
-from tests.support.redis_cluster import replication_caught_up, start_cluster
-from tests.support.redis_cluster import fill
+from tests.support.redis_cluster import fill, replication_caught_up, start_cluster
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 1_000_000
 

@@ -57,7 +57,7 @@ class Tier(abc.ABC):
         if not await self.contains(key):
             raise ChunkNotFound(key, self.name)
 
-    async def unpin(self, key: ChunkKey) -> None:
+    async def unpin(self, key: ChunkKey) -> None:  # noqa: B027 - optional, a no-op by default
         """Undo pin; unpinning an unpinned or absent key is not an error."""
 
     @abc.abstractmethod
@@ -68,10 +68,10 @@ class Tier(abc.ABC):
     def used_bytes(self) -> int:
         return 0
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 - optional, a no-op by default
         """Release resources. Idempotent."""
 
-    async def __aenter__(self) -> "Tier":
+    async def __aenter__(self) -> Tier:
         return self
 
     async def __aexit__(

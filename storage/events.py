@@ -55,7 +55,7 @@ class RedisEventChannel:
 
     async def publish(self, message: bytes | str) -> bool:
         """Send one message; False (logged, never raised) when Redis cannot be reached."""
-        for attempt in range(min(2, len(self._urls))):
+        for _attempt in range(min(2, len(self._urls))):
             try:
                 await self._client.publish(self.channel, message)
                 return True

@@ -182,7 +182,7 @@ class RedisTier(Tier):
     def _new_clearer(self, batch: int) -> Clearer:
         return Clearer(self._redis, self._layout, batch, self._call, self.clear_timeout_s, self._set_used)
 
-    async def __aenter__(self) -> RedisTier:  # noqa: PYI034 (as DiskTier)
+    async def __aenter__(self) -> RedisTier:
         return self
 
     # -- the Tier interface --------------------------------------------------------------------

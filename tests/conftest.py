@@ -12,18 +12,14 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-# fixtures of their own servers, for every test module that names them
-pytest_plugins = ["tests.support.redis_server", "tests.support.redis_cluster"]
-
-from tests.support.services import (  # noqa: F401 - re-exported for older imports
-    IN_CI,
-    PG_ADMIN_URL,
+from tests.support.services import (
     REDIS_URL,
     _need,
-    free_port,
-    missing,
     scratch_database,
 )
+
+# fixtures of their own servers, for every test module that names them
+pytest_plugins = ["tests.support.redis_server", "tests.support.redis_cluster"]
 
 
 @pytest.fixture(scope="session")

@@ -133,7 +133,7 @@ async def multi_round_qa(
             for u in range(users):
                 histories[(name, u)] = list(system)
         for _ in range(rounds):
-            for (name, u), history in histories.items():
+            for (name, _u), history in histories.items():
                 history.extend(_words(rng, question_tokens))
                 await eng.request(name, history)
                 history.extend(_words(rng, answer_tokens))  # the answer becomes history next round

@@ -7,7 +7,7 @@ tenants). Every action is audited by the core; every refusal is audited here."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
@@ -52,7 +52,7 @@ class ClearRequest(Strict):
     hashes: list[Hash] | None = Field(default=None, min_length=1, max_length=100_000, description="scope chunks: required")
 
     @model_validator(mode="after")
-    def _scope_fields(self) -> "ClearRequest":
+    def _scope_fields(self) -> ClearRequest:
         want_ns, want_hashes = self.scope != "tenant", self.scope == "chunks"
         if (self.namespace is not None) != want_ns:
             raise ValueError(f"scope {self.scope!r} {'needs' if want_ns else 'takes no'} namespace")
@@ -168,7 +168,7 @@ def _export_params(principal, state, request, since, until, tenant) -> dict:
     if tenant is None and not is_operator:  # pragma: no cover - guarded above
         raise InvalidRequest("tenant required")
     # A fixed window makes the export reproducible, so its manifest can be fetched separately.
-    until = until or (datetime.now(timezone.utc) - timedelta(seconds=1)).replace(microsecond=0)
+    until = until or (datetime.now(UTC) - timedelta(seconds=1)).replace(microsecond=0)
     for name, t in (("since", since), ("until", until)):
         if t is not None and t.tzinfo is None:
             raise InvalidRequest(f"{name} must carry a time zone")

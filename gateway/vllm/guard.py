@@ -113,7 +113,7 @@ class TenantGuard:
                 return await self._mint(principal, self.config.namespace)
             except (GatewayError, ValueError):  # refused: unknown or disabled tenant, bad name
                 raise Forbidden("no capability for this tenant") from None
-            except Exception as exc:  # noqa: BLE001 - the registry or KEK is down: an outage, not a refusal
+            except Exception as exc:
                 log.warning("capability mint failed (%s): answering 503", type(exc).__name__)
                 raise Unavailable("kvgate cannot mint capabilities right now; retry shortly") from None
         body = {"namespace": self.config.namespace, "ops": ["lookup", "get", "put"], "ttl": self.config.capability_ttl}

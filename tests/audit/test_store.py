@@ -3,7 +3,6 @@ filters, the stored-chain check and the Alembic revision."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import asyncio
 import importlib.util
 import itertools
@@ -23,6 +22,7 @@ from audit.record import GENESIS_HASH, PendingEvent
 from audit.store import AuditStore
 from audit.types import Actor, AuditEvent, Target
 from audit.verify import verify_database
+from tests.support.paths import REPO
 
 T0 = datetime(2025, 3, 1, tzinfo=UTC)
 

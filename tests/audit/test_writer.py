@@ -3,7 +3,6 @@ replay after restarts, and several processes writing one chain at once."""
 
 from __future__ import annotations
 
-from tests.support.audit_events import event, rows_by_tag, schema  # noqa: F401
 import asyncio
 import itertools
 import multiprocessing
@@ -23,6 +22,7 @@ from audit.spool import Spool
 from audit.store import AuditStore
 from audit.types import AuditEvent
 from audit.writer import AuditWriter
+from tests.support.audit_events import event, rows_by_tag, schema
 from tests.support.services import free_port
 
 

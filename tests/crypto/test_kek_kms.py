@@ -21,7 +21,6 @@ import torch
 
 from crypto.errors import KekError
 from tenancy.keyring import dek_context
-from tests.support.services import free_port, missing
 from tests.support.gw import (
     ALL_OPS,
     gateway_runtime,
@@ -31,6 +30,7 @@ from tests.support.gw import (
     small_geometry,
     zero_cache,
 )
+from tests.support.services import free_port, missing
 
 REGION = "us-east-1"
 NUM_BLOCKS = 32

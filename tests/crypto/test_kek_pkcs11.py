@@ -8,7 +8,6 @@ up front, before the library is loaded.
 
 from __future__ import annotations
 
-from tests.support.softhsm import MODULE_PATHS, _missing  # noqa: F401
 import importlib.util
 import os
 import shutil
@@ -29,6 +28,7 @@ from tests.support.gw import (
     small_geometry,
     zero_cache,
 )
+from tests.support.softhsm import MODULE_PATHS, _missing
 
 TOKENS = {"kvgate-main": "1111", "kvgate-pin": "2222", "kvgate-gone": "3333", "kvgate-rot": "4444"}
 NUM_BLOCKS = 32

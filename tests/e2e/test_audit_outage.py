@@ -7,7 +7,6 @@ run as root); its data directory is a fresh temporary directory owned by that us
 
 from __future__ import annotations
 
-from tests.support.postgres import PG_BIN, ThrowawayPostgres  # noqa: F401
 import asyncio
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 
 from audit.writer import AuditWriter
 from tests.support.audit_events import event, rows_by_tag, schema
-
+from tests.support.postgres import PG_BIN, ThrowawayPostgres  # noqa: F401
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -3,13 +3,13 @@ to the same end state as an uninterrupted one (issue 4, item 6)."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import asyncio
 import subprocess
 import sys
 import textwrap
 
 from tests.support.gw import ALL_OPS, gateway_runtime, model_for, random_cache, small_geometry
+from tests.support.paths import REPO
 
 SCRIPT = textwrap.dedent(
     """

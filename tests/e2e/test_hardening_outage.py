@@ -12,13 +12,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.postgres import ThrowawayPostgres
 from tests.support.server_fixture import (
     assert_problem,
     fake_envelope,
     random_hash,
     running_server,
 )
-from tests.support.postgres import ThrowawayPostgres
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.services import free_port, missing
 from tests.support.server_fixture import fake_envelope, random_hash, running_server
+from tests.support.services import free_port, missing
 
 pytestmark = [pytest.mark.slow]
 

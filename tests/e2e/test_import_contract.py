@@ -5,7 +5,6 @@ path lazily: a static import graph cannot tell a lazy import from an eager one.
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import json
 import os
 import subprocess
@@ -13,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.paths import REPO
 
 ROOT = REPO
 

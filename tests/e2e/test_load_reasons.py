@@ -60,7 +60,7 @@ async def test_reasons_for_integrity_and_miss_beside_a_clean_load(tmp_path):
 
 
 @pytest.mark.redis
-async def test_a_paused_redis_is_a_timeout_and_a_dead_one_unavailable(tmp_path, server):  # noqa: F811
+async def test_a_paused_redis_is_a_timeout_and_a_dead_one_unavailable(tmp_path, server):
     g = small_geometry()
     tier = RedisTier(server.url, prefix="kvgate-reasons:", op_timeout_s=0.1, read_timeout_s=0.1, breaker_failures=100)
     rt, cap = await _runtime(tmp_path, [tier])
@@ -87,7 +87,7 @@ async def test_a_paused_redis_is_a_timeout_and_a_dead_one_unavailable(tmp_path, 
 
 
 @pytest.mark.redis
-async def test_a_torn_redis_value_is_dropped_so_the_next_store_heals_it(tmp_path, server):  # noqa: F811
+async def test_a_torn_redis_value_is_dropped_so_the_next_store_heals_it(tmp_path, server):
     g = small_geometry()
     tier = RedisTier(server.url, prefix="kvgate-torn:")
     rt, cap = await _runtime(tmp_path, [tier])

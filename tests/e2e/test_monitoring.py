@@ -5,7 +5,6 @@ fails under CI=true without it."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import json
 import shutil
 import subprocess
@@ -14,8 +13,9 @@ import time
 import httpx
 import pytest
 
-from tests.support.services import free_port, missing
+from tests.support.paths import REPO
 from tests.support.server_fixture import running_server
+from tests.support.services import free_port, missing
 
 DEPLOY = REPO / "deploy"
 

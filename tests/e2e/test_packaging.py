@@ -5,7 +5,6 @@ Makefile)."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import os
 import shutil
 import subprocess
@@ -13,6 +12,8 @@ import sys
 import venv
 
 import pytest
+
+from tests.support.paths import REPO
 
 ROOT = REPO
 pytestmark = [pytest.mark.slow]

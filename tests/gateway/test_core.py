@@ -7,7 +7,7 @@ import torch
 
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
 from kernels.layouts import KVLayout
-from tests.support.gw import ALL_OPS, gathered, gateway_runtime, model_for, random_cache, small_geometry, zero_cache
+from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
 
 NUM_BLOCKS = 64
 

@@ -5,7 +5,6 @@ row, with its fix, and exits 1; the healthy run is the positive control (exit 0)
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import json
 import os
 import re
@@ -15,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import REDIS_URL, _need, free_port
 from tests.support.oidc_issuer import LocalIssuer
+from tests.support.paths import REPO
 from tests.support.postgres import ThrowawayPostgres
-from tests.support.softhsm import MODULE_PATHS, _missing
 from tests.support.redis_server import Server
+from tests.support.services import REDIS_URL, _need, free_port
+from tests.support.softhsm import MODULE_PATHS, _missing
 
 pytestmark = [pytest.mark.slow]
 KVGATE = [sys.executable, "-m", "gateway"]

@@ -7,7 +7,6 @@ tests/crypto/test_kek_pkcs11.py. The setup inserts the 10,000 wrapped keys with 
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import asyncio
 import importlib.util
 import os
@@ -42,6 +41,7 @@ from tests.support.gw import (
     small_geometry,
     zero_cache,
 )
+from tests.support.paths import REPO
 
 NUM_BLOCKS = 32
 REPO = REPO

@@ -4,7 +4,6 @@ these tests needs triton: the product must work without it."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import os
 
 import pytest
@@ -14,6 +13,7 @@ from crypto.envelope import ChunkCipher
 from kernels import device_aead
 from kernels.aes_gcm import AeadParameterError, TorchAesGcm
 from kernels.transfer import SegmentCopier
+from tests.support.paths import REPO
 
 
 @pytest.fixture

@@ -13,22 +13,22 @@ import torch
 if not torch.cuda.is_available():  # before triton is imported: kernels are decorated at import
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Iterator
 
-import pytest  # noqa: E402
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
-from hypothesis import HealthCheck, example, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import pytest
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
-from crypto.envelope import ChunkCipher, EnvelopeContext  # noqa: E402
-from crypto.errors import DecryptionFailed  # noqa: E402
-from kernels.aes_gcm import TagMismatch, TorchAesGcm  # noqa: E402
-from kernels.device_aead import triton_available  # noqa: E402
-from kernels.layouts import KVGeometry, KVLayout  # noqa: E402
-from kernels.pack import chunk_rows, pack, slots_from_block_ids  # noqa: E402
-from kernels.paged import PagedKV  # noqa: E402
-from tests.support.services import missing  # noqa: E402
-from tests.support.vectors import AeadVector, load_nist_gcm, load_wycheproof_gcm  # noqa: E402
+from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.errors import DecryptionFailed
+from kernels.aes_gcm import TagMismatch, TorchAesGcm
+from kernels.device_aead import triton_available
+from kernels.layouts import KVGeometry, KVLayout
+from kernels.pack import chunk_rows, pack, slots_from_block_ids
+from kernels.paged import PagedKV
+from tests.support.services import missing
+from tests.support.vectors import AeadVector, load_nist_gcm, load_wycheproof_gcm
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

@@ -3,22 +3,22 @@ permissions, path safety, capacity."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import asyncio
 import hashlib
-import zlib
 import os
 import secrets
 import stat
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
 
 from storage import ChunkKey, ChunkNotFound, DiskTier, TierFull, TierUnavailable, _diskio
 from storage._diskio import HEADER
+from tests.support.paths import REPO
 
 ROOT_DIR = REPO
 

@@ -13,8 +13,8 @@ from gateway.runtime import open_runtime
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
 from storage.redis import RedisTier
-from tests.support.services import free_port
 from tests.support.gw import ALL_OPS, gathered, migrate, model_for, random_cache, settings_for, small_geometry, zero_cache
+from tests.support.services import free_port
 
 G = small_geometry()
 MODEL = model_for(G)

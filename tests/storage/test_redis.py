@@ -7,7 +7,6 @@ fault tests start ``redis-server`` on a free port and stop it by its pid.
 
 from __future__ import annotations
 
-from tests.support.redis_server import Server, fill  # noqa: F401
 import asyncio
 import secrets
 import shutil
@@ -21,6 +20,7 @@ from storage import ChunkKey, ChunkNotFound, InvalidChunk, TierFull, TierUnavail
 from storage._redis_breaker import CircuitBreaker
 from storage._redis_layout import Header, Layout, pack_header
 from storage.redis import RedisTier
+from tests.support.redis_server import Server, fill
 from tests.support.services import free_port, missing
 
 pytestmark = pytest.mark.redis

@@ -10,10 +10,9 @@ not received it yet). The figures (misses, recovery time, lost chunks) are print
 The tier contract itself runs against the same cluster in test_tier_contract.py.
 """
 
-# ruff: noqa: F811  (the redis_cluster fixture is imported from tests/support, then used as a parameter)
+
 from __future__ import annotations
 
-from tests.support.redis_cluster import fill  # noqa: F401
 import asyncio
 import hashlib
 import random
@@ -35,7 +34,11 @@ from storage.types import (
     TierError,
     TierUnavailable,
 )
-from tests.support.redis_cluster import Cluster, replication_caught_up
+from tests.support.redis_cluster import (
+    Cluster,
+    fill,
+    replication_caught_up,
+)
 
 pytestmark = [pytest.mark.redis]
 
@@ -213,7 +216,7 @@ class Load:
                 w = (str(exc) + " " + type(exc.__cause__).__name__ + ": " + str(exc.__cause__))[:160]
                 self.why[w] = self.why.get(w, 0) + 1
                 self.slowest_miss_s = max(self.slowest_miss_s, time.monotonic() - t0)
-            except Exception as exc:  # noqa: BLE001  (anything else reaching the engine fails the tier)
+            except Exception as exc:
                 self.errors.append(repr(exc))
             else:
                 if bytes(got.data) != value(k):
@@ -231,7 +234,7 @@ class Load:
             except TierError:
                 self.failed_puts += 1
                 await asyncio.sleep(0.01)
-            except Exception as exc:  # noqa: BLE001  (as in loads)
+            except Exception as exc:
                 self.errors.append(repr(exc))
             else:
                 self.acked[k] = time.monotonic()

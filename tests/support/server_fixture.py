@@ -170,7 +170,7 @@ def _off_loop(fn: Callable[[], Any]) -> None:
     def run() -> None:
         try:
             fn()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
+        except BaseException as exc:
             errors.append(exc)
 
     t = threading.Thread(target=run)
@@ -208,7 +208,7 @@ def running_server(
         holder["loop"] = loop
         try:
             loop.run_until_complete(server.serve())
-        except BaseException as exc:  # noqa: BLE001 - reported by the waiter
+        except BaseException as exc:
             holder["error"] = exc
         finally:
             loop.close()

@@ -11,7 +11,7 @@ from sqlalchemy import inspect
 
 from crypto.errors import KeyUnavailable
 from crypto.kek import LocalFileKek
-from gateway import dbschema
+from gateway import dbschema, errors
 from gateway.dbschema import SchemaBehind
 from gateway.runtime import open_runtime
 from tenancy.keyring import Keyring
@@ -66,7 +66,7 @@ async def test_core_round_trip_and_clear_on_each_database(tmp_path, db_url):
         assert (await rt.gateway.lookup(cap_b, model, tokens)).hit_tokens == 0
         dst = zero_cache(g, 32)
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=list(range(10)))).loaded_tokens == 40
-        with pytest.raises(Exception):
+        with pytest.raises(errors.TenantExists):
             await rt.admin.create_tenant("acme")
         await rt.admin.clear("acme")
         fresh = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)

@@ -16,7 +16,6 @@ and the worker-side store meet only in a tier both processes see.
 
 from __future__ import annotations
 
-from tests.vllm.engine_steps import _ids, _run, _setup, _trace  # noqa: F401
 import asyncio
 import json
 import os
@@ -30,6 +29,7 @@ from tests.vllm.engine_env import (
     redis_or_fail,
     require_vllm,
 )
+from tests.vllm.engine_steps import _ids, _run, _setup, _trace
 from tests.vllm.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

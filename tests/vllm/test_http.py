@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):
     require_vllm()
-    from tests.support.services import free_port
     from tests.support.server_fixture import running_server
+    from tests.support.services import free_port
 
     work = tmp_path_factory.mktemp("vllm-http")
     model_dir = build_tiny_llama(work / "model")

@@ -4,11 +4,12 @@ with its error before any figure is spent."""
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.paths import REPO
 
 ROOT = REPO
 

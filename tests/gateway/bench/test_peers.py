@@ -5,7 +5,6 @@ bug that silently dropped the LMCache figures: ``gateway/types.py`` shadowing ``
 
 from __future__ import annotations
 
-from tests.support.paths import REPO
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gateway.bench.peers import DEFAULT_LMCACHE_RUNNER, PeerConfig, PeerFailed, comparisons, run_lmcache
+from tests.support.paths import REPO
 
 ROOT = REPO
 RUNNER = ROOT / DEFAULT_LMCACHE_RUNNER

@@ -12,7 +12,7 @@ from gateway.datapath import DataPath, SealJob
 from kernels.layouts import KVLayout
 from kernels.pack import slots_from_block_ids
 from kernels.paged import PagedKV
-from tests.support.gw import ALL_OPS, gathered, gateway_runtime, model_for, random_cache, small_geometry, zero_cache
+from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))

@@ -36,8 +36,8 @@ from gateway.server.deps import (
 )
 from tenancy.roles import Action
 from tenancy.types import Principal
-from tests.support.services import free_port
 from tests.support.server_fixture import _migrate, server_settings
+from tests.support.services import free_port
 
 
 class ProbeBody(Strict):

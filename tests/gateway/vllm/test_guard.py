@@ -16,8 +16,8 @@ from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.guard import GuardConfig, TenantGuard
 from gateway.vllm.middleware import KvgateMiddleware
 from tenancy.oidc import IssuerConfig
-from tests.support.services import free_port
 from tests.support.server_fixture import running_server
+from tests.support.services import free_port
 
 SECRET = bytes(range(32))
 
