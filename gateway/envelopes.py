@@ -19,6 +19,7 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed, KeyUnavailable
 from gateway.access import Access
+from gateway.datapath.stores import prefix_hits
 from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, TenantUnavailable
 from gateway.namespaces import NamespaceResolver
 from gateway.pins import Pins
@@ -104,11 +105,7 @@ class EnvelopePlane:
             raise InvalidRequest("hashes must not be empty")
         _cap, keys = await self._authorized(token, "lookup", hashes)
         present = await self.tiers.contains_many(keys)
-        hits = 0
-        for p in present:
-            if not p:
-                break
-            hits += 1
+        hits = prefix_hits(present)
         self.stats["lookup_hits" if hits else "lookup_misses"] += 1
         locations = [await self.tiers.locate(k) for k in keys[:hits]]
         return LookupAnswer(hits, locations)

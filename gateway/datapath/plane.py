@@ -29,6 +29,7 @@ from gateway.datapath.stores import (
     FetchFailed,
     KeysUnavailable,
     Reserved,
+    prefix_hits,
 )
 from gateway.errors import AccessDenied
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
@@ -74,11 +75,7 @@ class DataPlane:
             found = await session.presence()
         finally:
             await session.aclose()
-        hits = 0
-        for p in found.present:
-            if not p:
-                break
-            hits += 1
+        hits = prefix_hits(found.present)
         degraded = ""
         if found.errors and hits < len(chunks):  # a tier that could not answer may hold the rest
             degraded = "tier_timeout" if any(isinstance(e, TierTimeout) for e in found.errors) else "tier_unavailable"

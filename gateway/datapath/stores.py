@@ -34,7 +34,15 @@ from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
 
-__all__ = ["ChunkSession", "ChunkStore", "Fetched", "KeysUnavailable", "Presence", "TierStore"]
+__all__ = ["ChunkSession", "ChunkStore", "Fetched", "KeysUnavailable", "Presence", "TierStore", "prefix_hits"]
+
+
+def prefix_hits(present: Sequence[bool]) -> int:
+    """The prefix walk: how many leading chunks are present (it stops at the first miss)."""
+    for i, p in enumerate(present):
+        if not p:
+            return i
+    return len(present)
 
 
 class KeysUnavailable(Exception):
