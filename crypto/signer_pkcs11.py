@@ -19,11 +19,11 @@ from crypto.errors import KekError
 from crypto.kek import Secret
 from crypto.kek_pkcs11 import (
     _LOGINS_LOCK,
-    _Login,
     _acquire,
     _check_label,
     _close_quietly,
     _live_login,
+    _Login,
     _login,
     _pkcs11,
     _release,

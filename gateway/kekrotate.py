@@ -134,7 +134,7 @@ async def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: di
         await record_durably(audit, AuditEvent(ROTATE_ACTION, outcome=outcome, actor=actor, details=details))
 
 
-def _rewrap_batch(rw: _Rewrapper, items: list[tuple[str, bytes, ContextLike, str | None]], failed: list[str]) -> list[bytes | None]:
+def _rewrap_batch(rw: _Rewrapper, items: Sequence[tuple[str, bytes, ContextLike, str | None]], failed: list[str]) -> list[bytes | None]:
     out: list[bytes | None] = []
     for name, blob, context, kek_id in items:
         try:
