@@ -23,6 +23,7 @@ from crypto.kek_pkcs11 import (
     _check_label,
     _close_quietly,
     _live_login,
+    _Login,
     _login,
     _pkcs11,
     _release,
@@ -75,15 +76,20 @@ class Pkcs11Signer:
         _check_label(key_label)
         self._token_label = token_label
         self._label = key_label
-        self._login = _acquire(Path(module), token_label, pin)
+        login = _acquire(Path(module), token_label, pin)
+        self._login: _Login | None = login
         try:
             self._private, self._pem = self._load()
         except BaseException:
-            _release(self._login)
+            _release(login)
             raise
 
     def __repr__(self) -> str:
         return f"Pkcs11Signer(pkcs11:{self._token_label}/{self._label}, pin=<hidden>)"
+
+    def _held(self) -> _Login:
+        assert self._login is not None, "signer used after close()"
+        return self._login
 
     def _load(self) -> tuple[Any, bytes]:
         p11 = _pkcs11()
@@ -91,8 +97,9 @@ class Pkcs11Signer:
         from pkcs11 import Attribute, KeyType, ObjectClass
         from pkcs11.util.ec import encode_ec_public_key
 
-        with self._login.lock:
-            session = self._login.session
+        login = self._held()
+        with login.lock:
+            session = login.session
             try:
                 private = session.get_key(object_class=ObjectClass.PRIVATE_KEY, key_type=KeyType.EC, label=self._label)
                 public = session.get_key(object_class=ObjectClass.PUBLIC_KEY, key_type=KeyType.EC, label=self._label)
@@ -114,8 +121,9 @@ class Pkcs11Signer:
         from pkcs11 import Mechanism
 
         digest = hashlib.sha256(data).digest()
-        with self._login.lock:
-            if self._login.session is None:
+        login = self._held()
+        with login.lock:
+            if login.session is None:
                 raise KekError(f"PKCS#11 token {self._token_label!r} went away")
             try:
                 raw = self._private.sign(digest, mechanism=Mechanism.ECDSA)

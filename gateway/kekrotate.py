@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, record_durably
-from crypto.contexts import dek_context, ns_salt_context, secret_context
+from crypto.contexts import ContextLike, dek_context, ns_salt_context, secret_context
 from crypto.errors import KekError
 from crypto.kek import KekProvider, LocalFileKek
 from tenancy.registry import Registry
@@ -72,8 +72,8 @@ class _Rewrapper:
         self.kek = kek
         self.previous = list(previous)
 
-    def is_current(self, blob: bytes, context: bytes) -> bool:
-        key_id_of: Callable[[bytes], str] | None = getattr(self.kek, "key_id_of", None)
+    def is_current(self, blob: bytes, context: ContextLike) -> bool:
+        key_id_of: Callable[[bytes, ContextLike], str | None] | None = getattr(self.kek, "key_id_of", None)
         try:
             if key_id_of is not None:
                 return key_id_of(blob, context) == self.kek.key_id
@@ -82,7 +82,7 @@ class _Rewrapper:
         except KekError:
             return False
 
-    def rewrap(self, blob: bytes, context: bytes, kek_id: str | None) -> bytes:
+    def rewrap(self, blob: bytes, context: ContextLike, kek_id: str | None) -> bytes:
         order = sorted([*self.previous, self.kek], key=lambda p: p.key_id != kek_id)
         for provider in order:
             try:
@@ -134,7 +134,7 @@ async def _emit(audit: AuditSink | None, actor: Actor, outcome: str, details: di
         await record_durably(audit, AuditEvent(ROTATE_ACTION, outcome=outcome, actor=actor, details=details))
 
 
-def _rewrap_batch(rw: _Rewrapper, items: list[tuple[str, bytes, bytes, str | None]], failed: list[str]) -> list[bytes | None]:
+def _rewrap_batch(rw: _Rewrapper, items: Sequence[tuple[str, bytes, ContextLike, str | None]], failed: list[str]) -> list[bytes | None]:
     out: list[bytes | None] = []
     for name, blob, context, kek_id in items:
         try:

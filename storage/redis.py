@@ -256,7 +256,7 @@ class RedisTier(Tier):
             pipe = self._redis.pipeline(transaction=False)
             for head in heads:
                 pipe.exists(head)
-            return await pipe.execute()
+            return list(await pipe.execute())
 
         return [bool(n) for n in await self._call("contains", self.op_timeout_s, run)]
 

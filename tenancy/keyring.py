@@ -131,7 +131,11 @@ class Keyring:
                     dek = await self.decryption_key(tenant, rec.version)
                     self._budgets[tenant] = _Budget(rec.version, dek, take - 1, self._clock() + self._ttl)
                     return rec.version, dek
-                if take <= 0 or (await self._registry.get_key(tenant, rec.version)).state == "active":
+                force = take <= 0
+                if not force:
+                    current = await self._registry.get_key(tenant, rec.version)
+                    force = current is not None and current.state == "active"
+                if force:
                     # spent (or raced to spent): force a new version
                     await self.create(tenant, expect_active=rec.version)
             raise KeyUnavailable("could not obtain an encryption key (contention)")

@@ -31,7 +31,7 @@ class RewrapQueries:
         async with self.engine.connect() as conn:
             return list((await conn.execute(q)).all())
 
-    async def update_data_keys(self, new_id: str, rows: list[dict]) -> int:
+    async def update_data_keys(self, new_id: str, rows: list[dict[str, Any]]) -> int:
         t = cast(Table, DataKey.__table__)
         stmt = (
             update(t)
@@ -48,7 +48,7 @@ class RewrapQueries:
         async with self.engine.connect() as conn:
             return list((await conn.execute(q)).all())
 
-    async def update_secrets(self, new_id: str, rows: list[dict]) -> int:
+    async def update_secrets(self, new_id: str, rows: list[dict[str, Any]]) -> int:
         t = cast(Table, WrappedSecret.__table__)
         stmt = (
             update(t)
@@ -66,7 +66,7 @@ class RewrapQueries:
         async with self.engine.connect() as conn:
             return list((await conn.execute(q)).all())
 
-    async def update_salts(self, rows: list[dict]) -> int:
+    async def update_salts(self, rows: list[dict[str, Any]]) -> int:
         t = cast(Table, Namespace.__table__)
         stmt = (
             update(t)
@@ -76,7 +76,7 @@ class RewrapQueries:
         )
         return await self._many(stmt, rows)
 
-    async def _many(self, stmt: Any, rows: list[dict]) -> int:
+    async def _many(self, stmt: Any, rows: list[dict[str, Any]]) -> int:
         if not rows:
             return 0
         async with self.engine.begin() as conn:

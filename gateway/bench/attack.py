@@ -144,11 +144,11 @@ async def run_attack(
             (hits if is_hit else misses).append(ns)
             if is_hit and loaded:
                 direct += 1
-        p = float(ks_2samp(hits, misses, alternative="less").pvalue)
+        p_value = float(ks_2samp(hits, misses, alternative="less").pvalue)
         return AttackResult(
             name=f"prefix-timing-{prompt_tokens}tok-{int(shared_fraction * 100)}pct",
             target=target,
-            p_value=p,
+            p_value=p_value,
             samples=samples,
             hit_median_ms=round(sorted(hits)[len(hits) // 2] / 1e6, 4),
             miss_median_ms=round(sorted(misses)[len(misses) // 2] / 1e6, 4),

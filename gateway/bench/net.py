@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ while True:
 """
 
 
-def _median_gbps(fn, nbytes: int, reps: int) -> float:
+def _median_gbps(fn: Callable[[], object], nbytes: int, reps: int) -> float:
     fn()
     times = []
     for _ in range(reps):
@@ -62,6 +63,7 @@ def socket_ceiling(size: int, count: int, reps: int) -> tuple[float, float]:
     for mode in ("recv", "send"):
         proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode], stdout=subprocess.PIPE, text=True)
         try:
+            assert proc.stdout is not None  # stdout=PIPE
             port = int(proc.stdout.readline())
             sock = socket.create_connection(("127.0.0.1", port))
             payload = memoryview(os.urandom(size))
@@ -100,7 +102,7 @@ async def redis_ceilings(url: str, size: int, count: int, reps: int) -> tuple[fl
     clients = [aioredis.from_url(url), make_client(url, connect_timeout_s=2, socket_timeout_s=60, max_connections=8)]
     try:
         for client in clients:
-            async def run(op) -> float:
+            async def run(op: Callable[[], Awaitable[None]]) -> float:
                 await op()
                 times = []
                 for _ in range(reps):
@@ -135,7 +137,8 @@ def _envelope(size: int) -> bytes:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
@@ -179,7 +182,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                 body = _envelope(size)
                 hashes = [secrets.token_hex(32) for _ in range(counts[size])]
 
-                async def timed(fn) -> float:
+                async def timed(fn: Callable[[], Awaitable[object]]) -> float:
                     await fn()
                     times = []
                     for _ in range(reps):

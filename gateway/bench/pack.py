@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from kernels.layouts import KVGeometry, KVLayout
-from kernels.pack import _checked_slots, pack, slots_from_block_ids, unpack
+from kernels.pack import SlotsLike, _checked_slots, pack, slots_from_block_ids, unpack
 from kernels.paged import PagedKV, rows_view
 
 __all__ = ["llama3_8b", "main", "measure"]
@@ -33,7 +33,7 @@ def llama3_8b(layout: KVLayout) -> KVGeometry:
 
 
 def _time(fn: Callable[[], object], repeats: int, device: torch.device) -> list[float]:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
     times = []
@@ -56,7 +56,7 @@ def _sparse_cache(g: KVGeometry, blocks: torch.Tensor, dev: torch.device) -> tor
     return layer
 
 
-def _variants(kv: PagedKV, slots, out: torch.Tensor) -> dict[str, Callable[[], object]]:
+def _variants(kv: PagedKV, slots: SlotsLike, out: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The alternatives tried, written out the same way as ``pack``/``unpack`` but unvalidated."""
     g, layers, rows = kv.geometry, kv.layers, kv.num_rows
     s = _checked_slots(slots, kv.num_slots, out.device, unique=True)

@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 import torch
 from rich.console import Console
@@ -51,7 +51,7 @@ async def _gateway_figures(
 ) -> tuple[float, float]:
     """(store GB/s, load GB/s) through the gateway core for one configuration."""
     settings = Settings(
-        state_dir=base, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=threads, tiers=[tier],
+        state_dir=base, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=threads, tiers=[cast(Literal["memory", "disk", "redis"], tier)],  # Settings validates the name
         redis_url=redis_url if tier == "redis" else None,  # the redis tier now requires its URL in Settings
     )
     chunk_bytes = GEOMETRY.chunk_nbytes(chunk_tokens)
@@ -62,6 +62,7 @@ async def _gateway_figures(
     elif tier == "redis":
         from storage.redis import RedisTier
 
+        assert redis_url is not None, "the redis tier needs redis_url"
         tiers = [RedisTier(redis_url, prefix=f"kvgate-bench:{os.urandom(4).hex()}:", op_timeout_s=2.0, put_timeout_s=10.0)]
     else:
         shutil.rmtree(base / "bench-disk", ignore_errors=True)
@@ -206,7 +207,7 @@ async def run_bench(
                         row["single_pass"] = {"gbps": round(sp, 3), "ratio": round(gbps / sp, 3) if sp else 0.0}
                     results.append(row)
                 progress.advance(task)
-            latency = {"lookup_32k_tokens_in_process_ms": await _lookup_latency(base, db_url)}
+            latency: dict[str, Any] = {"lookup_32k_tokens_in_process_ms": await _lookup_latency(base, db_url)}
             if not quick:
                 progress.update(task, description="REST data plane")
                 byte_sizes = [GEOMETRY.chunk_nbytes(c) for c in sizes]
@@ -215,10 +216,10 @@ async def run_bench(
                 latency["lookup_32k_tokens_rest_ms"] = rest["lookup_ms"]
                 for b in byte_sizes:
                     send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps)
-                    for op, gbps, ceil in (("store", rest["put"][b], send), ("load", rest["get"][b], recv)):
+                    for op, gbps, sock in (("store", rest["put"][b], send), ("load", rest["get"][b], recv)):
                         results.append({
                             "op": op, "tier": "rest", "encrypted": True, "chunk_bytes": b, "threads": 1,
-                            "gbps": round(gbps, 3), "ceiling": {"name": "socket", "gbps": round(ceil, 3)},
+                            "gbps": round(gbps, 3), "ceiling": {"name": "socket", "gbps": round(sock, 3)},
                         })
     finally:
         shutil.rmtree(base, ignore_errors=True)

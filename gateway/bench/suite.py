@@ -75,7 +75,9 @@ async def concurrency(base: Path, tenant_counts: list[int], chunks_per_tenant: i
                 await rt.gateway.store(caps[i], MODEL, warm, src, block_ids=blocks[:1])
             row: dict[str, Any] = {"tenants": n, "tenant_bytes": tenant_bytes, "encrypted": True, "chunk_bytes": GEOMETRY.chunk_nbytes(16)}
             for op in ("store", "load"):
-                async def one(i: int, op: str = op, rt=rt, caps=caps, prompts=prompts) -> float:
+                async def one(
+                    i: int, op: str = op, rt: Runtime = rt, caps: list[str] = caps, prompts: list[Any] = prompts
+                ) -> float:
                     t0 = time.perf_counter()
                     if op == "store":
                         await rt.gateway.store(caps[i], MODEL, prompts[i], src, block_ids=blocks, skip_existing=False)
@@ -111,6 +113,7 @@ async def lookup_by_tier(base: Path, tiers: list[str], redis_url: str | None, re
         else:
             from storage.redis import RedisTier
 
+            assert redis_url is not None, "the redis tier needs redis_url"
             tier = RedisTier(redis_url, prefix=f"kvgate-bench-lookup:{os.urandom(4).hex()}:")
         rt = await _runtime(base, f"lookup-{name}", [tier], chunk_tokens=256)
         try:

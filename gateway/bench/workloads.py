@@ -195,7 +195,9 @@ async def eviction_flood(
                 for p in working:
                     await eng.request("tenant-a", p)
             rows = {r["tenant"]: r for r in eng.report("eviction-flood")}
-            stats = rt.gateway.tiers.tier("memory").stats()
+            memory = rt.gateway.tiers.tier("memory")
+            assert isinstance(memory, MemoryTier)
+            stats = memory.stats()
             out.append({
                 "quota_bytes": quota, "capacity_bytes": capacity_bytes,
                 "tenant_a_hit_ratio": rows["tenant-a"]["hit_ratio"],

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
 from audit import AuditExport, ExportError
-from audit.checkpointer import CheckpointTampered
+from audit.checkpointer import Checkpointer, CheckpointTampered
+from audit.signing import AuditSigner
 from gateway.envelopes import parse_hash
 from gateway.errors import Conflict, InvalidRequest
 from gateway.server.deps import (
@@ -26,6 +27,7 @@ from gateway.server.deps import (
     PrincipalDep,
     Scope,
     Scoped,
+    ServerState,
     StateDep,
     Strict,
     authorize_action,
@@ -36,6 +38,7 @@ from gateway.server.deps import (
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles
+from tenancy.types import Principal
 
 router = APIRouter(prefix="/v1/admin", responses=problem_responses(*COMMON_PROBLEMS))
 
@@ -110,7 +113,7 @@ OwnAuditScope = Annotated[Scope, Depends(Authorize(Action.EXPORT_AUDIT, on=on_ow
 WholeAuditScope = Annotated[Scope, Depends(Authorize(Action.EXPORT_AUDIT, on=on_every_tenant))]
 
 
-async def _keys(state, tenant: str, namespace: str, hashes: list[str]) -> list[ChunkKey]:
+async def _keys(state: ServerState, tenant: str, namespace: str, hashes: list[str]) -> list[ChunkKey]:
     resolver = state.runtime.resolver
     return resolver.chunk_keys(await resolver.keys(tenant, namespace), [parse_hash(h) for h in hashes])
 
@@ -160,7 +163,10 @@ async def rotate(scope: RotateScope, state: StateDep) -> RotateResponse:
     return RotateResponse(tenant=scope.tenant, key_version=version)
 
 
-def _export_params(principal, state, request, since, until, tenant) -> dict:
+def _export_params(
+    principal: Principal, state: ServerState, request: Request,
+    since: datetime | None, until: datetime | None, tenant: str | None,
+) -> dict[str, Any]:
     is_operator = Role.OPERATOR in parse_roles(principal.roles)
     if tenant is None and not is_operator:
         tenant = principal.tenant
@@ -179,9 +185,9 @@ def _export_params(principal, state, request, since, until, tenant) -> dict:
     return {"since": since, "until": until, "tenant": tenant, "pseudonymize": not is_operator}
 
 
-def _export(state, format: str, params: dict) -> AuditExport:
+def _export(state: ServerState, format: str, params: dict[str, Any]) -> AuditExport:
     try:
-        return AuditExport(state.runtime.audit.store, state.runtime.signer, format=format, **params)
+        return AuditExport(state.runtime.audit.store, _signer(state), format=format, **params)
     except ExportError as exc:  # a window or format the exporter refuses: the caller's input
         raise InvalidRequest(str(exc)) from None
 
@@ -194,7 +200,7 @@ class _ExportWindow:
     """The query both export routes take, authorized and resolved to a fixed window once."""
 
     format: str
-    params: dict
+    params: dict[str, Any]
 
 
 def _export_window(
@@ -236,12 +242,26 @@ async def audit_manifest(window: ExportWindow, state: StateDep) -> JSONResponse:
 @router.get("/audit/public-key", response_class=Response)
 async def audit_public_key(_: OwnAuditScope, state: StateDep) -> Response:
     """The public half of the audit signing key (PEM): manifests and checkpoints verify with it."""
-    return Response(state.runtime.signer.public_key_pem(), media_type="application/x-pem-file")
+    return Response(_signer(state).public_key_pem(), media_type="application/x-pem-file")
 
 
-async def _checkpoint(state) -> dict:
+def _signer(state: ServerState) -> AuditSigner:
+    signer = state.runtime.signer
+    if signer is None:
+        raise HTTPException(503, "audit signing is not configured")
+    return signer
+
+
+def _checkpointer(state: ServerState) -> Checkpointer:
+    checkpointer = state.runtime.checkpointer
+    if checkpointer is None:
+        raise HTTPException(503, "audit checkpoints are not configured")
+    return checkpointer
+
+
+async def _checkpoint(state: ServerState) -> dict[str, Any]:
     try:
-        cp = await state.runtime.checkpointer.checkpoint()
+        cp = await _checkpointer(state).checkpoint()
     except CheckpointTampered as exc:
         raise Conflict(f"the audit log does not extend its last checkpoint: {exc}") from None
     return dict(cp.document)
@@ -259,7 +279,7 @@ async def audit_latest_checkpoint(_: OwnAuditScope, state: StateDep) -> JSONResp
     """The newest signed checkpoint in the checkpoint directory."""
     import asyncio
 
-    cp = await asyncio.to_thread(state.runtime.checkpointer.latest)
+    cp = await asyncio.to_thread(_checkpointer(state).latest)
     if cp is None:
         raise HTTPException(404, "no checkpoint yet")
     return JSONResponse(dict(cp.document))
@@ -276,7 +296,7 @@ async def audit_consistency(
     if first > second:
         raise InvalidRequest("first must not be larger than second")
     try:
-        proof = await state.runtime.checkpointer.consistency(first, second)
+        proof = await _checkpointer(state).consistency(first, second)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     return JSONResponse(proof)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator
-from typing import Annotated
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse
@@ -22,8 +22,12 @@ from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_ever
 from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.telemetry import Telemetry
+from storage.base import Tier
 from tenancy.oidc import IssuerConfig, OidcVerifier
 from tenancy.roles import Action
+
+if TYPE_CHECKING:
+    from tenancy.devissuer import DevIssuer
 
 __all__ = ["create_app", "DEV_ISSUER_PATH"]
 
@@ -32,7 +36,7 @@ DEV_ISSUER_PATH = "/dev-issuer"
 OperatorScope = Annotated[Scope, Depends(Authorize(Action.MANAGE_TENANTS, on=on_every_tenant))]
 
 
-def _issuers(settings: Settings, dev) -> list[IssuerConfig]:
+def _issuers(settings: Settings, dev: DevIssuer | None) -> list[IssuerConfig]:
     out = [
         IssuerConfig(
             issuer=i.issuer, audience=i.audience, tenant_claim=i.tenant_claim, roles_claim=i.roles_claim,
@@ -47,7 +51,7 @@ def _issuers(settings: Settings, dev) -> list[IssuerConfig]:
     return out
 
 
-def dev_issuer_for(settings: Settings):
+def dev_issuer_for(settings: Settings) -> DevIssuer:
     """The development issuer (development mode only; it refuses production itself)."""
     from tenancy.devissuer import DevIssuer
 
@@ -92,7 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.add_middleware(Gatekeeper, settings=settings)
 
     @app.middleware("http")
-    async def observe(request: Request, call_next):
+    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         state: ServerState | None = getattr(request.app.state, "kvgate", None)
         t0 = time.perf_counter()
         if state is None:
@@ -149,17 +153,18 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+_Series = Callable[[], Iterable[tuple[float, dict[str, str]]]]
 LOAD_REASONS = ("miss", "integrity", "tier_timeout", "tier_unavailable", "key_unavailable")
 LOOKUP_REASONS = ("tier_timeout", "tier_unavailable", "key_unavailable")
 
 
-def _by_reason(stats, prefix: str, reasons: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
+def _by_reason(stats: Mapping[str, int], prefix: str, reasons: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
     """Every reason, zero included (alert rules and dashboards need the series to exist)."""
     return [(stats[prefix + r], {"reason": r}) for r in reasons]
 
 
-def _timeouts(tiers) -> list[tuple[int, dict[str, str]]]:
-    out = []
+def _timeouts(tiers: Iterable[Tier]) -> list[tuple[int, dict[str, str]]]:
+    out: list[tuple[int, dict[str, str]]] = []
     for t in tiers:
         stats = getattr(t, "stats", None)
         timeouts = getattr(stats(), "timeouts", None) if callable(stats) else None
@@ -168,8 +173,8 @@ def _timeouts(tiers) -> list[tuple[int, dict[str, str]]]:
     return out or [(0, {"tier": "none", "op": "none"})]
 
 
-def _stat(tiers, field: str) -> list[tuple[int, dict[str, str]]]:
-    out = []
+def _stat(tiers: Iterable[Tier], field: str) -> list[tuple[int, dict[str, str]]]:
+    out: list[tuple[int, dict[str, str]]] = []
     for t in tiers:
         stats = getattr(t, "stats", None)
         value = getattr(stats(), field, None) if callable(stats) else None
@@ -178,8 +183,8 @@ def _stat(tiers, field: str) -> list[tuple[int, dict[str, str]]]:
     return out or [(0, {"tier": "none"})]
 
 
-def _breakers(tiers) -> list[tuple[int, dict[str, str]]]:
-    out = []
+def _breakers(tiers: Iterable[Tier]) -> list[tuple[int, dict[str, str]]]:
+    out: list[tuple[int, dict[str, str]]] = []
     for t in tiers:
         breaker = getattr(t, "breaker", None)
         if breaker is not None:
@@ -190,7 +195,7 @@ def _breakers(tiers) -> list[tuple[int, dict[str, str]]]:
 def _observe(state: ServerState) -> None:
     """Gauges read at scrape time from the core, the tiers and the audit writer."""
     gw, audit, tel = state.runtime.gateway, state.runtime.audit, state.telemetry
-    counters = (
+    counters: tuple[tuple[str, str, _Series], ...] = (
         ("kvgate_lookups", "lookup calls by result", lambda: [(gw.stats["lookup_hits"], {"result": "hit"}), (gw.stats["lookup_misses"], {"result": "miss"})]),
         ("kvgate_loads", "retrieve calls by result", lambda: [(gw.stats["load_hits"], {"result": "hit"}), (gw.stats["load_misses"], {"result": "miss"})]),
         ("kvgate_chunks", "chunks stored and loaded", lambda: [(gw.stats["chunks_stored"], {"op": "store"}), (gw.stats["chunks_loaded"], {"op": "load"})]),
@@ -204,7 +209,7 @@ def _observe(state: ServerState) -> None:
         ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(gw.tiers.tiers, "evictions")),
         ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(gw.tiers.tiers, "rejected_puts")),
     )
-    gauges = (
+    gauges: tuple[tuple[str, str, _Series], ...] = (
         ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
         ("kvgate_audit_spool_bytes", "audit spool size", lambda: [(audit.spool_bytes, {})]),
         ("kvgate_audit_spool_events", "audit events in the spool", lambda: [(audit.spool_events, {})]),

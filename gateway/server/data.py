@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 import numpy as np
@@ -152,7 +153,7 @@ async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, requ
         raise TooLarge()
     if size < 0:
         raise InvalidRequest("bad Content-Length")
-    buf = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+    buf = np.empty(size, dtype=np.uint8).data.cast("B")
     filled = 0
     async for part in request.stream():
         if filled + len(part) > size:
@@ -175,7 +176,7 @@ async def get_chunk(chunk_hash: HashPath, scope: GetScope, state: StateDep) -> R
     data = found.data
     state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": found.tier})
 
-    async def body():
+    async def body() -> AsyncIterator[memoryview]:
         step = 1 << 20
         for off in range(0, data.nbytes, step):
             yield data[off : off + step]
@@ -214,7 +215,10 @@ async def unpin(chunk_hash: HashPath, scope: PinScope, state: StateDep) -> Respo
 async def lease(scope: LeaseScope, state: StateDep, body: LeaseRequest | None = None) -> LeaseResponse:
     version = body.version if body is not None else None
     got = await state.plane.lease_key(_cap(scope), version=version, actor=scope.actor)
-    b64 = lambda b: base64.b64encode(b).decode()
+
+    def b64(b: bytes) -> str:
+        return base64.b64encode(b).decode()
+
     return LeaseResponse(
         tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,
         dek=b64(got.dek), binding_secret=b64(got.binding_secret), index_key=b64(got.index_key),

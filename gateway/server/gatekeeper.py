@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -54,7 +55,7 @@ def body_limit(method: str, path: str, settings: Settings) -> int:
     return settings.max_json_body_bytes
 
 
-async def _refuse(send: Any, status: int, title: str, detail: str, headers: list | None = None) -> None:
+async def _refuse(send: Any, status: int, title: str, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
     body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail}).encode()
     await send({
         "type": "http.response.start", "status": status,
@@ -71,7 +72,7 @@ class Gatekeeper:
         self.app = app
         self.settings = settings
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -131,11 +132,11 @@ class _Body:
     """The request body as the app reads it: bounded in size and in time."""
 
     def __init__(self, receive: Any, limit: int, timeout: float) -> None:
-        self._receive = receive
+        self._receive: Callable[[], Awaitable[dict[str, Any]]] = receive
         self.limit, self.timeout = limit, timeout
         self.seen, self.done = 0, False
 
-    async def receive(self) -> dict:
+    async def receive(self) -> dict[str, Any]:
         if self.done:  # the body is in; what follows is a wait for the client to disconnect
             return await self._receive()
         try:
