@@ -172,6 +172,12 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
     machine = _machine()
     runs: dict[str, Any] = {}
     failed: dict[str, str] = {}
+
+    def meta() -> dict[str, Any]:
+        kvb = size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)
+        return {**machine, "loadavg_end": _load(), "uptime_end": _uptime(), "config": asdict(cfg), "engine": engine,
+                "model": {"size": cfg.size, **asdict(size), "params": size.params(), "kv_bytes_per_token": kvb}}
+
     for key in cfg.systems:
         sys_work = work / key
         t0 = time.monotonic()
@@ -193,10 +199,9 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
         runs[key] = {**describe(system), "rows": rows, "trace": [e for e in trace if e["event"] in ("load", "store")],
                      "wall_s": round(time.monotonic() - t0, 1), "load_before": load_before, "load_after": _load()}
         print(f"[bench-e2e] {key}: {len(rows)} requests in {runs[key]['wall_s']} s", flush=True)
-        (work / "raw-partial.json").write_text(json.dumps({"runs": runs, "failed": failed}))
-    meta = {**machine, "loadavg_end": _load(), "uptime_end": _uptime(), "config": asdict(cfg), "engine": engine, "model": {"size": cfg.size, **asdict(size),
-            "params": size.params(), "kv_bytes_per_token": size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)}}
-    return {"meta": {**meta, "failed": failed}, "runs": runs}
+        # what ran so far, in the shape of e2e-raw.json (``--from-raw`` reports it)
+        (work / "raw-partial.json").write_text(json.dumps({"meta": {**meta(), "failed": failed}, "runs": runs}))
+    return {"meta": {**meta(), "failed": failed}, "runs": runs}
 
 
 def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
