@@ -59,6 +59,16 @@ class System:
         for proc in self.procs:
             stop_process(proc)
         self.procs.clear()
+        if self.flush.get("redis_url"):  # leave nothing of this run in the shared Redis
+            import redis
+
+            r = redis.Redis.from_url(self.flush["redis_url"])
+            try:
+                keys = list(r.scan_iter(match=self.flush["redis_prefix"] + "*", count=1000))
+                for i in range(0, len(keys), 1000):
+                    r.delete(*keys[i : i + 1000])
+            finally:
+                r.close()
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
