@@ -87,3 +87,15 @@ vllm-setup: $(VLLM_VENV)/.installed
 
 test-vllm: vllm-setup
 	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
+
+# bench-e2e: time to first token on the real CPU vLLM engine (.venv-vllm, Redis on 127.0.0.1:6379),
+#   kvgate embedded and remote beside no connector and vLLM's ExampleConnector, with a random-weight
+#   Llama built locally (about 25 minutes here). Writes bench-results/e2e.json, e2e.md, e2e_ttft.png;
+#   E2E_ARGS="--docs" also refreshes docs/e2e.*, docs/img/e2e_ttft.png and the README table,
+#   E2E_ARGS="--quick" runs a tiny model on short prompts (checks the harness in minutes).
+.PHONY: bench-e2e
+E2E_ARGS ?=
+bench-e2e: vllm-setup
+	$(VPY) -m pip install -q --disable-pip-version-check "matplotlib>=3.8,<4"
+	mkdir -p bench-results
+	PYTHONPATH=$(CURDIR) $(VPY) -m scripts.bench_e2e.run $(E2E_ARGS)

@@ -1,0 +1,124 @@
+"""From the engines' rows and the connectors' traces to the figures of ``e2e.json``.
+
+TTFT is vLLM's own ``first_token_latency`` of each request (arrival to first token, the
+engine's request metrics); decode rate is (generated - 1) / (last token - first token). Output
+identity compares a request's greedy tokens with the no-connector run of the same prompt. Load
+GB/s is the kvgate connector's trace: bytes of KV loaded (tokens x bytes per token) over the
+load's own time, for the loads of that prompt length's hits.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+__all__ = ["analyze", "quantile"]
+
+
+def quantile(xs: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    s = sorted(xs)
+    pos = (len(s) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _summary(xs: list[float], nd: int = 1) -> dict[str, Any] | None:
+    if not xs:
+        return None
+    return {"median": round(statistics.median(xs), nd), "p90": round(quantile(xs, 0.9), nd), "n": len(xs),
+            "min": round(min(xs), nd), "max": round(max(xs), nd)}
+
+
+def _med(xs: list[float], nd: int = 2) -> float | None:
+    return round(statistics.median(xs), nd) if xs else None
+
+
+def _ttft_ms(r: dict[str, Any]) -> float:
+    return float(r["ttft_s"]) * 1e3
+
+
+def _decode(r: dict[str, Any]) -> float | None:
+    n, a, b = r.get("generated") or 0, r.get("first_token_ts"), r.get("last_token_ts")
+    return (n - 1) / (b - a) if n > 1 and a and b and b > a else None
+
+
+def _gbps(events: list[dict[str, Any]], field: str, tokens: int, kvb: int) -> float | None:
+    xs = [e[field] * kvb / (e["ms"] / 1e3) / 1e9 for e in events if e.get(field) == tokens and e["ms"] > 0]
+    return _med(xs)
+
+
+def _identical(rows: list[dict[str, Any]], base: dict[tuple[Any, ...], list[int]], key: str) -> str | None:
+    pairs = [(r["tokens"], base.get(tuple(r["tag"][k] for k in key.split(",")))) for r in rows]
+    pairs = [(t, b) for t, b in pairs if b is not None]
+    return f"{sum(t == b for t, b in pairs)}/{len(pairs)}" if pairs else None
+
+
+def analyze(raw: dict[str, Any]) -> dict[str, Any]:
+    meta, runs = raw["meta"], raw["runs"]
+    cfg, kvb = meta["config"], meta["model"]["kv_bytes_per_token"]
+    chunk = cfg["chunk_tokens"]
+    base_rows = [r for r in runs.get("none", {}).get("rows", []) if r["tag"].get("kind") == "base"]
+    base = {(r["tag"]["length"], r["tag"]["i"]): r["tokens"] for r in base_rows}
+    base_ms = {L: statistics.median([_ttft_ms(r) for r in base_rows if r["tag"]["length"] == L])
+               for L in cfg["lengths"] if any(r["tag"]["length"] == L for r in base_rows)}
+    rows, isolation, multi = [], [], {}
+    for key, run in runs.items():
+        by: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+        for r in run["rows"]:
+            if "length" in r["tag"]:
+                by[(r["tag"]["kind"], r["tag"]["length"])].append(r)
+        loads = [e for e in run["trace"] if e["event"] == "load"]
+        stores = [e for e in run["trace"] if e["event"] == "store"]
+        for length in cfg["lengths"]:
+            for kind in ("base",) if key == "none" else ("miss", "hit"):
+                rs = by.get((kind, length), [])
+                if not rs:
+                    continue
+                ttft = _summary([_ttft_ms(r) for r in rs])
+                hit_tokens = (length - 1) // chunk * chunk
+                rows.append({
+                    "system": key, "label": run["label"], "kind": kind, "length": length, "ttft_ms": ttft,
+                    "speedup_vs_none": round(base_ms[length] / ttft["median"], 2) if length in base_ms and ttft else None,
+                    "cached_tokens": _med([r["cached"] for r in rs], 0),
+                    "decode_tok_s": _med([d for d in map(_decode, rs) if d]),
+                    "identical_to_none": _identical(rs, base, "length,i") if kind != "base" else None,
+                    "load_gbps": _gbps(loads, "loaded_tokens", hit_tokens, kvb) if kind == "hit" and loads else None,
+                    "store_gbps": _gbps(stores, "tokens", hit_tokens, kvb) if kind == "miss" and stores else None,
+                })
+        iso = [r for r in run["rows"] if r["tag"].get("kind") == "b_on_a"]
+        if iso:
+            length = iso[0]["tag"]["length"]
+            own = [_ttft_ms(r) for r in by.get(("miss", length), [])]
+            a_hit = by.get(("hit", length), [])
+            b_ms = statistics.median([_ttft_ms(r) for r in iso])
+            isolation.append({
+                "system": key, "label": run["label"], "length": length,
+                "a_on_a_ms": _med([_ttft_ms(r) for r in a_hit], 1), "a_on_a_cached": _med([r["cached"] for r in a_hit], 0),
+                "b_on_a_ms": round(b_ms, 1), "b_on_a_cached": _med([r["cached"] for r in iso], 0),
+                "own_miss_ms": _med(own, 1), "b_speedup_vs_own_miss": round(statistics.median(own) / b_ms, 2) if own else None,
+                "b_identical_to_none": _identical(iso, base, "length,i"),
+            })
+        mt = [r for r in run["rows"] if r["tag"].get("kind") == "mt"]
+        if mt:
+            walls = {r["batch_wall_s"] for r in mt}  # one wall time a round
+            per = {}
+            for tenant in sorted({r["tag"]["tenant"] for r in mt}):
+                rs = [r for r in mt if r["tag"]["tenant"] == tenant]
+                warm = [r for r in rs if r["tag"]["q"] > 0]
+                per[tenant] = {"ttft_ms_first": _med([_ttft_ms(r) for r in rs if r["tag"]["q"] == 0], 1),
+                               "ttft_ms_later": _med([_ttft_ms(r) for r in warm], 1),
+                               "cached_later": _med([r["cached"] for r in warm], 0)}
+            multi[key] = {"label": run["label"], "requests": len(mt), "wall_s": round(sum(walls), 2),
+                          "req_per_s": round(len(mt) / sum(walls), 3),
+                          "prompt_tok_per_s": round(sum(r["prompt_tokens"] for r in mt) / sum(walls), 1),
+                          "ttft_ms_later_median": _med([_ttft_ms(r) for r in mt if r["tag"]["q"] > 0], 1),
+                          "per_tenant": per}
+    mt_base = {(r["tag"]["tenant"], r["tag"]["q"]): r["tokens"] for r in runs.get("none", {}).get("rows", []) if r["tag"].get("kind") == "mt"}
+    for key, m in multi.items():
+        rs = [r for r in runs[key]["rows"] if r["tag"].get("kind") == "mt"]
+        m["identical_to_none"] = _identical(rs, mt_base, "tenant,q") if key != "none" else None
+    sys_meta = {k: {kk: v for kk, v in r.items() if kk not in ("rows", "trace")} for k, r in runs.items()}
+    return {"meta": {**meta, "systems": sys_meta}, "ttft": rows, "isolation": isolation, "multi_tenant": multi}

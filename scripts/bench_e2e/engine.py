@@ -1,0 +1,113 @@
+"""One engine lifetime of the end-to-end benchmark: an offline vLLM ``LLM`` driven through a plan.
+
+    python -m scripts.bench_e2e.engine plan.json results.json
+
+Run in its own process from .venv-vllm (vLLM spawns its engine core and worker processes, so it
+needs the ``__main__`` guard); the runner starts it, waits for it and stops it by process id.
+Plan: the model, the engine flags (the same for every system), the KV transfer config (or none),
+the capabilities by name and the steps:
+
+- ``gen``: one batch of requests, each ``{"parts": [[n, seed], ...], "cap": name|null,
+  "salt": str|null}`` (the prompt is the concatenation of ``prompt_ids(n, seed)`` parts), all
+  with ``max_tokens`` greedy tokens (EOS ignored). Result per request: output token ids, vLLM's
+  ``num_cached_tokens``, the connector's ``kv_transfer_params``, time to first token and the
+  first and last token times from vLLM's request metrics, and the batch's wall time.
+- ``flush``: drop what the system cached (the Redis prefix of kvgate's embedded shared tier, or
+  the ExampleConnector's directory), so the machine's memory holds one prompt set at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from scripts.bench_e2e.model import prompt_ids
+
+
+def _ids(parts: list[list[int]]) -> list[int]:
+    out: list[int] = []
+    for n, seed in parts:
+        out += prompt_ids(n, seed)
+    return out
+
+
+def _flush(plan: dict[str, Any]) -> None:
+    flush = plan.get("flush") or {}
+    if flush.get("redis_url"):
+        import redis
+
+        r = redis.Redis.from_url(flush["redis_url"])
+        try:
+            keys = list(r.scan_iter(match=flush["redis_prefix"] + "*", count=1000))
+            for i in range(0, len(keys), 1000):
+                r.delete(*keys[i : i + 1000])
+        finally:
+            r.close()
+    if flush.get("dir"):
+        for child in Path(flush["dir"]).iterdir():
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts, params = [], []
+    for req in step["reqs"]:
+        tp = TokensPrompt(prompt_token_ids=_ids(req["parts"]))
+        if req.get("salt"):
+            tp["cache_salt"] = req["salt"]
+        prompts.append(tp)
+        cap = plan["caps"].get(req.get("cap") or "")  # systems without kvgate have none
+        kv = {"kvgate_capability": cap} if cap else {}
+        params.append(SamplingParams(
+            temperature=0, max_tokens=step.get("max_tokens", 1), ignore_eos=True,
+            extra_args={"kv_transfer_params": kv},
+        ))
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    results = []
+    for req, out in zip(step["reqs"], outs):
+        m = out.metrics
+        results.append({
+            "name": step["name"], "tag": req.get("tag"), "tokens": list(out.outputs[0].token_ids),
+            "prompt_tokens": len(out.prompt_token_ids or []), "cached": out.num_cached_tokens,
+            "kv": out.kv_transfer_params, "batch_wall_s": wall,
+            "ttft_s": getattr(m, "first_token_latency", None),
+            "first_token_ts": getattr(m, "first_token_ts", None), "last_token_ts": getattr(m, "last_token_ts", None),
+            "generated": getattr(m, "num_generation_tokens", None),
+        })
+    return results
+
+
+def main(plan_path: str, out_path: str) -> None:
+    from vllm import LLM
+
+    plan = json.loads(Path(plan_path).read_text())
+    flags = plan["engine"]
+    llm = LLM(
+        model=plan["model"], enforce_eager=True, block_size=flags["block_size"], dtype=flags["dtype"],
+        enable_prefix_caching=False, max_model_len=flags["max_model_len"],
+        max_num_batched_tokens=flags["max_num_batched_tokens"], max_num_seqs=flags["max_num_seqs"],
+        kv_transfer_config=plan.get("kv_transfer_config"), seed=0, disable_log_stats=False,
+    )
+    results: list[dict[str, Any]] = []
+    with open(out_path, "w", encoding="utf-8") as out:
+        for step in plan["steps"]:
+            if step["op"] == "flush":
+                _flush(plan)
+                continue
+            for row in _gen(llm, plan, step):
+                out.write(json.dumps(row) + "\n")  # one line a request, so a crash keeps what ran
+                out.flush()
+                results.append(row)
+            print(f"step {step['name']}: {results[-1]['ttft_s']}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

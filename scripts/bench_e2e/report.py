@@ -1,0 +1,152 @@
+"""Writers of the end-to-end benchmark: the JSON, the PNG (TTFT vs prompt length per system) and
+the Markdown tables (bench-results/), and with ``docs=True`` their copies in docs/ plus the
+README's table between ``<!-- bench-e2e:begin -->`` and ``<!-- bench-e2e:end -->``."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from scripts.bench_e2e.systems import ROOT
+
+__all__ = ["markdown", "plot", "write_all"]
+
+BEGIN, END = "<!-- bench-e2e:begin -->", "<!-- bench-e2e:end -->"
+KIND = {"base": "", "miss": " miss", "hit": " hit"}
+DOC_HEAD = """# End-to-end benchmark: time to first token on the CPU vLLM engine
+
+Made by `make bench-e2e` (`scripts/bench_e2e/`); the figures of the last run, its configuration,
+machine and load averages are in [e2e.json](e2e.json). Rerun with
+`make bench-e2e VLLM_VENV=/path/to/.venv-vllm E2E_ARGS=--docs` to refresh this page and the README.
+
+"""
+
+
+def _k(n: int) -> str:
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _f(x: Any, nd: int = 0) -> str:
+    if x is None:
+        return "-"
+    return f"{x:,.{nd}f}" if isinstance(x, float | int) else str(x)
+
+
+def ttft_table(result: dict[str, Any]) -> str:
+    lines = ["| system | prompt | TTFT median ms | p90 ms | speedup vs no connector | cached tokens | load GB/s | decode tok/s | outputs = no connector |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["ttft"]:
+        t = r["ttft_ms"]
+        lines.append(
+            f"| {r['label']}{KIND[r['kind']]} | {_k(r['length'])} | {_f(t['median'])} | {_f(t['p90'])} | "
+            f"{_f(r['speedup_vs_none'], 2) + 'x' if r['speedup_vs_none'] else '-'} | {_f(r['cached_tokens'])} | "
+            f"{_f(r['load_gbps'], 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def isolation_table(result: dict[str, Any]) -> str:
+    lines = ["| system | prompt | A on A's prompt (control) ms / cached | B on A's prompt ms / cached | B's own miss ms | B's speedup from A's cache |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in result["isolation"]:
+        lines.append(
+            f"| {r['label']} | {_k(r['length'])} | {_f(r['a_on_a_ms'])} / {_f(r['a_on_a_cached'])} | "
+            f"{_f(r['b_on_a_ms'])} / {_f(r['b_on_a_cached'])} | {_f(r['own_miss_ms'])} | {_f(r['b_speedup_vs_own_miss'], 2)}x |"
+        )
+    return "\n".join(lines)
+
+
+def multi_table(result: dict[str, Any]) -> str:
+    mt = result["multi_tenant"]
+    if not mt:
+        return ""
+    tenants = sorted({t for m in mt.values() for t in m["per_tenant"]})
+    head = "| system | requests/s | prompt tok/s | TTFT later rounds ms (median) | " + " | ".join(
+        f"{t} first / later ms" for t in tenants) + " | outputs = no connector |"
+    lines = [head, "| " + " | ".join(["---"] * (5 + len(tenants))) + " |"]
+    for m in mt.values():
+        per = " | ".join(f"{_f(m['per_tenant'][t]['ttft_ms_first'])} / {_f(m['per_tenant'][t]['ttft_ms_later'])}" for t in tenants)
+        lines.append(f"| {m['label']} | {_f(m['req_per_s'], 2)} | {_f(m['prompt_tok_per_s'])} | "
+                     f"{_f(m['ttft_ms_later_median'])} | {per} | {m['identical_to_none'] or '-'} |")
+    return "\n".join(lines)
+
+
+def setup_line(result: dict[str, Any]) -> str:
+    meta = result["meta"]
+    m, c, e = meta["model"], meta["config"], meta["engine"]
+    load = meta.get("loadavg_start")
+    return (
+        f"Model: random-weight Llama ({m['params'] / 1e6:.0f}M parameters: hidden {m['hidden']}, {m['layers']} layers, "
+        f"{m['kv_heads']} KV heads of {m['hidden'] // m['heads']}, {e['dtype']}; {m['kv_bytes_per_token'] // 1024} KiB of KV per token), "
+        f"vLLM {meta.get('vllm', '?')} on CPU ({meta.get('cpus', '?')} cores, all of them for every system), prefix cache off, "
+        f"block {e['block_size']}, kvgate chunks of {c['chunk_tokens']} tokens; {c['reps']} prompts per length, "
+        f"{c['out_tokens']} greedy tokens each; load average at start {load}."
+    )
+
+
+def markdown(result: dict[str, Any]) -> str:
+    parts = [setup_line(result), "", ttft_table(result), "",
+             "Isolation (tenant B sends tenant A's prompt right after A's hit; the control is A's own hit):", "",
+             isolation_table(result)]
+    mt = multi_table(result)
+    if mt:
+        c = result["meta"]["config"]
+        title = (f"Multi-tenant workload ({c['tenants']} tenants, each with its own {_k(c['context'])}-token context, "
+                 f"{c['questions']} rounds of one {c['question_tokens']}-token question per tenant, each round one batch):")
+        parts += ["", title, "", mt]
+    return "\n".join(parts) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for r in result["ttft"]:
+        series.setdefault(r["label"] + KIND[r["kind"]], []).append((r["length"], r["ttft_ms"]["median"], r["ttft_ms"]["p90"]))
+    for name, pts in series.items():
+        pts.sort()
+        style = "--" if name.endswith("miss") else "-"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=name)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("time to first token, median (ms)")
+    ax.set_yscale("log")
+    lengths = sorted({r["length"] for r in result["ttft"]})
+    ax.set_xticks(lengths, [_k(x) for x in lengths])
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("TTFT on CPU vLLM: kvgate beside no connector and ExampleConnector")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _readme(md: str, readme: Path) -> None:
+    text = readme.read_text()
+    pat = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+    block = f"{BEGIN}\n{md}{END}"
+    if not pat.search(text):
+        raise SystemExit(f"{readme} has no {BEGIN} ... {END} markers to put the table between")
+    readme.write_text(pat.sub(lambda _: block, text))
+
+
+def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, docs: bool) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(result, indent=1) + "\n")
+    (json_path.parent / "e2e-raw.json").write_text(json.dumps(raw) + "\n")
+    md = markdown(result)
+    (json_path.parent / "e2e.md").write_text(md)
+    plot(result, json_path.parent / "e2e_ttft.png")
+    print(md)
+    if docs:
+        (ROOT / "docs" / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
+        (ROOT / "docs" / "e2e.md").write_text(DOC_HEAD + md + "\n![TTFT](img/e2e_ttft.png)\n")
+        plot(result, ROOT / "docs" / "img" / "e2e_ttft.png")
+        _readme(md, ROOT / "README.md")
+    print(f"wrote {json_path}, {json_path.parent / 'e2e.md'}, {json_path.parent / 'e2e_ttft.png'}" + (", docs/ and README.md" if docs else ""))

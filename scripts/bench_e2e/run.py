@@ -1,0 +1,251 @@
+"""``make bench-e2e``: time to first token on a real CPU vLLM engine, kvgate beside the peers.
+
+    python -m scripts.bench_e2e.run [--quick] [--lengths 1024,4096,8192] [--reps 5] [--systems ...]
+
+Builds the random-weight Llama (model.py), then for each system (systems.py) starts one engine
+process (engine.py) with the same flags and thread count, drives it through the same steps,
+stops it by process id, and writes ``bench-results/e2e.json``, the PNG and the Markdown table
+(report.py; ``--docs`` also refreshes docs/e2e.md, docs/e2e.json, docs/img/e2e_ttft.png and the
+README section between its markers). Steps, per system:
+
+1. warm-up (two short prompts, no capability);
+2. per prompt length L and prompt i < reps: no connector: one request; a connector: tenant A
+   misses (and stores), A hits; at the isolation length tenant B sends A's prompt; then the
+   system's store is flushed (one prompt's KV in memory at a time);
+3. the multi-tenant workload: T tenants, each with its own context of C tokens, Q rounds of one
+   question (64 tokens) per tenant, each round one batch of T concurrent requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from scripts.bench_e2e.model import SIZES, build_llama
+from scripts.bench_e2e.systems import ROOT, describe, open_system, salts, stop_process
+
+ISO_A, ISO_B = "acme", "globex"
+
+
+@dataclass
+class Config:
+    size: str = "full"
+    lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192])
+    reps: int = 5
+    iso_length: int = 4096
+    out_tokens: int = 8
+    tenants: int = 4
+    context: int = 2048
+    questions: int = 4
+    question_tokens: int = 64
+    systems: list[str] = field(default_factory=lambda: ["none", "kvgate-embedded", "kvgate-remote", "example"])
+    chunk_tokens: int = 256
+    block_size: int = 32
+    dtype: str = "float32"
+    memory_bytes: int = 3 << 30
+    kv_cache_gb: int = 3
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    engine_timeout_s: int = 1500
+
+    @property
+    def mt_tenants(self) -> list[str]:
+        return [f"tenant{t}" for t in range(self.tenants)]
+
+
+QUICK: dict[str, Any] = {"size": "tiny", "lengths": [256, 512], "reps": 2, "iso_length": 512, "tenants": 2,
+                         "context": 256, "questions": 2, "memory_bytes": 256 << 20, "kv_cache_gb": 1}
+
+
+def _seed(length: int, i: int) -> int:
+    return length * 1000 + i
+
+
+def _req(parts: list[list[int]], who: str | None, salt: dict[str, str], **tag: Any) -> dict[str, Any]:
+    return {"parts": parts, "cap": who, "salt": salt[who] if who else None, "tag": tag}
+
+
+def steps(cfg: Config, key: str, salt: dict[str, str]) -> list[dict[str, Any]]:
+    def gen(name: str, reqs: list[dict[str, Any]], n: int = cfg.out_tokens) -> dict[str, Any]:
+        return {"op": "gen", "name": name, "max_tokens": n, "reqs": reqs}
+
+    out = [gen("warmup", [_req([[128, 1]], None, salt, kind="warmup")], 2),
+           gen("warmup", [_req([[min(cfg.lengths), 7]], None, salt, kind="warmup")], 2)]
+    for length in cfg.lengths:
+        for i in range(cfg.reps):
+            parts = [[length, _seed(length, i)]]
+            if key == "none":
+                out.append(gen(f"base {length}/{i}", [_req(parts, ISO_A, salt, kind="base", length=length, i=i)]))
+                continue
+            out.append(gen(f"miss {length}/{i}", [_req(parts, ISO_A, salt, kind="miss", length=length, i=i)]))
+            out.append(gen(f"hit {length}/{i}", [_req(parts, ISO_A, salt, kind="hit", length=length, i=i)]))
+            if length == cfg.iso_length:
+                out.append(gen(f"b_on_a {length}/{i}", [_req(parts, ISO_B, salt, kind="b_on_a", length=length, i=i)]))
+            out.append({"op": "flush"})
+    for q in range(cfg.questions):
+        reqs = [
+            _req([[cfg.context, 7000 + t], [cfg.question_tokens, 8000 + 100 * t + q]], tenant if key != "none" else None,
+                 salt, kind="mt", tenant=tenant, q=q)
+            for t, tenant in enumerate(cfg.mt_tenants)
+        ]
+        out.append(gen(f"mt round {q}", reqs))
+    return out
+
+
+def engine_env(extra: dict[str, str], cfg: Config) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", VLLM_LOGGING_LEVEL="WARNING",
+        VLLM_CPU_KVCACHE_SPACE=str(cfg.kv_cache_gb),
+        # every system on all cores: without a connector vLLM would keep one back (and run on one thread here)
+        VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+        PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
+    env.update(extra)
+    return env
+
+
+def run_engine(plan: dict[str, Any], work: Path, env: dict[str, str], timeout_s: int) -> list[dict[str, Any]]:
+    plan_path, out_path, log_path = work / "plan.json", work / "results.jsonl", work / "engine.log"
+    plan_path.write_text(json.dumps(plan))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "scripts.bench_e2e.engine", str(plan_path), str(out_path)],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            rc = -1
+        finally:
+            stop_process(proc)  # its process group: vLLM's engine core and workers too
+    rows = [json.loads(x) for x in out_path.read_text().splitlines()] if out_path.exists() else []
+    if rc != 0:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"engine exited with {rc} after {len(rows)} requests; log {log_path}:\n{tail}")
+    return rows
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def _machine() -> dict[str, Any]:
+    import platform
+
+    import torch
+    import vllm
+
+    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                if ln.startswith("model name")), platform.processor())
+    mem = next((int(ln.split()[1]) // (1 << 20) for ln in Path("/proc/meminfo").read_text().splitlines()
+                if ln.startswith("MemTotal")), None)
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
+            "cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": mem, "loadavg_start": _load(), "uptime_start": _uptime(),
+            "note": "the machine's 2 cores were shared with other jobs during the run: see the load averages"}
+
+
+def run(cfg: Config, work: Path) -> dict[str, Any]:
+    size = SIZES[cfg.size]
+    model = build_llama(work / f"model-{cfg.size}", size)
+    max_len = max(max(cfg.lengths), cfg.context + cfg.question_tokens) + cfg.out_tokens + 64
+    if max_len > size.max_len:
+        raise SystemExit(f"prompt length {max_len} exceeds the model's {size.max_len}")
+    engine = {
+        "block_size": cfg.block_size, "dtype": cfg.dtype, "max_model_len": max_len, "max_num_seqs": max(8, cfg.tenants),
+        # a whole prompt (and a whole multi-tenant round) in one prefill step, for every system alike
+        "max_num_batched_tokens": max(max_len, cfg.tenants * (cfg.context + cfg.question_tokens + cfg.out_tokens)),
+    }
+    tenants = [ISO_A, ISO_B, *cfg.mt_tenants]
+    salt = salts(tenants)
+    machine = _machine()
+    runs: dict[str, Any] = {}
+    failed: dict[str, str] = {}
+
+    def meta() -> dict[str, Any]:
+        kvb = size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)
+        return {**machine, "loadavg_end": _load(), "uptime_end": _uptime(), "config": asdict(cfg), "engine": engine,
+                "model": {"size": cfg.size, **asdict(size), "params": size.params(), "kv_bytes_per_token": kvb}}
+
+    for key in cfg.systems:
+        sys_work = work / key
+        t0 = time.monotonic()
+        load_before = _load()
+        print(f"[bench-e2e] {key}: starting (load {load_before})", flush=True)
+        try:
+            system = open_system(key, sys_work, tenants, asdict(cfg))
+            try:
+                plan = {"model": str(model), "engine": engine, "kv_transfer_config": system.ktc, "caps": system.caps,
+                        "flush": system.flush, "steps": steps(cfg, key, salt)}
+                rows = run_engine(plan, sys_work, engine_env(system.env, cfg), cfg.engine_timeout_s)
+            finally:
+                system.close()
+        except Exception as exc:  # noqa: BLE001 -- one system's failure is recorded; the others still run
+            print(f"[bench-e2e] {key}: FAILED: {exc}", flush=True)
+            failed[key] = str(exc)[-2000:]
+            continue
+        trace = [json.loads(x) for x in system.trace.read_text().splitlines()] if system.trace and system.trace.exists() else []
+        runs[key] = {**describe(system), "rows": rows, "trace": [e for e in trace if e["event"] in ("load", "store")],
+                     "wall_s": round(time.monotonic() - t0, 1), "load_before": load_before, "load_after": _load()}
+        print(f"[bench-e2e] {key}: {len(rows)} requests in {runs[key]['wall_s']} s", flush=True)
+        # what ran so far, in the shape of e2e-raw.json (``--from-raw`` reports it)
+        (work / "raw-partial.json").write_text(json.dumps({"meta": {**meta(), "failed": failed}, "runs": runs}))
+    return {"meta": {**meta(), "failed": failed}, "runs": runs}
+
+
+def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+    p = argparse.ArgumentParser(prog="bench-e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny model, short prompts (develops the harness)")
+    p.add_argument("--size", choices=sorted(SIZES))
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--reps", type=int)
+    p.add_argument("--iso-length", type=int)
+    p.add_argument("--systems", type=lambda s: s.split(","))
+    p.add_argument("--tenants", type=int)
+    p.add_argument("--context", type=int)
+    p.add_argument("--questions", type=int)
+    p.add_argument("--chunk-tokens", type=int)
+    p.add_argument("--redis-url")
+    p.add_argument("--json", type=Path, default=ROOT / "bench-results" / "e2e.json")
+    p.add_argument("--docs", action="store_true", help="also refresh docs/e2e.*, docs/img/e2e_ttft.png and the README table")
+    p.add_argument("--from-raw", type=Path, help="no engines: analyze and report an earlier run's e2e-raw.json")
+    p.add_argument("--workdir", type=Path, help="keep engine logs, plans and traces here (default: a temporary directory)")
+    a = p.parse_args(argv)
+    cfg = Config(**(QUICK if a.quick else {}))
+    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url"):
+        if getattr(a, name) is not None:
+            setattr(cfg, name, getattr(a, name))
+    if cfg.iso_length not in cfg.lengths:
+        cfg.iso_length = cfg.lengths[len(cfg.lengths) // 2]
+    return cfg, a
+
+
+def main(argv: list[str] | None = None) -> None:
+    from scripts.bench_e2e.analyze import analyze
+    from scripts.bench_e2e.report import write_all
+
+    cfg, a = parse(argv)
+    t0 = time.monotonic()
+    if a.from_raw:
+        raw = json.loads(a.from_raw.read_text())
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvgate-e2e-") as tmp:
+            raw = run(cfg, a.workdir or Path(tmp))
+        raw["meta"]["total_wall_s"] = round(time.monotonic() - t0, 1)
+    result = analyze(raw)
+    write_all(result, raw, a.json, docs=a.docs)
+
+
+if __name__ == "__main__":
+    main()

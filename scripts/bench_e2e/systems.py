@@ -1,0 +1,225 @@
+"""The systems under test, each set up as a new user would, and torn down by process id.
+
+- ``none``: vLLM with no KV connector.
+- ``kvgate-embedded``: the kvgate connector with the core in the worker, tiers memory + Redis
+  (the scheduler process looks up in Redis; the worker loads from its own memory tier), a
+  SQLite state directory of its own, capabilities minted in that state.
+- ``kvgate-remote``: the connector in remote mode against a ``kvgate serve`` of its own (a free
+  port, a temporary state directory, memory tier): an operator token from ``kvgate token mint``,
+  tenants from ``POST /v1/admin/tenants`` and capabilities from ``POST /v1/capabilities`` with it,
+  the worker holding that operator token in ``KVGATE_REMOTE_TOKEN``.
+- ``example``: vLLM's in-tree ExampleConnector (plaintext safetensors files per request and layer
+  in a directory), tenants told apart only by ``cache_salt``, which it does not read.
+
+Every system gets the same ``cache_salt`` per tenant (what kvgate's middleware would set; vLLM's
+prefix cache is off, so it only matters to a connector that reads it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LABELS", "System", "open_system", "stop_process"]
+
+ROOT = Path(__file__).resolve().parents[2]
+LABELS = {
+    "none": "no connector", "kvgate-embedded": "kvgate embedded", "kvgate-remote": "kvgate remote",
+    "example": "ExampleConnector",
+}
+OPS = ["lookup", "get", "put"]
+CAP_TTL = 3600  # one engine lifetime of the full run fits well inside it
+
+
+@dataclass
+class System:
+    key: str
+    ktc: dict[str, Any] | None
+    caps: dict[str, str] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    flush: dict[str, str] = field(default_factory=dict)
+    trace: Path | None = None
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.key]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            stop_process(proc)
+        self.procs.clear()
+        if self.flush.get("redis_url"):  # leave nothing of this run in the shared Redis
+            import redis
+
+            r = redis.Redis.from_url(self.flush["redis_url"])
+            try:
+                keys = list(r.scan_iter(match=self.flush["redis_prefix"] + "*", count=1000))
+                for i in range(0, len(keys), 1000):
+                    r.delete(*keys[i : i + 1000])
+            except redis.RedisError as exc:  # the figures stand; say what is left behind
+                print(f"[bench-e2e] could not remove Redis keys {self.flush['redis_prefix']}*: {exc}", flush=True)
+            finally:
+                r.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
+    """SIGTERM the process group this runner started (its leader's pid), then SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; children (vLLM's engine core) may still be in its group
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(1.0)
+
+
+def salts(tenants: list[str]) -> dict[str, str]:
+    from gateway.vllm.salt import cache_salt
+
+    secret = secrets.token_bytes(32)
+    return {t: cache_salt(secret, t, "default") for t in tenants}
+
+
+def _connector(extra: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra,
+    }
+
+
+async def _embedded_caps(settings: dict[str, Any], tenants: list[str]) -> dict[str, str]:
+    from gateway import dbschema
+    from gateway.config import Settings
+    from gateway.runtime import open_runtime
+
+    Path(settings["state_dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+    await asyncio.to_thread(dbschema.upgrade, Settings(**settings).db_url)
+    rt = await open_runtime(Settings(**settings))
+    try:
+        caps = {}
+        for t in tenants:
+            await rt.admin.create_tenant(t)
+            caps[t] = await rt.gateway.mint_capability(t, "default", OPS, CAP_TTL)
+        return caps
+    finally:
+        await rt.aclose()
+
+
+def _embedded(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
+    prefix = f"kvgate-e2e-{secrets.token_hex(4)}:"
+    settings = {
+        "state_dir": str(work / "state"), "tiers": ["memory", "redis"], "redis_url": cfg["redis_url"],
+        "redis_prefix": prefix, "chunk_tokens": cfg["chunk_tokens"], "memory_bytes": cfg["memory_bytes"],
+        "capability_max_ttl_s": CAP_TTL,
+    }
+    trace = work / "trace.jsonl"
+    caps = asyncio.run(_embedded_caps(settings, tenants))
+    extra = {"kvgate_settings": settings, "trace_path": str(trace), "model_name": "bench-llama"}
+    return System("kvgate-embedded", _connector(extra), caps, flush={"redis_url": cfg["redis_url"], "redis_prefix": prefix}, trace=trace)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _kvgate(args: list[str], env: dict[str, str]) -> str:
+    proc = subprocess.run([sys.executable, "-m", "gateway", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"kvgate {' '.join(args)} failed ({proc.returncode}): {proc.stdout[-2000:]} {proc.stderr[-2000:]}")
+    return proc.stdout.strip()
+
+
+def _remote(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
+    import httpx
+
+    port = free_port()
+    env = {
+        **os.environ, "PYTHONPATH": str(ROOT), "KVGATE_STATE_DIR": str(work / "state"), "KVGATE_TIERS": '["memory"]',
+        "KVGATE_MEMORY_BYTES": str(cfg["memory_bytes"]), "KVGATE_CHUNK_TOKENS": str(cfg["chunk_tokens"]),
+        "KVGATE_CAPABILITY_MAX_TTL_S": str(CAP_TTL), "KVGATE_LOG_LEVEL": "warning",
+    }
+    with open(work / "serve.log", "wb") as log:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env, cwd=ROOT,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    system = System("kvgate-remote", None, procs=[proc])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError("kvgate serve exited:\n" + (work / "serve.log").read_text()[-3000:])
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("kvgate serve did not start:\n" + (work / "serve.log").read_text()[-3000:])
+            time.sleep(0.5)
+        # the operator's token from the CLI (the development issuer of this state directory); the
+        # tenants and their capabilities over REST with it, as a platform operator would
+        operator = _kvgate(["token", "mint", "--tenant", "platform", "--roles", "kv.operator", "--ttl", str(CAP_TTL)], env)
+        auth = {"Authorization": f"Bearer {operator}"}
+        with httpx.Client(base_url=url, headers=auth, timeout=60) as http:
+            for t in tenants:
+                http.post("/v1/admin/tenants", json={"tenant": t}).raise_for_status()
+                r = http.post("/v1/capabilities", json={"tenant": t, "namespace": "default", "ops": OPS, "ttl": CAP_TTL})
+                r.raise_for_status()
+                system.caps[t] = r.json()["capability"]
+        trace = work / "trace.jsonl"
+        extra = {"mode": "remote", "remote_url": url, "chunk_tokens": cfg["chunk_tokens"], "trace_path": str(trace),
+                 "model_name": "bench-llama"}
+        system.ktc, system.trace, system.env = _connector(extra), trace, {"KVGATE_REMOTE_TOKEN": operator}
+        return system
+    except BaseException:
+        system.close()
+        raise
+
+
+def _example(work: Path, tenants: list[str]) -> System:
+    store = work / "example-store"
+    store.mkdir(parents=True, exist_ok=True)
+    ktc = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    return System("example", ktc, flush={"dir": str(store)})
+
+
+def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
+    work.mkdir(parents=True, exist_ok=True)
+    if key == "none":
+        return System("none", None)
+    if key == "kvgate-embedded":
+        return _embedded(work, tenants, cfg)
+    if key == "kvgate-remote":
+        return _remote(work, tenants, cfg)
+    if key == "example":
+        return _example(work, tenants)
+    raise ValueError(f"unknown system {key!r}; one of {', '.join(LABELS)}")
+
+
+def describe(system: System) -> dict[str, Any]:
+    """What the JSON records about a system's set-up (no secrets: no tokens, no capabilities)."""
+    ktc = json.loads(json.dumps(system.ktc)) if system.ktc else None
+    return {"key": system.key, "label": system.label, "kv_transfer_config": ktc}
