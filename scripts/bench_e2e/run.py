@@ -191,7 +191,7 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
                 rows = run_engine(plan, sys_work, engine_env(system.env, cfg), cfg.engine_timeout_s)
             finally:
                 system.close()
-        except Exception as exc:  # noqa: BLE001 -- one system's failure is recorded; the others still run
+        except Exception as exc:
             print(f"[bench-e2e] {key}: FAILED: {exc}", flush=True)
             failed[key] = str(exc)[-2000:]
             continue
