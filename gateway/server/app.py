@@ -23,6 +23,7 @@ from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.telemetry import Telemetry
 from storage.base import Tier
+from storage.manager import TierManager
 from tenancy.oidc import IssuerConfig, OidcVerifier
 from tenancy.roles import Action
 
@@ -192,6 +193,15 @@ def _breakers(tiers: Iterable[Tier]) -> list[tuple[int, dict[str, str]]]:
     return out or [(0, {"tier": "none"})]
 
 
+def _behind(tiers: TierManager) -> list[tuple[float, dict[str, str]]]:
+    """Write-behind copies by tier and outcome: a dropped copy is only a cache copy lost."""
+    wb = tiers.behind
+    out: list[tuple[float, dict[str, str]]] = []
+    for outcome, counts in (("written", wb.written), ("dropped", wb.dropped), ("failed", wb.errors)):
+        out += [(n, {"tier": name, "outcome": outcome}) for name, n in counts.items()]
+    return out or [(0, {"tier": "none", "outcome": "written"})]
+
+
 def _observe(state: ServerState) -> None:
     """Gauges read at scrape time from the core, the tiers and the audit writer."""
     gw, audit, tel = state.runtime.gateway, state.runtime.audit, state.telemetry
@@ -208,6 +218,7 @@ def _observe(state: ServerState) -> None:
         ("kvgate_tier_timeouts", "tier deadlines missed, by tier and operation", lambda: _timeouts(gw.tiers.tiers)),
         ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(gw.tiers.tiers, "evictions")),
         ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(gw.tiers.tiers, "rejected_puts")),
+        ("kvgate_write_behind_copies", "copies queued behind the fastest tier, by tier and outcome (written, dropped, failed)", lambda: _behind(gw.tiers)),
     )
     gauges: tuple[tuple[str, str, _Series], ...] = (
         ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
@@ -215,6 +226,7 @@ def _observe(state: ServerState) -> None:
         ("kvgate_audit_spool_events", "audit events in the spool", lambda: [(audit.spool_events, {})]),
         ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in gw.tiers.tiers]),
         ("kvgate_tier_breaker_open", "1 while a tier's circuit breaker is open", lambda: _breakers(gw.tiers.tiers)),
+        ("kvgate_write_behind_queued_bytes", "bytes of copies waiting to be written behind the fastest tier", lambda: [(gw.tiers.behind.queued_bytes, {})]),
     )
     for name, description, fn in counters:
         tel.observe(name, description, fn, monotonic=True)

@@ -204,6 +204,7 @@ async def test_metrics_move(live_server: LiveServer):
     grew("kvgate_chunk_bytes_total", 2 * len(env), direction="in", tier="memory")
     for tier in ("memory", "disk"):
         grew("kvgate_tier_used_bytes", 2 * len(env), tier=tier)
+    grew("kvgate_write_behind_copies_total", 2, tier="disk", outcome="written")
     grew("kvgate_chunk_bytes_total", len(env), direction="out", tier="memory")
     grew("kvgate_core_bytes_total", 2 * len(env), direction="in")
     grew("kvgate_auth_denials_total", 1, kind="authentication")
