@@ -98,9 +98,18 @@ async def _database(settings: Settings) -> Check:
 async def _redis(settings: Settings) -> Check | None:
     if not settings.redis_url:
         return None
+    shown = redact_url(settings.redis_url)
+    if settings.redis_url.startswith(("redis+cluster://", "rediss+cluster://")):
+        from storage.redis_cluster import probe_cluster
+
+        try:
+            t0 = time.perf_counter()
+            line = await probe_cluster(settings.redis_url)
+            return Check("redis", OK, f"{shown}: {line} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+        except Exception as exc:
+            return Check("redis", FAIL, f"{shown}: {explain(exc)}", "start the cluster's nodes or fix KVGATE_REDIS_URL")
     import redis.asyncio as aioredis
 
-    shown = redact_url(settings.redis_url)
     client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
     try:
         t0 = time.perf_counter()

@@ -38,7 +38,7 @@ from storage._redis_layout import HEADER_SIZE, Header
 from storage.redis import RedisTier, RedisTierStats
 from storage.types import ChunkKey, ChunkNotFound, TierError, TierFull
 
-__all__ = ["RedisClusterTier"]
+__all__ = ["RedisClusterTier", "probe_cluster"]
 
 T = TypeVar("T")
 
@@ -212,3 +212,24 @@ class RedisClusterTier(RedisTier):
         if node is None:
             node = node_of(self._redis, route) if route is not None else "*"
         return await self._guard_for(node).run(what, timeout, fn)
+
+
+async def probe_cluster(url: str, *, timeout_s: float = 3.0) -> str:
+    """A health line for a cluster URL ("cluster_state ok, 3 masters, 6 nodes known"), or
+    ``TierError`` saying what is wrong (unreachable, or a cluster that is not ok)."""
+    client = make_cluster_client(url, connect_timeout_s=2.0, socket_timeout_s=2.0, max_connections=4)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await client.initialize()
+            info = await client.cluster_info()
+            masters = len(client.get_primaries())
+    except TierError:
+        raise
+    except Exception as exc:  # redis-py's errors and timeouts, translated at the boundary
+        raise TierError(f"cluster unreachable: {type(exc).__name__}: {exc}") from None
+    finally:
+        await client.aclose()
+    state = str(info.get("cluster_state", "?"))
+    if state != "ok":
+        raise TierError(f"cluster_state {state} ({masters} masters reachable)")
+    return f"cluster_state ok, {masters} masters, {info.get('cluster_known_nodes', '?')} nodes known"

@@ -140,3 +140,13 @@ def test_unreachable_issuer(tmp_path, issuer):
 def test_bad_settings_is_one_failed_row(tmp_path):
     code, rows, out = doctor(tmp_path, {"KVGATE_TIERS": '["tape"]'})
     assert code == 1 and rows["settings"][0] == "FAIL" and "Traceback" not in out, out
+
+
+def test_redis_cluster_url(tmp_path, redis_cluster):
+    """A cluster URL is checked as a cluster (its state and masters), and a dead seed list fails."""
+    migrate(tmp_path, {})
+    code, rows, out = doctor(tmp_path, {"KVGATE_REDIS_URL": redis_cluster.url})
+    assert code == 0 and rows["redis"][0] == "ok" and "cluster_state ok, 3 masters" in out, out  # positive control
+    dead = f"redis+cluster://127.0.0.1:{free_port()}"
+    code, rows, out = doctor(tmp_path, {"KVGATE_REDIS_URL": dead})
+    assert code == 1 and rows["redis"][0] == "FAIL" and "KVGATE_REDIS_URL" in rows["redis"][1], out
