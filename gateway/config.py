@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=_default_tiers)
     memory_bytes: int = 4 << 30
     memory_owner_quota_bytes: int | None = None
+    # fault the memory tier's whole arena in at start (MAP_POPULATE): RSS is the budget from the
+    # first second, and no store ever takes a page fault; off by default for small hosts and tests
+    memory_prefault: bool = False
     write_back_tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=list)
     # write_behind: a store returns once the chunk is in the first (fastest) tier; the slower
     # tiers get their copies from a bounded queue (full: copies dropped, counted; a crash loses

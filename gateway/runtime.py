@@ -96,7 +96,10 @@ async def _tiers(settings: Settings) -> list[Tier]:
     tiers: list[Tier] = []
     for name in settings.tiers:
         if name == "memory":
-            tiers.append(MemoryTier(settings.memory_bytes, owner_quota_bytes=settings.memory_owner_quota_bytes))
+            tiers.append(MemoryTier(
+                settings.memory_bytes, owner_quota_bytes=settings.memory_owner_quota_bytes,
+                prefault=settings.memory_prefault,
+            ))
         elif name == "disk":
             tiers.append(
                 await DiskTier.open(settings.chunk_dir, capacity_bytes=settings.disk_bytes, fsync=settings.disk_fsync)

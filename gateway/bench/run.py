@@ -58,7 +58,9 @@ async def _gateway_figures(
     tokens_n = chunk_tokens * n_chunks
     tiers: list[Tier]
     if tier == "memory":
-        tiers = [MemoryTier(chunk_bytes * n_chunks * 3 + (64 << 20))]
+        # prefaulted (KVGATE_MEMORY_PREFAULT): the steady state a serving tier reaches after its
+        # first fill; a fresh tier per configuration would otherwise time first-touch page faults
+        tiers = [MemoryTier(chunk_bytes * n_chunks * 3 + (64 << 20), prefault=True)]
     elif tier == "redis":
         from storage.redis import RedisTier
 
