@@ -78,7 +78,7 @@ class Secret:
             return NotImplemented
         return hmac.compare_digest(self._value, other._value)
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable on purpose: a secret is never a dict key
 
     def __reduce__(self) -> NoReturn:
         raise TypeError("Secret is not picklable")

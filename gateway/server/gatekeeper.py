@@ -182,7 +182,7 @@ def bounded_h11(header_timeout_s: float) -> type[H11Protocol]:
                 )
             self.transport.close()
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio types it BaseTransport; a server connection is a Transport
             super().connection_made(transport)
             self._arm()
 

@@ -119,7 +119,7 @@ class TenantGuard:
         body = {"namespace": self.config.namespace, "ops": ["lookup", "get", "put"], "ttl": self.config.capability_ttl}
         try:
             r = await self._http.post(
-                self.config.gateway_url.rstrip("/") + "/v1/capabilities",  # type: ignore[union-attr]
+                self.config.gateway_url.rstrip("/") + "/v1/capabilities",  # type: ignore[union-attr]  # set whenever the guard mints (checked in config)
                 json=body, headers={"Authorization": f"Bearer {token}"},
             )
         except httpx.HTTPError as exc:
