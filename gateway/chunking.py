@@ -10,10 +10,9 @@ tokens and model give the same hashes everywhere. Tenant namespacing happens lat
 
 from __future__ import annotations
 
-import array
 import hashlib
 import json
-import sys
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -74,18 +73,17 @@ class Chunk:
 
 
 def _list_as_int32(tokens: list[int] | tuple[int, ...]) -> np.ndarray | None:
-    """A list of Python ints packed in one C pass (numpy's asarray on a 32K-token list costs
-    about as much as the rest of a lookup); None when it is not plainly a list of int32 (the
-    numpy path then says why)."""
-    if not tokens or sys.byteorder != "little":
+    """A list of Python ints packed in one C pass, straight to int32 little endian (numpy's
+    asarray on a 32K-token list costs about as much as the rest of a lookup; ``struct.pack``
+    is the fastest of the standard ways, about 2x ``array.array``); None when it is not plainly a
+    list of int32 (the numpy path then says why)."""
+    if not tokens:
         return None
     try:
-        packed = array.array("q", tokens)  # rejects floats, strings, nesting and ints past int64
-    except (TypeError, OverflowError, ValueError):
+        packed = struct.pack(f"<{len(tokens)}i", *tokens)  # rejects floats, strings, nesting, ints past int32
+    except struct.error:
         return None
-    if packed.itemsize != 8:
-        return None
-    arr = np.frombuffer(packed, dtype="<i8")
+    arr = np.frombuffer(packed, dtype="<i4")
     if int(arr.max()) <= 1 and all(type(t) is bool for t in tokens):
         return None  # only bools: numpy's path rejects them
     return arr
