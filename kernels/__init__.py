@@ -4,8 +4,7 @@
     PagedKV                     a model's per-layer paged tensors, checked once (register time)
     slots_from_block_ids        block table (+ start token, count) -> slot mapping
     pack / unpack               every layer's slots <-> one [layers, 2, n, heads, head_size] chunk
-    StagingPool, StagingLease   bounded, reusable staging buffers for chunk after chunk
-    errors                      KVKernelError > KVLayoutError, StagingError > StagingExhausted, ...
+    errors                      KVKernelError > KVLayoutError
 
 The device AES-GCM lives in submodules, imported on demand: ``aes_gcm`` (torch ops, the reference),
 ``triton_gcm`` (fused Triton kernels; imports triton), ``device_aead`` (which one runs: the
@@ -16,11 +15,10 @@ Moving bytes is exact for every dtype (fp8 included): pack and unpack copy machi
 floats. A chunk does not depend on the paged layout or block size it came from.
 """
 
-from .errors import KVKernelError, KVLayoutError, StagingClosed, StagingError, StagingExhausted
+from .errors import KVKernelError, KVLayoutError
 from .layouts import CHUNK_LAYOUT, KVGeometry, KVLayout
 from .pack import KVLayers, SlotsLike, pack, slots_from_block_ids, unpack
 from .paged import PagedKV
-from .staging import StagingLease, StagingPool
 
 __all__ = [
     "CHUNK_LAYOUT",
@@ -31,11 +29,6 @@ __all__ = [
     "KVLayoutError",
     "PagedKV",
     "SlotsLike",
-    "StagingClosed",
-    "StagingError",
-    "StagingExhausted",
-    "StagingLease",
-    "StagingPool",
     "pack",
     "slots_from_block_ids",
     "unpack",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import FrozenInstanceError
 
@@ -18,10 +17,6 @@ from kernels import (
     KVLayout,
     KVLayoutError,
     PagedKV,
-    StagingClosed,
-    StagingError,
-    StagingExhausted,
-    StagingPool,
     pack,
     slots_from_block_ids,
     unpack,
@@ -397,8 +392,6 @@ def test_unpack_duplicate_slots_raise_and_write_nothing() -> None:
 
 def test_errors_are_typed() -> None:
     assert issubclass(KVLayoutError, ValueError) and issubclass(KVLayoutError, KVKernelError)
-    assert issubclass(StagingExhausted, StagingError) and issubclass(StagingClosed, StagingError)
-    assert issubclass(StagingError, KVKernelError)
 
 
 # -- geometry -----------------------------------------------------------------------------------
@@ -448,75 +441,7 @@ def test_chunk_shape_rejects_bad_token_counts(n) -> None:
         geom().chunk_shape(n)
 
 
-# -- staging pool -------------------------------------------------------------------------------
-
-
-def test_staging_pool_reuses_bounded_buffers() -> None:
-    g = geom(KVLayout.KV_FIRST, torch.bfloat16)
-    cache = random_cache(g, 8, seed=9)
-    pool = StagingPool.for_geometry(g, max_tokens=8, max_buffers=2)
-    ptrs = set()
-    for start in range(0, 29, 8):  # chunks of 8, 8, 8, then a partial one of 5
-        n = min(8, 29 - start)
-        slots = slots_from_block_ids([6, 1, 7, 3, 0, 2, 5, 4], 4, start, n)
-        with pool.acquire_chunk(g, n) as lease:
-            out = lease.tensor
-            assert out.shape == g.chunk_shape(n) and out.is_contiguous()
-            assert pack(cache, slots, g, out=out) is out
-            assert torch.equal(raw(out), raw(naive_pack(cache, slots.tolist(), g)))
-            ptrs.add(out.data_ptr())
-    assert len(ptrs) == 1  # one buffer, reused for every chunk
-    assert pool.allocated == 1 and pool.in_use == 0
-
-    a, b = pool.acquire_chunk(g, 8), pool.acquire_chunk(g, 8)
-    assert pool.allocated == 2 and pool.in_use == 2
-    with pytest.raises(StagingExhausted):
-        pool.acquire_chunk(g, 1)
-    a.release()
-    a.release()  # idempotent
-    with pytest.raises(StagingError, match="released"):
-        _ = a.tensor
-    c = pool.acquire_chunk(g, 3)
-    assert pool.allocated == 2 and c.tensor.data_ptr() == a._buffer.data_ptr()
-    b.release()
-    c.release()
-
-
-def test_staging_pool_waits_for_a_release() -> None:
-    pool = StagingPool(1024, max_buffers=1)
-    held = pool.acquire((4, 4), torch.float32)
-    timer = threading.Timer(0.05, held.release)
-    timer.start()
-    try:
-        with pool.acquire((16,), torch.int64, timeout=5.0) as lease:
-            assert lease.tensor.shape == (16,)
-    finally:
-        timer.join()
-    with pool.acquire((8,), torch.int64), pytest.raises(StagingExhausted):
-        pool.acquire((8,), torch.int64, timeout=0.01)
-
-
-def test_staging_pool_rejects_bad_requests_and_closes() -> None:
-    with pytest.raises(KVLayoutError, match="capacity_bytes"):
-        StagingPool(0)
-    with pytest.raises(KVLayoutError, match="max_buffers"):
-        StagingPool(16, max_buffers=0)
-    pool = StagingPool(64, max_buffers=2, preallocate=True)
-    assert pool.allocated == 2 and pool.in_use == 0
-    with pytest.raises(KVLayoutError, match="needs 68 bytes"):
-        pool.acquire((17,), torch.float32)
-    with pytest.raises(KVLayoutError, match="shape"):
-        pool.acquire((0, 4), torch.float32)
-    held = pool.acquire((16,), torch.float32)
-    pool.close()
-    assert pool.allocated == 1
-    with pytest.raises(StagingClosed):
-        pool.acquire((1,), torch.uint8)
-    held.release()
-    assert pool.allocated == 0
-
-
-# -- CUDA ---------------------------------------------------------------------------------------
+# -- CUDA -----------------------------------------------------------------------------------------
 
 
 @pytest.mark.cuda
@@ -528,12 +453,12 @@ def test_cuda_matches_cpu_bit_for_bit(layout: KVLayout) -> None:
     gpu = [t.cuda() for t in cpu]
     slots = slots_from_block_ids(torch.randperm(64)[:9], 16, 3, 130)
     want = pack(cpu, slots, g)
-    pool = StagingPool.for_geometry(g, 256, device="cuda")
-    with pool.acquire_chunk(g, 130) as lease:
-        got = pack(gpu, slots.cuda(), g, out=lease.tensor)
-        assert torch.equal(raw(got.cpu()), raw(want))
-        dst = [torch.zeros_like(t) for t in gpu]
-        unpack(got, dst, slots, g)
+    out = torch.empty(g.chunk_shape(130), dtype=g.dtype, device="cuda")
+    got = pack(gpu, slots.cuda(), g, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(raw(got.cpu()), raw(want))
+    dst = [torch.zeros_like(t) for t in gpu]
+    unpack(got, dst, slots, g)
     ref = zero_cache(g, 64)
     unpack(want, ref, slots, g)
     assert same_bytes([t.cpu() for t in dst], ref)
