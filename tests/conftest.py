@@ -19,7 +19,7 @@ from tests.support.services import (
 )
 
 # fixtures of their own servers, for every test module that names them
-pytest_plugins = ["tests.support.redis_server", "tests.support.redis_cluster"]
+pytest_plugins = ["tests.support.postgres", "tests.support.redis_server", "tests.support.redis_cluster"]
 
 
 @pytest.fixture(scope="session")

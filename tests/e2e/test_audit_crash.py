@@ -14,7 +14,7 @@ from audit import AuditSigningKey, AuditStore, create_audit_engine, export_to_fi
 from audit.checkpoint import CheckpointDirectory
 from audit.checkpointer import Checkpointer
 from tests.support.killed_server import ServeProcess, kill_after, logged, lost_and_order
-from tests.support.postgres import ThrowawayPostgres
+from tests.support.postgres import started
 
 pytestmark = [pytest.mark.slow]
 N = 30
@@ -25,13 +25,8 @@ def database(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite+aiosqlite:///{tmp_path / 'state' / 'kvgate.db'}"
         return
-    pg = ThrowawayPostgres()
-    try:
-        pg.init()
-        pg.start()
+    with started() as pg:
         yield pg.url
-    finally:
-        pg.cleanup()
 
 
 async def _tree_and_chain(db_url: str, tmp_path: Path, rows: int) -> None:

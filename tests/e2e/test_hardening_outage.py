@@ -23,17 +23,6 @@ from tests.support.server_fixture import (
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
 
-@pytest.fixture
-def cluster():
-    pg = ThrowawayPostgres()
-    try:
-        pg.init()
-        pg.start()
-        yield pg
-    finally:
-        pg.cleanup()
-
-
 def _port_of(r: httpx.Response) -> int:
     return r.extensions["network_stream"].get_extra_info("client_addr")[1]
 
@@ -44,8 +33,8 @@ def _unavailable(r: httpx.Response) -> None:
     assert r.headers.get("connection", "").lower() != "close"
 
 
-async def test_postgres_outage_is_503_on_a_usable_connection(cluster: ThrowawayPostgres, tmp_path: Path):
-    with running_server(tmp_path / "state", cluster.url) as live:
+async def test_postgres_outage_is_503_on_a_usable_connection(pg_cluster: ThrowawayPostgres, tmp_path: Path):
+    with running_server(tmp_path / "state", pg_cluster.url) as live:
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
         async with live.client(limits=limits) as http:
             a = await live.create_tenant(http)
@@ -56,7 +45,7 @@ async def test_postgres_outage_is_503_on_a_usable_connection(cluster: ThrowawayP
             assert r.status_code == 204
             port = _port_of(r)
 
-            cluster.stop("immediate")
+            pg_cluster.stop("immediate")
             try:
                 calls = [
                     ("mint", lambda: http.post("/v1/capabilities", json={"namespace": "other", "ops": ["get"]}, headers=live.headers(admin))),
@@ -73,7 +62,7 @@ async def test_postgres_outage_is_503_on_a_usable_connection(cluster: ThrowawayP
                 assert r.status_code == 503 and r.json()["checks"]["database"] == "unavailable"
                 assert _port_of(r) == port
             finally:
-                cluster.start()
+                pg_cluster.start()
 
             # positive control: once the database is back, the same calls succeed on the same connection
             for _ in range(50):

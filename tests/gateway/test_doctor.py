@@ -16,7 +16,6 @@ import pytest
 
 from tests.support.oidc_issuer import LocalIssuer
 from tests.support.paths import REPO
-from tests.support.postgres import ThrowawayPostgres
 from tests.support.redis_server import Server
 from tests.support.services import REDIS_URL, _need, free_port
 from tests.support.softhsm import MODULE_PATHS, _missing
@@ -53,25 +52,20 @@ def _issuers(url: str) -> str:
     return json.dumps([{"issuer": url, "audience": "kvgate"}])
 
 
-def test_healthy_then_postgres_stopped(tmp_path, issuer):
+def test_healthy_then_postgres_stopped(tmp_path, issuer, pg_cluster):
     _need("Redis", REDIS_URL, 6379)
-    pg = ThrowawayPostgres()
-    try:
-        pg.init()
-        pg.start()
-        env = {"KVGATE_DATABASE_URL": pg.url, "KVGATE_REDIS_URL": REDIS_URL, "KVGATE_ISSUERS": _issuers(issuer.issuer),
-               "KVGATE_DEV_ISSUER": "false"}
-        migrate(tmp_path, env)
-        code, rows, out = doctor(tmp_path, env)
-        assert code == 0, out  # positive control
-        for name in ("settings", "database", "redis", "kek", f"oidc: {issuer.issuer}"):
-            assert rows[name][0] == "ok", (name, out)
-        pg.stop()
-        code, rows, out = doctor(tmp_path, env)
-        assert code == 1 and rows["database"][0] == "FAIL" and "KVGATE_DATABASE_URL" in rows["database"][1], out
-        assert rows["redis"][0] == "ok" and rows["kek"][0] == "ok"  # the rest still fine
-    finally:
-        pg.cleanup()
+    pg = pg_cluster
+    env = {"KVGATE_DATABASE_URL": pg.url, "KVGATE_REDIS_URL": REDIS_URL, "KVGATE_ISSUERS": _issuers(issuer.issuer),
+           "KVGATE_DEV_ISSUER": "false"}
+    migrate(tmp_path, env)
+    code, rows, out = doctor(tmp_path, env)
+    assert code == 0, out  # positive control
+    for name in ("settings", "database", "redis", "kek", f"oidc: {issuer.issuer}"):
+        assert rows[name][0] == "ok", (name, out)
+    pg.stop()
+    code, rows, out = doctor(tmp_path, env)
+    assert code == 1 and rows["database"][0] == "FAIL" and "KVGATE_DATABASE_URL" in rows["database"][1], out
+    assert rows["redis"][0] == "ok" and rows["kek"][0] == "ok"  # the rest still fine
 
 
 def test_redis_killed(tmp_path):

@@ -1,4 +1,9 @@
-"""A PostgreSQL server of a test's own (initdb in a temp dir, on a free port), to stop, kill and restart by its pid."""
+"""A PostgreSQL server of a test's own (initdb in a temp dir, on a free port), to stop, kill and restart by its pid.
+
+    ThrowawayPostgres   the server; ``init``, ``start``, ``stop``, ``cleanup``
+    started()           one, initialised and started, cleaned up after (a context manager)
+    pg_cluster          the same as a fixture (registered for every test module in tests/conftest.py)
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import pwd
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -64,3 +71,22 @@ class ThrowawayPostgres:
                 self.stop("immediate")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+@contextmanager
+def started() -> Iterator[ThrowawayPostgres]:
+    """A throwaway server, initialised and started; stopped and removed after, whatever happens."""
+    pg = ThrowawayPostgres()
+    try:
+        pg.init()
+        pg.start()
+        yield pg
+    finally:
+        pg.cleanup()
+
+
+@pytest.fixture
+def pg_cluster() -> Iterator[ThrowawayPostgres]:
+    """A Postgres server of this test's own, to stop and start (see ``started``)."""
+    with started() as pg:
+        yield pg
