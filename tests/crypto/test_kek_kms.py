@@ -8,12 +8,9 @@ Needs boto3 and moto[server]; skipped without them, FAILED when CI=true.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,51 +27,18 @@ from tests.support.gw import (
     small_geometry,
     zero_cache,
 )
-from tests.support.services import free_port, missing
+from tests.support.moto_kms import REGION, moto_server
+from tests.support.services import free_port
 
-REGION = "us-east-1"
 NUM_BLOCKS = 32
 
 
-def _missing(what: str) -> None:
-    missing(f"{what} (install: pip install boto3 'moto[server]')")
-
-
 @pytest.fixture(scope="module")
-def kms(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    for mod in ("boto3", "moto", "flask"):
-        if importlib.util.find_spec(mod) is None:
-            _missing(f"{mod} is not installed")
-    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION=REGION)
-    port = free_port()
-    log = (tmp_path_factory.mktemp("moto") / "moto.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=log
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"moto_server did not start (see {log.name})")
-                time.sleep(0.2)
+def kms(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    with moto_server(tmp_path_factory.mktemp("moto") / "moto.log") as moto:
         import boto3
 
-        endpoint = f"http://127.0.0.1:{port}"
-        yield {"endpoint": endpoint, "client": boto3.client("kms", region_name=REGION, endpoint_url=endpoint)}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-        log.close()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        yield {"endpoint": moto.endpoint, "client": boto3.client("kms", region_name=REGION, endpoint_url=moto.endpoint)}
 
 
 def _key(kms: dict) -> str:

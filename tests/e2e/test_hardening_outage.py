@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support.moto_kms import moto_server
 from tests.support.postgres import ThrowawayPostgres
 from tests.support.server_fixture import (
     assert_problem,
@@ -77,42 +78,12 @@ async def test_postgres_outage_is_503_on_a_usable_connection(pg_cluster: Throwaw
 
 # -- the KEK provider: AWS KMS (moto_server, a process of this test's own, stopped by its pid) ------
 @pytest.fixture
-def moto_kms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import importlib.util
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    from tests.support.services import free_port, missing
-
-    for mod in ("boto3", "moto", "flask"):
-        if importlib.util.find_spec(mod) is None:
-            missing(f"{mod} is not installed")
-    for k, v in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"), ("AWS_DEFAULT_REGION", "us-east-1")):
-        monkeypatch.setenv(k, v)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail("moto_server did not start")
-                time.sleep(0.2)
+def moto_kms(tmp_path: Path):
+    with moto_server(tmp_path / "moto.log") as moto:
         import boto3
 
-        endpoint = f"http://127.0.0.1:{port}"
-        arn = boto3.client("kms", region_name="us-east-1", endpoint_url=endpoint).create_key()["KeyMetadata"]["Arn"]
-        yield proc, endpoint, arn
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-        proc.wait(timeout=10)
+        arn = boto3.client("kms", region_name="us-east-1", endpoint_url=moto.endpoint).create_key()["KeyMetadata"]["Arn"]
+        yield moto.proc, moto.endpoint, arn
 
 
 async def test_kek_provider_outage_is_503_on_a_usable_connection(moto_kms, tmp_path: Path):
