@@ -3,8 +3,9 @@
     python -m scripts.bench_e2e.run [--quick] [--lengths 1024,4096,8192] [--reps 5] [--systems ...]
 
 Builds the random-weight Llama (model.py), then for each system (systems.py) starts one engine
-process (engine.py) with the same flags and thread count, drives it through the same steps,
-stops it by process id, and writes ``bench-results/e2e.json``, the PNG and the Markdown table
+process (engine.py; LMCache's in LMCache's own environment, after a preflight) with the same
+flags and thread count, drives it through the same steps, stops it by process id, and writes
+``bench-results/e2e.json``, the PNG and the Markdown table
 (report.py; ``--docs`` also refreshes docs/e2e.md, docs/e2e.json, docs/img/e2e_ttft.png and the
 README section between its markers). Steps, per system:
 
@@ -176,7 +177,7 @@ def preflight(system: System, cfg: Config, plan: dict[str, Any], work: Path) -> 
         rows = run_engine({**plan, "steps": steps}, sub, engine_env(system.env, cfg), cfg.engine_timeout_s, system.python)
     except RuntimeError as exc:
         raise NotRun(f"{_versions(system)}: the engine did not run: {' / '.join(_log_errors(str(exc))) or str(exc)[-500:]}") from exc
-    if rows[1]["cached"] > 0:
+    if len(rows) == 2 and rows[1]["cached"] > 0:
         return
     errors = _log_errors((sub / "engine.log").read_text(errors="replace"))
     raise NotRun(f"{_versions(system)}: the engine starts but never loads KV (the second request of the same "
