@@ -66,7 +66,7 @@ bench: bench-setup
 	$(PY) -m gateway.bench.plots bench-results/bench.json --out bench-results --docs docs
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(LMCACHE_VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
 
 # vLLM integration (docs/vllm.md): a venv of its own, since vLLM pins and replaces packages.
 VLLM_VENV ?= .venv-vllm
@@ -85,12 +85,36 @@ $(VLLM_VENV)/.installed: pyproject.toml
 
 vllm-setup: $(VLLM_VENV)/.installed
 
+# lmcache-vllm-setup: vLLM and LMCache together, for bench-e2e's `lmcache` system (never a
+#   dependency of kvgate; about 3 GB). LMCache goes in without its dependencies: its full set
+#   brings a CUDA stack (cupy-cuda13x, cuda-python, cufile-python) and a numpy below vLLM's; the
+#   ones its vLLM connector imports are named here. On this CPU engine LMCache 0.5.6 starts but
+#   cannot load KV (docs/e2e.md says why); bench-e2e records that instead of figures.
+LMCACHE_VLLM_VENV ?= .venv-lmcache-vllm
+LMCACHE_VLLM_SPEC ?= lmcache==0.5.6
+
+$(LMCACHE_VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(LMCACHE_VLLM_VENV)
+	$(LMCACHE_VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(LMCACHE_VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton || true
+	$(LMCACHE_VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "$(LMCACHE_VLLM_SPEC)"
+	$(LMCACHE_VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check aiofile aiofiles awscrt msgspec nvtx \
+		"opentelemetry-api>=1.20,<=1.40.0" "opentelemetry-sdk>=1.20" "opentelemetry-exporter-otlp>=1.20" \
+		"opentelemetry-exporter-prometheus>=0.50b0,<=0.61b0" "prometheus_client>=0.18,<=0.24.1" redis \
+		sortedcontainers numba pytest "setuptools_scm>=8" "grpcio>=1.78.0"
+	touch $@
+
+.PHONY: lmcache-vllm-setup
+lmcache-vllm-setup: $(LMCACHE_VLLM_VENV)/.installed
+
 test-vllm: vllm-setup
 	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
 
 # bench-e2e: time to first token on the real CPU vLLM engine (.venv-vllm, Redis on 127.0.0.1:6379),
-#   kvgate embedded and remote beside no connector and vLLM's ExampleConnector, with a random-weight
-#   Llama built locally (about 25 minutes here). Writes bench-results/e2e.json, e2e.md, e2e_ttft.png;
+#   kvgate embedded and remote beside no connector, vLLM's ExampleConnector and LMCache's connector
+#   (from .venv-lmcache-vllm, make lmcache-vllm-setup, or E2E_ARGS="--lmcache-vllm-python P"; without
+#   one, or where it cannot load KV, its row gives the reason), with a random-weight Llama built
+#   locally (about 25 minutes here). Writes bench-results/e2e.json, e2e.md, e2e_ttft.png;
 #   E2E_ARGS="--docs" also refreshes docs/e2e.*, docs/img/e2e_ttft.png and the README table,
 #   E2E_ARGS="--quick" runs a tiny model on short prompts (checks the harness in minutes).
 .PHONY: bench-e2e

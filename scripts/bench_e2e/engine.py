@@ -2,8 +2,9 @@
 
     python -m scripts.bench_e2e.engine plan.json results.json
 
-Run in its own process from .venv-vllm (vLLM spawns its engine core and worker processes, so it
-needs the ``__main__`` guard); the runner starts it, waits for it and stops it by process id.
+Run in its own process from .venv-vllm (LMCache's system: from LMCache's environment; vLLM
+spawns its engine core and worker processes, so it needs the ``__main__`` guard); the runner
+starts it, waits for it and stops it by process id.
 Plan: the model, the engine flags (the same for every system), the KV transfer config (or none),
 the capabilities by name and the steps:
 

