@@ -278,19 +278,13 @@ class EnvelopePlane:
         binding, storage_key = ns.binding_secret, ns.storage_key
         out: list[EnvelopeKey] = []
         if purpose == "seal":
-            left = len(hashes)
-            while left:  # invocations of the active data key, counted as in process (a spent key rolls over)
-                try:
-                    version, dek, granted = await self.keyring.reserve(cap.tenant, left)
+            for h, c in zip(hashes, chained, strict=True):
+                try:  # one invocation of the active data key per envelope, counted as in process
+                    version, dek = await self.keyring.encryption_key(cap.tenant)
                 except KeyUnavailable:  # contention, or the KEK cannot unwrap it now: retry later
                     raise DependencyUnavailable("data key") from None
-                for _ in range(granted):
-                    k = len(out)
-                    salt = self._salt_source(SALT_BYTES)
-                    out.append(EnvelopeKey(
-                        hashes[k], version, salt, derive_segment_key(dek, binding, salt), storage_key(chained[k]),
-                    ))
-                left -= granted
+                salt = self._salt_source(SALT_BYTES)
+                out.append(EnvelopeKey(h, version, salt, derive_segment_key(dek, binding, salt), storage_key(c)))
             return out
         deks: dict[int, bytes | None] = {}
         for h, c, (version, salt) in zip(hashes, chained, refs, strict=True):

@@ -20,8 +20,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext, IssuedKey
 from crypto.errors import DecryptionFailed
+from crypto.segments import derive_segment_key
 from kernels.aes_gcm import TagMismatch, TorchAesGcm
 from kernels.device_aead import triton_available
 from kernels.layouts import KVGeometry, KVLayout
@@ -319,8 +320,11 @@ def test_envelope_is_the_cpu_paths_bit_for_bit(tg, tokens: int, key_version: int
     a = cpu.seal_batch(cpu_kv, [SealJob(slots.cpu(), DataKey(dek, binding), ctx)])[0]
     b = dev.seal_batch(kv, [SealJob(slots, DataKey(dek, binding), ctx)])[0]
     assert bytes(a) == bytes(b)
+    # remote mode: the envelope's server-issued key alone seals and opens the same bytes
+    issued = IssuedKey(salt, derive_segment_key(dek, binding, salt))
+    assert bytes(dev.seal_batch(kv, [SealJob(slots, issued, ctx)])[0]) == bytes(a)
     dst = [torch.zeros_like(t) for t in src]
-    assert dev.open_batch(PagedKV(dst, g), [OpenJob(memoryview(bytes(a)), slots, DataKey(dek, binding), ctx)]) == (1, False)
+    assert dev.open_batch(PagedKV(dst, g), [OpenJob(memoryview(bytes(a)), slots, issued, ctx)]) == (1, False)
     assert _b(pack(dst, slots, g)) == _b(pack(src, slots, g))  # bytes: random bits hold NaNs
     wrong = EnvelopeContext("tenant", namespace, "ab" * 32, "cd" * 32, key_version + 1)
     dst2 = [torch.zeros_like(t) for t in src]
