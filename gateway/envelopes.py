@@ -242,7 +242,20 @@ class EnvelopePlane:
             raise  # an outage (503), not a refusal
         except Exception as exc:  # the tenant was disabled after the capability was minted
             raise AccessDenied("tenant unavailable") from exc
-        total = self._charge(cap, len(hashes))
+        try:
+            total = self._charge(cap, len(hashes))
+        except KeyBudgetSpent:
+            self.stats["denials"] += 1
+            self.audit.emit(
+                AuditEvent(
+                    Actions.KEY_ISSUE, outcome="denied",
+                    actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),
+                    target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=len(hashes)),
+                    details={"purpose": purpose, "cap_id": cap.cap_id, "reason": "key budget spent",
+                             "requested": len(hashes), "capability_total": self.issued_to(cap.cap_id)},
+                )
+            )
+            raise
         try:
             keys = await self._derive(cap, ns, purpose, hashes, chained, refs)
         except BaseException:

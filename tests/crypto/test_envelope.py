@@ -24,6 +24,7 @@ from crypto.envelope import (
     read_header,
 )
 from crypto.errors import DecryptionFailed, InvalidParameter
+from crypto.segments import IssuedKey, derive_segment_key
 
 SEG = 64
 DEK = bytes(range(32))
@@ -329,3 +330,27 @@ def test_any_single_byte_change_is_rejected(data: st.DataObject) -> None:
     pos = data.draw(st.integers(0, len(env) - 1))
     env[pos] ^= data.draw(st.integers(1, 255))
     assert_rejected(env)
+
+
+# -- key sources: the data key, and one envelope's issued key -----------------------------------
+def test_an_issued_key_is_the_data_keys_derivation_for_its_salt_and_nothing_more() -> None:
+    """A remote worker's key for one envelope (salt and segment key, issued by the server) seals the
+    bytes the data key seals with that salt, and opens that envelope only."""
+    salt = bytes(range(100, 132))
+    by_data_key = ChunkCipher(segment_bytes=SEG, salt_source=lambda n: salt).seal(DataKey(DEK, SECRET), CTX, b"p" * 300)
+    issued = IssuedKey(salt, derive_segment_key(DEK, SECRET, salt))
+    assert CIPHER.seal(issued, CTX, b"p" * 300) == by_data_key  # CIPHER's own salt source is not used
+    assert CIPHER.open(issued, CTX, by_data_key) == b"p" * 300
+    assert CIPHER.open(DataKey(DEK, SECRET), CTX, CIPHER.seal(issued, CTX, b"q" * 5)) == b"q" * 5
+    # the attacker holds that one key: every other envelope of the same data key stays shut,
+    # header rewritten to the held salt or not
+    other = CIPHER.seal(DataKey(DEK, SECRET), CTX, b"p" * 300)
+    forged = bytearray(other)
+    forged[8:40] = salt
+    for env in (other, forged):
+        with pytest.raises(DecryptionFailed):
+            CIPHER.open(issued, CTX, env)
+    assert "key=" not in repr(issued) and repr(DataKey(DEK, SECRET)) == "DataKey()"
+    for bad_salt, bad_key in ((salt[:31], bytes(32)), (salt, bytes(31)), ("x" * 32, bytes(32))):
+        with pytest.raises(InvalidParameter):
+            IssuedKey(bad_salt, bad_key)  # type: ignore[arg-type]  # a str salt: refused

@@ -315,6 +315,8 @@ async def test_envelope_keys_are_bounded_per_capability(world: World):
         assert w.live.runtime.gateway.stats["envelope_keys_issued"] == stats["envelope_keys_issued"]
         assert plane.issued_to(read_unverified(cap).cap_id) == 4
         assert (await w.http.post(KEYS, json=_seal(random_hash()), headers=hdr)).status_code == 200  # 5: the last
+        refused = [row for row in await _audit_rows(w, "key.issue") if row["outcome"] == "denied"]
+        assert [(row["details"]["cap_id"], row["details"]["requested"]) for row in refused] == [(read_unverified(cap).cap_id, 2)]
         fresh = await w.live.capability(w.http, w.a)
         assert (await w.http.post(KEYS, json=_seal(random_hash(), random_hash()), headers=w.h(w.worker_a, fresh))).status_code == 200
     finally:
