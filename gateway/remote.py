@@ -230,6 +230,8 @@ class _HttpSession:
     """One request against the server: the keys of its envelopes are asked for in one call each
     way, and held only here."""
 
+    keys_local = False  # every key is the server's answer: one call per request
+
     def __init__(self, client: RemoteGateway, chunks: Sequence[Chunk]) -> None:
         self.client = client
         self.chunks = chunks

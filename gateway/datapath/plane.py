@@ -240,45 +240,23 @@ class DataPlane:
     async def _load(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor
     ) -> tuple[int, int, int, dict[int, str]]:
-        """Fetch the stored prefix, ask for the keys of all of it at once (from the envelopes'
-        headers), then authenticate, decrypt and scatter it in batches."""
+        """Fetch, authenticate, decrypt and scatter the stored prefix in batches.
+
+        Where keys are a round trip (``session.keys_local`` false: a remote worker asks the server
+        for each envelope's key), the whole prefix is fetched first and its keys asked for in one
+        call. Where they are derived in process, each batch fetches, keys and opens its own chunks,
+        so opening one batch overlaps the fetches of the next (a disk or Redis tier)."""
         stats = {"failures": 0, "unavailable": 0}
         ended: dict[int, str] = {}  # chunk index -> why the prefix ended there
-        fetched = await self._fetch_prefix(session, len(chunks), stats, ended)
-        refs: list[KeyRef | None] = []
-        for found in fetched:
-            try:
-                refs.append(self.datapath.key_ref(found.envelope))
-            except DecryptionFailed:  # not even a parsable header: it fails to open below
-                break
-        keys: list[EnvelopeKeys | None] = [_UNKEYED] * len(refs)
-        keyed = [(i, ref) for i, ref in enumerate(refs) if ref is not None]
-        if keyed:
-            try:
-                for (i, _ref), got in zip(keyed, await session.opening_keys(keyed), strict=True):
-                    keys[i] = got
-            except (KeyUnavailable, KekError):
-                keys = [None] * len(refs)
-        jobs: list[OpenJob] = []
-        for i, found in enumerate(fetched):
-            c = chunks[i]
-            if i == len(refs):  # the unparsable header: an integrity failure, counted below
-                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], _UNKEYED, session.context(i, model, 1)))
-                break
-            ref, key = refs[i], keys[i]
-            if key is None:
-                stats["unavailable"] += 1
-                self.stats["key_unavailable"] += 1
-                ended[i] = "key_unavailable"
-                break
-            ctx = session.context(i, model, 0 if ref is None else ref[0])
-            jobs.append(OpenJob(found.envelope, slots[c.start : c.end], key, ctx))
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
+        fetched: dict[int, Fetched] = {}
 
-        async def run(batch: list[int]) -> int:
+        async def open_jobs(batch: list[int], jobs: list[OpenJob]) -> int:
             """How many leading chunks of the batch were loaded."""
+            if not jobs:
+                return 0
             async with gate:
-                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, [jobs[k] for k in batch])
+                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, jobs)
             if failed:
                 bad = batch[loaded]
                 stats["failures"] += 1
@@ -286,19 +264,89 @@ class DataPlane:
                 self.stats["integrity_failures"] += 1
                 log.warning("integrity failure on a chunk in tier %s; treated as a miss", fetched[bad].tier)
                 await session.integrity_failure(bad, fetched[bad].tier)
-            self.stats["bytes_out"] += sum(jobs[k].envelope.nbytes for k in batch[:loaded])
+            self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
             return loaded
+
+        if session.keys_local:
+            session.prefetch(range(len(chunks)))
+
+            async def run(batch: list[int]) -> int:
+                got = await self._fetch_run(session, batch, stats, ended)
+                fetched.update(zip(batch, got, strict=False))
+                return await open_jobs(batch, await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended))
+
+            batches = self._batches(len(chunks), model, chunks)
+            results = await asyncio.gather(*(run(b) for b in batches))
+        else:
+            got = await self._fetch_prefix(session, len(chunks), stats, ended)
+            fetched.update(enumerate(got))
+            jobs = await self._open_jobs(session, model, chunks, slots, 0, got, stats, ended)
+            batches = self._batches(len(jobs), model, chunks) if jobs else []
+            results = await asyncio.gather(*(open_jobs(b, jobs[b[0] : b[-1] + 1]) for b in batches))
 
         # Batches run concurrently; the prefix ends at the first chunk that did not load. A chunk
         # past that point may have been unpacked already: authentic KV in slots the engine
         # recomputes anyway.
         loaded = 0
-        batches = self._batches(len(jobs), model, chunks) if jobs else []
-        for batch, n in zip(batches, await asyncio.gather(*(run(b) for b in batches))):
+        for batch, n in zip(batches, results, strict=True):
             loaded += n
             if n < len(batch):
                 break
         return loaded, stats["failures"], stats["unavailable"], ended
+
+    async def _open_jobs(
+        self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], slots: torch.Tensor, first: int,
+        fetched: Sequence[Fetched], stats: dict[str, int], ended: dict[int, str],
+    ) -> list[OpenJob]:
+        """The open jobs of chunks ``first, first + 1, ...`` (their fetched envelopes), with their
+        keys asked for in one call (from the envelopes' headers); they stop before the first chunk
+        whose key is unavailable, and just after an unparsable header (it fails to open)."""
+        refs: list[KeyRef | None] = []
+        for found in fetched:
+            try:
+                refs.append(self.datapath.key_ref(found.envelope))
+            except DecryptionFailed:  # not even a parsable header: it fails to open below
+                break
+        keys: list[EnvelopeKeys | None] = [_UNKEYED] * len(refs)
+        keyed = [(first + k, ref) for k, ref in enumerate(refs) if ref is not None]
+        if keyed:
+            try:
+                for (i, _ref), got in zip(keyed, await session.opening_keys(keyed), strict=True):
+                    keys[i - first] = got
+            except (KeyUnavailable, KekError):
+                keys = [None] * len(refs)
+        jobs: list[OpenJob] = []
+        for k, found in enumerate(fetched):
+            i = first + k
+            c = chunks[i]
+            if k == len(refs):  # the unparsable header: an integrity failure, counted by the caller
+                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], _UNKEYED, session.context(i, model, 1)))
+                break
+            ref, key = refs[k], keys[k]
+            if key is None:
+                stats["unavailable"] += 1
+                self.stats["key_unavailable"] += 1
+                ended[i] = "key_unavailable"
+                break
+            ctx = session.context(i, model, 0 if ref is None else ref[0])
+            jobs.append(OpenJob(found.envelope, slots[c.start : c.end], key, ctx))
+        return jobs
+
+    @staticmethod
+    async def _fetch_run(
+        session: ChunkSession, indices: Sequence[int], stats: dict[str, int], ended: dict[int, str]
+    ) -> list[Fetched]:
+        """The envelopes of ``indices`` in order, up to the first that could not be fetched."""
+        out: list[Fetched] = []
+        for i in indices:
+            try:
+                out.append(await session.fetch(i))
+            except FetchFailed as exc:
+                if exc.unavailable:
+                    stats["unavailable"] += 1
+                ended[i] = exc.reason
+                break
+        return out
 
     async def _fetch_prefix(
         self, session: ChunkSession, n: int, stats: dict[str, int], ended: dict[int, str]

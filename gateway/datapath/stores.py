@@ -95,6 +95,10 @@ class ChunkSession(Protocol):
     """One request's access to one namespace. A chunk's keys are asked for (``sealing_keys`` /
     ``opening_keys``) before its ``context`` is used."""
 
+    #: True where keys are derived in process (asking costs nothing, so a load asks per batch and
+    #: overlaps opening with fetching); False where each ask is a round trip (once per request).
+    keys_local: bool
+
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext: ...
     async def presence(self) -> Presence: ...
     async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
@@ -155,6 +159,8 @@ class TierStore:
 
 
 class _TierSession:
+    keys_local = True  # the namespace's data key, unwrapped once: keys are derived per envelope here
+
     def __init__(self, store: TierStore, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
         self.store = store
         self.cap = cap
