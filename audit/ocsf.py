@@ -40,6 +40,7 @@ ACTIVITY: dict[str, int] = {
     "key.create": 1,
     "capability.mint": 1,
     "key.lease": 2,
+    "key.issue": 2,
     "key.rotate": 3,
     "move": 3,
     "pin": 3,

@@ -29,7 +29,8 @@ class Actions:
     KEY_CREATE = "key.create"
     KEY_ROTATE = "key.rotate"
     KEY_DESTROY = "key.destroy"
-    KEY_LEASE = "key.lease"
+    KEY_LEASE = "key.lease"  # no longer emitted (the data-key lease is gone); older logs still hold it
+    KEY_ISSUE = "key.issue"  # per-envelope keys issued to a remote worker: one event per request, with the count
     KEK_ROTATE = "kek.rotate"
     CHUNK_DELETE = "chunk.delete"
     TENANT_CREATE = "tenant.create"

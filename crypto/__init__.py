@@ -3,8 +3,9 @@
 - ``crypto.envelope``: ``ChunkCipher`` seals/opens chunk envelopes (format v1: HKDF per-envelope
   key from DEK || namespace binding secret and a random 256-bit salt, AES-256-GCM segments whose
   AAD binds tenant, namespace, storage key, model fingerprint and key version).
-- ``crypto.format``: the header, ``EnvelopeContext``, sizes; ``crypto.segments``: the key schedule
-  (``KeySchedule``) and the one segment loop (``SegmentPlan.segments``) every sealer uses.
+- ``crypto.format``: the header, ``EnvelopeContext``, sizes; ``crypto.segments``: the key sources
+  (``DataKey``: DEK and binding secret; ``IssuedKey``: one envelope's server-issued salt and key),
+  the key schedule (``KeySchedule``) and the one segment loop (``SegmentPlan.segments``).
 - ``crypto.contexts``: wrap contexts (``WrapContext``; ``dek_context``, ``ns_salt_context``,
   ``secret_context``), the one definition of what a KEK binds a wrapped key to.
 - ``crypto.aead``: the ``Aead`` protocol (``seal_into``/``open_into`` into preallocated buffers)
@@ -39,7 +40,7 @@ from crypto.errors import (
 )
 from crypto.kek import KekProvider, LocalFileKek, Secret
 from crypto.kek_async import AsyncKek, aunwrap, awrap
-from crypto.segments import KeySchedule, SegmentPlan
+from crypto.segments import DataKey, EnvelopeKeys, IssuedKey, KeySchedule, SegmentPlan, derive_segment_key
 
 __all__ = [
     "DEFAULT_SEGMENT_BYTES",
@@ -53,10 +54,13 @@ __all__ = [
     "ChunkCipher",
     "CpuAesGcm",
     "CryptoError",
+    "DataKey",
     "DecryptionFailed",
     "EnvelopeContext",
     "EnvelopeHeader",
+    "EnvelopeKeys",
     "InvalidParameter",
+    "IssuedKey",
     "InvocationLimitReached",
     "KekError",
     "KekProvider",
@@ -69,6 +73,7 @@ __all__ = [
     "aunwrap",
     "awrap",
     "dek_context",
+    "derive_segment_key",
     "envelope_size",
     "ns_salt_context",
     "peek_key_version",

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from crypto.errors import DecryptionFailed, InvalidParameter
 from crypto.format import HEADER_BYTES, EnvelopeContext
-from crypto.segments import KeySchedule
+from crypto.segments import EnvelopeKeys, KeySchedule
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -164,11 +164,10 @@ class _Cipher(Protocol):
     def aead_factory(self) -> Callable[[bytes], Any]: ...
 
     def seal_schedule(
-        self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, plaintext_len: int,
-        segment_bytes: int | None = None,
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, plaintext_len: int, segment_bytes: int | None = None,
     ) -> KeySchedule: ...
 
-    def open_schedule(self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule: ...
+    def open_schedule(self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule: ...
 
 
 class DeviceSealing:
@@ -178,8 +177,7 @@ class DeviceSealing:
 
     def seal_device_into(
         self: _Cipher,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         plaintext: DeviceBuffer,
         plaintext_len: int,
@@ -189,14 +187,13 @@ class DeviceSealing:
         segment_bytes: int | None = None,
     ) -> int:
         """Seal a device-resident plaintext in place with an in-place AEAD (the cipher's factory)."""
-        sched = self.seal_schedule(dek, binding_secret, ctx, plaintext_len, segment_bytes)
+        sched = self.seal_schedule(keys, ctx, plaintext_len, segment_bytes)
         aead: InPlaceAead = self.aead_factory(sched.key)  # the factory makes an in-place device AEAD
         return seal_device_into(sched, aead, plaintext, out, to_host=to_host)
 
     def open_device_into(
         self: _Cipher,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         envelope: memoryview,
         out: DeviceBuffer,
@@ -205,14 +202,13 @@ class DeviceSealing:
         zero: Callable[[Any], None],
     ) -> int:
         """Open an envelope into a device buffer, decrypting there (``out`` zeroed on failure)."""
-        sched = self.open_schedule(dek, binding_secret, ctx, envelope)
+        sched = self.open_schedule(keys, ctx, envelope)
         aead: InPlaceAead = self.aead_factory(sched.key)  # the factory makes an in-place device AEAD
         return open_device_into(sched, aead, envelope, out, to_device=to_device, zero=zero)
 
     def seal_device_fused(
         self: _Cipher,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         plaintext_len: int,
         out: memoryview,
@@ -222,13 +218,12 @@ class DeviceSealing:
         segment_bytes: int | None = None,
     ) -> int:
         """Seal a chunk the device gathers and encrypts in one pass."""
-        sched = self.seal_schedule(dek, binding_secret, ctx, plaintext_len, segment_bytes)
+        sched = self.seal_schedule(keys, ctx, plaintext_len, segment_bytes)
         return seal_device_fused(sched, out, encrypt=encrypt, to_host=to_host)
 
     def open_device_fused(
         self: _Cipher,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         envelope: memoryview,
         *,
@@ -238,7 +233,7 @@ class DeviceSealing:
         """Open an envelope the device checks whole, then decrypts and scatters. Any failure,
         a malformed key included, is DecryptionFailed."""
         try:
-            sched: KeySchedule | None = self.open_schedule(dek, binding_secret, ctx, envelope)
+            sched: KeySchedule | None = self.open_schedule(keys, ctx, envelope)
         except Exception:
             sched = None
         if sched is None:

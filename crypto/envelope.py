@@ -13,6 +13,10 @@ construction, at most 2^32 - 1 of them, far below NIST SP 800-38D's bounds per k
 ``binding_secret`` is an opaque per-namespace secret, so destroying either the tenant's DEK version
 or the namespace secret crypto-shreds the chunk. Every failure is the one ``DecryptionFailed``.
 
+Every method takes an ``EnvelopeKeys`` (``crypto.segments``): ``DataKey(dek, binding_secret)``
+derives each envelope's key from its salt; ``IssuedKey(salt, key)`` is one envelope's key as a
+kvgate server hands it to a remote worker that holds no data key. Same salt, same bytes.
+
 Buffers: ``seal_into``/``open_into`` write into caller-owned buffers; the payload is touched only by
 the AEAD and per-call work is a few small objects per segment. Header lengths are checked against
 the envelope's actual size before anything is allocated or decrypted.
@@ -60,7 +64,7 @@ from crypto.format import (
     read_header,
     segment_scratch_bytes,
 )
-from crypto.segments import KeySchedule, open_schedule, seal_schedule
+from crypto.segments import DataKey, EnvelopeKeys, IssuedKey, KeySchedule, open_schedule, seal_schedule
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -76,8 +80,11 @@ __all__ = [
     "SALT_BYTES",
     "VERSION",
     "ChunkCipher",
+    "DataKey",
     "EnvelopeContext",
     "EnvelopeHeader",
+    "EnvelopeKeys",
+    "IssuedKey",
     "KeySchedule",
     "envelope_size",
     "peek_key_version",
@@ -127,26 +134,24 @@ class ChunkCipher(_device.DeviceSealing):
     # -- key schedules ------------------------------------------------------------------------
     def seal_schedule(
         self,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         plaintext_len: int,
         segment_bytes: int | None = None,
     ) -> KeySchedule:
         """The key and segment plan of a new envelope (draws its salt)."""
         seg = self._segment_size(segment_bytes)
-        return seal_schedule(dek, binding_secret, ctx, plaintext_len, seg, self._salt_source)
+        return seal_schedule(keys, ctx, plaintext_len, seg, self._salt_source)
 
     @staticmethod
-    def open_schedule(dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule:
+    def open_schedule(keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule:
         """The key and segment plan of an existing envelope (``DecryptionFailed`` if malformed)."""
-        return open_schedule(dek, binding_secret, ctx, envelope)
+        return open_schedule(keys, ctx, envelope)
 
     # -- host buffers -------------------------------------------------------------------------
     def seal_into(
         self,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         plaintext: Buffer,
         out: WritableBuffer,
@@ -160,7 +165,7 @@ class ChunkCipher(_device.DeviceSealing):
         """
         seg = self._segment_size(segment_bytes)
         with flat_view(plaintext, writable=False, what="plaintext") as pt:
-            sched = self.seal_schedule(dek, binding_secret, ctx, pt.nbytes, seg)
+            sched = self.seal_schedule(keys, ctx, pt.nbytes, seg)
             plan, size = sched.plan, sched.plan.envelope_length
             aead = self._aead_factory(sched.key)
             with flat_view(out, writable=True, what="out") as dst:
@@ -171,17 +176,16 @@ class ChunkCipher(_device.DeviceSealing):
                     aead.seal_into(s.nonce, pt[s.start : s.end], s.aad, dst[s.offset : s.sealed_end])
         return size
 
-    def seal(self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, plaintext: Buffer) -> bytearray:
+    def seal(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plaintext: Buffer) -> bytearray:
         """Allocate the envelope once and seal into it."""
         with flat_view(plaintext, writable=False, what="plaintext") as pt:
             out = bytearray(self.envelope_size(pt.nbytes))
-            self.seal_into(dek, binding_secret, ctx, pt, out)
+            self.seal_into(keys, ctx, pt, out)
         return out
 
     def open_into(
         self,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         envelope: Buffer,
         out: WritableBuffer,
@@ -191,21 +195,20 @@ class ChunkCipher(_device.DeviceSealing):
         ``out`` must hold ``plaintext_length(envelope)`` bytes. On ``DecryptionFailed`` nothing of
         the plaintext is left in ``out``.
         """
-        sched = open_schedule(dek, binding_secret, ctx, envelope)
+        sched = open_schedule(keys, ctx, envelope)
         if not self._open_all(sched, envelope, out, None):
             raise DecryptionFailed  # raised outside any handler: no buffer view survives in a traceback
         return sched.plan.plaintext_length
 
-    def open(self, dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, envelope: Buffer) -> bytearray:
+    def open(self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: Buffer) -> bytearray:
         """Allocate the plaintext once (sized from the checked header) and open into it."""
         out = bytearray(plaintext_length(envelope))
-        self.open_into(dek, binding_secret, ctx, envelope, out)
+        self.open_into(keys, ctx, envelope, out)
         return out
 
     def open_segments(
         self,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         envelope: Buffer,
         scratch: WritableBuffer,
@@ -220,7 +223,7 @@ class ChunkCipher(_device.DeviceSealing):
         On ``DecryptionFailed`` the segments before the failing one have been delivered (each is
         authenticated on its own, bound to its index and the count) and ``scratch`` is zeroed; an
         exception from ``on_segment`` also zeroes ``scratch`` and propagates."""
-        sched = open_schedule(dek, binding_secret, ctx, envelope)
+        sched = open_schedule(keys, ctx, envelope)
         if not self._open_all(sched, envelope, scratch, on_segment):
             raise DecryptionFailed  # raised outside any handler: no buffer view survives in a traceback
         return sched.plan.plaintext_length
@@ -261,8 +264,7 @@ class ChunkCipher(_device.DeviceSealing):
     # -- the fused data path ------------------------------------------------------------------
     def seal_pieces_into(
         self,
-        dek: bytes,
-        binding_secret: bytes,
+        keys: EnvelopeKeys,
         ctx: EnvelopeContext,
         pieces: Sequence[Buffer],
         plaintext_len: int,
@@ -278,7 +280,7 @@ class ChunkCipher(_device.DeviceSealing):
         piece. Returns the envelope's size."""
         seg = self._segment_size(segment_bytes)
         views = piece_views(pieces, plaintext_len)
-        sched = self.seal_schedule(dek, binding_secret, ctx, plaintext_len, seg)
+        sched = self.seal_schedule(keys, ctx, plaintext_len, seg)
         size = sched.plan.envelope_length
         with flat_view(out, writable=True, what="out") as dst:
             if dst.nbytes < size:

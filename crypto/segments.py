@@ -7,18 +7,29 @@ Segment ``i`` uses the 96-bit nonce ``i`` (big-endian) and the AAD
 or moved to another envelope (or another tenant, namespace, storage key, model or key version)
 fails authentication.
 
+Key sources (``EnvelopeKeys``): where an envelope's salt and segment key come from.
+
+- ``DataKey(dek, binding_secret)`` holds the tenant's data key and the namespace binding secret and
+  derives the key of any envelope (embedded mode, and the server): sealing draws a fresh salt.
+- ``IssuedKey(salt, key)`` is one envelope's salt and segment key as a kvgate server issued them
+  to a remote worker (``POST /v1/keys/envelopes``), which never holds the data key: it seals exactly
+  one envelope (with that salt) and opens only an envelope that carries that salt.
+
+Both give the same bytes for the same salt, so an envelope sealed with one opens with the other.
+
 ``KeySchedule`` (the segment key and the ``SegmentPlan``) is what every sealer and opener works
 from, on the CPU (``crypto.envelope``) and on a device (``crypto._device``); ``SegmentPlan.segments``
 is the only place that numbers segments and places them in the envelope. ``seal_schedule`` makes a
-new envelope's schedule (it draws the salt); ``open_schedule`` reads an envelope's.
+new envelope's schedule (its key source gives the salt); ``open_schedule`` reads an envelope's.
 """
 
 from __future__ import annotations
 
+import hmac
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from cryptography.hazmat.primitives.hashes import SHA256
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -40,6 +51,9 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = [
+    "DataKey",
+    "EnvelopeKeys",
+    "IssuedKey",
     "KeySchedule",
     "Segment",
     "SegmentPlan",
@@ -135,38 +149,90 @@ def derive_segment_key(dek: bytes, binding_secret: bytes, salt: bytes) -> bytes:
         raise InvalidParameter(f"dek must be {KEY_BYTES} bytes, got {len(dek)}")
     if len(binding_secret) < MIN_BINDING_SECRET_BYTES:
         raise InvalidParameter(f"binding_secret must be at least {MIN_BINDING_SECRET_BYTES} bytes")
+    if len(salt) != SALT_BYTES:
+        raise InvalidParameter(f"salt must be {SALT_BYTES} bytes")
     hkdf = HKDF(algorithm=SHA256(), length=KEY_BYTES, salt=salt, info=_HKDF_INFO)
     return hkdf.derive(bytes(dek) + bytes(binding_secret))
 
 
+class EnvelopeKeys(Protocol):
+    """Where an envelope's salt and segment key come from (``DataKey``, ``IssuedKey``)."""
+
+    def sealing_key(self, salt_source: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+        """``(salt, segment key)`` of a new envelope; ``salt_source`` draws a salt where one is drawn."""
+        ...
+
+    def opening_key(self, salt: bytes) -> bytes:
+        """The segment key of the envelope whose header carries ``salt`` (``DecryptionFailed``
+        where this source cannot open it)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class DataKey:
+    """The tenant's data key and the namespace binding secret: derives every envelope's key
+    (``repr`` hides both)."""
+
+    dek: bytes = field(repr=False)
+    binding_secret: bytes = field(repr=False)
+
+    def sealing_key(self, salt_source: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+        salt = salt_source(SALT_BYTES)
+        if not isinstance(salt, bytes) or len(salt) != SALT_BYTES:
+            raise InvalidParameter(f"salt_source must return {SALT_BYTES} bytes")
+        return salt, derive_segment_key(self.dek, self.binding_secret, salt)
+
+    def opening_key(self, salt: bytes) -> bytes:
+        return derive_segment_key(self.dek, self.binding_secret, salt)
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """One envelope's salt and segment key, issued by a kvgate server (``repr`` hides the key).
+    It seals one envelope with its own salt and opens only an envelope that carries that salt."""
+
+    salt: bytes
+    key: bytes = field(repr=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.salt, bytes) or len(self.salt) != SALT_BYTES:
+            raise InvalidParameter(f"an issued salt is {SALT_BYTES} bytes")
+        if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
+            raise InvalidParameter(f"an issued key is {KEY_BYTES} bytes")
+
+    def sealing_key(self, salt_source: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+        return self.salt, self.key
+
+    def opening_key(self, salt: bytes) -> bytes:
+        if not hmac.compare_digest(salt, self.salt):
+            raise DecryptionFailed
+        return self.key
+
+
 def seal_schedule(
-    dek: bytes,
-    binding_secret: bytes,
+    keys: EnvelopeKeys,
     ctx: EnvelopeContext,
     plaintext_len: int,
     segment_bytes: int,
     salt_source: Callable[[int], bytes],
 ) -> KeySchedule:
-    """The schedule of a new envelope (``segment_bytes`` already checked); draws its salt."""
+    """The schedule of a new envelope (``segment_bytes`` already checked); ``keys`` gives its salt."""
     count = segment_count(plaintext_len, segment_bytes)
     if count > MAX_SEGMENTS:
         raise InvocationLimitReached("plaintext needs more than 2**32 - 1 segments")
-    salt = salt_source(SALT_BYTES)
-    if not isinstance(salt, bytes) or len(salt) != SALT_BYTES:
-        raise InvalidParameter(f"salt_source must return {SALT_BYTES} bytes")
-    key = derive_segment_key(dek, binding_secret, salt)
+    salt, key = keys.sealing_key(salt_source)
     header = EnvelopeHeader(ctx.key_version, salt, count, segment_bytes, plaintext_len)
     raw = header.pack()
     return KeySchedule(key, SegmentPlan(header, raw, raw + ctx.aad()))
 
 
-def open_schedule(dek: bytes, binding_secret: bytes, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule:
+def open_schedule(keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: Buffer) -> KeySchedule:
     """The schedule of an existing envelope: its header size-checked and its key version matched
     against ``ctx`` (``DecryptionFailed`` otherwise)."""
     header = read_header(envelope)
     if header.key_version != ctx.key_version:
         raise DecryptionFailed
-    key = derive_segment_key(dek, binding_secret, header.salt)
+    key = keys.opening_key(header.salt)
     with memoryview(envelope) as view, view.cast("B") as flat:
         raw = bytes(flat[:HEADER_BYTES])
     return KeySchedule(key, SegmentPlan(header, raw, raw + ctx.aad()))

@@ -2,34 +2,59 @@
 a kvgate server over HTTP instead of running the core in process (DESIGN section 3, remote mode).
 
 The worker computes the chained hashes itself (it knows the tokens and the model), seals the
-envelopes on its own device with a leased data key, and sends ciphertext only. The server maps each
-chained hash to the namespaced storage key of the capability's namespace, so the same hash from
-two tenants lands on unrelated keys, exactly as in process. Every call verifies the capability
-for its operation and, where the holder restricted it to a chunk allowlist, for the chunk.
+envelopes on its own device and sends ciphertext only. The server maps each chained hash to the
+namespaced storage key of the capability's namespace, so the same hash from two tenants lands on
+unrelated keys, exactly as in process. Every call verifies the capability for its operation and,
+where the holder restricted it to a chunk allowlist, for the chunk.
+
+Keys (``envelope_keys``, ``POST /v1/keys/envelopes``). A worker never holds the tenant's data
+key, the namespace binding secret or the index key. Per request it asks, in one call, for the keys
+of exactly the envelopes it will seal or open:
+
+- to seal (capability op ``put``): per chained hash the server draws a fresh 256-bit salt and
+  returns it with the envelope's segment key ``HKDF(dek || binding_secret, salt)`` (the one
+  derivation of ``crypto.segments``, so envelopes stay bit-compatible with embedded mode), the
+  storage key ``HMAC(index key, h)`` the AAD binds, and the key version. Each key counts one
+  invocation of the data key against its limit, as in process.
+- to open (op ``get``): per chained hash the key version and salt the worker read from the
+  envelope's header; the server derives that envelope's key, or answers the item unavailable
+  when the key version is destroyed (a miss).
+
+A key opens only the envelope carrying its salt, so a worker that kept the keys of some
+envelopes cannot open others, and a destroyed key version or namespace secret shreds them all as
+before. Keys are derived from the capability's own tenant and namespace only: another tenant's
+salts get keys that open nothing of theirs. The server counts keys issued (in ``stats``, so in
+``/metrics``, and per capability), bounds them per request and per capability lifetime
+(``KeyBudgetSpent`` past it; the bound is per server replica), and audits one ``key.issue`` event
+per request with the count, not one per envelope.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
-from crypto.envelope import read_header
-from crypto.errors import DecryptionFailed, KeyUnavailable
+from crypto.envelope import SALT_BYTES, read_header
+from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
+from crypto.segments import derive_segment_key
 from gateway.access import Access
 from gateway.datapath.stores import prefix_hits
-from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, TenantUnavailable
+from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, KeyBudgetSpent
 from gateway.namespaces import NamespaceResolver
 from gateway.pins import Pins
 from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk
 from tenancy.errors import DependencyUnavailable
 from tenancy.keyring import Keyring
+from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
 
-__all__ = ["EnvelopePlane", "KeyLease", "LookupAnswer", "parse_hash"]
+__all__ = ["EnvelopeKey", "EnvelopePlane", "IssuedKeys", "LookupAnswer", "parse_hash"]
 
 _HASH_LEN = 64
 
@@ -42,18 +67,24 @@ def parse_hash(value: str) -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class KeyLease:
-    """What a remote worker needs to seal and open envelopes of one namespace on its own device.
-    Held only in the worker's memory; revoked by secure clear (the key version is destroyed)."""
+class EnvelopeKey:
+    """One envelope's key as the server issues it: ``key`` is None where its key version is
+    unavailable (destroyed, or never existed)."""
+
+    chunk_hash: str
+    key_version: int
+    salt: bytes
+    key: bytes | None = field(repr=False)
+    storage_key: str
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKeys:
+    """The answer to one key request: every envelope's key, in request order."""
 
     tenant: str
     namespace: str
-    key_version: int
-    invocations: int  # envelopes the worker may seal under this lease
-    dek: bytes
-    binding_secret: bytes
-    index_key: bytes
-    expires_at: float
+    keys: list[EnvelopeKey]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,8 +105,9 @@ class EnvelopePlane:
         audit: AuditSink,
         stats: Counter[str],
         max_chunk_bytes: int = 64 << 20,
-        lease_ttl_s: float = 300.0,
-        lease_invocations: int = 4096,
+        max_keys_per_request: int = 4096,
+        max_keys_per_capability: int = 1 << 16,
+        salt_source: Callable[[int], bytes] = os.urandom,
     ) -> None:
         self.access = access
         self.resolver = resolver
@@ -85,8 +117,10 @@ class EnvelopePlane:
         self.audit = audit
         self.stats = stats
         self.max_chunk_bytes = max_chunk_bytes
-        self.lease_ttl_s = lease_ttl_s
-        self.lease_invocations = lease_invocations
+        self.max_keys_per_request = max_keys_per_request
+        self.max_keys_per_capability = max_keys_per_capability
+        self._salt_source = salt_source
+        self._issued: dict[str, tuple[int, float]] = {}  # capability id -> (keys issued, expires at)
 
     async def _authorized(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
         chained = [parse_hash(h) for h in hashes]
@@ -164,33 +198,115 @@ class EnvelopePlane:
         cap, keys = await self._authorized(token, "pin", [chunk_hash])
         await self.pins.set(cap, keys, pin=pin, strict=True)
 
-    async def lease_key(self, token: str, *, version: int | None = None, actor: Actor | None = None) -> KeyLease:
-        """A worker's lease on its tenant's data key (remote mode), short-lived and audited.
+    def issued_to(self, cap_id: str) -> int:
+        """Envelope keys issued so far under one capability (by this server)."""
+        return self._issued.get(cap_id, (0, 0.0))[0]
 
-        Without ``version``: the current key, to seal with (capability op ``put``; reserves
-        invocations against the key's limit). With ``version``: that key, to open envelopes sealed
-        before a rotation (op ``get``; no invocations). A destroyed or unknown version is
-        ``ChunkMissing``."""
-        cap = self.access.authorize(token, "put" if version is None else "get")
-        if version is None:
-            version, dek, granted = await self.keyring.reserve(cap.tenant, self.lease_invocations)
-        else:
-            try:
-                dek, granted = await self.keyring.decryption_key(cap.tenant, version), 0
-            except KeyUnavailable:
-                raise ChunkMissing("no such key version") from None
+    def _charge(self, cap: Capability, n: int) -> int:
+        """Count ``n`` keys against the capability's budget (``KeyBudgetSpent`` past it, nothing
+        counted); returns its total so far. Expired capabilities' counts are dropped."""
+        now = time.time()
+        if len(self._issued) > 1024:
+            self._issued = {k: v for k, v in self._issued.items() if v[1] > now}
+        used = self._issued.get(cap.cap_id, (0, cap.expires_at))[0]
+        if used + n > self.max_keys_per_capability:
+            raise KeyBudgetSpent()
+        self._issued[cap.cap_id] = (used + n, cap.expires_at)
+        return used + n
+
+    async def envelope_keys(
+        self,
+        token: str,
+        purpose: Literal["seal", "open"],
+        hashes: Sequence[str],
+        refs: Sequence[tuple[int, bytes]] = (),
+        *,
+        actor: Actor | None = None,
+    ) -> IssuedKeys:
+        """The keys of a batch of envelopes of the capability's namespace (see the module
+        docstring). ``purpose`` ``seal``: ``hashes`` only (op ``put``); ``open``: ``refs`` gives the
+        ``(key version, salt)`` of each hash's envelope (op ``get``)."""
+        if not hashes:
+            raise InvalidRequest("hashes must not be empty")
+        if len(hashes) > self.max_keys_per_request:
+            raise InvalidRequest(f"at most {self.max_keys_per_request} envelope keys per request")
+        if purpose == "open" and len(refs) != len(hashes):
+            raise InvalidRequest("one key version and salt per hash")
+        if any(len(salt) != SALT_BYTES for _v, salt in refs):
+            raise InvalidRequest(f"a salt is {SALT_BYTES} bytes")
+        chained = [parse_hash(h) for h in hashes]
+        cap = self.access.authorize(token, "put" if purpose == "seal" else "get", chunks=list(hashes))
         try:
             ns = await self.resolver.keys(cap.tenant, cap.namespace)
-        except TenantUnavailable:
-            raise AccessDenied("tenant unavailable") from None
-        expires = min(cap.expires_at, time.time() + self.lease_ttl_s)
+        except (DependencyUnavailable, KekError):
+            raise  # an outage (503), not a refusal
+        except Exception as exc:  # the tenant was disabled after the capability was minted
+            raise AccessDenied("tenant unavailable") from exc
+        try:
+            total = self._charge(cap, len(hashes))
+        except KeyBudgetSpent:
+            self.stats["denials"] += 1
+            self.audit.emit(
+                AuditEvent(
+                    Actions.KEY_ISSUE, outcome="denied",
+                    actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),
+                    target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=len(hashes)),
+                    details={"purpose": purpose, "cap_id": cap.cap_id, "reason": "key budget spent",
+                             "requested": len(hashes), "capability_total": self.issued_to(cap.cap_id)},
+                )
+            )
+            raise
+        try:
+            keys = await self._derive(cap, ns, purpose, hashes, chained, refs)
+        except BaseException:
+            self._refund(cap, len(hashes))
+            raise
+        issued = sum(1 for k in keys if k.key is not None)
+        self._refund(cap, len(hashes) - issued)
+        self.stats["envelope_keys_issued"] += issued
+        self.stats[f"envelope_keys_issued_{purpose}"] += issued
         self.audit.emit(
             AuditEvent(
-                Actions.KEY_LEASE,
+                Actions.KEY_ISSUE,
                 actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),
-                target=Target(tenant=cap.tenant, namespace=cap.namespace),
-                details={"version": version, "invocations": granted, "expires_at": expires,
-                         "purpose": "seal" if granted else "open"},
+                target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=issued),
+                details={
+                    "purpose": purpose, "cap_id": cap.cap_id, "issued": issued, "unavailable": len(keys) - issued,
+                    "versions": sorted({k.key_version for k in keys if k.key is not None}),
+                    "capability_total": total - (len(hashes) - issued),
+                },
             )
         )
-        return KeyLease(cap.tenant, cap.namespace, version, granted, dek, ns.binding_secret, ns.index_key, expires)
+        return IssuedKeys(cap.tenant, cap.namespace, keys)
+
+    def _refund(self, cap: Capability, n: int) -> None:
+        if n:
+            used, expires = self._issued.get(cap.cap_id, (0, cap.expires_at))
+            self._issued[cap.cap_id] = (max(0, used - n), expires)
+
+    async def _derive(
+        self, cap: Capability, ns: NamespaceKeys, purpose: str, hashes: Sequence[str],
+        chained: Sequence[bytes], refs: Sequence[tuple[int, bytes]],
+    ) -> list[EnvelopeKey]:
+        binding, storage_key = ns.binding_secret, ns.storage_key
+        out: list[EnvelopeKey] = []
+        if purpose == "seal":
+            for h, c in zip(hashes, chained, strict=True):
+                try:  # one invocation of the active data key per envelope, counted as in process
+                    version, dek = await self.keyring.encryption_key(cap.tenant)
+                except KeyUnavailable:  # contention, or the KEK cannot unwrap it now: retry later
+                    raise DependencyUnavailable("data key") from None
+                salt = self._salt_source(SALT_BYTES)
+                out.append(EnvelopeKey(h, version, salt, derive_segment_key(dek, binding, salt), storage_key(c)))
+            return out
+        deks: dict[int, bytes | None] = {}
+        for h, c, (version, salt) in zip(hashes, chained, refs, strict=True):
+            if version not in deks:
+                try:
+                    deks[version] = await self.keyring.decryption_key(cap.tenant, version)
+                except KeyUnavailable:  # destroyed (or never existed): that envelope is a miss
+                    deks[version] = None
+            opener = deks[version]
+            key = None if opener is None else derive_segment_key(opener, binding, salt)
+            out.append(EnvelopeKey(h, version, salt, key, storage_key(c)))
+        return out

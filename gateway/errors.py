@@ -6,6 +6,7 @@ Exception tree (HTTP status as the server answers it)::
 
     GatewayError
      +-- AccessDenied            403  no valid capability for this tenant, namespace, operation or chunk
+     |    +-- KeyBudgetSpent     403  the capability has had all the envelope keys it may have (mint a new one)
      +-- InvalidRequest          422  bad input: tokens, KV tensors, block ids, names (also ValueError)
      +-- TenantUnavailable       403  the tenant is unknown or disabled (told to callers as a 403
      |                                wherever existence must not leak)
@@ -39,6 +40,7 @@ from __future__ import annotations
 __all__ = [
     "GatewayError",
     "AccessDenied",
+    "KeyBudgetSpent",
     "InvalidRequest",
     "TenantUnavailable",
     "ChunkMissing",
@@ -59,6 +61,14 @@ class AccessDenied(GatewayError):
     def __init__(self, reason: str = "denied") -> None:
         super().__init__("access denied")
         self.reason = reason
+
+
+class KeyBudgetSpent(AccessDenied):
+    """A capability asked for more per-envelope keys than one capability may have over its life
+    (remote mode, ``POST /v1/keys/envelopes``): a new capability gets a new budget."""
+
+    def __init__(self) -> None:
+        super().__init__("envelope key budget spent")
 
 
 class InvalidRequest(GatewayError, ValueError):

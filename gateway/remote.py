@@ -7,26 +7,29 @@ and does on the worker everything that touches plaintext, with the core's own da
 ``ChunkStore`` that speaks HTTP):
 
     tokens --chain_hashes--> h_i                       (same chunk size as the server)
-    paged KV --pack--> chunk --seal (leased DEK, AAD: tenant, namespace,
-        HMAC(leased index key, h_i), model fingerprint, key version)--> PUT /v1/chunks/{h_i}
-    GET /v1/chunks/{h_i} --open (every tag checked)--> chunk --unpack--> paged KV
+    POST /v1/keys/envelopes {seal: h_0..h_n} --> per h_i: salt, key, storage key, key version
+    paged KV --pack--> chunk --seal (that envelope's key and salt, AAD: tenant, namespace,
+        storage key, model fingerprint, key version)--> PUT /v1/chunks/{h_i}
+    GET /v1/chunks/{h_i} --read headers--> POST /v1/keys/envelopes {open: (h_i, version, salt)...}
+        --open (every tag checked)--> chunk --unpack--> paged KV
 
-So the server and its tiers only ever see ciphertext, and an envelope stored remotely opens in
-the core (and back). A chunk that fails authentication, was sealed under a key version the lease
-does not hold, or cannot be fetched ends the loaded prefix: a miss, counted, never handed to the
-engine (an inauthentic one is also deleted, so a recompute stores a good copy).
+The worker never holds the tenant's data key, the namespace binding secret or the index key: the
+server issues one key per envelope (``HKDF(dek || binding_secret, salt)``, the derivation of
+embedded mode, so an envelope stored remotely opens in the core and back), for all the chunks of
+a request in one call, counted and audited there. A key opens only the envelope that carries its
+salt; keys live in the request's session and are dropped with it. A chunk that fails
+authentication, whose key version is destroyed, or cannot be fetched ends the loaded prefix: a
+miss, counted, never handed to the engine (an inauthentic one is also deleted, so a recompute
+stores a good copy).
 
-Leases (``POST /v1/keys/lease``: the current key to seal with; an older version, on demand, to
-open what was sealed before a rotation) are held only in memory. A 403 on a data call (the tenant was
-cleared, its capabilities revoked) drops the cached capability and lease and retries once.
+A 403 on any call (the tenant was cleared, its capabilities revoked, or the capability's key
+budget is spent) drops the cached capability and retries once with a fresh one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -36,20 +39,19 @@ from typing import Any, Self
 import httpx
 import torch
 
-from crypto.envelope import ChunkCipher, EnvelopeContext
-from crypto.errors import KeyUnavailable
+from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, IssuedKey
 from gateway.chunking import Chunk
 from gateway.datapath.path import DataPath
 from gateway.datapath.plane import DataPlane
-from gateway.datapath.stores import Fetched, FetchFailed, Presence, Reserved
-from gateway.envelopes import KeyLease
+from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, GatewayError, InvalidRequest
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 
 __all__ = ["RemoteGateway", "RemoteUnavailable"]
 
-_MARGIN_S = 15.0  # renew a capability or lease this long before it expires
+_MARGIN_S = 15.0  # renew a capability this long before it expires
 _FETCH_CONCURRENCY = 8
+_KEYS_PER_CALL = 4096  # the server's bound per key request
 
 
 class RemoteUnavailable(GatewayError):
@@ -95,10 +97,6 @@ class RemoteGateway:
             chunk_tokens, Counter(),
         )
         self._cap: _Cap | None = None
-        self._lease: KeyLease | None = None  # the current key, to seal with
-        self._open: dict[int, KeyLease] = {}  # older key versions, to open with
-        self._used = 0  # envelopes sealed under the current lease
-        self._lock = asyncio.Lock()
         self.stats: Counter[str] = self._plane.stats
 
     async def __aenter__(self) -> Self:
@@ -131,7 +129,7 @@ class RemoteGateway:
         return r
 
     async def _retrying(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """One retry with a fresh capability and lease after a 403 (revoked by a clear)."""
+        """One retry with a fresh capability after a 403 (revoked by a clear, or its key budget spent)."""
         try:
             return await self._send(method, path, **kw)
         except AccessDenied:
@@ -139,9 +137,8 @@ class RemoteGateway:
             return await self._send(method, path, **kw)
 
     def _forget(self) -> None:
-        """Drop the capability and every key held (after a revocation)."""
-        self._cap = self._lease = None
-        self._open.clear()
+        """Drop the capability (after a revocation); keys are held only by a request's session."""
+        self._cap = None
 
     async def capability(self) -> str:
         """The current capability token for this worker's namespace (minted when needed)."""
@@ -156,27 +153,15 @@ class RemoteGateway:
         self._cap = _Cap(got["capability"], float(got["expires_at"]))
         return self._cap.token
 
-    async def lease(self) -> KeyLease:
-        """The tenant's current data key, leased for sealing (renewed when spent or expiring)."""
-        async with self._lock:
-            lease = self._lease
-            if lease is not None and self._used < lease.invocations and lease.expires_at - _MARGIN_S > time.time():
-                return lease
-            r = await self._send("POST", "/v1/keys/lease")
-            if r.status_code != 200:
-                raise RemoteUnavailable(f"leasing a key: {r.status_code}")
-            self._lease = self._parse_lease(r.json())
-            self._used = 0
-            return self._lease
-
-    def _parse_lease(self, j: dict[str, Any]) -> KeyLease:
-        if j.get("chunk_tokens", self.chunk_tokens) != self.chunk_tokens:
-            raise InvalidRequest(f"the server chunks {j['chunk_tokens']} tokens, this worker {self.chunk_tokens}")
-        b = base64.b64decode
-        return KeyLease(
-            j["tenant"], j["namespace"], int(j["key_version"]), int(j["invocations"]),
-            b(j["dek"]), b(j["binding_secret"]), b(j["index_key"]), float(j["expires_at"]),
-        )
+    async def envelope_keys(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/keys/envelopes``: the keys of a batch of envelopes (see the module docstring)."""
+        r = await self._retrying("POST", "/v1/keys/envelopes", json=body)
+        if r.status_code != 200:
+            raise RemoteUnavailable(f"envelope keys: {r.status_code}")
+        got: dict[str, Any] = r.json()
+        if got.get("chunk_tokens", self.chunk_tokens) != self.chunk_tokens:
+            raise InvalidRequest(f"the server chunks {got['chunk_tokens']} tokens, this worker {self.chunk_tokens}")
+        return got
 
     # -- planning ----------------------------------------------------------------------------
     def _chunks(self, model: KVModel, tokens: Sequence[int] | torch.Tensor) -> list[Chunk]:
@@ -224,23 +209,6 @@ class RemoteGateway:
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
         )
 
-    async def _opening_lease(self, version: int) -> KeyLease | None:
-        """The lease to open an envelope of key ``version`` with: the sealing lease when it is
-        that version, else a lease on that version alone (``POST /v1/keys/lease {version}``)."""
-        lease = self._lease
-        if lease is not None and lease.key_version == version and lease.expires_at - _MARGIN_S > time.time():
-            return lease
-        held = self._open.get(version)
-        if held is not None and held.expires_at - _MARGIN_S > time.time():
-            return held
-        r = await self._retrying("POST", "/v1/keys/lease", json={"version": version})
-        if r.status_code == 404:
-            return None
-        if r.status_code != 200:
-            raise RemoteUnavailable(f"leasing key version {version}: {r.status_code}")
-        self._open[version] = got = self._parse_lease(r.json())
-        return got
-
     async def _fetch(self, path: str, gate: asyncio.Semaphore) -> httpx.Response | None:
         async with gate:
             try:
@@ -259,32 +227,69 @@ class RemoteGateway:
 
 
 class _HttpSession:
-    """One request against the server: keys are leased when first needed."""
+    """One request against the server: the keys of its envelopes are asked for in one call each
+    way, and held only here."""
+
+    keys_local = False  # every key is the server's answer: one call per request
 
     def __init__(self, client: RemoteGateway, chunks: Sequence[Chunk]) -> None:
         self.client = client
         self.chunks = chunks
-        self.lease: KeyLease | None = None
+        self._scope: tuple[str, str] | None = None  # tenant, namespace (from the key answer)
+        self._storage_keys: dict[int, str] = {}
         self._fetches: dict[int, asyncio.Future[httpx.Response | None]] = {}
 
-    @property
-    def binding(self) -> bytes:
-        if self.lease is None:
-            raise LookupError("no key leased yet")
-        return self.lease.binding_secret
-
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
-        lease = self.lease
-        if lease is None:  # only an unparsable header: a context that cannot authenticate
-            return EnvelopeContext(tenant="-", namespace="-", storage_key="0" * 64,
+        storage_key = self._storage_keys.get(i)
+        if self._scope is None or storage_key is None:  # no key asked for (an unparsable header):
+            return EnvelopeContext(tenant="-", namespace="-", storage_key="0" * 64,  # cannot authenticate
                                    model_fingerprint=model.fingerprint_digest, key_version=version)
         return EnvelopeContext(
-            tenant=lease.tenant,
-            namespace=lease.namespace,
-            storage_key=hmac.new(lease.index_key, self.chunks[i].chained_hash, hashlib.sha256).hexdigest(),
+            tenant=self._scope[0],
+            namespace=self._scope[1],
+            storage_key=storage_key,
             model_fingerprint=model.fingerprint_digest,
             key_version=version,
         )
+
+    async def _keys(self, indices: Sequence[int], body: dict[str, Any]) -> list[dict[str, Any]]:
+        """Ask for the keys of ``indices`` (``body`` without its list) and record their storage keys."""
+        got = await self.client.envelope_keys(body)
+        items: list[dict[str, Any]] = got["keys"]
+        if len(items) != len(indices) or any(
+            item["hash"] != self.chunks[i].chained_hash.hex() for i, item in zip(indices, items, strict=True)
+        ):
+            raise RemoteUnavailable("envelope keys: the answer does not match the request")
+        self._scope = (got["tenant"], got["namespace"])
+        for i, item in zip(indices, items, strict=True):
+            self._storage_keys[i] = item["storage_key"]
+        return items
+
+    async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
+        out: list[tuple[int, EnvelopeKeys]] = []
+        for at in range(0, len(indices), _KEYS_PER_CALL):
+            part = indices[at : at + _KEYS_PER_CALL]
+            body = {"purpose": "seal", "hashes": [self.chunks[i].chained_hash.hex() for i in part]}
+            for item in await self._keys(part, body):
+                out.append((int(item["key_version"]), _issued(item)))
+        return out
+
+    async def opening_keys(self, refs: Sequence[tuple[int, KeyRef]]) -> list[EnvelopeKeys | None]:
+        out: list[EnvelopeKeys | None] = []
+        for at in range(0, len(refs), _KEYS_PER_CALL):
+            part = refs[at : at + _KEYS_PER_CALL]
+            envelopes = [
+                {"hash": self.chunks[i].chained_hash.hex(), "key_version": version,
+                 "salt": base64.b64encode(salt).decode()}
+                for i, (version, salt) in part
+            ]
+            for item in await self._keys([i for i, _ref in part], {"purpose": "open", "envelopes": envelopes}):
+                if item["key"] is None:  # that key version is destroyed (or never existed): a miss
+                    self.client.stats["unavailable"] += 1
+                    out.append(None)
+                else:
+                    out.append(_issued(item))
+        return out
 
     async def presence(self) -> Presence:
         body = {"hashes": [c.chained_hash.hex() for c in self.chunks]}
@@ -292,21 +297,6 @@ class _HttpSession:
         got = r.json()
         hits = int(got["hit_chunks"])
         return Presence([i < hits for i in range(len(self.chunks))], locations=got.get("locations", []))
-
-    async def sealing_key(self) -> tuple[int, bytes]:
-        lease = await self.client.lease()
-        self.client._used += 1
-        self.lease = lease
-        return lease.key_version, lease.dek
-
-    async def opening_key(self, version: int) -> bytes:
-        lease = await self.client._opening_lease(version)
-        if lease is None:  # that key version is destroyed (or never existed)
-            self.client.stats["unavailable"] += 1
-            raise KeyUnavailable("key version unavailable")
-        if self.lease is None:
-            self.lease = lease
-        return lease.dek
 
     def prefetch(self, indices: Sequence[int]) -> None:
         gate = asyncio.Semaphore(_FETCH_CONCURRENCY)
@@ -327,7 +317,7 @@ class _HttpSession:
         try:
             await self.client._send("PUT", f"/v1/chunks/{self.chunks[i].chained_hash.hex()}", content=bytes(envelope))
         except AccessDenied:
-            self.client._forget()  # revoked (a clear): the lease it was sealed under is gone too
+            self.client._forget()  # revoked (a clear): the key it was sealed under is gone too
             raise
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
@@ -348,3 +338,11 @@ class _HttpSession:
             f.cancel()
         await asyncio.gather(*self._fetches.values(), return_exceptions=True)
         self._fetches.clear()
+
+
+def _issued(item: dict[str, Any]) -> IssuedKey:
+    """One envelope's key from the server's answer (a malformed one is the server's failure)."""
+    try:
+        return IssuedKey(base64.b64decode(item["salt"], validate=True), base64.b64decode(item["key"], validate=True))
+    except (ValueError, TypeError):
+        raise RemoteUnavailable("envelope keys: a malformed key") from None

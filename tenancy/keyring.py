@@ -140,23 +140,6 @@ class Keyring:
                     await self.create(tenant, expect_active=rec.version)
             raise KeyUnavailable("could not obtain an encryption key (contention)")
 
-    async def reserve(self, tenant: str, count: int) -> tuple[int, bytes, int]:
-        """Reserve up to ``count`` invocations of the active version for a remote worker's lease
-        (it seals on its own device): returns (version, DEK, invocations granted, >= 1)."""
-        if count < 1:
-            raise ValueError("count must be positive")
-        async with self._lock(tenant):
-            for _ in range(8):
-                rec = await self._registry.active_key(tenant)
-                if rec is None:
-                    await self.create(tenant, expect_active=None)
-                    continue
-                take = min(count, rec.invocation_limit - rec.invocations)
-                if take > 0 and await self._registry.reserve_invocations(tenant, rec.version, take):
-                    return rec.version, await self.decryption_key(tenant, rec.version), take
-                await self.create(tenant, expect_active=rec.version)
-            raise KeyUnavailable("could not reserve invocations (contention)")
-
     async def decryption_key(self, tenant: str, version: int) -> bytes:
         cached = self._cache.get((tenant, version))
         if cached is not None:

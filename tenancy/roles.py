@@ -51,7 +51,7 @@ class Action(StrEnum):
     GET = "get"
     PUT = "put"
     PIN = "pin"
-    LEASE_KEY = "lease_key"
+    ENVELOPE_KEYS = "envelope_keys"  # per-envelope keys for a remote worker (its capability decides the op)
     CLEAR = "clear"
     MOVE = "move"
     ROTATE_KEYS = "rotate_keys"
@@ -60,7 +60,7 @@ class Action(StrEnum):
 
 
 _BY_ROLE: dict[Role, frozenset[Action]] = {
-    Role.WORKER: frozenset({Action.LOOKUP, Action.GET, Action.PUT, Action.LEASE_KEY}),
+    Role.WORKER: frozenset({Action.LOOKUP, Action.GET, Action.PUT, Action.ENVELOPE_KEYS}),
     Role.ADMIN: frozenset(
         {Action.PIN, Action.CLEAR, Action.MOVE, Action.ROTATE_KEYS, Action.EXPORT_AUDIT}
     ),

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
@@ -131,7 +131,7 @@ async def redis_ceilings(url: str, size: int, count: int, reps: int) -> tuple[fl
 def _envelope(size: int) -> bytes:
     """A well-formed envelope of about ``size`` bytes (the server checks only the header)."""
     ctx = EnvelopeContext("bench", "default", "ab" * 32, "cd" * 32, 1)
-    return bytes(ChunkCipher().seal(os.urandom(32), os.urandom(32), ctx, os.urandom(size - 56 - 16 * (-(-size // (2 << 20))))))
+    return bytes(ChunkCipher().seal(DataKey(os.urandom(32), os.urandom(32)), ctx, os.urandom(size - 56 - 16 * (-(-size // (2 << 20))))))
 
 
 def _free_port() -> int:

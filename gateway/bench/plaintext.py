@@ -31,7 +31,7 @@ class PlaintextCodec:
     def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int:
         return plaintext_len
 
-    def key_version(self, envelope: memoryview) -> int | None:
+    def key_ref(self, envelope: memoryview) -> tuple[int, bytes] | None:
         return None  # no data key: the plane opens without asking for one
 
     def plaintext_length(self, envelope: memoryview) -> int:
@@ -41,7 +41,7 @@ class PlaintextCodec:
         return max(1, min(self._segment_bytes, envelope.nbytes))
 
     def seal_pieces_into(
-        self, dek: bytes, binding: bytes, ctx: Any, pieces: Sequence[memoryview], n: int, out: memoryview, *,
+        self, keys: Any, ctx: Any, pieces: Sequence[memoryview], n: int, out: memoryview, *,
         segment_bytes: int,
     ) -> int:
         pos = 0
@@ -51,7 +51,7 @@ class PlaintextCodec:
         return pos
 
     def open_segments(
-        self, dek: bytes, binding: bytes, ctx: Any, envelope: memoryview, scratch: memoryview,
+        self, keys: Any, ctx: Any, envelope: memoryview, scratch: memoryview,
         on_segment: Callable[[int, int, memoryview], None],
     ) -> int:
         """The same segment-wise delivery as the cipher, a copy in place of AES-GCM."""
@@ -63,11 +63,11 @@ class PlaintextCodec:
             on_segment(a, b, part)
         return n
 
-    def seal_into(self, dek: bytes, binding: bytes, ctx: Any, plain: memoryview, out: memoryview) -> int:
+    def seal_into(self, keys: Any, ctx: Any, plain: memoryview, out: memoryview) -> int:
         out[: plain.nbytes] = plain
         return plain.nbytes
 
-    def open_into(self, dek: bytes, binding: bytes, ctx: Any, envelope: memoryview, out: memoryview) -> int:
+    def open_into(self, keys: Any, ctx: Any, envelope: memoryview, out: memoryview) -> int:
         if envelope.nbytes != out.nbytes:
             raise DecryptionFailed
         out[:] = envelope

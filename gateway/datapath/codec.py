@@ -5,6 +5,11 @@ byte movement (gather, scatter, staging, threads) and the chunk envelope format.
 AAD binding tenant, namespace, storage key, model and key version. The data path takes any object
 that meets ``EnvelopeCodec``; a benchmark baseline passes its own (``gateway/bench/``) to the
 same constructors. There is no switch in the product that turns encryption off.
+
+Keys reach the codec as one ``crypto.segments.EnvelopeKeys`` per envelope: a ``DataKey`` (DEK and
+namespace binding secret, embedded mode) or an ``IssuedKey`` (the salt and segment key a kvgate
+server issued for that one envelope, remote mode). ``key_ref`` reads what an envelope was sealed
+under (key version and salt) from its header, so the keys to open it can be asked for.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ from crypto.envelope import (
     MAX_SEGMENT_BYTES,
     ChunkCipher,
     EnvelopeContext,
-    peek_key_version,
+    EnvelopeKeys,
     plaintext_length,
+    read_header,
     segment_scratch_bytes,
 )
 
-__all__ = ["CipherCodec", "EnvelopeCodec", "codec_of", "layer_segment_bytes"]
+__all__ = ["CipherCodec", "EnvelopeCodec", "KeyRef", "codec_of", "layer_segment_bytes"]
+
+KeyRef = tuple[int, bytes]
+"""``(key version, salt)`` an envelope's header names (unauthenticated: only to ask for its key)."""
 
 OnSegment = Callable[[int, int, memoryview], None]
 
@@ -38,20 +47,21 @@ class EnvelopeCodec(Protocol):
     @property
     def segment_bytes(self) -> int: ...
     def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int: ...
-    def key_version(self, envelope: memoryview) -> int | None:
-        """The data-key version the envelope was sealed with; None: it needs no key."""
+    def key_ref(self, envelope: memoryview) -> KeyRef | None:
+        """The data-key version and salt the envelope was sealed with; None: it needs no key.
+        ``DecryptionFailed`` if its header is malformed."""
     def plaintext_length(self, envelope: memoryview) -> int: ...
     def scratch_bytes(self, envelope: memoryview) -> int: ...
     def seal_pieces_into(
-        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, pieces: Sequence[memoryview], n: int,
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, pieces: Sequence[memoryview], n: int,
         out: memoryview, *, segment_bytes: int,
     ) -> int: ...
     def open_segments(
-        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
         on_segment: OnSegment,
     ) -> int: ...
-    def seal_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int: ...
-    def open_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int: ...
+    def seal_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int: ...
+    def open_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int: ...
 
 
 class CipherCodec:
@@ -69,8 +79,9 @@ class CipherCodec:
     def envelope_size(self, plaintext_len: int, segment_bytes: int | None = None) -> int:
         return self.cipher.envelope_size(plaintext_len, segment_bytes)
 
-    def key_version(self, envelope: memoryview) -> int:
-        return peek_key_version(envelope)
+    def key_ref(self, envelope: memoryview) -> KeyRef:
+        header = read_header(envelope)
+        return header.key_version, header.salt
 
     def plaintext_length(self, envelope: memoryview) -> int:
         return plaintext_length(envelope)
@@ -79,22 +90,22 @@ class CipherCodec:
         return segment_scratch_bytes(envelope)
 
     def seal_pieces_into(
-        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, pieces: Sequence[memoryview], n: int,
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, pieces: Sequence[memoryview], n: int,
         out: memoryview, *, segment_bytes: int,
     ) -> int:
-        return self.cipher.seal_pieces_into(dek, binding, ctx, pieces, n, out, segment_bytes=segment_bytes)
+        return self.cipher.seal_pieces_into(keys, ctx, pieces, n, out, segment_bytes=segment_bytes)
 
     def open_segments(
-        self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
         on_segment: OnSegment,
     ) -> int:
-        return self.cipher.open_segments(dek, binding, ctx, envelope, scratch, on_segment)
+        return self.cipher.open_segments(keys, ctx, envelope, scratch, on_segment)
 
-    def seal_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int:
-        return self.cipher.seal_into(dek, binding, ctx, plain, out)
+    def seal_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int:
+        return self.cipher.seal_into(keys, ctx, plain, out)
 
-    def open_into(self, dek: bytes, binding: bytes, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int:
-        return self.cipher.open_into(dek, binding, ctx, envelope, out)
+    def open_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int:
+        return self.cipher.open_into(keys, ctx, envelope, out)
 
 
 def codec_of(cipher_or_codec: ChunkCipher | EnvelopeCodec) -> EnvelopeCodec:

@@ -19,7 +19,7 @@ import torch
 from crypto.envelope import ChunkCipher
 from crypto.errors import DecryptionFailed
 from gateway.datapath.buffers import BufferPool
-from gateway.datapath.codec import EnvelopeCodec, codec_of, layer_segment_bytes
+from gateway.datapath.codec import EnvelopeCodec, KeyRef, codec_of, layer_segment_bytes
 from gateway.datapath.sealers import (
     CpuSealer,
     DeviceSealer,
@@ -93,9 +93,10 @@ class DataPath:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def key_version(self, envelope: memoryview) -> int | None:
-        """The data-key version an envelope was sealed with (None: a codec without keys)."""
-        return self.codec.key_version(envelope)
+    def key_ref(self, envelope: memoryview) -> KeyRef | None:
+        """The data-key version and salt an envelope was sealed with (None: a codec without keys;
+        ``DecryptionFailed``: a malformed header)."""
+        return self.codec.key_ref(envelope)
 
     def segment_bytes(self, layer_nbytes: int) -> int:
         """A chunk's segment size: the codec's, rounded down to whole layers (at least one)."""
@@ -144,14 +145,14 @@ class DataPath:
         return CpuSealer(self.codec, self.pool)
 
     # -- batches ----------------------------------------------------------------------------
-    def seal_batch(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
-        """Seal each chunk's KV into a new envelope (the tier keeps it)."""
-        return self.sealer_for(kv).seal(kv, binding, jobs)
+    def seal_batch(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
+        """Seal each chunk's KV into a new envelope (the tier keeps it), with its job's keys."""
+        return self.sealer_for(kv).seal(kv, jobs)
 
-    def open_batch(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open_batch(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         """Authenticate, decrypt and scatter each chunk into the paged KV, segment by segment.
 
         Returns (chunks loaded, whether the next one failed authentication); it stops at the
         first failure. Nothing of a segment reaches ``kv`` before its tag was checked, and the
         slots of a chunk that failed are left zeroed where earlier segments had landed."""
-        return self.sealer_for(kv).open(kv, binding, jobs)
+        return self.sealer_for(kv).open(kv, jobs)

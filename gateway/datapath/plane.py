@@ -4,7 +4,9 @@
     paged KV --seal (gather + AES-256-GCM, AAD binds identity)--> store.put
     store.fetch --open (every tag checked) + scatter--> paged KV
 
-Embedded and remote mode run this same code; only the store differs. A chunk that fails
+Embedded and remote mode run this same code; only the store differs. Keys are asked of the
+store's session once per request: for every chunk to seal, and, after the fetched envelopes'
+headers are read, for every chunk to open. A chunk that fails
 authentication, whose key is unavailable, or whose tier (or server) cannot deliver it ends the
 loaded prefix: a miss, counted, never handed to the engine.
 """
@@ -14,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from crypto.envelope import EnvelopeKeys
 from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from gateway.chunking import Chunk
 from gateway.datapath.path import DataPath
@@ -26,7 +29,9 @@ from gateway.datapath.sealers import OpenJob, SealJob
 from gateway.datapath.stores import (
     ChunkSession,
     ChunkStore,
+    Fetched,
     FetchFailed,
+    KeyRef,
     KeysUnavailable,
     Reserved,
     prefix_hits,
@@ -133,20 +138,22 @@ class DataPlane:
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor,
         todo: list[int],
     ) -> tuple[int, int]:
-        jobs: list[SealJob] = []
-        for n, i in enumerate(todo):
-            c = chunks[i]
-            try:
-                version, dek = await session.sealing_key()
-            except (KekError, KeyUnavailable):  # the KEK provider is unreachable: store less
-                self.stats["store_failures"] += len(todo) - n
-                self.stats["key_unavailable"] += 1
-                todo = todo[:n]
-                break
-            jobs.append(SealJob(slots[c.start : c.end], dek, session.context(i, model, version)))
+        if not todo:
+            return 0, 0
+        try:  # one ask for the keys of every chunk to store
+            got = await session.sealing_keys(todo)
+        except (KekError, KeyUnavailable):  # the KEK provider is unreachable: store nothing
+            got = []
+        if len(got) < len(todo):  # keys ran out (or could not be had): store less
+            self.stats["store_failures"] += len(todo) - len(got)
+            self.stats["key_unavailable"] += 1
+            todo = todo[: len(got)]
+        jobs = [
+            SealJob(slots[chunks[i].start : chunks[i].end], keys, session.context(i, model, version))
+            for i, (version, keys) in zip(todo, got)
+        ]
         if not jobs:
             return 0, 0
-        binding = session.binding
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
 
         async def run(batch: list[int]) -> int:
@@ -161,7 +168,7 @@ class DataPlane:
                     job.out = slot.view
             try:
                 async with gate:
-                    envelopes = await self.datapath.run(self.datapath.seal_batch, kv, binding, [jobs[k] for k in batch])
+                    envelopes = await self.datapath.run(self.datapath.seal_batch, kv, [jobs[k] for k in batch])
             except BaseException:
                 for slot in reserved.values():
                     session.abort(slot)
@@ -233,68 +240,150 @@ class DataPlane:
     async def _load(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor
     ) -> tuple[int, int, int, dict[int, str]]:
-        stats = {"failures": 0, "unavailable": 0}
-        ended: dict[int, str] = {}  # chunk index -> why the prefix ended there (per batch)
-        gate = asyncio.Semaphore(max(1, self.datapath.threads))
-        session.prefetch(range(len(chunks)))
+        """Fetch, authenticate, decrypt and scatter the stored prefix in batches.
 
-        async def run(batch: list[int]) -> int:
+        Where keys are a round trip (``session.keys_local`` false: a remote worker asks the server
+        for each envelope's key), the whole prefix is fetched first and its keys asked for in one
+        call. Where they are derived in process, each batch fetches, keys and opens its own chunks,
+        so opening one batch overlaps the fetches of the next (a disk or Redis tier)."""
+        stats = {"failures": 0, "unavailable": 0}
+        ended: dict[int, str] = {}  # chunk index -> why the prefix ended there
+        gate = asyncio.Semaphore(max(1, self.datapath.threads))
+        fetched: dict[int, Fetched] = {}
+
+        async def open_jobs(batch: list[int], jobs: list[OpenJob]) -> int:
             """How many leading chunks of the batch were loaded."""
-            jobs: list[OpenJob] = []
-            tiers: list[str] = []
-            for i in batch:
-                c = chunks[i]
-                try:
-                    found = await session.fetch(i)
-                except FetchFailed as exc:
-                    if exc.unavailable:
-                        stats["unavailable"] += 1
-                    ended[i] = exc.reason
-                    break
-                try:
-                    version = self.datapath.key_version(found.envelope)
-                    dek = b"" if version is None else await session.opening_key(version)
-                except (KeyUnavailable, KekError):
-                    stats["unavailable"] += 1
-                    self.stats["key_unavailable"] += 1
-                    ended[i] = "key_unavailable"
-                    break
-                except DecryptionFailed:  # not even a parsable header: fails to open below
-                    jobs.append(OpenJob(found.envelope, slots[c.start : c.end], b"", session.context(i, model, 1)))
-                    tiers.append(found.tier)
-                    break
-                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], dek, session.context(i, model, version or 0)))
-                tiers.append(found.tier)
             if not jobs:
                 return 0
-            binding = _binding_or_empty(session)
             async with gate:
-                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, binding, jobs)
+                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, jobs)
             if failed:
+                bad = batch[loaded]
                 stats["failures"] += 1
-                ended[batch[loaded]] = "integrity"
+                ended[bad] = "integrity"
                 self.stats["integrity_failures"] += 1
-                log.warning("integrity failure on a chunk in tier %s; treated as a miss", tiers[loaded])
-                await session.integrity_failure(batch[loaded], tiers[loaded])
+                log.warning("integrity failure on a chunk in tier %s; treated as a miss", fetched[bad].tier)
+                await session.integrity_failure(bad, fetched[bad].tier)
             self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
             return loaded
+
+        if session.keys_local:
+            session.prefetch(range(len(chunks)))
+
+            async def run(batch: list[int]) -> int:
+                got = await self._fetch_run(session, batch, stats, ended)
+                fetched.update(zip(batch, got, strict=False))
+                return await open_jobs(batch, await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended))
+
+            batches = self._batches(len(chunks), model, chunks)
+            results = await asyncio.gather(*(run(b) for b in batches))
+        else:
+            got = await self._fetch_prefix(session, len(chunks), stats, ended)
+            fetched.update(enumerate(got))
+            jobs = await self._open_jobs(session, model, chunks, slots, 0, got, stats, ended)
+            batches = self._batches(len(jobs), model, chunks) if jobs else []
+            results = await asyncio.gather(*(open_jobs(b, jobs[b[0] : b[-1] + 1]) for b in batches))
 
         # Batches run concurrently; the prefix ends at the first chunk that did not load. A chunk
         # past that point may have been unpacked already: authentic KV in slots the engine
         # recomputes anyway.
         loaded = 0
-        batches = self._batches(len(chunks), model, chunks)
-        for batch, n in zip(batches, await asyncio.gather(*(run(b) for b in batches))):
+        for batch, n in zip(batches, results, strict=True):
             loaded += n
             if n < len(batch):
                 break
         return loaded, stats["failures"], stats["unavailable"], ended
 
+    async def _open_jobs(
+        self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], slots: torch.Tensor, first: int,
+        fetched: Sequence[Fetched], stats: dict[str, int], ended: dict[int, str],
+    ) -> list[OpenJob]:
+        """The open jobs of chunks ``first, first + 1, ...`` (their fetched envelopes), with their
+        keys asked for in one call (from the envelopes' headers); they stop before the first chunk
+        whose key is unavailable, and just after an unparsable header (it fails to open)."""
+        refs: list[KeyRef | None] = []
+        for found in fetched:
+            try:
+                refs.append(self.datapath.key_ref(found.envelope))
+            except DecryptionFailed:  # not even a parsable header: it fails to open below
+                break
+        keys: list[EnvelopeKeys | None] = [_UNKEYED] * len(refs)
+        keyed = [(first + k, ref) for k, ref in enumerate(refs) if ref is not None]
+        if keyed:
+            try:
+                for (i, _ref), got in zip(keyed, await session.opening_keys(keyed), strict=True):
+                    keys[i - first] = got
+            except (KeyUnavailable, KekError):
+                keys = [None] * len(refs)
+        jobs: list[OpenJob] = []
+        for k, found in enumerate(fetched):
+            i = first + k
+            c = chunks[i]
+            if k == len(refs):  # the unparsable header: an integrity failure, counted by the caller
+                jobs.append(OpenJob(found.envelope, slots[c.start : c.end], _UNKEYED, session.context(i, model, 1)))
+                break
+            ref, key = refs[k], keys[k]
+            if key is None:
+                stats["unavailable"] += 1
+                self.stats["key_unavailable"] += 1
+                ended[i] = "key_unavailable"
+                break
+            ctx = session.context(i, model, 0 if ref is None else ref[0])
+            jobs.append(OpenJob(found.envelope, slots[c.start : c.end], key, ctx))
+        return jobs
 
-def _binding_or_empty(session: ChunkSession) -> bytes:
-    """The session's binding secret; a session that never got keys (only an unparsable header
-    in its batch) opens with an empty one, which fails authentication as it must."""
-    try:
-        return session.binding
-    except LookupError:
-        return b""
+    @staticmethod
+    async def _fetch_run(
+        session: ChunkSession, indices: Sequence[int], stats: dict[str, int], ended: dict[int, str]
+    ) -> list[Fetched]:
+        """The envelopes of ``indices`` in order, up to the first that could not be fetched."""
+        out: list[Fetched] = []
+        for i in indices:
+            try:
+                out.append(await session.fetch(i))
+            except FetchFailed as exc:
+                if exc.unavailable:
+                    stats["unavailable"] += 1
+                ended[i] = exc.reason
+                break
+        return out
+
+    async def _fetch_prefix(
+        self, session: ChunkSession, n: int, stats: dict[str, int], ended: dict[int, str]
+    ) -> list[Fetched]:
+        """The envelopes of chunks ``0 .. k-1``, up to the first that could not be fetched (fetched
+        concurrently, at most ``_FETCHES`` at a time)."""
+        session.prefetch(range(n))
+        gate = asyncio.Semaphore(_FETCHES)
+
+        async def one(i: int) -> Fetched | FetchFailed:
+            async with gate:
+                try:
+                    return await session.fetch(i)
+                except FetchFailed as exc:
+                    return exc
+
+        out: list[Fetched] = []
+        for i, got in enumerate(await asyncio.gather(*(one(i) for i in range(n)))):
+            if isinstance(got, FetchFailed):
+                if got.unavailable:
+                    stats["unavailable"] += 1
+                ended[i] = got.reason
+                break
+            out.append(got)
+        return out
+
+
+class _Unkeyed:
+    """The keys of an envelope that needs none (a codec without keys) or cannot be opened (an
+    unparsable header): sealing and opening with it fail."""
+
+    def sealing_key(self, salt_source: Callable[[int], bytes]) -> tuple[bytes, bytes]:
+        raise DecryptionFailed
+
+    def opening_key(self, salt: bytes) -> bytes:
+        raise DecryptionFailed
+
+
+_UNKEYED = _Unkeyed()
+_FETCHES = 8

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from crypto.envelope import ChunkCipher, EnvelopeContext, plaintext_length
+from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, plaintext_length
 from crypto.errors import DecryptionFailed
 from gateway.datapath.buffers import BufferPool, empty
 from gateway.datapath.codec import EnvelopeCodec, layer_segment_bytes
@@ -42,7 +42,7 @@ __all__ = ["CpuSealer", "DeviceSealer", "HostSealer", "OpenJob", "SealJob", "Sea
 @dataclass(slots=True)
 class SealJob:
     slots: torch.Tensor
-    dek: bytes
+    keys: EnvelopeKeys  # a DataKey (embedded) or the envelope's IssuedKey (remote)
     ctx: EnvelopeContext
     out: memoryview | None = None  # seal straight into this (a tier's slot) instead of a new buffer
 
@@ -59,17 +59,17 @@ def _out(job: SealJob, pool: BufferPool, nbytes: int) -> memoryview:
 class OpenJob:
     envelope: memoryview
     slots: torch.Tensor
-    dek: bytes
+    keys: EnvelopeKeys
     ctx: EnvelopeContext
 
 
 class Sealer(Protocol):
     name: str
 
-    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+    def seal(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
         """Seal each chunk's KV into a new envelope (the tier keeps it)."""
 
-    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         """Authenticate, decrypt and scatter each chunk into the paged KV. Returns (chunks loaded,
         whether the next one failed authentication); it stops at the first failure, and a chunk
         that failed leaves nothing of itself in the cache."""
@@ -100,28 +100,28 @@ class CpuSealer:
         self.codec = codec
         self.pool = pool
 
-    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+    def seal(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
         flat = FlatKV(kv)
         out: list[memoryview] = []
         for job in jobs:
             chunk = ChunkPieces(flat, job.slots)
             seg = layer_segment_bytes(self.codec.segment_bytes, chunk.layer_nbytes)
             env = _out(job, self.pool, self.codec.envelope_size(chunk.nbytes, seg))
-            self.codec.seal_pieces_into(job.dek, binding, job.ctx, chunk.pieces(), chunk.nbytes, env, segment_bytes=seg)
+            self.codec.seal_pieces_into(job.keys, job.ctx, chunk.pieces(), chunk.nbytes, env, segment_bytes=seg)
             out.append(env)
         return out
 
-    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         flat = FlatKV(kv)
         for i, job in enumerate(jobs):
             chunk = ChunkPieces(flat, job.slots, unique=True)
             try:
-                self._open_one(chunk, binding, job)
+                self._open_one(chunk, job)
             except DecryptionFailed:
                 return i, True
         return len(jobs), False
 
-    def _open_one(self, chunk: ChunkPieces, binding: bytes, job: OpenJob) -> None:
+    def _open_one(self, chunk: ChunkPieces, job: OpenJob) -> None:
         if self.codec.plaintext_length(job.envelope) != chunk.nbytes:  # also bounds the scratch below
             raise DecryptionFailed
         scratch = self.pool.scratch(self.codec.scratch_bytes(job.envelope))
@@ -132,7 +132,7 @@ class CpuSealer:
             delivered[0] = end
 
         try:
-            self.codec.open_segments(job.dek, binding, job.ctx, job.envelope, scratch, on_segment)
+            self.codec.open_segments(job.keys, job.ctx, job.envelope, scratch, on_segment)
         except DecryptionFailed:
             # Segments before the bad one were authentic, but a chunk loads whole or not at all:
             # zero what landed (the scratch was just wiped) so no part of it is left in the cache.
@@ -157,7 +157,7 @@ class HostSealer:
         self.codec = codec
         self.pool = pool
 
-    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+    def seal(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
         out: list[memoryview] = []
         for job in jobs:
             staging = self.pool.staging(kv.geometry, job.slots.numel())
@@ -165,16 +165,16 @@ class HostSealer:
             plain = _bytes(staging)
             size = self.codec.envelope_size(plain.nbytes)
             env = job.out if job.out is not None and job.out.nbytes == size else empty(size)
-            self.codec.seal_into(job.dek, binding, job.ctx, plain, env)
+            self.codec.seal_into(job.keys, job.ctx, plain, env)
             out.append(env)
         return out
 
-    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         geometry = kv.geometry
         for i, job in enumerate(jobs):
             staging = self.pool.staging(geometry, job.slots.numel())
             try:
-                self.codec.open_into(job.dek, binding, job.ctx, job.envelope, _bytes(staging))
+                self.codec.open_into(job.keys, job.ctx, job.envelope, _bytes(staging))
             except DecryptionFailed:
                 return i, True
             unpack(staging.to(kv.device), kv, job.slots, geometry)
@@ -195,9 +195,9 @@ class DeviceSealer:
         self.pool = pool
         self.segment_bytes = segment_bytes
 
-    def seal(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+    def seal(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
         if self.fused:
-            return self._seal_fused(kv, binding, jobs)
+            return self._seal_fused(kv, jobs)
         out: list[memoryview] = []
         for job in jobs:
             staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
@@ -206,12 +206,12 @@ class DeviceSealer:
             seg = layer_segment_bytes(self.segment_bytes, plain.numel() // kv.geometry.num_layers)  # as the CPU path
             env = _out(job, self.pool, self.cipher.envelope_size(plain.numel(), seg))
             self.cipher.seal_device_into(
-                job.dek, binding, job.ctx, plain, plain.numel(), env, to_host=_to_host, segment_bytes=seg
+                job.keys, job.ctx, plain, plain.numel(), env, to_host=_to_host, segment_bytes=seg
             )
             out.append(env)
         return out
 
-    def _seal_fused(self, kv: PagedKV, binding: bytes, jobs: Sequence[SealJob]) -> list[memoryview]:
+    def _seal_fused(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
         """The Triton kernels read every layer's rows and write ciphertext into the staging buffer
         in one pass; each segment's copy to the host starts as soon as its kernels are queued."""
         factory = self.factory
@@ -236,27 +236,27 @@ class DeviceSealer:
                 copier.fetch_d2h(plain, s, e, dst)
 
             self.cipher.seal_device_fused(
-                job.dek, binding, job.ctx, n, env, encrypt=encrypt, to_host=to_host, segment_bytes=seg,
+                job.keys, job.ctx, n, env, encrypt=encrypt, to_host=to_host, segment_bytes=seg,
             )
             out.append(env)
         return out
 
-    def open(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         if self.fused:
-            return self._open_fused(kv, binding, jobs)
+            return self._open_fused(kv, jobs)
         for i, job in enumerate(jobs):
             staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
             plain = staging.view(-1).view(torch.uint8)
             try:
                 if plaintext_length(job.envelope) != plain.numel():
                     raise DecryptionFailed
-                self.cipher.open_device_into(job.dek, binding, job.ctx, job.envelope, plain, to_device=_to_device, zero=_zero_)
+                self.cipher.open_device_into(job.keys, job.ctx, job.envelope, plain, to_device=_to_device, zero=_zero_)
             except DecryptionFailed:
                 return i, True
             unpack(staging, kv, job.slots, kv.geometry)
         return len(jobs), False
 
-    def _open_fused(self, kv: PagedKV, binding: bytes, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def _open_fused(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         """Ciphertext to the device staging buffer; every segment's tag checked, then the Triton
         kernels decrypt and scatter into the layers in one pass. A chunk that fails writes nothing."""
         factory = self.factory
@@ -275,7 +275,7 @@ class DeviceSealer:
                     return factory(key).decrypt_scatter_(plain, kv, rows, segs)
 
                 self.cipher.open_device_fused(
-                    job.dek, binding, job.ctx, job.envelope, to_device=to_device, decrypt=decrypt,
+                    job.keys, job.ctx, job.envelope, to_device=to_device, decrypt=decrypt,
                 )
             except DecryptionFailed:
                 return i, True

@@ -3,12 +3,18 @@
     TierStore   (embedded) the tiers of this process; the capability is verified here, keys come
                 from the namespace resolver and the keyring
     HttpStore   (remote, ``gateway.remote``) a kvgate server; the server verifies the capability
-                and maps chained hashes to storage keys, the worker holds only what it leased
+                and maps chained hashes to storage keys, and issues one key per envelope: the
+                worker never holds the tenant's data key
 
 A store opens a ``ChunkSession`` per request: the capability checked for one operation, the
 namespace resolved, the chunks' storage keys computed once. The data plane (``plane.py``) runs
 the same store / lookup / retrieve over either. Nothing here touches plaintext: sealing and
 opening happen in the data path, on the worker.
+
+Keys are asked for once per request, for every chunk of it: ``sealing_keys`` before sealing,
+``opening_keys`` with the key version and salt read from the fetched envelopes' headers. Each
+answer is an ``EnvelopeKeys`` per chunk (``crypto.segments``): a ``DataKey`` in process, the
+server's ``IssuedKey`` for that one envelope in remote mode.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any, Protocol
 from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
-from crypto.envelope import EnvelopeContext
+from crypto.envelope import DataKey, EnvelopeContext, EnvelopeKeys
 from crypto.errors import KekError, KeyUnavailable
 from gateway.access import Access
 from gateway.chunking import Chunk
@@ -34,7 +40,9 @@ from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
 
-__all__ = ["ChunkSession", "ChunkStore", "Fetched", "KeysUnavailable", "Presence", "TierStore", "prefix_hits"]
+__all__ = [
+    "ChunkSession", "ChunkStore", "Fetched", "KeyRef", "KeysUnavailable", "Presence", "TierStore", "prefix_hits",
+]
 
 
 def prefix_hits(present: Sequence[bool]) -> int:
@@ -79,16 +87,26 @@ class Presence:
     locations: list[list[str]] = field(default_factory=list)
 
 
-class ChunkSession(Protocol):
-    """One request's access to one namespace. Keys are fetched before ``binding`` and
-    ``context`` are used."""
+KeyRef = tuple[int, bytes]
+"""``(key version, salt)`` read from an envelope's header."""
 
-    @property
-    def binding(self) -> bytes: ...
+
+class ChunkSession(Protocol):
+    """One request's access to one namespace. A chunk's keys are asked for (``sealing_keys`` /
+    ``opening_keys``) before its ``context`` is used."""
+
+    #: True where keys are derived in process (asking costs nothing, so a load asks per batch and
+    #: overlaps opening with fetching); False where each ask is a round trip (once per request).
+    keys_local: bool
+
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext: ...
     async def presence(self) -> Presence: ...
-    async def sealing_key(self) -> tuple[int, bytes]: ...
-    async def opening_key(self, version: int) -> bytes: ...
+    async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
+        """``(key version, keys)`` to seal chunk ``i`` with, for each of ``indices``, in one go.
+        Fewer (a prefix) when keys ran out part way; KeyUnavailable or KekError when none can be had."""
+    async def opening_keys(self, refs: Sequence[tuple[int, KeyRef]]) -> list[EnvelopeKeys | None]:
+        """The keys to open each ``(chunk index, (key version, salt))``, in one go; None where that
+        key version is unavailable (destroyed: a miss)."""
     def prefetch(self, indices: Sequence[int]) -> None: ...
     async def fetch(self, i: int) -> Fetched: ...
     async def put(self, i: int, envelope: memoryview) -> None: ...
@@ -141,15 +159,13 @@ class TierStore:
 
 
 class _TierSession:
+    keys_local = True  # the namespace's data key, unwrapped once: keys are derived per envelope here
+
     def __init__(self, store: TierStore, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
         self.store = store
         self.cap = cap
         self.ns = ns
         self.keys = keys
-
-    @property
-    def binding(self) -> bytes:
-        return self.ns.binding_secret
 
     @property
     def owner(self) -> str:
@@ -168,11 +184,29 @@ class _TierSession:
         present, errors = await self.store.tiers.contains_many_checked(self.keys)
         return Presence(list(present), list(errors))
 
-    async def sealing_key(self) -> tuple[int, bytes]:
-        return await self.store.keyring.encryption_key(self.cap.tenant)
+    async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
+        out: list[tuple[int, EnvelopeKeys]] = []
+        for _ in indices:  # one invocation of the data key per envelope, counted by the keyring
+            try:
+                version, dek = await self.store.keyring.encryption_key(self.cap.tenant)
+            except (KekError, KeyUnavailable):
+                if not out:
+                    raise
+                break
+            out.append((version, DataKey(dek, self.ns.binding_secret)))
+        return out
 
-    async def opening_key(self, version: int) -> bytes:
-        return await self.store.keyring.decryption_key(self.cap.tenant, version)
+    async def opening_keys(self, refs: Sequence[tuple[int, KeyRef]]) -> list[EnvelopeKeys | None]:
+        by_version: dict[int, EnvelopeKeys | None] = {}
+        for _i, (version, _salt) in refs:
+            if version not in by_version:
+                try:
+                    dek = await self.store.keyring.decryption_key(self.cap.tenant, version)
+                except (KekError, KeyUnavailable):
+                    by_version[version] = None
+                else:
+                    by_version[version] = DataKey(dek, self.ns.binding_secret)
+        return [by_version[version] for _i, (version, _salt) in refs]
 
     def prefetch(self, indices: Sequence[int]) -> None:
         return None  # tier reads are issued when the plane asks

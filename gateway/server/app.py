@@ -212,6 +212,7 @@ def _observe(state: ServerState) -> None:
         ("kvgate_core_bytes", "bytes through the core", lambda: [(gw.stats["bytes_in"], {"direction": "in"}), (gw.stats["bytes_out"], {"direction": "out"})]),
         ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(gw.stats["integrity_failures"], {})]),
         ("kvgate_capability_denials", "capability checks denied", lambda: [(gw.stats["denials"], {})]),
+        ("kvgate_envelope_keys_issued", "per-envelope keys issued to remote workers, by purpose", lambda: [(gw.stats[f"envelope_keys_issued_{p}"], {"purpose": p}) for p in ("seal", "open")]),
         ("kvgate_tier_errors", "tier failures passed over as misses", lambda: [(n, {"tier": name}) for name, n in gw.tiers.errors.items()] or [(0, {"tier": "none"})]),
         ("kvgate_load_failures", "loads that ended early, by reason", lambda: _by_reason(gw.stats, "load_failed_", LOAD_REASONS)),
         ("kvgate_lookup_degraded", "lookups a tier or the KEK could not fully answer, by reason", lambda: _by_reason(gw.stats, "lookup_degraded_", LOOKUP_REASONS)),

@@ -1,4 +1,4 @@
-"""Data-plane routes: capabilities, lookup, chunks, pins and key leases (DESIGN section 4)."""
+"""Data-plane routes: capabilities, lookup, chunks, pins and per-envelope keys (DESIGN section 4)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Body, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -74,23 +74,43 @@ class PinRequest(Strict):
     hash: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class LeaseRequest(Strict):
-    version: int | None = Field(
-        default=None, ge=1, le=2**32 - 1,
-        description="a key version to open envelopes with (capability op get); default: the current key, to seal with (op put)",
+ChunkHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="chained sha256 of the chunk, hex")]
+_MAX_KEYS = 4096
+
+
+class SealKeysRequest(Strict):
+    purpose: Literal["seal"] = Field(description="keys to seal new envelopes with (capability op put)")
+    hashes: list[ChunkHash] = Field(min_length=1, max_length=_MAX_KEYS, description="the chunks the worker will store")
+
+
+class EnvelopeRef(Strict):
+    hash: ChunkHash
+    key_version: int = Field(ge=0, le=2**32 - 1, description="the key version in the envelope's header")
+    salt: str = Field(
+        pattern=r"^[A-Za-z0-9+/]{43}=$", description="the 32-byte salt in the envelope's header, base64",
     )
 
 
-class LeaseResponse(BaseModel):
+class OpenKeysRequest(Strict):
+    purpose: Literal["open"] = Field(description="keys to open stored envelopes with (capability op get)")
+    envelopes: list[EnvelopeRef] = Field(min_length=1, max_length=_MAX_KEYS)
+
+
+class EnvelopeKeyItem(BaseModel):
+    hash: str
+    key_version: int
+    salt: str = Field(description="base64; a sealing key's salt is fresh, drawn by the server")
+    key: str | None = Field(
+        description="the envelope's AES-256 segment key, base64; null: its key version is destroyed (a miss)",
+    )
+    storage_key: str = Field(description="HMAC(namespace index key, hash), hex: the envelope's AAD binds it")
+
+
+class EnvelopeKeysResponse(BaseModel):
     tenant: str
     namespace: str
-    key_version: int
-    invocations: int
-    dek: str  # base64
-    binding_secret: str
-    index_key: str
-    expires_at: float
     chunk_tokens: int = Field(description="tokens per chunk; a worker must chain-hash with the same")
+    keys: list[EnvelopeKeyItem] = Field(description="one per requested envelope, in request order")
 
 
 # The verified scope of each data-plane action: the caller's roles allow it on the tenant the
@@ -99,7 +119,7 @@ LookupScope = Annotated[Scope, Depends(Authorize(Action.LOOKUP, on=on_capability
 GetScope = Annotated[Scope, Depends(Authorize(Action.GET, on=on_capability))]
 PutScope = Annotated[Scope, Depends(Authorize(Action.PUT, on=on_capability))]
 PinScope = Annotated[Scope, Depends(Authorize(Action.PIN, on=on_capability))]
-LeaseScope = Annotated[Scope, Depends(Authorize(Action.LEASE_KEY, on=on_capability))]
+EnvelopeKeysScope = Annotated[Scope, Depends(Authorize(Action.ENVELOPE_KEYS, on=on_capability))]
 
 
 def _cap(scope: Scope) -> str:
@@ -211,18 +231,37 @@ async def unpin(chunk_hash: HashPath, scope: PinScope, state: StateDep) -> Respo
     return Response(status_code=204)
 
 
-@router.post("/keys/lease", response_model=LeaseResponse, responses=_NOT_FOUND)
-async def lease(scope: LeaseScope, state: StateDep, body: LeaseRequest | None = None) -> LeaseResponse:
-    version = body.version if body is not None else None
-    got = await state.plane.lease_key(_cap(scope), version=version, actor=scope.actor)
+@router.post("/keys/envelopes", response_model=EnvelopeKeysResponse)
+async def envelope_keys(
+    body: Annotated[SealKeysRequest | OpenKeysRequest, Body(discriminator="purpose")],
+    scope: EnvelopeKeysScope,
+    state: StateDep,
+) -> EnvelopeKeysResponse:
+    """The keys of a batch of envelopes, one request per prefix (remote mode): a worker never holds
+    the tenant's data key. ``seal`` (op ``put``): a fresh salt per hash and its envelope key.
+    ``open`` (op ``get``): the key of each envelope from the key version and salt in its header.
+    Counted, bounded per capability (403 ``urn:kvgate:problem:key-budget-spent`` past the bound:
+    mint a new capability) and audited once per request."""
+    if isinstance(body, SealKeysRequest):
+        got = await state.plane.envelope_keys(_cap(scope), "seal", body.hashes, actor=scope.actor)
+    else:
+        refs = [(e.key_version, base64.b64decode(e.salt, validate=True)) for e in body.envelopes]
+        got = await state.plane.envelope_keys(
+            _cap(scope), "open", [e.hash for e in body.envelopes], refs, actor=scope.actor,
+        )
 
     def b64(b: bytes) -> str:
         return base64.b64encode(b).decode()
 
-    return LeaseResponse(
-        tenant=got.tenant, namespace=got.namespace, key_version=got.key_version, invocations=got.invocations,
-        dek=b64(got.dek), binding_secret=b64(got.binding_secret), index_key=b64(got.index_key),
-        expires_at=got.expires_at, chunk_tokens=state.settings.chunk_tokens,
+    return EnvelopeKeysResponse(
+        tenant=got.tenant, namespace=got.namespace, chunk_tokens=state.settings.chunk_tokens,
+        keys=[
+            EnvelopeKeyItem(
+                hash=k.chunk_hash, key_version=k.key_version, salt=b64(k.salt),
+                key=None if k.key is None else b64(k.key), storage_key=k.storage_key,
+            )
+            for k in got.keys
+        ],
     )
 
 

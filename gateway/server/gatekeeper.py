@@ -39,6 +39,7 @@ __all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
 
 _BULK_BYTES = 8 << 20  # a clear or move of up to 100,000 hashes
 _LOOKUP_BYTES = 512 << 10  # 4,096 hashes
+_KEYS_BYTES = 1 << 20  # 4,096 envelopes (hash, key version, salt)
 _AUTHENTICATED = ("/v1/", "/metrics")
 
 
@@ -52,6 +53,8 @@ def body_limit(method: str, path: str, settings: Settings) -> int:
         return _BULK_BYTES
     if path == "/v1/lookup":
         return _LOOKUP_BYTES
+    if path == "/v1/keys/envelopes":
+        return _KEYS_BYTES
     return settings.max_json_body_bytes
 
 

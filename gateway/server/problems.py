@@ -32,6 +32,7 @@ from gateway.errors import (
     ChunkMissing,
     Conflict,
     InvalidRequest,
+    KeyBudgetSpent,
     NotReady,
     RateLimited,
     TenantExists,
@@ -159,6 +160,10 @@ PROBLEMS: dict[type[Exception], Entry] = {
     Unauthenticated: _UNAUTHORIZED,
     AuthenticationFailed: _UNAUTHORIZED,
     AccessDenied: _FORBIDDEN,
+    KeyBudgetSpent: ProblemType(
+        403, "Forbidden", "this capability has had all the envelope keys it may have; mint a new one",
+        type="urn:kvgate:problem:key-budget-spent",
+    ),
     CapabilityDenied: _FORBIDDEN,
     PermissionDenied: _FORBIDDEN,
     TenantUnavailable: _FORBIDDEN,  # unknown or disabled: told like any refusal

@@ -16,6 +16,7 @@ from crypto.envelope import (
     DEFAULT_SEGMENT_BYTES,
     HEADER_BYTES,
     ChunkCipher,
+    DataKey,
     EnvelopeContext,
     envelope_size,
     peek_key_version,
@@ -23,6 +24,7 @@ from crypto.envelope import (
     read_header,
 )
 from crypto.errors import DecryptionFailed, InvalidParameter
+from crypto.segments import IssuedKey, derive_segment_key
 
 SEG = 64
 DEK = bytes(range(32))
@@ -72,19 +74,19 @@ def assert_rejected(
 ) -> None:
     out = bytearray(max(len(env), 1))
     with pytest.raises(DecryptionFailed):
-        cipher.open_into(dek, secret, ctx, env, out)
+        cipher.open_into(DataKey(dek, secret), ctx, env, out)
     assert not any(out), "plaintext left in out after a failure"
 
 
 @pytest.mark.parametrize("n", [0, 1, 15, 16, 17, SEG - 1, SEG, SEG + 1, 2 * SEG, 5 * SEG + 3])
 def test_round_trip(n: int) -> None:
     pt = _plaintext(n)
-    env = CIPHER.seal(DEK, SECRET, CTX, pt)
+    env = CIPHER.seal(DataKey(DEK, SECRET), CTX, pt)
     assert len(env) == envelope_size(n, SEG) == CIPHER.envelope_size(n)
     assert peek_key_version(env) == CTX.key_version
     assert plaintext_length(env) == n
     out = bytearray(n)
-    assert CIPHER.open_into(DEK, SECRET, CTX, env, out) == n
+    assert CIPHER.open_into(DataKey(DEK, SECRET), CTX, env, out) == n
     assert out == pt
     # the plaintext does not appear in the envelope (short ones can by chance: 16 bytes or more
     # colliding with ciphertext has probability ~2^-128)
@@ -96,43 +98,43 @@ def test_round_trip_default_segments(n: int) -> None:
     cipher = ChunkCipher()
     pt = _plaintext(n)
     out = bytearray(cipher.envelope_size(n) + 100)  # a larger buffer is fine; the size is returned
-    written = cipher.seal_into(DEK, SECRET, CTX, memoryview(pt), out)
+    written = cipher.seal_into(DataKey(DEK, SECRET), CTX, memoryview(pt), out)
     assert written == envelope_size(n)
     assert read_header(out[:written]).segment_count == (1 if n < DEFAULT_SEGMENT_BYTES else 2)
-    assert cipher.open(DEK, SECRET, CTX, out[:written]) == pt
+    assert cipher.open(DataKey(DEK, SECRET), CTX, out[:written]) == pt
 
 
 def test_opens_with_the_segment_size_in_the_header() -> None:
-    env = CIPHER.seal(DEK, SECRET, CTX, b"x" * 300)
-    assert ChunkCipher().open(DEK, SECRET, CTX, env) == b"x" * 300
+    env = CIPHER.seal(DataKey(DEK, SECRET), CTX, b"x" * 300)
+    assert ChunkCipher().open(DataKey(DEK, SECRET), CTX, env) == b"x" * 300
 
 
 def test_seal_into_buffer_types() -> None:
     import numpy as np
 
     src = np.arange(100, dtype=np.float32)
-    env = CIPHER.seal(DEK, SECRET, CTX, src)  # type: ignore[arg-type]  # numpy: no __buffer__ on 3.11
+    env = CIPHER.seal(DataKey(DEK, SECRET), CTX, src)  # type: ignore[arg-type]  # numpy: no __buffer__ on 3.11
     dst = np.zeros(100, dtype=np.float32)
-    assert CIPHER.open_into(DEK, SECRET, CTX, env, dst) == 400  # type: ignore[arg-type]
+    assert CIPHER.open_into(DataKey(DEK, SECRET), CTX, env, dst) == 400  # type: ignore[arg-type]
     assert (dst == src).all()
 
 
 def test_caller_mistakes_are_invalid_parameter() -> None:
-    env = CIPHER.seal(DEK, SECRET, CTX, b"x" * 100)
+    env = CIPHER.seal(DataKey(DEK, SECRET), CTX, b"x" * 100)
     with pytest.raises(InvalidParameter):
-        CIPHER.seal_into(DEK, SECRET, CTX, b"x" * 100, bytearray(len(env) - 1))
+        CIPHER.seal_into(DataKey(DEK, SECRET), CTX, b"x" * 100, bytearray(len(env) - 1))
     with pytest.raises(InvalidParameter):
-        CIPHER.seal_into(DEK, SECRET, CTX, b"x", bytes(200))  # read-only out
+        CIPHER.seal_into(DataKey(DEK, SECRET), CTX, b"x", bytes(200))  # read-only out
     with pytest.raises(InvalidParameter):
-        CIPHER.open_into(DEK, SECRET, CTX, env, bytearray(99))
+        CIPHER.open_into(DataKey(DEK, SECRET), CTX, env, bytearray(99))
     with pytest.raises(InvalidParameter):
-        CIPHER.seal(DEK[:16], SECRET, CTX, b"x")
+        CIPHER.seal(DataKey(DEK[:16], SECRET), CTX, b"x")
     with pytest.raises(InvalidParameter):
-        CIPHER.seal(DEK, b"short", CTX, b"x")
+        CIPHER.seal(DataKey(DEK, b"short"), CTX, b"x")
     with pytest.raises(InvalidParameter):
         ChunkCipher(segment_bytes=0)
     with pytest.raises(InvalidParameter):
-        ChunkCipher(salt_source=lambda n: b"\x00" * (n - 1)).seal(DEK, SECRET, CTX, b"x")
+        ChunkCipher(salt_source=lambda n: b"\x00" * (n - 1)).seal(DataKey(DEK, SECRET), CTX, b"x")
     bad_fields: list[dict[str, Any]] = [
         {"tenant": ""},
         {"namespace": 3},
@@ -160,11 +162,11 @@ N = 3 * SEG + 10
 
 @pytest.fixture()
 def env() -> bytearray:
-    return CIPHER.seal(DEK, SECRET, CTX, _plaintext(N))
+    return CIPHER.seal(DataKey(DEK, SECRET), CTX, _plaintext(N))
 
 
 def test_untampered_fixture_opens(env: bytearray) -> None:
-    assert len(CIPHER.open(DEK, SECRET, CTX, env)) == N
+    assert len(CIPHER.open(DataKey(DEK, SECRET), CTX, env)) == N
 
 
 @pytest.mark.parametrize("segment", [0, 1, 3])
@@ -258,8 +260,8 @@ def test_segment_duplicated(env: bytearray) -> None:
 def test_segment_moved_between_chunks_even_under_the_same_key() -> None:
     same_salt = ChunkCipher(segment_bytes=SEG, salt_source=lambda n: b"\x42" * n)
     other_ctx = dataclasses.replace(CTX, storage_key="cd" * 32)
-    a = same_salt.seal(DEK, SECRET, CTX, _plaintext(N))
-    b = same_salt.seal(DEK, SECRET, other_ctx, _plaintext(N))
+    a = same_salt.seal(DataKey(DEK, SECRET), CTX, _plaintext(N))
+    b = same_salt.seal(DataKey(DEK, SECRET), other_ctx, _plaintext(N))
     header_a, pa = _segments(a)
     _, pb = _segments(b)
     assert_rejected(_reassemble(header_a, [pa[0], pb[1], pa[2], pa[3]], fix_header=False))
@@ -279,7 +281,7 @@ def test_huge_claimed_length_allocates_nothing() -> None:
         for call in (
             plaintext_length,
             peek_key_version,
-            lambda e: CIPHER.open(DEK, SECRET, CTX, e),
+            lambda e: CIPHER.open(DataKey(DEK, SECRET), CTX, e),
         ):
             with pytest.raises(DecryptionFailed):
                 call(claim + bytes(64))
@@ -324,7 +326,31 @@ def test_well_formed_headers_with_garbage_bodies(
 @FUZZ
 @given(st.data())
 def test_any_single_byte_change_is_rejected(data: st.DataObject) -> None:
-    env = CIPHER.seal(DEK, SECRET, CTX, b"p" * N)
+    env = CIPHER.seal(DataKey(DEK, SECRET), CTX, b"p" * N)
     pos = data.draw(st.integers(0, len(env) - 1))
     env[pos] ^= data.draw(st.integers(1, 255))
     assert_rejected(env)
+
+
+# -- key sources: the data key, and one envelope's issued key -----------------------------------
+def test_an_issued_key_is_the_data_keys_derivation_for_its_salt_and_nothing_more() -> None:
+    """A remote worker's key for one envelope (salt and segment key, issued by the server) seals the
+    bytes the data key seals with that salt, and opens that envelope only."""
+    salt = bytes(range(100, 132))
+    by_data_key = ChunkCipher(segment_bytes=SEG, salt_source=lambda n: salt).seal(DataKey(DEK, SECRET), CTX, b"p" * 300)
+    issued = IssuedKey(salt, derive_segment_key(DEK, SECRET, salt))
+    assert CIPHER.seal(issued, CTX, b"p" * 300) == by_data_key  # CIPHER's own salt source is not used
+    assert CIPHER.open(issued, CTX, by_data_key) == b"p" * 300
+    assert CIPHER.open(DataKey(DEK, SECRET), CTX, CIPHER.seal(issued, CTX, b"q" * 5)) == b"q" * 5
+    # the attacker holds that one key: every other envelope of the same data key stays shut,
+    # header rewritten to the held salt or not
+    other = CIPHER.seal(DataKey(DEK, SECRET), CTX, b"p" * 300)
+    forged = bytearray(other)
+    forged[8:40] = salt
+    for env in (other, forged):
+        with pytest.raises(DecryptionFailed):
+            CIPHER.open(issued, CTX, env)
+    assert "key=" not in repr(issued) and repr(DataKey(DEK, SECRET)) == "DataKey()"
+    for bad_salt, bad_key in ((salt[:31], bytes(32)), (salt, bytes(31)), ("x" * 32, bytes(32))):
+        with pytest.raises(InvalidParameter):
+            IssuedKey(bad_salt, bad_key)  # type: ignore[arg-type]  # a str salt: refused

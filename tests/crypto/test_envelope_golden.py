@@ -10,7 +10,7 @@ import pytest
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 from crypto.errors import DecryptionFailed
 
 CTX = EnvelopeContext("tenant-a", "ns-1", "ab" * 32, "llama/bf16/tp0", 7)
@@ -77,18 +77,18 @@ class _InPlaceAead:
 
 @pytest.mark.parametrize("n", sorted(GOLDEN_SHA256))
 def test_seal_is_the_golden_envelope(n: int) -> None:
-    env = _cipher().seal(DEK, SECRET, CTX, _pt(n))
+    env = _cipher().seal(DataKey(DEK, SECRET), CTX, _pt(n))
     assert hashlib.sha256(env).hexdigest() == GOLDEN_SHA256[n]
-    assert _cipher().open(DEK, SECRET, CTX, env) == _pt(n)
+    assert _cipher().open(DataKey(DEK, SECRET), CTX, env) == _pt(n)
 
 
 def test_golden_bytes_open_and_a_flipped_bit_does_not() -> None:
-    assert bytes(_cipher().seal(DEK, SECRET, CTX, _pt(40))) == GOLDEN_40
-    assert _cipher().open(DEK, SECRET, CTX, GOLDEN_40) == _pt(40)
+    assert bytes(_cipher().seal(DataKey(DEK, SECRET), CTX, _pt(40))) == GOLDEN_40
+    assert _cipher().open(DataKey(DEK, SECRET), CTX, GOLDEN_40) == _pt(40)
     bad = bytearray(GOLDEN_40)
     bad[-1] ^= 1
     with pytest.raises(DecryptionFailed):
-        _cipher().open(DEK, SECRET, CTX, bad)
+        _cipher().open(DataKey(DEK, SECRET), CTX, bad)
 
 
 @pytest.mark.parametrize("factory", [None, _OtherAead])
@@ -99,7 +99,7 @@ def test_pieces_seal_the_golden_envelope(factory: object, cuts: tuple[int, ...])
         pieces.append(memoryview(pt)[pos : pos + c])
         pos += c
     out = bytearray(len(GOLDEN_40))
-    assert _cipher(factory).seal_pieces_into(DEK, SECRET, CTX, pieces, 40, out) == len(GOLDEN_40)
+    assert _cipher(factory).seal_pieces_into(DataKey(DEK, SECRET), CTX, pieces, 40, out) == len(GOLDEN_40)
     assert bytes(out) == GOLDEN_40
 
 
@@ -110,7 +110,7 @@ def test_open_segments_delivers_the_golden_plaintext() -> None:
         got[start:end] = view
 
     for factory in (None, _OtherAead):
-        assert _cipher(factory).open_segments(DEK, SECRET, CTX, GOLDEN_40, bytearray(16), on_segment) == 40
+        assert _cipher(factory).open_segments(DataKey(DEK, SECRET), CTX, GOLDEN_40, bytearray(16), on_segment) == 40
         assert bytes(got) == _pt(40)
 
 
@@ -122,7 +122,7 @@ def test_device_in_place_paths_are_the_golden_envelope() -> None:
     def to_host(part: memoryview, dst: memoryview) -> None:
         dst[:] = part
 
-    assert cipher.seal_device_into(DEK, SECRET, CTX, plain, 40, out, to_host=to_host) == len(GOLDEN_40)
+    assert cipher.seal_device_into(DataKey(DEK, SECRET), CTX, plain, 40, out, to_host=to_host) == len(GOLDEN_40)
     assert bytes(out) == GOLDEN_40
     back = memoryview(bytearray(40))
 
@@ -132,12 +132,12 @@ def test_device_in_place_paths_are_the_golden_envelope() -> None:
     def zero(buf: memoryview) -> None:
         buf[:] = bytes(len(buf))
 
-    assert cipher.open_device_into(DEK, SECRET, CTX, memoryview(GOLDEN_40), back, to_device=to_device, zero=zero) == 40
+    assert cipher.open_device_into(DataKey(DEK, SECRET), CTX, memoryview(GOLDEN_40), back, to_device=to_device, zero=zero) == 40
     assert bytes(back) == _pt(40)
     bad = bytearray(GOLDEN_40)
     bad[70] ^= 1
     with pytest.raises(DecryptionFailed):
-        cipher.open_device_into(DEK, SECRET, CTX, memoryview(bad), back, to_device=to_device, zero=zero)
+        cipher.open_device_into(DataKey(DEK, SECRET), CTX, memoryview(bad), back, to_device=to_device, zero=zero)
     assert bytes(back) == bytes(40)
 
 
@@ -157,7 +157,7 @@ def test_device_fused_paths_are_the_golden_envelope() -> None:
         dst[:] = dev[start:end]
 
     out = memoryview(bytearray(len(GOLDEN_40)))
-    assert cipher.seal_device_fused(DEK, SECRET, CTX, 40, out, encrypt=encrypt, to_host=to_host) == len(GOLDEN_40)
+    assert cipher.seal_device_fused(DataKey(DEK, SECRET), CTX, 40, out, encrypt=encrypt, to_host=to_host) == len(GOLDEN_40)
     assert bytes(out) == GOLDEN_40
 
     back = bytearray(40)
@@ -170,9 +170,9 @@ def test_device_fused_paths_are_the_golden_envelope() -> None:
         for (s, e, *_), p in zip(segments, plain, strict=True):
             back[s:e] = p
 
-    assert cipher.open_device_fused(DEK, SECRET, CTX, memoryview(GOLDEN_40), to_device=to_device, decrypt=decrypt) == 40
+    assert cipher.open_device_fused(DataKey(DEK, SECRET), CTX, memoryview(GOLDEN_40), to_device=to_device, decrypt=decrypt) == 40
     assert bytes(back) == _pt(40)
     bad = bytearray(GOLDEN_40)
     bad[60] ^= 1
     with pytest.raises(DecryptionFailed):
-        cipher.open_device_fused(DEK, SECRET, CTX, memoryview(bad), to_device=to_device, decrypt=decrypt)
+        cipher.open_device_fused(DataKey(DEK, SECRET), CTX, memoryview(bad), to_device=to_device, decrypt=decrypt)

@@ -10,7 +10,7 @@ import multiprocessing
 import os
 
 from crypto.aead import Aead, CpuAesGcm
-from crypto.envelope import ChunkCipher, EnvelopeContext, read_header
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext, read_header
 
 DEK = os.urandom(32)
 SECRET = os.urandom(32)
@@ -48,7 +48,7 @@ def test_no_key_nonce_pair_repeats_over_many_seals() -> None:
     buf = bytearray(cipher.envelope_size(40))  # 3 segments per envelope
     salts = set()
     for i in range(SEALS):
-        cipher.seal_into(DEK, SECRET, CTX, i.to_bytes(40, "big"), buf)
+        cipher.seal_into(DataKey(DEK, SECRET), CTX, i.to_bytes(40, "big"), buf)
         salts.add(read_header(buf).salt)
     assert len(salts) == SEALS
     assert len(recorder.pairs) == 3 * SEALS
@@ -60,7 +60,7 @@ def test_constant_salt_is_detected() -> None:
     recorder = Recorder()
     cipher = ChunkCipher(recorder, segment_bytes=16, salt_source=lambda n: b"\x00" * n)
     for i in range(100):
-        cipher.seal(DEK, SECRET, CTX, i.to_bytes(40, "big"))
+        cipher.seal(DataKey(DEK, SECRET), CTX, i.to_bytes(40, "big"))
     assert _repeats(recorder.pairs) == 3 * 99
 
 
@@ -69,7 +69,7 @@ def _salts_in_child(count: int) -> list[bytes]:
     buf = bytearray(cipher.envelope_size(8))
     salts = []
     for i in range(count):
-        cipher.seal_into(DEK, SECRET, CTX, i.to_bytes(8, "big"), buf)
+        cipher.seal_into(DataKey(DEK, SECRET), CTX, i.to_bytes(8, "big"), buf)
         salts.append(read_header(buf).salt)
     return salts
 

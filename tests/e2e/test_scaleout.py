@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from audit import create_audit_engine, verify_database
-from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 from gateway import dbschema
 from tenancy.devissuer import DevIssuer
 from tests.support.services import free_port
@@ -43,7 +43,7 @@ def _wait_up(url: str, proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 def _envelope() -> bytes:
     ctx = EnvelopeContext("acme", "default", "ab" * 32, "cd" * 32, 1)
-    return bytes(ChunkCipher(segment_bytes=4096).seal(os.urandom(32), os.urandom(32), ctx, os.urandom(10_000)))
+    return bytes(ChunkCipher(segment_bytes=4096).seal(DataKey(os.urandom(32), os.urandom(32)), ctx, os.urandom(10_000)))
 
 
 def test_two_servers_share_chunks_and_clears(tmp_path, fresh_pg_url, redis_url, redis_prefix):

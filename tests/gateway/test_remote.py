@@ -4,11 +4,17 @@ envelope moved to another chunk's place fails authentication and is a miss on bo
 
 from __future__ import annotations
 
+import base64
+import json
+
 import pytest
 import torch
 
+from crypto.envelope import ChunkCipher, EnvelopeContext, IssuedKey, read_header
+from crypto.errors import DecryptionFailed
 from gateway.errors import AccessDenied, InvalidRequest
 from gateway.remote import RemoteGateway, RemoteUnavailable
+from tenancy.capabilities import read_unverified
 from tests.support import server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
 from tests.support.server_fixture import ALL_OPS, LiveServer
@@ -134,7 +140,7 @@ async def test_bad_input_and_denials(live_server: LiveServer, tmp_path):
     async with RemoteGateway(live.base_url, live.worker_token(a), chunk_tokens=7) as wrong:
         with pytest.raises(InvalidRequest):
             await wrong.store(model, list(range(8)), src, block_ids=BLOCKS)
-    # an admin-only principal may not lease keys or store; a bad bearer is refused
+    # an admin-only principal may not get keys or store; a bad bearer is refused
     async with RemoteGateway(live.base_url, "not-a-token", chunk_tokens=16) as bad:
         with pytest.raises(AccessDenied):
             await bad.lookup(model, list(range(8)))
@@ -146,9 +152,36 @@ async def test_bad_input_and_denials(live_server: LiveServer, tmp_path):
             await nowhere.lookup(model, list(range(8)))
 
 
+async def _stored_envelope(live: LiveServer, http, tenant: str, cap: str, chunk_hash: str) -> bytes:
+    r = await http.get(f"/v1/chunks/{chunk_hash}", headers=live.headers(live.worker_token(tenant), cap))
+    assert r.status_code == 200
+    return r.content
+
+
+async def _open_keys(live: LiveServer, http, tenant: str, cap: str, chunk_hash: str, envelope: bytes) -> dict:
+    """Ask the server, as a worker of ``tenant`` holding ``cap``, for the key of a stored envelope."""
+    header = read_header(envelope)
+    body = {"purpose": "open", "envelopes": [
+        {"hash": chunk_hash, "key_version": header.key_version, "salt": base64.b64encode(header.salt).decode()},
+    ]}
+    r = await http.post("/v1/keys/envelopes", json=body, headers=live.headers(live.worker_token(tenant), cap))
+    assert r.status_code == 200, r.text
+    got = r.json()
+    return {**got["keys"][0], "tenant": got["tenant"], "namespace": got["namespace"]}
+
+
+def _issued(item: dict) -> IssuedKey:
+    return IssuedKey(base64.b64decode(item["salt"]), base64.b64decode(item["key"]))
+
+
+def _ctx(tenant: str, storage_key: str, model, version: int) -> EnvelopeContext:
+    return EnvelopeContext(tenant, "default", storage_key, model.fingerprint_digest, version)
+
+
 async def test_clear_revokes_the_remote_worker(live_server: LiveServer):
-    """After a secure clear the worker's lease and capability are dead: it renews them (the new
-    key), and what it stored before is gone."""
+    """After a secure clear the worker's capability and the key version its envelopes were sealed
+    under are dead: it renews its capability, stores under the new key, and what it stored before
+    is gone."""
     live = live_server
     g = small_geometry()
     model = model_for(g)
@@ -157,21 +190,22 @@ async def test_clear_revokes_the_remote_worker(live_server: LiveServer):
     tokens = list(range(40))
     async with _remote(live, a) as ra, live.client() as http:
         await ra.store(model, tokens, src, block_ids=BLOCKS)
-        old = await ra.lease()
+        h0 = ra._chunks(model, tokens)[0].chained_hash.hex()
+        old = read_header(await _stored_envelope(live, http, a, await ra.capability(), h0)).key_version
         r = await http.post("/v1/admin/clear", json={"scope": "tenant", "tenant": a}, headers=live.headers(live.admin_token(a)))
         assert r.status_code == 200
         dst = zero_cache(g, NUM_BLOCKS)
         assert (await ra.retrieve(model, tokens, dst, block_ids=BLOCKS)).loaded_tokens == 0
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 3
-        new = await ra.lease()
-        assert new.key_version != old.key_version and new.index_key != old.index_key
+        new = read_header(await _stored_envelope(live, http, a, await ra.capability(), h0)).key_version
+        assert new != old
         assert (await ra.retrieve(model, tokens, dst, block_ids=BLOCKS)).loaded_tokens == 40
         assert torch.equal(gathered(src, g, BLOCKS, 40), gathered(dst, g, BLOCKS, 40))
 
 
 async def test_remote_reads_survive_a_key_rotation(live_server: LiveServer):
-    """Envelopes sealed before a rotation open with a lease on their own (older) version; new ones
-    are sealed under the new key; a read-only worker (no put) can retrieve too."""
+    """Envelopes sealed before a rotation open with keys of their own (older) version; new ones
+    are sealed under the new key; a read-only worker (no put) can retrieve, and gets no sealing keys."""
     live = live_server
     g = small_geometry()
     model = model_for(g)
@@ -180,27 +214,135 @@ async def test_remote_reads_survive_a_key_rotation(live_server: LiveServer):
     t_old, t_new = list(range(32)), list(range(32)) + list(range(7000, 7016))
     async with _remote(live, a) as ra, live.client() as http:
         await ra.store(model, t_old, src, block_ids=BLOCKS)
-        v1 = (await ra.lease()).key_version
+        hashes = [c.chained_hash.hex() for c in ra._chunks(model, t_new)]
+        v1 = read_header(await _stored_envelope(live, http, a, await ra.capability(), hashes[0])).key_version
         r = await http.post(f"/v1/admin/tenants/{a}/keys/rotate", headers=live.headers(live.admin_token(a)))
         assert r.status_code == 200 and r.json()["key_version"] == v1 + 1
-        async with _remote(live, a) as fresh:  # a new worker leases the new key
+        async with _remote(live, a) as fresh:  # sealing keys come from the new key
             assert (await fresh.store(model, t_new, src, block_ids=BLOCKS)).stored == 1
-            assert (await fresh.lease()).key_version == v1 + 1
+            assert read_header(await _stored_envelope(live, http, a, await fresh.capability(), hashes[2])).key_version == v1 + 1
         async with _remote(live, a, ops=["lookup", "get"]) as reader:
             dst = zero_cache(g, NUM_BLOCKS)
             got = await reader.retrieve(model, t_new, dst, block_ids=BLOCKS)  # chunks of v1 and of v2
             assert (got.loaded_tokens, got.integrity_failures, got.unavailable) == (48, 0, 0)
             assert torch.equal(gathered(src, g, BLOCKS, 48), gathered(dst, g, BLOCKS, 48))
-            with pytest.raises(AccessDenied):  # no put: no sealing lease
-                await reader.lease()
-        # the endpoint itself: an unknown version is 404; a version needs the get op; bad input 422
-        worker = live.worker_token(a)
+            with pytest.raises(AccessDenied):  # no put: no sealing keys
+                await reader.envelope_keys({"purpose": "seal", "hashes": hashes[:1]})
+
+
+async def test_destroyed_key_version_is_a_miss_for_the_remote_worker(live_server: LiveServer):
+    """Keys of a destroyed version are not issued: the worker's load ends at the first envelope
+    sealed under it, a counted miss; envelopes of a live version still load."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=6)
+    t_old, t_live = list(range(32)), list(range(3000, 3032))
+    async with _remote(live, a) as ra, live.client() as http:
+        await ra.store(model, t_old, src, block_ids=BLOCKS)
+        h = ra._chunks(model, t_old)[0].chained_hash.hex()
+        v1 = read_header(await _stored_envelope(live, http, a, await ra.capability(), h)).key_version
+        r = await http.post(f"/v1/admin/tenants/{a}/keys/rotate", headers=live.headers(live.admin_token(a)))
+        assert r.status_code == 200
+        await ra.store(model, t_live, src, block_ids=BLOCKS)
+        assert (await ra.retrieve(model, t_old, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS)).loaded_tokens == 32
+        assert await live.call(live.runtime.gateway.keyring.destroy, a, [v1]) == [v1]
+        before = ra.stats["unavailable"]
+        dst = zero_cache(g, NUM_BLOCKS)
+        got = await ra.retrieve(model, t_old, dst, block_ids=BLOCKS)
+        assert (got.loaded_tokens, got.unavailable, got.reason) == (0, 1, "key_unavailable")
+        assert ra.stats["unavailable"] > before and all(not t.any() for t in dst)
+        assert (await ra.retrieve(model, t_live, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS)).loaded_tokens == 32
+
+
+async def test_a_workers_keys_open_only_their_own_envelopes(live_server: LiveServer):
+    """The attacker is a worker that kept the keys it was issued for some envelopes: they open
+    those envelopes (the positive control) and no other envelope of the same tenant, not even with
+    the other envelope's header rewritten to carry the kept salt."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=7)
+    t1, t2 = list(range(16)), list(range(5000, 5016))
+    async with _remote(live, a) as ra, live.client() as http:
+        await ra.store(model, t1, src, block_ids=BLOCKS)
+        await ra.store(model, t2, src, block_ids=BLOCKS)
         cap = await ra.capability()
-        assert (await http.post("/v1/keys/lease", json={"version": v1}, headers=live.headers(worker, cap))).json()["invocations"] == 0
-        r = await http.post("/v1/keys/lease", json={"version": 99}, headers=live.headers(worker, cap))
-        assert r.status_code == 404 and r.headers["content-type"].startswith("application/problem+json")
-        put_only = await live.capability(http, a, ops=["put"])
-        r = await http.post("/v1/keys/lease", json={"version": v1}, headers=live.headers(worker, put_only))
+        h1, h2 = ra._chunks(model, t1)[0].chained_hash.hex(), ra._chunks(model, t2)[0].chained_hash.hex()
+        env1, env2 = await _stored_envelope(live, http, a, cap, h1), await _stored_envelope(live, http, a, cap, h2)
+        kept = await _open_keys(live, http, a, cap, h1, env1)  # recorded from one request
+        plain = ChunkCipher().open(_issued(kept), _ctx(a, kept["storage_key"], model, kept["key_version"]), env1)
+        assert bytes(plain) == gathered(src, g, BLOCKS, 16).numpy().tobytes()  # positive control
+        # the same kept key on another envelope of the tenant, with that envelope's true context
+        other = await live.call(live.runtime.resolver.keys, a, "default")
+        ctx2 = _ctx(a, other.storage_key(bytes.fromhex(h2)), model, read_header(env2).key_version)
+        with pytest.raises(DecryptionFailed):
+            ChunkCipher().open(_issued(kept), ctx2, env2)
+        forged = bytearray(env2)
+        forged[8:40] = read_header(env1).salt  # the header claims the kept salt
+        with pytest.raises(DecryptionFailed):
+            ChunkCipher().open(_issued(kept), ctx2, bytes(forged))
+        # and the worker's own key for env2 opens it (so the refusal above is the key's, not the context's)
+        assert ChunkCipher().open(_issued(await _open_keys(live, http, a, cap, h2, env2)), ctx2, env2) == plain
+
+
+async def test_another_tenants_capability_gets_no_key_to_an_envelope(live_server: LiveServer):
+    """The attacker is tenant B's worker holding A's envelope bytes (taken from a tier): it asks
+    the server for the key of A's envelope with B's capability. The server answers with B's own
+    derivation, which opens nothing of A's, in A's context or B's; A's capability is refused to B."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    a, b = await _tenants(live, "acme", "globex")
+    src = random_cache(g, NUM_BLOCKS, seed=8)
+    tokens = list(range(16))
+    async with _remote(live, a) as ra, _remote(live, b) as rb, live.client() as http:
+        await ra.store(model, tokens, src, block_ids=BLOCKS)
+        await rb.store(model, list(range(900, 916)), src, block_ids=BLOCKS)  # B has keys of its own
+        h = ra._chunks(model, tokens)[0].chained_hash.hex()
+        stolen = await _stored_envelope(live, http, a, await ra.capability(), h)
+        mine = await _open_keys(live, http, a, await ra.capability(), h, stolen)  # positive control
+        ctx_a = _ctx(a, mine["storage_key"], model, mine["key_version"])
+        assert bytes(ChunkCipher().open(_issued(mine), ctx_a, stolen)) == gathered(src, g, BLOCKS, 16).numpy().tobytes()
+        got = await _open_keys(live, http, b, await rb.capability(), h, stolen)
+        assert got["tenant"] == b and got["storage_key"] != mine["storage_key"] and got["key"] != mine["key"]
+        ctx_b = _ctx(b, got["storage_key"], model, got["key_version"])
+        for ctx in (ctx_a, ctx_b):
+            with pytest.raises(DecryptionFailed):
+                ChunkCipher().open(_issued(got), ctx, stolen)
+        # nor can B use A's capability
+        header = read_header(stolen)
+        body = {"purpose": "open", "envelopes": [
+            {"hash": h, "key_version": header.key_version, "salt": base64.b64encode(header.salt).decode()},
+        ]}
+        r = await http.post("/v1/keys/envelopes", json=body, headers=live.headers(live.worker_token(b), await ra.capability()))
         assert r.status_code == 403
-        r = await http.post("/v1/keys/lease", json={"version": 0}, headers=live.headers(worker, cap))
-        assert r.status_code == 422
+
+
+async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_server: LiveServer):
+    """A store asks for the keys of all its chunks in one call, a retrieve for all it fetched in
+    one call; each is one audit event with the count."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=9)
+    tokens = list(range(N))
+    stats = live.runtime.gateway.stats
+    async with _remote(live, a) as ra, live.client() as http:
+        seal0, open0 = stats["envelope_keys_issued_seal"], stats["envelope_keys_issued_open"]
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
+        dst = zero_cache(g, NUM_BLOCKS)
+        assert (await ra.retrieve(model, tokens, dst, block_ids=BLOCKS)).loaded_tokens == N
+        assert (stats["envelope_keys_issued_seal"] - seal0, stats["envelope_keys_issued_open"] - open0) == (4, 4)
+        cap_id = read_unverified(await ra.capability()).cap_id
+        assert live.state.plane.issued_to(cap_id) == 8
+        await live.call(live.runtime.audit.flush, 10)
+        r = await http.get("/v1/admin/audit/export", params={"until": "2999-01-01T00:00:00+00:00"},
+                           headers=live.headers(live.admin_token(a)))
+        rows = [row for row in map(json.loads, r.text.splitlines()) if row.get("action") == "key.issue"]
+        assert [(row["details"]["purpose"], row["details"]["issued"]) for row in rows if row["details"]["cap_id"] == cap_id] == [
+            ("seal", 4), ("open", 4),
+        ]

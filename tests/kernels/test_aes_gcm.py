@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from crypto.aead import CpuAesGcm
-from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 from crypto.errors import DecryptionFailed
 from kernels._aes_tables import expand_key, sbox
 from kernels.aes_gcm import AeadParameterError, TagMismatch, TorchAesGcm
@@ -223,15 +223,15 @@ def test_envelopes_interoperate_with_the_cpu_cipher(segment_bytes: int) -> None:
     dek, secret, plaintext = os.urandom(32), os.urandom(32), os.urandom(10_000)
     device = ChunkCipher(lambda k: TorchAesGcm(k, "cpu", failure=DecryptionFailed), segment_bytes=segment_bytes)
     cpu = ChunkCipher(CpuAesGcm, segment_bytes=segment_bytes)
-    assert cpu.open(dek, secret, CTX, device.seal(dek, secret, CTX, plaintext)) == plaintext
-    assert device.open(dek, secret, CTX, cpu.seal(dek, secret, CTX, plaintext)) == plaintext
+    assert cpu.open(DataKey(dek, secret), CTX, device.seal(DataKey(dek, secret), CTX, plaintext)) == plaintext
+    assert device.open(DataKey(dek, secret), CTX, cpu.seal(DataKey(dek, secret), CTX, plaintext)) == plaintext
     pieces = [plaintext[:1], plaintext[1:5000], plaintext[5000:]]
     out = bytearray(device.envelope_size(len(plaintext)))
-    device.seal_pieces_into(dek, secret, CTX, pieces, len(plaintext), out)
-    assert cpu.open(dek, secret, CTX, out) == plaintext
+    device.seal_pieces_into(DataKey(dek, secret), CTX, pieces, len(plaintext), out)
+    assert cpu.open(DataKey(dek, secret), CTX, out) == plaintext
     out[-1] ^= 1
     with pytest.raises(DecryptionFailed):
-        device.open(dek, secret, CTX, out)
+        device.open(DataKey(dek, secret), CTX, out)
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -318,12 +318,12 @@ def test_cuda_envelopes_interoperate_and_detect_tampering() -> None:
     dek, secret, plaintext = os.urandom(32), os.urandom(32), os.urandom(3 << 20)
     gpu = ChunkCipher(lambda k: TorchAesGcm(k, "cuda", failure=DecryptionFailed))
     cpu = ChunkCipher()
-    assert cpu.open(dek, secret, CTX, gpu.seal(dek, secret, CTX, plaintext)) == plaintext
-    sealed = cpu.seal(dek, secret, CTX, plaintext)
-    assert gpu.open(dek, secret, CTX, sealed) == plaintext
+    assert cpu.open(DataKey(dek, secret), CTX, gpu.seal(DataKey(dek, secret), CTX, plaintext)) == plaintext
+    sealed = cpu.seal(DataKey(dek, secret), CTX, plaintext)
+    assert gpu.open(DataKey(dek, secret), CTX, sealed) == plaintext
     sealed[-100] ^= 4
     with pytest.raises(DecryptionFailed):
-        gpu.open(dek, secret, CTX, sealed)
+        gpu.open(DataKey(dek, secret), CTX, sealed)
     key, nonce = os.urandom(32), os.urandom(12)
     buf = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
     aes = TorchAesGcm(key, "cuda")

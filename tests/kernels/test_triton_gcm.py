@@ -20,8 +20,9 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext, IssuedKey
 from crypto.errors import DecryptionFailed
+from crypto.segments import derive_segment_key
 from kernels.aes_gcm import TagMismatch, TorchAesGcm
 from kernels.device_aead import triton_available
 from kernels.layouts import KVGeometry, KVLayout
@@ -316,15 +317,18 @@ def test_envelope_is_the_cpu_paths_bit_for_bit(tg, tokens: int, key_version: int
     dev = DataPath(cipher(), threads=0, device_cipher="always", device_aes="triton")
     assert dev.sealer_for(kv).name == "device-triton"  # the device sealer, with the same salt source
     cpu_kv = PagedKV([t.cpu() for t in src], g)
-    a = cpu.seal_batch(cpu_kv, binding, [SealJob(slots.cpu(), dek, ctx)])[0]
-    b = dev.seal_batch(kv, binding, [SealJob(slots, dek, ctx)])[0]
+    a = cpu.seal_batch(cpu_kv, [SealJob(slots.cpu(), DataKey(dek, binding), ctx)])[0]
+    b = dev.seal_batch(kv, [SealJob(slots, DataKey(dek, binding), ctx)])[0]
     assert bytes(a) == bytes(b)
+    # remote mode: the envelope's server-issued key alone seals and opens the same bytes
+    issued = IssuedKey(salt, derive_segment_key(dek, binding, salt))
+    assert bytes(dev.seal_batch(kv, [SealJob(slots, issued, ctx)])[0]) == bytes(a)
     dst = [torch.zeros_like(t) for t in src]
-    assert dev.open_batch(PagedKV(dst, g), binding, [OpenJob(memoryview(bytes(a)), slots, dek, ctx)]) == (1, False)
+    assert dev.open_batch(PagedKV(dst, g), [OpenJob(memoryview(bytes(a)), slots, issued, ctx)]) == (1, False)
     assert _b(pack(dst, slots, g)) == _b(pack(src, slots, g))  # bytes: random bits hold NaNs
     wrong = EnvelopeContext("tenant", namespace, "ab" * 32, "cd" * 32, key_version + 1)
     dst2 = [torch.zeros_like(t) for t in src]
-    assert dev.open_batch(PagedKV(dst2, g), binding, [OpenJob(memoryview(bytes(a)), slots, dek, wrong)]) == (0, True)
+    assert dev.open_batch(PagedKV(dst2, g), [OpenJob(memoryview(bytes(a)), slots, DataKey(dek, binding), wrong)]) == (0, True)
     assert not any(t.any() for t in dst2)
 
 

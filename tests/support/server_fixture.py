@@ -291,10 +291,10 @@ def fake_envelope(size: int = 256) -> bytes:
     """A well-formed envelope (the server checks only the header; it cannot decrypt)."""
     import os
 
-    from crypto.envelope import ChunkCipher, EnvelopeContext
+    from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 
     ctx = EnvelopeContext("t", "n", "k" * 64, "f" * 64, 1)
-    return bytes(ChunkCipher(segment_bytes=4096).seal(os.urandom(32), os.urandom(32), ctx, os.urandom(size)))
+    return bytes(ChunkCipher(segment_bytes=4096).seal(DataKey(os.urandom(32), os.urandom(32)), ctx, os.urandom(size)))
 
 
 def random_hash() -> str:

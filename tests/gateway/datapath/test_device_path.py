@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from crypto.envelope import ChunkCipher, EnvelopeContext
-from gateway.datapath import DataPath, SealJob
+from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext, IssuedKey
+from crypto.segments import derive_segment_key
+from gateway.datapath import DataPath, OpenJob, SealJob
 from kernels.layouts import KVLayout
 from kernels.pack import slots_from_block_ids
 from kernels.paged import PagedKV
@@ -58,9 +59,35 @@ def test_the_envelope_of_the_device_path_is_the_cpu_path_envelope_bit_for_bit():
     cpu = DataPath(ChunkCipher(segment_bytes=1024, salt_source=lambda n: salt), threads=0)
     dev = DataPath(ChunkCipher(segment_bytes=1024, salt_source=lambda n: salt), threads=0, device_cipher="always")
     assert dev.sealer_for(kv).name.startswith("device-")  # the device sealer, same salt source
-    a = cpu.seal_batch(kv, binding, [SealJob(slots, dek, ctx)])[0]
-    b = dev.seal_batch(kv, binding, [SealJob(slots, dek, ctx)])[0]
+    a = cpu.seal_batch(kv, [SealJob(slots, DataKey(dek, binding), ctx)])[0]
+    b = dev.seal_batch(kv, [SealJob(slots, DataKey(dek, binding), ctx)])[0]
     assert bytes(a) == bytes(b)
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_an_issued_key_seals_and_opens_the_data_keys_envelope_on_either_path(device):
+    """Remote mode: a worker holding only one envelope's issued (salt, key) seals the very bytes
+    the data key seals with that salt, on the device path too; that key opens only that envelope."""
+    g = small_geometry()
+    kv = PagedKV(random_cache(g, 16), g)
+    slots = slots_from_block_ids(list(range(4)), g.block_size, 0, 16)
+    ctx = EnvelopeContext("t", "n", "ab" * 32, "cd" * 32, 1)
+    data_key = DataKey(bytes(range(32)), bytes(range(32, 64)))
+    salt, other_salt = b"\x07" * 32, b"\x08" * 32
+    cpu = DataPath(ChunkCipher(segment_bytes=1024, salt_source=lambda n: salt), threads=0)
+    path = DataPath(ChunkCipher(segment_bytes=1024), threads=0, device_cipher="always" if device else "auto")
+    want = bytes(cpu.seal_batch(kv, [SealJob(slots, data_key, ctx)])[0])
+    issued = IssuedKey(salt, derive_segment_key(data_key.dek, data_key.binding_secret, salt))
+    assert bytes(path.seal_batch(kv, [SealJob(slots, issued, ctx)])[0]) == want
+    dst = PagedKV(random_cache(g, 16, seed=9), g)
+    assert path.open_batch(dst, [OpenJob(memoryview(want), slots, issued, ctx)]) == (1, False)
+    assert torch.equal(gathered(list(kv.layers), g, list(range(4)), 16), gathered(list(dst.layers), g, list(range(4)), 16))
+    # the attacker: the issued key of another envelope (another salt) does not open this one
+    other = IssuedKey(other_salt, derive_segment_key(data_key.dek, data_key.binding_secret, other_salt))
+    forged = bytearray(want)
+    forged[8:40] = other_salt  # nor does rewriting the header's salt to the key's
+    for job in (OpenJob(memoryview(want), slots, other, ctx), OpenJob(memoryview(bytes(forged)), slots, other, ctx)):
+        assert path.open_batch(PagedKV(random_cache(g, 16, seed=9), g), [job]) == (0, True)
 
 
 def test_a_device_cache_takes_the_device_path_unless_the_host_switch_is_set():

@@ -17,6 +17,7 @@ from crypto.aead import CpuAesGcm
 from crypto.envelope import (
     HEADER_BYTES,
     ChunkCipher,
+    DataKey,
     EnvelopeContext,
     read_header,
     segment_scratch_bytes,
@@ -72,14 +73,14 @@ def test_seal_pieces_equals_seal_of_the_join(data, cuts, seg, gather, seed):
     cipher = ChunkCipher(factory, segment_bytes=97, salt_source=_salt(seed))
     size = ref_cipher.envelope_size(len(data), seg)
     ref = bytearray(size)
-    assert ref_cipher.seal_into(DEK, SECRET, CTX, data, ref, segment_bytes=seg) == size
+    assert ref_cipher.seal_into(DataKey(DEK, SECRET), CTX, data, ref, segment_bytes=seg) == size
     pieces: list = _split(data, cuts)
     pieces.insert(len(pieces) // 2, b"")  # empty pieces are allowed anywhere
     out = bytearray(size + 5)
-    assert cipher.seal_pieces_into(DEK, SECRET, CTX, pieces, len(data), out, segment_bytes=seg) == size
+    assert cipher.seal_pieces_into(DataKey(DEK, SECRET), CTX, pieces, len(data), out, segment_bytes=seg) == size
     assert out[:size] == ref and out[size:] == bytes(5)
     assert read_header(ref).segment_bytes == (seg or 97)
-    assert ChunkCipher().open(DEK, SECRET, CTX, out[:size]) == data
+    assert ChunkCipher().open(DataKey(DEK, SECRET), CTX, out[:size]) == data
 
 
 def test_seal_pieces_rejects_bad_input_and_writes_nothing():
@@ -88,15 +89,15 @@ def test_seal_pieces_rejects_bad_input_and_writes_nothing():
     pieces = _split(data, [50, 120])
     out = bytearray(cipher.envelope_size(200))
     with pytest.raises(InvalidParameter):
-        cipher.seal_pieces_into(DEK, SECRET, CTX, pieces, 199, out)
+        cipher.seal_pieces_into(DataKey(DEK, SECRET), CTX, pieces, 199, out)
     with pytest.raises(InvalidParameter):
-        cipher.seal_pieces_into(DEK, SECRET, CTX, pieces, 200, bytearray(len(out) - 1))
+        cipher.seal_pieces_into(DataKey(DEK, SECRET), CTX, pieces, 200, bytearray(len(out) - 1))
     with pytest.raises(InvalidParameter):
-        cipher.seal_pieces_into(DEK, SECRET, CTX, [*pieces, 7], 200, out)
+        cipher.seal_pieces_into(DataKey(DEK, SECRET), CTX, [*pieces, 7], 200, out)
     with pytest.raises(InvalidParameter):
-        cipher.seal_pieces_into(DEK, SECRET, CTX, pieces, 200, out, segment_bytes=0)
+        cipher.seal_pieces_into(DataKey(DEK, SECRET), CTX, pieces, 200, out, segment_bytes=0)
     with pytest.raises(InvalidParameter):
-        cipher.seal_pieces_into(DEK, SECRET, CTX, pieces, 200, bytes(len(out)))
+        cipher.seal_pieces_into(DataKey(DEK, SECRET), CTX, pieces, 200, bytes(len(out)))
     assert out == bytearray(len(out))
 
 
@@ -108,12 +109,12 @@ def test_seal_pieces_rejects_bad_input_and_writes_nothing():
 def test_open_segments_delivers_the_plaintext_in_order(n, seg, slack):
     data = os.urandom(n)
     cipher = ChunkCipher(segment_bytes=seg)
-    env = cipher.seal(DEK, SECRET, CTX, data)
+    env = cipher.seal(DataKey(DEK, SECRET), CTX, data)
     need = segment_scratch_bytes(env)
     assert need == min(seg, n)
     got: list[tuple[int, int, bytes]] = []
     total = cipher.open_segments(
-        DEK, SECRET, CTX, env, bytearray(need + slack), lambda a, b, v: got.append((a, b, bytes(v)))
+        DataKey(DEK, SECRET), CTX, env, bytearray(need + slack), lambda a, b, v: got.append((a, b, bytes(v)))
     )
     assert total == n
     assert [g[0] for g in got] == [min(i * seg, n) for i in range(len(got))]
@@ -125,35 +126,35 @@ def test_open_segments_delivers_the_plaintext_in_order(n, seg, slack):
 def test_open_segments_stops_at_a_tampered_segment(bad):
     seg, data = 100, os.urandom(380)  # four segments
     cipher = ChunkCipher(segment_bytes=seg)
-    env = bytearray(cipher.seal(DEK, SECRET, CTX, data))
+    env = bytearray(cipher.seal(DataKey(DEK, SECRET), CTX, data))
     env[HEADER_BYTES + bad * (seg + 16) + 5] ^= 1
     got: list[tuple[int, int]] = []
     scratch = bytearray(seg)
     with pytest.raises(DecryptionFailed):
-        cipher.open_segments(DEK, SECRET, CTX, env, scratch, lambda a, b, v: got.append((a, b)))
+        cipher.open_segments(DataKey(DEK, SECRET), CTX, env, scratch, lambda a, b, v: got.append((a, b)))
     assert got == [(i * seg, (i + 1) * seg) for i in range(bad)]
     assert scratch == bytearray(seg)
 
 
 def test_open_segments_rejects_wrong_context_scratch_and_propagates_callback_errors():
     cipher = ChunkCipher(segment_bytes=64)
-    env = cipher.seal(DEK, SECRET, CTX, os.urandom(300))
+    env = cipher.seal(DataKey(DEK, SECRET), CTX, os.urandom(300))
     calls: list[int] = []
     other = EnvelopeContext("tenant-b", "ns-1", "ab" * 32, "model/fp16/tp0", 3)
     with pytest.raises(DecryptionFailed):
-        cipher.open_segments(DEK, SECRET, other, env, bytearray(64), lambda a, b, v: calls.append(a))
+        cipher.open_segments(DataKey(DEK, SECRET), other, env, bytearray(64), lambda a, b, v: calls.append(a))
     with pytest.raises(DecryptionFailed):
-        cipher.open_segments(DEK, SECRET, CTX, env[:-1], bytearray(64), lambda a, b, v: calls.append(a))
+        cipher.open_segments(DataKey(DEK, SECRET), CTX, env[:-1], bytearray(64), lambda a, b, v: calls.append(a))
     assert calls == []
     with pytest.raises(InvalidParameter):
-        cipher.open_segments(DEK, SECRET, CTX, env, bytearray(63), lambda a, b, v: calls.append(a))
+        cipher.open_segments(DataKey(DEK, SECRET), CTX, env, bytearray(63), lambda a, b, v: calls.append(a))
 
     def boom(a: int, b: int, v: memoryview) -> None:
         raise RuntimeError("engine gone")
 
     scratch = bytearray(64)
     with pytest.raises(RuntimeError, match="engine gone"):
-        cipher.open_segments(DEK, SECRET, CTX, env, scratch, boom)
+        cipher.open_segments(DataKey(DEK, SECRET), CTX, env, scratch, boom)
     assert scratch == bytearray(64)
 
 
@@ -265,7 +266,7 @@ def test_unpack_range_rejects_bad_input_and_writes_nothing():
 
 def _jobs(g: KVGeometry, slots: torch.Tensor, n: int) -> list[SealJob]:
     per = slots.numel() // n
-    return [SealJob(slots[i * per : (i + 1) * per], DEK, CTX) for i in range(n)]
+    return [SealJob(slots[i * per : (i + 1) * per], DataKey(DEK, SECRET), CTX) for i in range(n)]
 
 
 @pytest.mark.parametrize("encrypt", [True, False])
@@ -277,18 +278,18 @@ def test_datapath_round_trip(encrypt, layout):
     slots = slots_from_block_ids([9, 2, 3, 14, 0, 7, 5, 11], 4, 0, 32)
     dp = DataPath(ChunkCipher(segment_bytes=3000) if encrypt else PlaintextCodec(3000), threads=0)
     jobs = _jobs(g, slots, 2)
-    envs = dp.seal_batch(kv, SECRET, jobs)
+    envs = dp.seal_batch(kv, jobs)
     for job, env in zip(jobs, envs, strict=True):
         want = _raw(pack(kv, job.slots, g))
         if encrypt:
             header = read_header(env)
             assert header.segment_bytes == 2048  # a layer is 2 x 16 x 32 B = 1 KiB: two layers
-            assert ChunkCipher().open(DEK, SECRET, CTX, env) == want
+            assert ChunkCipher().open(DataKey(DEK, SECRET), CTX, env) == want
         else:
             assert bytes(env) == want
     dst = [torch.zeros_like(x) for x in layers]
-    opened = [OpenJob(e, j.slots, j.dek, j.ctx) for e, j in zip(envs, jobs, strict=True)]
-    assert dp.open_batch(PagedKV(dst, g), SECRET, opened) == (2, False)
+    opened = [OpenJob(e, j.slots, j.keys, j.ctx) for e, j in zip(envs, jobs, strict=True)]
+    assert dp.open_batch(PagedKV(dst, g), opened) == (2, False)
     want_dst = [torch.zeros_like(x) for x in layers]
     unpack(pack(kv, slots, g), want_dst, slots, g)
     assert all(_raw(x) == _raw(y) for x, y in zip(want_dst, dst, strict=True))
@@ -300,18 +301,18 @@ def test_datapath_failed_chunk_leaves_nothing_of_itself():
     slots = slots_from_block_ids(list(range(8)), 4, 0, 32)
     dp = DataPath(ChunkCipher(segment_bytes=2048), threads=0)
     jobs = _jobs(g, slots, 2)
-    envs = [bytearray(e) for e in dp.seal_batch(PagedKV(layers, g), SECRET, jobs)]
+    envs = [bytearray(e) for e in dp.seal_batch(PagedKV(layers, g), jobs)]
     assert read_header(envs[1]).segment_count == 4
     envs[1][-20] ^= 1  # the last segment of chunk 1: segments 0..2 were scattered first
     dst = [torch.full_like(x, 0.0) for x in layers]
-    opened = [OpenJob(memoryview(e), j.slots, j.dek, j.ctx) for e, j in zip(envs, jobs, strict=True)]
-    assert dp.open_batch(PagedKV(dst, g), SECRET, opened) == (1, True)
+    opened = [OpenJob(memoryview(e), j.slots, j.keys, j.ctx) for e, j in zip(envs, jobs, strict=True)]
+    assert dp.open_batch(PagedKV(dst, g), opened) == (1, True)
     assert all(x[:, 0:4].any() for x in dst)  # chunk 0 (blocks 0..3) loaded
     assert not any(x[:, 4:].any() for x in dst)  # chunk 1 left nothing behind
     # a plaintext envelope of the wrong size is a failure, not a partial load
     plain = DataPath(PlaintextCodec(), threads=0)
-    short = OpenJob(memoryview(bytes(100)), jobs[0].slots, b"", CTX)
-    assert plain.open_batch(PagedKV(dst, g), SECRET, [short]) == (0, True)
+    short = OpenJob(memoryview(bytes(100)), jobs[0].slots, DataKey(DEK, SECRET), CTX)
+    assert plain.open_batch(PagedKV(dst, g), [short]) == (0, True)
 
 
 async def test_envelope_buffers_are_reused_only_once_no_one_holds_them():
@@ -322,21 +323,21 @@ async def test_envelope_buffers_are_reused_only_once_no_one_holds_them():
     # a holder that keeps references (the memory tier copies into its arena since issue 17)
     tier: dict[ChunkKey, memoryview] = {}
     keys = [ChunkKey("ab", "cd", f"{i:064x}") for i in range(2)]
-    first = dp.seal_batch(kv, SECRET, jobs)
+    first = dp.seal_batch(kv, jobs)
     for key, env in zip(keys, first, strict=True):
         tier[key] = env
     kept = [bytes(e) for e in first]
     arrays = [weakref.ref(e.obj) for e in first]  # weak: the test must not hold them
     del first, env
-    second = dp.seal_batch(kv, SECRET, jobs)  # the tier still holds the first envelopes
+    second = dp.seal_batch(kv, jobs)  # the tier still holds the first envelopes
     assert not any(e.obj is a() for e in second for a in arrays)
     assert [bytes(tier[k]) for k in keys] == kept
     del second
     view = tier[keys[0]][10:20]  # a slice is a reference too
     del tier[keys[0]]
-    assert not any(e.obj is arrays[0]() for e in dp.seal_batch(kv, SECRET, jobs))
+    assert not any(e.obj is arrays[0]() for e in dp.seal_batch(kv, jobs))
     del view
-    again = dp.seal_batch(kv, SECRET, jobs[:1])
+    again = dp.seal_batch(kv, jobs[:1])
     assert again[0].obj is arrays[0]()  # released by everyone: its pages are reused
-    assert ChunkCipher().open(DEK, SECRET, CTX, again[0]) == _raw(pack(kv, jobs[0].slots, g))
+    assert ChunkCipher().open(DataKey(DEK, SECRET), CTX, again[0]) == _raw(pack(kv, jobs[0].slots, g))
     assert [bytes(tier[k]) for k in keys[1:]] == kept[1:]

@@ -4,11 +4,14 @@ they apply, every error an RFC 9457 problem."""
 
 from __future__ import annotations
 
+import base64
+import json
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
+from tenancy.capabilities import attenuate, read_unverified
 from tenancy.devissuer import DevIssuer
 from tests.support import server_fixture
 from tests.support.server_fixture import (
@@ -202,22 +205,130 @@ async def test_pins(world: World, tmp_path):
     assert_problem(await w.http.delete(f"/v1/pins/{absent}", headers=hdr), 404)
 
 
-# -- key leases -----------------------------------------------------------------------------------
-async def test_key_lease(world: World, tmp_path):
-    w = world
-    r = await w.http.post("/v1/keys/lease", headers=w.h(w.worker_a, w.cap_a))
+# -- per-envelope keys (remote mode) ----------------------------------------------------------------
+KEYS = "/v1/keys/envelopes"
+
+
+def _seal(*hashes: str) -> dict[str, object]:
+    return {"purpose": "seal", "hashes": list(hashes)}
+
+
+def _open(*refs: tuple[str, int, str]) -> dict[str, object]:
+    return {"purpose": "open", "envelopes": [{"hash": h, "key_version": v, "salt": s} for h, v, s in refs]}
+
+
+async def _audit_rows(w: World, action: str) -> list[dict]:
+    await w.live.call(w.live.runtime.audit.flush, 10)
+    r = await w.http.get("/v1/admin/audit/export", params={"until": "2999-01-01T00:00:00+00:00"}, headers=w.h(w.admin_a))
     assert r.status_code == 200
-    lease = r.json()
-    assert lease["tenant"] == w.a and lease["namespace"] == "default" and lease["key_version"] >= 1
-    assert lease["invocations"] >= 1 and lease["chunk_tokens"] == w.live.settings.chunk_tokens
-    other = (await w.http.post("/v1/keys/lease", headers=w.h(w.worker_b, w.cap_b))).json()
-    assert other["dek"] != lease["dek"] and other["index_key"] != lease["index_key"]
-    assert_problem(await w.http.post("/v1/keys/lease", headers={"X-KV-Capability": w.cap_a}), 401)
-    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
-    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(w.worker_a, w.cap_b)), 403)
-    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(w.admin_a, w.cap_a)), 403)
+    return [row for row in map(json.loads, r.text.splitlines()) if row.get("action") == action]
+
+
+async def test_envelope_keys_seal_and_open(world: World):
+    """Sealing keys: a fresh salt per envelope, its key and storage key; opening keys: the same key
+    for the same salt. Counted (stats, /metrics, per capability) and audited once per request."""
+    w = world
+    plane = w.live.state.plane
+    hashes = [random_hash() for _ in range(3)]
+    before = w.live.runtime.gateway.stats["envelope_keys_issued_seal"]
+    r = await w.http.post(KEYS, json=_seal(*hashes), headers=w.h(w.worker_a, w.cap_a))
+    assert r.status_code == 200
+    got = r.json()
+    assert (got["tenant"], got["namespace"], got["chunk_tokens"]) == (w.a, "default", w.live.settings.chunk_tokens)
+    items = got["keys"]
+    assert [i["hash"] for i in items] == hashes
+    salts = {base64.b64decode(i["salt"]) for i in items}
+    assert len(salts) == 3 and all(len(x) == 32 for x in salts)  # one fresh salt per envelope
+    assert all(len(base64.b64decode(i["key"])) == 32 and i["key_version"] >= 1 for i in items)
+    ns = await w.live.call(w.live.runtime.resolver.keys, w.a, "default")
+    assert [i["storage_key"] for i in items] == [ns.storage_key(bytes.fromhex(h)) for h in hashes]
+    assert "dek" not in got and "index_key" not in got and "binding_secret" not in got
+    assert w.live.runtime.gateway.stats["envelope_keys_issued_seal"] == before + 3
+    cap_id = read_unverified(w.cap_a).cap_id
+    assert plane.issued_to(cap_id) == 3
+    # opening: the key of each envelope from its header's version and salt, in one call
+    refs = [(i["hash"], i["key_version"], i["salt"]) for i in items]
+    r = await w.http.post(KEYS, json=_open(*refs), headers=w.h(w.worker_a, w.cap_a))
+    assert r.status_code == 200
+    assert [(i["key"], i["storage_key"]) for i in r.json()["keys"]] == [(i["key"], i["storage_key"]) for i in items]
+    assert plane.issued_to(cap_id) == 6
+    # a destroyed or unknown key version: that item has no key (a miss), the others do
+    r = await w.http.post(KEYS, json=_open(refs[0], (hashes[1], 99, refs[1][2])), headers=w.h(w.worker_a, w.cap_a))
+    assert [i["key"] is None for i in r.json()["keys"]] == [False, True]
+    assert plane.issued_to(cap_id) == 7  # only keys issued count
+    # counted in /metrics, by purpose
+    metrics = (await w.http.get("/metrics", headers=w.h(w.live.operator_token()))).text
+    seal_lines = [x for x in metrics.splitlines() if x.startswith("kvgate_envelope_keys_issued_total") and 'purpose="seal"' in x]
+    assert len(seal_lines) == 1 and float(seal_lines[0].rsplit(" ", 1)[1]) >= 3
+    # audited in aggregate: one event per request, with the count
+    rows = await _audit_rows(w, "key.issue")
+    mine = [row for row in rows if row["details"]["cap_id"] == cap_id]
+    assert [(row["details"]["purpose"], row["details"]["issued"]) for row in mine] == [("seal", 3), ("open", 3), ("open", 1)]
+    assert all(row["target"]["tenant"] == w.a for row in mine)
+    assert [row["details"]["capability_total"] for row in mine] == [3, 6, 7]
+
+
+async def test_envelope_keys_are_capability_checked(world: World, tmp_path):
+    w = world
+    h = random_hash()
+    ok = await w.http.post(KEYS, json=_seal(h), headers=w.h(w.worker_a, w.cap_a))
+    assert ok.status_code == 200  # the positive control
+    salt = ok.json()["keys"][0]["salt"]
+    version = ok.json()["keys"][0]["key_version"]
+    for body in (_seal(h), _open((h, version, salt))):
+        assert_problem(await w.http.post(KEYS, json=body, headers={"X-KV-Capability": w.cap_a}), 401)
+        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
+        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(w.worker_a)), 403)  # no capability
+        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(w.worker_a, w.cap_b)), 403)  # B's capability
+        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(w.admin_a, w.cap_a)), 403)  # not a worker
     get_only = await w.live.capability(w.http, w.a, ops=["get", "lookup"])
-    assert_problem(await w.http.post("/v1/keys/lease", headers=w.h(w.worker_a, get_only)), 403)
+    put_only = await w.live.capability(w.http, w.a, ops=["put"])
+    assert_problem(await w.http.post(KEYS, json=_seal(h), headers=w.h(w.worker_a, get_only)), 403)  # sealing needs put
+    assert_problem(await w.http.post(KEYS, json=_open((h, version, salt)), headers=w.h(w.worker_a, put_only)), 403)
+    assert (await w.http.post(KEYS, json=_open((h, version, salt)), headers=w.h(w.worker_a, get_only))).status_code == 200
+    # a capability its holder narrowed to a chunk allowlist: keys for those chunks only
+    narrowed = attenuate(w.cap_a, chunks=[h])
+    assert (await w.http.post(KEYS, json=_seal(h), headers=w.h(w.worker_a, narrowed))).status_code == 200
+    assert_problem(await w.http.post(KEYS, json=_seal(h, random_hash()), headers=w.h(w.worker_a, narrowed)), 403)
+    for bad in (
+        {"purpose": "seal", "hashes": []}, {"purpose": "seal", "hashes": ["nothex"]}, {"purpose": "fly", "hashes": [h]},
+        {"purpose": "seal", "hashes": [h] * 4097}, {"purpose": "open", "envelopes": [{"hash": h, "key_version": 1}]},
+        _open((h, 1, "short")), _open((h, -1, salt)), {"hashes": [h]}, {**_seal(h), "extra": 1},
+    ):
+        assert_problem(await w.http.post(KEYS, json=bad, headers=w.h(w.worker_a, w.cap_a)), 422)
+
+
+async def test_envelope_keys_are_bounded_per_capability(world: World):
+    """Past a capability's budget: a typed 403, nothing issued or counted; a new capability has a
+    new budget."""
+    w = world
+    plane = w.live.state.plane
+    saved = plane.max_keys_per_capability
+    plane.max_keys_per_capability = 5
+    try:
+        cap = await w.live.capability(w.http, w.a)
+        hdr = w.h(w.worker_a, cap)
+        assert (await w.http.post(KEYS, json=_seal(*[random_hash() for _ in range(4)]), headers=hdr)).status_code == 200
+        stats = dict(w.live.runtime.gateway.stats)
+        body = assert_problem(await w.http.post(KEYS, json=_seal(random_hash(), random_hash()), headers=hdr), 403)
+        assert body["type"] == "urn:kvgate:problem:key-budget-spent"
+        assert w.live.runtime.gateway.stats["envelope_keys_issued"] == stats["envelope_keys_issued"]
+        assert plane.issued_to(read_unverified(cap).cap_id) == 4
+        assert (await w.http.post(KEYS, json=_seal(random_hash()), headers=hdr)).status_code == 200  # 5: the last
+        refused = [row for row in await _audit_rows(w, "key.issue") if row["outcome"] == "denied"]
+        assert [(row["details"]["cap_id"], row["details"]["requested"]) for row in refused] == [(read_unverified(cap).cap_id, 2)]
+        fresh = await w.live.capability(w.http, w.a)
+        assert (await w.http.post(KEYS, json=_seal(random_hash(), random_hash()), headers=w.h(w.worker_a, fresh))).status_code == 200
+    finally:
+        plane.max_keys_per_capability = saved
+
+
+async def test_the_data_key_lease_is_gone(world: World):
+    w = world
+    for body in (None, {"version": 1}):
+        assert_problem(await w.http.post("/v1/keys/lease", json=body, headers=w.h(w.worker_a, w.cap_a)), 404)
+    paths = (await w.http.get("/openapi.json")).json()["paths"]
+    assert "/v1/keys/lease" not in paths and "post" in paths[KEYS]
 
 
 # -- unauthenticated surface -------------------------------------------------------------------
