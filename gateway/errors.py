@@ -7,6 +7,7 @@ Exception tree (HTTP status as the server answers it)::
     GatewayError
      +-- AccessDenied            403  no valid capability for this tenant, namespace, operation or chunk
      +-- InvalidRequest          422  bad input: tokens, KV tensors, block ids, names (also ValueError)
+     |    +-- BadFrame           400  a batch body that is not a well-formed frame (gateway.frames)
      +-- TenantUnavailable       403  the tenant is unknown or disabled (told to callers as a 403
      |                                wherever existence must not leak)
      +-- ChunkMissing            404  an operation named a chunk that is not stored
@@ -40,6 +41,7 @@ __all__ = [
     "GatewayError",
     "AccessDenied",
     "InvalidRequest",
+    "BadFrame",
     "TenantUnavailable",
     "ChunkMissing",
     "NotReady",
@@ -63,6 +65,10 @@ class AccessDenied(GatewayError):
 
 class InvalidRequest(GatewayError, ValueError):
     pass
+
+
+class BadFrame(InvalidRequest):
+    """A batched body that does not parse as its frame; ``str()`` is told to the caller."""
 
 
 class TenantUnavailable(GatewayError):
