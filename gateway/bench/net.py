@@ -1,6 +1,10 @@
 """Network figures for `kvgate bench`: the Redis tier beside raw redis-py, the REST data plane
 beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chunks).
 
+The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
+one streamed ``POST /v1/chunks/fetch`` per prefix, read into a buffer per envelope as
+``gateway.remote`` does), and, labelled ``per_chunk``, one request per chunk as before issue 18.
+
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
 the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;
 ``socket`` is one TCP connection over loopback to a separate process that reads into (or writes
@@ -22,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from crypto.envelope import ChunkCipher, EnvelopeContext
+from gateway import frames
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
@@ -142,8 +148,9 @@ def _free_port() -> int:
 
 
 async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
-    """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size and
-    lookup latency for 128 chained hashes."""
+    """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
+    batched (``put``, ``get``) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
+    and lookup latency for 128 chained hashes."""
     from gateway import dbschema
     from tenancy.devissuer import DevIssuer
 
@@ -155,12 +162,13 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
         **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url,
         "KVGATE_TIERS": '["memory"]', "KVGATE_MEMORY_BYTES": str(4 << 30),
         "KVGATE_MAX_CHUNK_BYTES": str(max(sizes) + (1 << 20)),
+        "KVGATE_MAX_BATCH_BYTES": str(max(max(sizes) + (1 << 20), max(s * counts[s] for s in sizes) + (1 << 20))),
     }
     env.pop("KVGATE_DATABASE_URL", None)
     await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, Any] = {"put": {}, "get": {}}
+    out: dict[str, Any] = {"put": {}, "get": {}, "put_per_chunk": {}, "get_per_chunk": {}}
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
             for _ in range(150):
@@ -202,8 +210,31 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                             async for _ in resp.aiter_raw(1 << 20):
                                 pass
 
-                out["put"][size] = await timed(puts)
-                out["get"][size] = await timed(gets)
+                async def frame() -> Any:
+                    yield frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
+                    view = memoryview(body)
+                    for _ in hashes:
+                        yield view
+
+                async def put_batch() -> None:
+                    total = frames.HEAD + frames.INDEX_ITEM * len(hashes) + len(body) * len(hashes)
+                    batch_hdr = {**capability, "Content-Type": "application/x-kvgate-batch", "Content-Length": str(total)}
+                    (await http.put("/v1/chunks", content=frame(), headers=batch_hdr)).raise_for_status()
+
+                async def get_batch() -> None:
+                    async with http.stream("POST", "/v1/chunks/fetch", json={"hashes": hashes}, headers=capability) as resp:
+                        resp.raise_for_status()
+                        reader = frames.Reader(resp.aiter_raw())
+                        await reader.read(len(frames.MAGIC))
+                        for _ in hashes:
+                            _h, status, length = frames.parse_item_head(await reader.read(frames.ITEM_HEAD))
+                            assert status == frames.OK, status
+                            await reader.into(np.empty(length, dtype=np.uint8).data.cast("B"))
+
+                out["put_per_chunk"][size] = await timed(puts)
+                out["get_per_chunk"][size] = await timed(gets)
+                out["put"][size] = await timed(put_batch)
+                out["get"][size] = await timed(get_batch)
                 out.setdefault("bytes", {})[size] = len(body)
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)
