@@ -3,7 +3,7 @@
 One request per prefix instead of one per chunk. Both directions are a short, length-prefixed
 binary frame (integers little endian, hashes raw 32-byte chained sha256):
 
-Upload, the body of ``PUT /v1/chunks`` (``application/x-kvgate-batch``)::
+Upload, the body of ``PUT /v1/chunks`` (``application/octet-stream``)::
 
     magic   4 bytes   b"KVB1" (a version byte on the format: a reader refuses any other)
     count   u32       1 .. max items

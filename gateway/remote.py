@@ -67,7 +67,7 @@ _BATCH_BYTES = 64 << 20  # an upload batch is sent once this many envelope bytes
 _BATCH_ITEMS = 1024  # ... or this many envelopes (the server takes up to max_batch_items)
 _FETCH_ITEMS = 4096  # hashes per streamed fetch (the server's bound)
 _MAX_ENVELOPE = 1 << 32  # a response item larger than this is a broken frame, not an allocation
-_BATCH_MEDIA = "application/x-kvgate-batch"
+_BATCH_MEDIA = "application/octet-stream"
 
 
 class RemoteUnavailable(GatewayError):

@@ -218,7 +218,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
 
                 async def put_batch() -> None:
                     total = frames.HEAD + frames.INDEX_ITEM * len(hashes) + len(body) * len(hashes)
-                    batch_hdr = {**capability, "Content-Type": "application/x-kvgate-batch", "Content-Length": str(total)}
+                    batch_hdr = {**capability, "Content-Type": "application/octet-stream", "Content-Length": str(total)}
                     (await http.put("/v1/chunks", content=frame(), headers=batch_hdr)).raise_for_status()
 
                 async def get_batch() -> None:

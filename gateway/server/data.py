@@ -45,7 +45,7 @@ _ENVELOPE_BODY = {
     }
 }
 
-_BATCH_MEDIA = "application/x-kvgate-batch"
+_BATCH_MEDIA = "application/octet-stream"
 _BATCH_SCHEMA = {"schema": {"type": "string", "format": "binary"}}
 _BATCH_BODY = {
     "requestBody": {

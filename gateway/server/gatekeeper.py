@@ -143,7 +143,8 @@ class _Body:
         if self.done:  # the body is in; what follows is a wait for the client to disconnect
             return await self._receive()
         try:
-            message = await asyncio.wait_for(self._receive(), self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task per message, as wait_for would make
+                message = await self._receive()
         except TimeoutError:
             raise HTTPException(408, "the request body did not arrive in time", headers={"Connection": "close"}) from None
         if message["type"] == "http.request":

@@ -23,7 +23,7 @@ from tests.support.server_fixture import LiveServer, assert_problem, fake_envelo
 
 live_server = server_fixture.live_server  # a fixture, registered in this module
 
-BATCH = "application/x-kvgate-batch"
+BATCH = "application/octet-stream"
 
 
 def frame(items: list[tuple[str, bytes]]) -> bytes:
