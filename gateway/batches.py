@@ -7,7 +7,9 @@ bytes land where they are kept: no second copy), else a preallocated array. ``Up
 checks every envelope's header before it stores any, then stores them all; ``abort`` gives every
 extent back. A reserved extent is invisible until committed, so a client that disconnects, a torn
 frame or a bad header leaves nothing in any tier. (Reserving makes room as a put would: a batch
-that is then aborted may have evicted older chunks, as its puts would have.)
+that is then aborted may have evicted older chunks, as its puts would have. A tier that fails
+while a checked batch is being stored -- no tier takes an envelope -- ends it with that error;
+the envelopes stored before it stay, each whole.)
 
 ``fetch_prefix`` is the download side, the prefix walk folded in: it yields each chunk of the
 walk as its tier hands it over (the tier's own buffer, not a copy) and stops at the first that

@@ -438,7 +438,9 @@ class _HttpSession:
         index = frames.encode_index([(self.chunks[i].chained_hash, v.nbytes) for (i, _e), v in zip(items, views)])
         headers = {"Content-Type": _BATCH_MEDIA, "Content-Length": str(len(index) + sum(v.nbytes for v in views))}
         try:
-            await self.client._send("PUT", "/v1/chunks", content=_Frame(index, views), headers=headers)
+            r = await self.client._send("PUT", "/v1/chunks", content=_Frame(index, views), headers=headers)
+            if r.status_code != 204:  # a frame the server refused (400): nothing of it was stored
+                raise InvalidRequest(f"PUT /v1/chunks: {r.status_code} {r.text[:200]}")
         except AccessDenied as exc:
             self.client._forget()  # revoked (a clear): the lease it was sealed under is gone too
             self._error = exc
