@@ -53,6 +53,9 @@ while True:
 """
 
 
+_PIECE = 1 << 20  # the size of the parts a batch body is handed to httpx in (gateway.remote._PIECE)
+
+
 def _median_gbps(fn: Callable[[], object], nbytes: int, reps: int) -> float:
     fn()
     times = []
@@ -140,6 +143,15 @@ def _envelope(size: int) -> bytes:
     return bytes(ChunkCipher().seal(os.urandom(32), os.urandom(32), ctx, os.urandom(size - 56 - 16 * (-(-size // (2 << 20))))))
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -150,7 +162,8 @@ def _free_port() -> int:
 async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
     """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
     batched (``put``, ``get``) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
-    and lookup latency for 128 chained hashes."""
+    the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
+    latency for 128 chained hashes."""
     from gateway import dbschema
     from tenancy.devissuer import DevIssuer
 
@@ -168,7 +181,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
     await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, Any] = {"put": {}, "get": {}, "put_per_chunk": {}, "get_per_chunk": {}}
+    out: dict[str, Any] = {"put": {}, "get": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
             for _ in range(150):
@@ -190,13 +203,21 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                 body = _envelope(size)
                 hashes = [secrets.token_hex(32) for _ in range(counts[size])]
 
-                async def timed(fn: Callable[[], Awaitable[object]]) -> float:
+                async def timed(fn: Callable[[], Awaitable[object]], name: str) -> float:
+                    """GB/s (median of ``reps``); CPU seconds per GB of client and server go to
+                    ``out["cpu_s_per_gb"]`` (steadier than wall time on a loaded machine)."""
                     await fn()
                     times = []
+                    c0, s0 = time.process_time(), _cpu_seconds(proc.pid)
                     for _ in range(reps):
                         t0 = time.perf_counter()
                         await fn()
                         times.append(time.perf_counter() - t0)
+                    gb = len(body) * len(hashes) * reps / 1e9
+                    out["cpu_s_per_gb"].setdefault(name, {})[size] = {
+                        "client": round((time.process_time() - c0) / gb, 3),
+                        "server": round((_cpu_seconds(proc.pid) - s0) / gb, 3),
+                    }
                     return len(body) * len(hashes) / statistics.median(times) / 1e9
 
                 async def puts() -> None:
@@ -214,7 +235,8 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                     yield frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
                     view = memoryview(body)
                     for _ in hashes:
-                        yield view
+                        for off in range(0, len(view), _PIECE):  # as gateway.remote sends an envelope
+                            yield view[off : off + _PIECE]
 
                 async def put_batch() -> None:
                     total = frames.HEAD + frames.INDEX_ITEM * len(hashes) + len(body) * len(hashes)
@@ -231,10 +253,10 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                             assert status == frames.OK, status
                             await reader.into(np.empty(length, dtype=np.uint8).data.cast("B"))
 
-                out["put_per_chunk"][size] = await timed(puts)
-                out["get_per_chunk"][size] = await timed(gets)
-                out["put"][size] = await timed(put_batch)
-                out["get"][size] = await timed(get_batch)
+                out["put_per_chunk"][size] = await timed(puts, "put_per_chunk")
+                out["get_per_chunk"][size] = await timed(gets, "get_per_chunk")
+                out["put"][size] = await timed(put_batch, "put")
+                out["get"][size] = await timed(get_batch, "get")
                 out.setdefault("bytes", {})[size] = len(body)
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)

@@ -219,10 +219,11 @@ async def run_bench(
                 for b in byte_sizes:
                     send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps)
                     for tier, suffix in (("rest", ""), ("rest_per_chunk", "_per_chunk")):  # batched, then as before issue 18
-                        for op, gbps, sock in (("store", rest["put" + suffix][b], send), ("load", rest["get" + suffix][b], recv)):
+                        for op, name, sock in (("store", "put" + suffix, send), ("load", "get" + suffix, recv)):
                             results.append({
                                 "op": op, "tier": tier, "encrypted": True, "chunk_bytes": b, "threads": 1,
-                                "gbps": round(gbps, 3), "ceiling": {"name": "socket", "gbps": round(sock, 3)},
+                                "gbps": round(rest[name][b], 3), "ceiling": {"name": "socket", "gbps": round(sock, 3)},
+                                "cpu_s_per_gb": rest["cpu_s_per_gb"][name][b],
                             })
     finally:
         shutil.rmtree(base, ignore_errors=True)
