@@ -50,7 +50,7 @@ _BATCH_SCHEMA = {"schema": {"type": "string", "format": "binary"}}
 _BATCH_BODY = {
     "requestBody": {
         "required": True,
-        "description": "u32 little endian throughout: b'KVB1', count u32, count x (chained hash 32 bytes, "
+        "description": "integers little endian: b'KVB1', count u32, count x (chained hash 32 bytes, "
         "envelope length u64), then the envelopes concatenated in that order (gateway.frames)",
         "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
     }
