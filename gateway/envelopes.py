@@ -133,6 +133,11 @@ class EnvelopePlane:
             raise AccessDenied("tenant unavailable") from exc
         return cap, keys
 
+    async def keys_for(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
+        """The capability verified for ``op`` on every hash (its chunk allowlist included) and
+        the hashes' storage keys in its namespace (the batched routes, ``gateway.batches``)."""
+        return await self._authorized(token, op, hashes)
+
     async def lookup(self, token: str, hashes: Sequence[str]) -> LookupAnswer:
         """Prefix walk over chained hashes: how many leading chunks are stored, and where."""
         if not hashes:

@@ -190,6 +190,7 @@ class DataPlane:
             return stored
 
         total = sum(await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks))))
+        await session.flush()  # a store that batches puts (remote) sends the rest; raises what it met
         return len(todo), total
 
     # -- retrieve ----------------------------------------------------------------------------

@@ -110,6 +110,9 @@ class ChunkSession(Protocol):
     def prefetch(self, indices: Sequence[int]) -> None: ...
     async def fetch(self, i: int) -> Fetched: ...
     async def put(self, i: int, envelope: memoryview) -> None: ...
+    async def flush(self) -> None:
+        """Every envelope handed to ``put`` is stored (a store that batches puts sends them now),
+        or this raises what stopped it."""
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
         """A slot of the fastest tier to seal chunk ``i`` straight into, or None (then ``put``)."""
     async def commit(self, reserved: Reserved) -> bool: ...
@@ -225,6 +228,9 @@ class _TierSession:
 
     async def put(self, i: int, envelope: memoryview) -> None:
         await self.store.tiers.put(self.keys[i], envelope)
+
+    async def flush(self) -> None:
+        return None  # every put is stored when it returns
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
         tiers = self.store.tiers

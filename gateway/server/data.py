@@ -1,17 +1,26 @@
-"""Data-plane routes: capabilities, lookup, chunks, pins and per-envelope keys (DESIGN section 4)."""
+"""Data-plane routes: capabilities, lookup, chunks, pins and per-envelope keys (DESIGN section 4).
+
+Chunks move one per request (``PUT|GET|HEAD|DELETE /v1/chunks/{hash}``, kept for compatibility)
+or a prefix per request (issue 18): ``PUT /v1/chunks`` takes a frame of envelopes and stores all
+of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes back,
+each envelope as its tier hands it over. The frames are drawn in ``gateway.frames``; the
+upload's buffers and the prefix walk live in ``gateway.batches``. ``POST /v1/keys/envelopes``
+issues the keys a remote worker seals and opens envelopes with (``gateway.envelopes``).
+"""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Body, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from gateway.errors import InvalidRequest, TooLarge
+from gateway import batches, frames
+from gateway.errors import BadFrame, InvalidRequest, TooLarge
 from gateway.server.deps import (
     Authorize,
     Name,
@@ -36,6 +45,29 @@ _ENVELOPE_BODY = {
         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
     }
 }
+
+_BATCH_MEDIA = "application/octet-stream"
+_BATCH_SCHEMA = {"schema": {"type": "string", "format": "binary"}}
+_BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "integers little endian: b'KVB1', count u32, count x (chained hash 32 bytes, "
+        "envelope length u64), then the envelopes concatenated in that order (gateway.frames)",
+        "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
+    }
+}
+_BATCH_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "b'KVB1', then per chunk of the stored prefix: chained hash 32 bytes, status u8 (0 ok), "
+        "length u64, the envelope; the first chunk not stored ends it with status 1 (missing) or 2 "
+        "(a tier could not answer) and length 0 (gateway.frames)",
+        "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
+    }
+}
+
+# A streamed envelope goes out in views of this size: h11 copies each part once as it frames it,
+# and 1 MiB parts keep that copy in reused memory (a whole 32 MiB part is a fresh mmap each time).
+_PIECE = 1 << 20
 
 HashPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="chained sha256 of the chunk, hex")]
 Op = Literal["lookup", "get", "put", "pin"]
@@ -62,6 +94,10 @@ class LookupRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
     chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     last_chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+
+
+class FetchRequest(Strict):
+    hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
 
 
 class LookupResponse(BaseModel):
@@ -155,13 +191,7 @@ async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> Lo
     return LookupResponse(hit_chunks=answer.hit_chunks, hit_tokens=hit_tokens, locations=answer.locations)
 
 
-@router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
-async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
-    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
-    the capability is checked: a forged or foreign capability costs no body read."""
-    cap = _cap(scope)
-    state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
-    limit = state.settings.max_chunk_bytes
+def _content_length(request: Request, limit: int) -> int:
     declared = request.headers.get("content-length")
     if declared is None:
         raise InvalidRequest("Content-Length is required")
@@ -173,6 +203,83 @@ async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, requ
         raise TooLarge()
     if size < 0:
         raise InvalidRequest("bad Content-Length")
+    return size
+
+
+@router.put(
+    "/chunks", status_code=204, openapi_extra=_BATCH_BODY,
+    responses=problem_responses(400),
+)
+async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Response:
+    """Store a batch of envelopes (a frame, ``gateway.frames``): all of them, or none.
+
+    The index is read and checked first (count, sizes, the total against ``Content-Length``,
+    the capability for every hash); then each envelope is read straight into the buffer that
+    keeps it; only a whole frame whose envelopes all have a valid header is stored. A bad frame
+    is a 400 and a torn body (a client gone mid-upload) stores nothing."""
+    cap = _cap(scope)
+    s = state.settings
+    size = _content_length(request, max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM))
+    body = frames.Reader(request.stream())
+    if size < frames.HEAD:
+        raise BadFrame("the body is shorter than a frame head")
+    count = frames.parse_head(await body.read(frames.HEAD), s.max_batch_items)
+    if size < frames.HEAD + count * frames.INDEX_ITEM:
+        raise BadFrame("the body is shorter than the frame's index")
+    items = frames.parse_index(await body.read(count * frames.INDEX_ITEM), count, s.max_chunk_bytes)
+    if frames.HEAD + count * frames.INDEX_ITEM + sum(n for _h, n in items) != size:
+        raise BadFrame("Content-Length does not match the frame's index")
+    batch = await batches.open_upload(state.plane, cap, items)
+    try:
+        for view in batch.views:
+            await body.into(view)
+        await body.end()
+    except BaseException:  # a torn frame, a client gone: nothing was stored
+        batch.abort()
+        raise
+    for where, n in zip(await batch.commit(), batch.sizes):
+        for tier in where:
+            state.telemetry.bytes.add(n, {"direction": "in", "tier": tier})
+    return Response(status_code=204)
+
+
+@router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
+async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep) -> Response:
+    """The stored prefix of ``hashes``, streamed as a frame (``gateway.frames``): each envelope
+    is written from its tier's buffer as soon as it is had, and the next is read from its tier
+    only once the previous one was handed to the connection (a slow reader holds the server
+    to about one envelope). The capability is checked for every hash before anything is read."""
+    walk = batches.fetch_prefix(state.plane, _cap(scope), body.hashes)
+    first = await walk.__anext__()  # the capability check happens here: a refusal is a 403
+
+    async def frame() -> AsyncIterator[bytes | memoryview]:
+        yield frames.MAGIC
+        got: batches.PrefixItem | None = first
+        try:
+            while got is not None:
+                if got.found is None:
+                    status = frames.MISSING if got.reason == "missing" else frames.UNAVAILABLE
+                    yield frames.item_head(got.chained_hash, status, 0)
+                    return
+                data = got.found.data
+                state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
+                yield frames.item_head(got.chained_hash, frames.OK, data.nbytes)
+                for off in range(0, data.nbytes, _PIECE):  # views of the tier's buffer (see _PIECE)
+                    yield data[off : off + _PIECE]
+                got = await anext(walk, None)
+        finally:
+            await walk.aclose()
+
+    return StreamingResponse(frame(), media_type=_BATCH_MEDIA)
+
+
+@router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
+async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
+    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
+    the capability is checked: a forged or foreign capability costs no body read."""
+    cap = _cap(scope)
+    state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
+    size = _content_length(request, state.settings.max_chunk_bytes)
     buf = np.empty(size, dtype=np.uint8).data.cast("B")
     filled = 0
     async for part in request.stream():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 
+import httpx
 import pytest
 import torch
 
@@ -346,3 +347,85 @@ async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_s
         assert [(row["details"]["purpose"], row["details"]["issued"]) for row in rows if row["details"]["cap_id"] == cap_id] == [
             ("seal", 4), ("open", 4),
         ]
+
+
+# -- issue 18: the batched data plane, through the worker's client ---------------------------------
+SIX = 16 * 6  # six full chunks
+BLOCKS6 = list(range(24))
+
+
+def _requests(log: list[str]):
+    async def hook(request: httpx.Request) -> None:
+        log.append(f"{request.method} {request.url.path}")
+
+    return hook
+
+
+async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
+    """Puts go out as framed batches (here forced to two envelopes each, so three batches overlap
+    the sealing), a load is one streamed fetch: no per-chunk request either way."""
+    import gateway.remote as remote
+
+    monkeypatch.setattr(remote, "_BATCH_ITEMS", 2)
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=11)
+    tokens = list(range(100, 100 + SIX))
+    log: list[str] = []
+    async with httpx.AsyncClient(timeout=30, event_hooks={"request": [_requests(log)]}) as http:
+        async with _remote(live, a, http=http) as ra:
+            assert (await ra.store(model, tokens, src, block_ids=BLOCKS6, skip_existing=False)).stored == 6
+            assert [r for r in log if "/chunks" in r] == ["PUT /v1/chunks"] * 3
+            log.clear()
+            dst = zero_cache(g, NUM_BLOCKS)
+            got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+            assert (got.loaded_tokens, got.integrity_failures) == (SIX, 0)
+            assert torch.equal(gathered(src, g, BLOCKS6, SIX), gathered(dst, g, BLOCKS6, SIX))
+            assert [r for r in log if "/chunks" in r] == ["POST /v1/chunks/fetch"]
+
+
+async def _spoil(live: LiveServer, ra: RemoteGateway, rb: RemoteGateway, model, tokens, how: str) -> None:
+    """Make chunk 2 of ``tokens`` in A's namespace missing, tampered or another tenant's."""
+    h = ra._chunks(model, tokens)[2].chained_hash.hex()
+    async with live.client() as http:
+        hdr = live.headers(live.worker_token("acme"), await ra.capability())
+        if how == "missing":
+            assert (await http.delete(f"/v1/chunks/{h}", headers=hdr)).status_code == 204
+            return
+        if how == "tampered":
+            blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr)).content)
+            blob[-1] ^= 1  # the last tag: the header still parses, the server takes it
+        else:  # B's envelope of the same chunk (same tokens, same model), put in A's place
+            hdr_b = live.headers(live.worker_token("globex"), await rb.capability())
+            blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr_b)).content)
+        assert (await http.put(f"/v1/chunks/{h}", content=bytes(blob), headers=hdr)).status_code == 204
+
+
+@pytest.mark.parametrize("how", ["missing", "tampered", "foreign"])
+async def test_a_bad_chunk_mid_batch_ends_the_prefix_and_nothing_past_it_lands(live_server: LiveServer, how: str):
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    a, b = await _tenants(live, "acme", "globex")
+    src = random_cache(g, NUM_BLOCKS, seed=12)
+    tokens = list(range(300, 300 + SIX))
+    async with _remote(live, a, threads=1) as ra, _remote(live, b, threads=1) as rb:  # one batch: nothing unpacked past a failure
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+        assert (await rb.store(model, tokens, random_cache(g, NUM_BLOCKS, seed=13), block_ids=BLOCKS6)).stored == 6
+        # positive control: the whole prefix loads
+        ok = zero_cache(g, NUM_BLOCKS)
+        assert (await ra.retrieve(model, tokens, ok, block_ids=BLOCKS6)).loaded_tokens == SIX
+        await _spoil(live, ra, rb, model, tokens, how)
+        sentinel = random_cache(g, NUM_BLOCKS, seed=99)  # what the engine's cache held before
+        dst = [t.clone() for t in sentinel]
+        got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+        assert got.loaded_tokens == 32  # chunks 0 and 1
+        assert got.integrity_failures == (0 if how == "missing" else 1)
+        assert torch.equal(gathered(src, g, BLOCKS6, 32), gathered(dst, g, BLOCKS6, 32))
+        # past the prefix: every slot as it was (no byte of chunks 2..5 reached the cache)
+        past = BLOCKS6[8:]
+        assert torch.equal(gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32))
+        # the blocks of the table nobody named are untouched too
+        assert all(torch.equal(s[:, 24:], d[:, 24:]) for s, d in zip(sentinel, dst))  # KV_FIRST: blocks are dim 1
