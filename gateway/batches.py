@@ -13,19 +13,27 @@ the envelopes stored before it stay, each whole.)
 
 ``fetch_prefix`` is the download side, the prefix walk folded in: it yields each chunk of the
 walk as its tier hands it over (the tier's own buffer, not a copy) and stops at the first that
-is not stored. Framing (``gateway.frames``) and HTTP stay in ``gateway.server.data``.
+is not stored. With ``keys`` it also issues each envelope's opening key from the key version and
+salt in its header (``gateway.envelopes.KeyIssue``: charged to the capability's budget up front
+for every hash asked, what was not issued refunded and one ``key.issue`` audited when the walk
+ends, however it ends); an envelope whose key version is destroyed ends the walk
+(``key_unavailable``), one whose header does not parse is handed over without a key and ends it
+after itself (``unkeyed``: it fails to open on the worker). Framing (``gateway.frames``) and HTTP
+stay in ``gateway.server.data``.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from audit.types import Actor
 from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed
-from gateway.envelopes import EnvelopePlane
+from gateway.envelopes import EnvelopeKey, EnvelopePlane
 from gateway.errors import BadFrame
 from storage.memory import Reservation
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError
@@ -114,31 +122,59 @@ async def open_upload(plane: EnvelopePlane, token: str, items: Sequence[tuple[by
 @dataclass(frozen=True, slots=True)
 class PrefixItem:
     """One answer of the prefix walk: ``found`` is None where the walk ended (``reason``:
-    ``missing``, or ``unavailable`` where a tier could not answer)."""
+    ``missing``, ``unavailable`` where a tier could not answer, ``key_unavailable`` where the
+    envelope's key version is destroyed); ``key`` is the envelope's opening key where keys were
+    asked for (None with ``reason`` ``unkeyed``: its header does not parse)."""
 
     chained_hash: bytes
     found: StoredChunk | None
     reason: str = ""
+    key: EnvelopeKey | None = None
 
 
-async def fetch_prefix(plane: EnvelopePlane, token: str, hashes: Sequence[str]) -> AsyncGenerator[PrefixItem, None]:
+async def fetch_prefix(
+    plane: EnvelopePlane, token: str, hashes: Sequence[str], *, keys: bool = False, actor: Actor | None = None,
+) -> AsyncGenerator[PrefixItem, None]:
     """The stored prefix of ``hashes``, chunk by chunk as each tier hands it over; the capability
-    is checked for op ``get`` on every hash before the first is read."""
-    _cap, keys = await plane.keys_for(token, "get", hashes)
+    is checked for op ``get`` on every hash (and, with ``keys``, the key budget charged) before
+    the first is read."""
+    cap, chunk_keys = await plane.keys_for(token, "get", hashes)
+    issue = await plane.begin_issue(cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch") if keys else None
     stats = plane.stats
-    for h, key in zip(hashes, keys):
-        try:
-            found = await plane.tiers.get(key)
-        except ChunkNotFound as exc:
-            stats["load_misses"] += 1
-            yield PrefixItem(bytes.fromhex(h), None, "unavailable" if exc.tier_errors else "missing")
-            return
-        except TierError:
-            stats["load_misses"] += 1
-            yield PrefixItem(bytes.fromhex(h), None, "unavailable")
-            return
-        stats["load_hits"] += 1
-        stats["chunks_loaded"] += 1
-        stats["bytes_out"] += found.nbytes
-        yield PrefixItem(bytes.fromhex(h), found)
+    try:
+        for h, key in zip(hashes, chunk_keys):
+            chained = bytes.fromhex(h)
+            try:
+                found = await plane.tiers.get(key)
+            except ChunkNotFound as exc:
+                stats["load_misses"] += 1
+                yield PrefixItem(chained, None, "unavailable" if exc.tier_errors else "missing")
+                return
+            except TierError:
+                stats["load_misses"] += 1
+                yield PrefixItem(chained, None, "unavailable")
+                return
+            opening: EnvelopeKey | None = None
+            if issue is not None:
+                try:
+                    header = read_header(found.data)
+                except DecryptionFailed:  # handed over keyless: it fails to open, and ends the walk
+                    _count_out(stats, found)
+                    yield PrefixItem(chained, found, "unkeyed")
+                    return
+                opening = await issue.open(h, chained, header.key_version, header.salt)
+                if opening.key is None:  # its key version is destroyed: a miss, the end of the prefix
+                    stats["load_misses"] += 1
+                    yield PrefixItem(chained, None, "key_unavailable")
+                    return
+            _count_out(stats, found)
+            yield PrefixItem(chained, found, key=opening)
+    finally:
+        if issue is not None:
+            issue.close()  # one key.issue event per fetch, with the keys that were issued
 
+
+def _count_out(stats: Counter[str], found: StoredChunk) -> None:
+    stats["load_hits"] += 1
+    stats["chunks_loaded"] += 1
+    stats["bytes_out"] += found.nbytes

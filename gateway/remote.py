@@ -10,26 +10,28 @@ and does on the worker everything that touches plaintext, with the core's own da
     POST /v1/keys/envelopes {seal: h_0..h_n} --> per h_i: salt, key, storage key, key version
     paged KV --pack--> chunk --seal (that envelope's key and salt, AAD: tenant, namespace,
         storage key, model fingerprint, key version)--> PUT /v1/chunks (a batch)
-    POST /v1/chunks/fetch (the stored prefix, streamed) --read headers--> POST /v1/keys/envelopes
-        {open: (h_i, version, salt)...} --open (every tag checked)--> chunk --unpack--> paged KV
+    POST /v1/chunks/fetch {keys} (the stored prefix, streamed; each envelope after its key and
+        storage key) --open (every tag checked)--> chunk --unpack--> paged KV
 
 Chunks move in batches (``gateway.frames``), not one request each: the envelopes the data plane
 hands to ``put`` are kept (views of the sealer's buffers, no copy) and sent as one framed body
 once ``_BATCH_BYTES`` of them are buffered, in the background, so the next chunks are sealed while
 the previous batch is on the wire (at most one batch in flight and one filling); ``flush`` (the
 plane calls it once every chunk was handed over) sends the rest and raises what a batch met. A
-load is one streamed request per prefix: the server walks the hashes and stops at the first chunk
-it does not hold, and each envelope lands in a buffer allocated for it as its bytes arrive. The
-connection pool is bounded (``_CONNECTIONS``, HTTP/1.1 keep-alive).
+load is one streamed request per prefix and nothing else: the server walks the hashes, stops at
+the first chunk it does not hold (or whose key version is destroyed), and sends each envelope
+with the key that opens it (frame ``KVK1``); each envelope lands in a buffer allocated for it as
+its bytes arrive, and its chunk is handed to the plane (to open and unpack) while the next ones
+are still coming. The connection pool is bounded (``_CONNECTIONS``, HTTP/1.1 keep-alive).
 
 The worker never holds the tenant's data key, the namespace binding secret or the index key: the
 server issues one key per envelope (``HKDF(dek || binding_secret, salt)``, the derivation of
-embedded mode, so an envelope stored remotely opens in the core and back), for all the chunks of
-a request in one call, counted and audited there. A key opens only the envelope that carries its
-salt; keys live in the request's session and are dropped with it. A chunk that fails
-authentication, whose key version is destroyed, or cannot be fetched ends the loaded prefix: a
-miss, counted, never handed to the engine (an inauthentic one is also deleted, so a recompute
-stores a good copy).
+embedded mode, so an envelope stored remotely opens in the core and back): sealing keys for all
+the chunks of a store in one call, opening keys inside the fetch stream; counted and audited
+there, once per request. A key opens only the envelope that carries its salt; keys live in the
+request's session and are dropped with it. A chunk that fails authentication, whose key version
+is destroyed, or cannot be fetched ends the loaded prefix: a miss, counted, never handed to the
+engine (an inauthentic one is also deleted, so a recompute stores a good copy).
 
 A 403 on any call (the tenant was cleared, its capabilities revoked, or the capability's key
 budget is spent) drops the cached capability and retries once with a fresh one.
@@ -261,17 +263,18 @@ class RemoteGateway:
 
 
 class _HttpSession:
-    """One request against the server: the keys of its envelopes are asked for in one call each
-    way, and held only here."""
-
-    keys_local = False  # every key is the server's answer: one call per request
+    """One request against the server, and the only holder of its envelopes' keys. Sealing keys
+    are asked for in one ``POST /v1/keys/envelopes {seal}`` call before sealing; opening keys
+    arrive with the envelopes, in the fetch stream, so a load is one request and each envelope
+    can be opened as soon as it is in while the next ones are still coming."""
 
     def __init__(self, client: RemoteGateway, chunks: Sequence[Chunk]) -> None:
         self.client = client
         self.chunks = chunks
         self._scope: tuple[str, str] | None = None  # tenant, namespace (from the key answer)
         self._storage_keys: dict[int, str] = {}
-        self._fetches: dict[int, asyncio.Future[memoryview | None]] = {}
+        self._fetches: dict[int, asyncio.Future[Fetched | FetchFailed | None]] = {}
+        self._opening: dict[int, IssuedKey] = {}  # the keys that came with the fetched envelopes
         self._readers: list[asyncio.Task[None]] = []
         self._pending: list[tuple[int, memoryview]] = []  # envelopes handed to put, not sent yet
         self._pending_bytes = 0
@@ -314,21 +317,10 @@ class _HttpSession:
         return out
 
     async def opening_keys(self, refs: Sequence[tuple[int, KeyRef]]) -> list[EnvelopeKeys | None]:
-        out: list[EnvelopeKeys | None] = []
-        for at in range(0, len(refs), _KEYS_PER_CALL):
-            part = refs[at : at + _KEYS_PER_CALL]
-            envelopes = [
-                {"hash": self.chunks[i].chained_hash.hex(), "key_version": version,
-                 "salt": base64.b64encode(salt).decode()}
-                for i, (version, salt) in part
-            ]
-            for item in await self._keys([i for i, _ref in part], {"purpose": "open", "envelopes": envelopes}):
-                if item["key"] is None:  # that key version is destroyed (or never existed): a miss
-                    self.client.stats["unavailable"] += 1
-                    out.append(None)
-                else:
-                    out.append(_issued(item))
-        return out
+        """The keys the fetch stream delivered with each envelope (no request). An envelope
+        answered without a key was never handed over, so None here is only for a chunk the plane
+        did not fetch through this session (a miss)."""
+        return [self._opening.get(i) for i, _ref in refs]
 
     async def presence(self) -> Presence:
         body = {"hashes": [c.chained_hash.hex() for c in self.chunks]}
@@ -362,24 +354,40 @@ class _HttpSession:
                     f.set_result(None)
 
     async def _read_group(self, group: list[int]) -> bool:
-        """Whether every chunk of ``group`` arrived (the prefix goes on)."""
-        body = {"hashes": [self.chunks[i].chained_hash.hex() for i in group]}
+        """Whether every chunk of ``group`` arrived (the prefix goes on). Each envelope comes with
+        its opening key and storage key (frame ``KVK1``), kept for ``opening_keys`` and ``context``."""
+        body = {"hashes": [self.chunks[i].chained_hash.hex() for i in group], "keys": True}
         r = await self.client._stream("POST", "/v1/chunks/fetch", json=body)
         try:
             reader = frames.Reader(r.aiter_raw())
-            if bytes(await reader.read(len(frames.MAGIC))) != frames.MAGIC:
-                raise BadFrame("not a kvgate batch frame")
+            chunk_tokens, tenant, namespace = await frames.read_keyed_head(reader)
+            if chunk_tokens != self.client.chunk_tokens:
+                raise InvalidRequest(f"the server chunks {chunk_tokens} tokens, this worker {self.client.chunk_tokens}")
+            self._scope = (tenant, namespace)
             for i in group:
-                h, status, length = frames.parse_item_head(await reader.read(frames.ITEM_HEAD))
-                if h != self.chunks[i].chained_hash or length > _MAX_ENVELOPE:
+                item = frames.parse_keyed_item_head(await reader.read(frames.KEYED_ITEM_HEAD))
+                if item.chained_hash != self.chunks[i].chained_hash or item.length > _MAX_ENVELOPE:
                     raise BadFrame("the response does not answer the hashes asked")
-                if status != frames.OK:
-                    if status != frames.MISSING:
+                if item.status == frames.KEY_UNAVAILABLE:  # its key version is destroyed: a miss
+                    self.client.stats["unavailable"] += 1
+                    self.client.stats["key_unavailable"] += 1
+                    self._fetches[i].set_result(FetchFailed("key_unavailable", unavailable=True))
+                    return False
+                if item.status not in (frames.OK, frames.UNKEYED):
+                    if item.status != frames.MISSING:
                         self.client.stats["unavailable"] += 1
                     return False
-                buf = np.empty(length, dtype=np.uint8).data.cast("B")  # the envelope's own buffer
+                if item.status == frames.OK:
+                    try:
+                        self._opening[i] = IssuedKey(item.salt, item.key)
+                    except ValueError:
+                        raise BadFrame("a malformed key") from None
+                    self._storage_keys[i] = item.storage_key.hex()
+                buf = np.empty(item.length, dtype=np.uint8).data.cast("B")  # the envelope's own buffer
                 await reader.into(buf)
-                self._fetches[i].set_result(buf)
+                self._fetches[i].set_result(Fetched(buf, "remote"))
+                if item.status == frames.UNKEYED:  # it fails to open (an integrity failure): the end
+                    return False
             return True
         finally:
             await r.aclose()
@@ -390,7 +398,9 @@ class _HttpSession:
         got = await self._fetches[i]
         if got is None:
             raise FetchFailed("miss")
-        return Fetched(got, "remote")
+        if isinstance(got, FetchFailed):
+            raise got
+        return got
 
     async def put(self, i: int, envelope: memoryview) -> None:
         """Keep the envelope for the next batch (sent once ``_BATCH_BYTES`` are kept; see

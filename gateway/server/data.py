@@ -60,7 +60,10 @@ _BATCH_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "b'KVB1', then per chunk of the stored prefix: chained hash 32 bytes, status u8 (0 ok), "
         "length u64, the envelope; the first chunk not stored ends it with status 1 (missing) or 2 "
-        "(a tier could not answer) and length 0 (gateway.frames)",
+        "(a tier could not answer) and length 0 (gateway.frames). With keys: b'KVK1', chunk_tokens u32, "
+        "tenant and namespace (u16 lengths, UTF-8), then per item: chained hash 32, status u8, key version u32, "
+        "salt 32, key 32, storage key 32, length u64, the envelope; status 3: key version destroyed, "
+        "4: a header that does not parse, sent without a key",
         "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
     }
 }
@@ -98,6 +101,11 @@ class LookupRequest(Strict):
 
 class FetchRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
+    keys: bool = Field(
+        default=False,
+        description="send each envelope's opening key in its item (frame KVK1; the caller's roles must "
+        "also allow envelope_keys): a remote worker's load in one request",
+    )
 
 
 class LookupResponse(BaseModel):
@@ -244,26 +252,51 @@ async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Resp
 
 
 @router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
-async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep) -> Response:
+async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
     """The stored prefix of ``hashes``, streamed as a frame (``gateway.frames``): each envelope
     is written from its tier's buffer as soon as it is had, and the next is read from its tier
     only once the previous one was handed to the connection (a slow reader holds the server
-    to about one envelope). The capability is checked for every hash before anything is read."""
-    walk = batches.fetch_prefix(state.plane, _cap(scope), body.hashes)
-    first = await walk.__anext__()  # the capability check happens here: a refusal is a 403
+    to about one envelope). The capability is checked for every hash before anything is read.
+
+    With ``keys``, each envelope's item carries the key that opens it (issued as ``POST
+    /v1/keys/envelopes {open}`` would: counted against the capability's key budget, a 403
+    ``key-budget-spent`` before anything is sent past it, one ``key.issue`` audit event per fetch)."""
+    cap = _cap(scope)
+    if body.keys:
+        authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
+    walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
+    first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
+    if body.keys:
+        verified = read_unverified(cap)  # verified by the walk just now
+        head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
+    else:
+        head = frames.MAGIC
+
+    def item(got: batches.PrefixItem) -> bytes:
+        if got.found is None:
+            status = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE}.get(got.reason, frames.UNAVAILABLE)
+            return frames.keyed_item_head(got.chained_hash, status) if body.keys else frames.item_head(got.chained_hash, status, 0)
+        n = got.found.data.nbytes
+        if not body.keys:
+            return frames.item_head(got.chained_hash, frames.OK, n)
+        k = got.key
+        if k is None or k.key is None:  # a header that does not parse: no key to send
+            return frames.keyed_item_head(got.chained_hash, frames.UNKEYED, n)
+        return frames.keyed_item_head(
+            got.chained_hash, frames.OK, n, key_version=k.key_version, salt=k.salt, key=k.key,
+            storage_key=bytes.fromhex(k.storage_key),
+        )
 
     async def frame() -> AsyncIterator[bytes | memoryview]:
-        yield frames.MAGIC
+        yield head
         got: batches.PrefixItem | None = first
         try:
             while got is not None:
+                yield item(got)
                 if got.found is None:
-                    status = frames.MISSING if got.reason == "missing" else frames.UNAVAILABLE
-                    yield frames.item_head(got.chained_hash, status, 0)
                     return
                 data = got.found.data
                 state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
-                yield frames.item_head(got.chained_hash, frames.OK, data.nbytes)
                 for off in range(0, data.nbytes, _PIECE):  # views of the tier's buffer (see _PIECE)
                     yield data[off : off + _PIECE]
                 got = await anext(walk, None)

@@ -68,3 +68,33 @@ async def test_reader_fills_buffers_across_parts_and_refuses_short_or_long_bodie
     await long.read(3)
     with pytest.raises(BadFrame, match="runs on"):
         await long.end()
+
+
+async def test_keyed_head_and_items_round_trip():
+    """The keyed download (KVK1): its head names the chunk size and scope; an item carries the
+    envelope's key version, salt, key and storage key before its length; no key is all zeros."""
+    head = frames.keyed_head(256, "acme", "déjà-vu")
+    assert await frames.read_keyed_head(frames.Reader(_parts(head[:5], head[5:]))) == (256, "acme", "déjà-vu")
+    salt, key, sk = b"\x03" * 32, b"\x04" * 32, b"\x05" * 32
+    raw = frames.keyed_item_head(H1, frames.OK, 1234, key_version=7, salt=salt, key=key, storage_key=sk)
+    assert len(raw) == frames.KEYED_ITEM_HEAD == 141
+    item = frames.parse_keyed_item_head(raw)
+    assert (item.chained_hash, item.status, item.key_version, item.salt, item.key, item.storage_key, item.length) == (
+        H1, frames.OK, 7, salt, key, sk, 1234,
+    )
+    assert repr(key) not in repr(item) and " key=" not in repr(item)  # the key stays out of logs
+    end = frames.parse_keyed_item_head(frames.keyed_item_head(H2, frames.KEY_UNAVAILABLE))
+    assert (end.status, end.length, end.key, end.salt) == (frames.KEY_UNAVAILABLE, 0, bytes(32), bytes(32))
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        (frames.MAGIC + b"\x00" * 8, "KVK1"),  # a plain frame where a keyed one was asked for
+        (struct.pack("<4sIHH", b"KVK1", 16, 2000, 1) + b"a" * 2001, "too long"),
+        (struct.pack("<4sIHH", b"KVK1", 16, 2, 1) + b"\xff\xfeb", "UTF-8"),
+    ],
+)
+async def test_bad_keyed_heads(head: bytes, why: str):
+    with pytest.raises(BadFrame, match=why):
+        await frames.read_keyed_head(frames.Reader(_parts(head)))
