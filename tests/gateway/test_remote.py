@@ -389,12 +389,17 @@ async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monke
 
 
 async def _spoil(live: LiveServer, ra: RemoteGateway, rb: RemoteGateway, model, tokens, how: str) -> None:
-    """Make chunk 2 of ``tokens`` in A's namespace missing, tampered or another tenant's."""
+    """Make chunk 2 of ``tokens`` in A's namespace missing, tampered, another tenant's, or bytes
+    whose header does not parse (written into the tier behind the server's back)."""
     h = ra._chunks(model, tokens)[2].chained_hash.hex()
     async with live.client() as http:
         hdr = live.headers(live.worker_token("acme"), await ra.capability())
         if how == "missing":
             assert (await http.delete(f"/v1/chunks/{h}", headers=hdr)).status_code == 204
+            return
+        if how == "junk":
+            _cap, keys = await live.call(live.state.plane.keys_for, await ra.capability(), "get", [h])
+            await live.call(live.runtime.tiers.put, keys[0], memoryview(b"junk" * 64))
             return
         if how == "tampered":
             blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr)).content)
@@ -405,7 +410,7 @@ async def _spoil(live: LiveServer, ra: RemoteGateway, rb: RemoteGateway, model, 
         assert (await http.put(f"/v1/chunks/{h}", content=bytes(blob), headers=hdr)).status_code == 204
 
 
-@pytest.mark.parametrize("how", ["missing", "tampered", "foreign"])
+@pytest.mark.parametrize("how", ["missing", "tampered", "foreign", "junk"])
 async def test_a_bad_chunk_mid_batch_ends_the_prefix_and_nothing_past_it_lands(live_server: LiveServer, how: str):
     live = live_server
     g = small_geometry()
@@ -431,6 +436,11 @@ async def test_a_bad_chunk_mid_batch_ends_the_prefix_and_nothing_past_it_lands(l
         assert torch.equal(gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32))
         # the blocks of the table nobody named are untouched too
         assert all(torch.equal(s[:, 24:], d[:, 24:]) for s, d in zip(sentinel, dst))  # KV_FIRST: blocks are dim 1
+        # an inauthentic chunk was deleted, so a recompute stores a good copy
+        h = ra._chunks(model, tokens)[2].chained_hash.hex()
+        async with live.client() as http:
+            hdr = live.headers(live.worker_token("acme"), await ra.capability())
+            assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 404
 
 
 # -- the opening keys in the fetch stream -----------------------------------------------------------

@@ -273,3 +273,43 @@ async def _read_all(rd: asyncio.StreamReader) -> bytes:
             break
         out += part
     return bytes(out)
+
+
+async def keyed_fetch(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[tuple[frames.KeyedItem, bytes]]:
+    """Every item of a keyed fetch response (frame KVK1), parsed."""
+    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes, "keys": True}, headers=hdr)
+    assert r.status_code == 200, r.text
+    raw = memoryview(r.content)
+    assert bytes(raw[:4]) == frames.KEYED_MAGIC
+    t_len, n_len = int.from_bytes(raw[8:10], "little"), int.from_bytes(raw[10:12], "little")
+    out, off = [], 12 + t_len + n_len
+    while off < len(raw):
+        item = frames.parse_keyed_item_head(raw[off : off + frames.KEYED_ITEM_HEAD])
+        off += frames.KEYED_ITEM_HEAD
+        out.append((item, bytes(raw[off : off + item.length])))
+        off += item.length
+    return out
+
+
+async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stops(live_server: LiveServer):
+    """A tier that holds bytes whose header does not parse (written behind the server's back):
+    the keyed fetch hands them over with status unkeyed and no key (the worker fails to open them
+    and counts an integrity failure), ends there, and issues no key for them."""
+    live = live_server
+    async with live.client() as http:
+        _tenant, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(300)) for _ in range(3)]
+        assert (await put_batch(http, hdr, frame(items))).status_code == 204
+        hashes = [h for h, _e in items]
+        got = await keyed_fetch(http, hdr, hashes)  # positive control: three keyed envelopes
+        assert [(it.status, env, it.key != bytes(32)) for it, env in got] == [(frames.OK, e, True) for _h, e in items]
+        cap = hdr["X-KV-Capability"]
+        _cap, keys = await live.call(live.state.plane.keys_for, cap, "get", [hashes[1]])
+        junk = b"not an envelope" * 20
+        await live.call(live.runtime.tiers.put, keys[0], memoryview(junk))
+        issued = live.runtime.gateway.stats["envelope_keys_issued"]
+        got = await keyed_fetch(http, hdr, hashes)
+        assert [(it.status, env, it.key == bytes(32)) for it, env in got] == [
+            (frames.OK, items[0][1], False), (frames.UNKEYED, junk, True),
+        ]
+        assert live.runtime.gateway.stats["envelope_keys_issued"] == issued + 1
