@@ -3,7 +3,8 @@ beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chu
 
 The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
 one streamed ``POST /v1/chunks/fetch`` per prefix, read into a buffer per envelope as
-``gateway.remote`` does), and, labelled ``per_chunk``, one request per chunk as before issue 18.
+``gateway.remote`` does; ``get_keyed`` with each envelope's opening key in the stream, the
+worker's load), and, labelled ``per_chunk``, one request per chunk as before issue 18.
 
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
 the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;
@@ -161,7 +162,8 @@ def _free_port() -> int:
 
 async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
     """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
-    batched (``put``, ``get``) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
+    batched (``put``, ``get``; ``get_keyed``: the fetch with each envelope's opening key, as a
+    remote worker loads) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
     the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
     latency for 128 chained hashes."""
     from gateway import dbschema
@@ -181,7 +183,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
     await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, Any] = {"put": {}, "get": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
+    out: dict[str, Any] = {"put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
             for _ in range(150):
@@ -253,10 +255,25 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                             assert status == frames.OK, status
                             await reader.into(np.empty(length, dtype=np.uint8).data.cast("B"))
 
+                async def get_keyed() -> None:
+                    """As a worker loads: each envelope after its opening key (a fresh capability
+                    per fetch, so the bench never meets the per-capability key budget)."""
+                    r = await http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers=user)
+                    keyed = {**user, "X-KV-Capability": r.raise_for_status().json()["capability"]}
+                    async with http.stream("POST", "/v1/chunks/fetch", json={"hashes": hashes, "keys": True}, headers=keyed) as resp:
+                        resp.raise_for_status()
+                        reader = frames.Reader(resp.aiter_raw())
+                        await frames.read_keyed_head(reader)
+                        for _ in hashes:
+                            item = frames.parse_keyed_item_head(await reader.read(frames.KEYED_ITEM_HEAD))
+                            assert item.status == frames.OK, item.status
+                            await reader.into(np.empty(item.length, dtype=np.uint8).data.cast("B"))
+
                 out["put_per_chunk"][size] = await timed(puts, "put_per_chunk")
                 out["get_per_chunk"][size] = await timed(gets, "get_per_chunk")
                 out["put"][size] = await timed(put_batch, "put")
                 out["get"][size] = await timed(get_batch, "get")
+                out["get_keyed"][size] = await timed(get_keyed, "get_keyed")
                 out.setdefault("bytes", {})[size] = len(body)
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)
