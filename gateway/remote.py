@@ -233,7 +233,7 @@ class RemoteGateway:
         skip_existing: bool = True,
     ) -> StoreResult:
         """Seal every chunk of ``tokens`` on this worker (its device, as embedded mode does) and
-        PUT the envelopes."""
+        PUT the envelopes in batches."""
         return await self._plane.store(
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping,
             skip_existing=skip_existing,
@@ -248,7 +248,7 @@ class RemoteGateway:
         block_ids: Sequence[int] | torch.Tensor | None = None,
         slot_mapping: Sequence[int] | torch.Tensor | None = None,
     ) -> RetrieveResult:
-        """Load the longest stored prefix of ``tokens`` into ``kv_layers`` (GET, open, scatter)."""
+        """Load the longest stored prefix of ``tokens`` into ``kv_layers`` (one streamed fetch, each envelope with its key; open, scatter)."""
         return await self._plane.retrieve(
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping
         )
@@ -471,6 +471,7 @@ class _HttpSession:
             f.cancel()
         self._readers.clear()
         self._fetches.clear()
+        self._opening.clear()  # the request's keys go with it
         self._pending.clear()
         self._sending = None
 
