@@ -136,7 +136,9 @@ def _settle_stores(plan: dict, timeout_s: float = 60.0) -> None:
     while time.monotonic() < deadline:
         try:
             events = [json.loads(line) for line in open(trace, encoding="utf-8") if line.strip()]
-        except (FileNotFoundError, json.JSONDecodeError):  # not there yet, or a line half written
+        except FileNotFoundError:  # nothing traced yet: nothing submitted
+            return
+        except json.JSONDecodeError:  # a line half written
             events = None
         if events is not None:
             submitted = sum(e["event"] == "store_submit" for e in events)
