@@ -2,7 +2,9 @@
 
     StagingPool   compact buffers (BLOCK_FIRST, one tensor per layer) by power-of-two block
                   count; ``take`` hands out an idle one or a new one, ``give`` keeps it for the
-                  next store while the idle ones stay under ``keep_bytes``
+                  next store; both keep the idle ones within the ``room`` the caller leaves them
+                  (the worker: the cap less what is in flight, so staging memory in flight and
+                  idle together stays under the cap, but for one store larger than it)
     InFlight      the stores submitted and not yet reaped: ``admit`` says whether one more of
                   ``nbytes`` fits under the cap (one store always fits when none is in flight,
                   so a prompt larger than the cap is still stored); ``add`` its future;
@@ -34,9 +36,8 @@ T = TypeVar("T")
 
 
 class StagingPool:
-    def __init__(self, blocks: BlockView, keep_bytes: int) -> None:
+    def __init__(self, blocks: BlockView) -> None:
         self._blocks = blocks
-        self._keep = keep_bytes
         self._idle: dict[int, list[list[torch.Tensor]]] = {}
         self.idle_bytes = 0
         self._lock = threading.Lock()
@@ -49,22 +50,31 @@ class StagingPool:
         """Bytes of the buffer ``take(num_blocks)`` hands out."""
         return _capacity(num_blocks) * self.block_nbytes()
 
-    def take(self, num_blocks: int) -> list[torch.Tensor]:
+    def take(self, num_blocks: int, room: int) -> list[torch.Tensor]:
+        """A buffer of at least ``num_blocks`` blocks; idle ones beyond ``room`` bytes are freed."""
         cap = _capacity(num_blocks)
+        buf = None
         with self._lock:
             idle = self._idle.get(cap)
             if idle:
+                buf = idle.pop()
                 self.idle_bytes -= cap * self.block_nbytes()
-                return idle.pop()
+            for size in sorted(self._idle, reverse=True):
+                while self._idle[size] and self.idle_bytes > max(0, room):
+                    self._idle[size].pop()
+                    self.idle_bytes -= size * self.block_nbytes()
+        if buf is not None:
+            return buf
         v = self._blocks.views[0]
         shape = (cap, *v.shape[1:])
         return [torch.empty(shape, dtype=v.dtype, device=v.device) for _ in self._blocks.views]
 
-    def give(self, buf: list[torch.Tensor]) -> None:
+    def give(self, buf: list[torch.Tensor], room: int) -> None:
+        """Keep ``buf`` for a later store if the idle buffers stay within ``room`` bytes."""
         cap = int(buf[0].shape[0])
         nbytes = cap * self.block_nbytes()
         with self._lock:
-            if self.idle_bytes + nbytes <= self._keep:
+            if self.idle_bytes + nbytes <= room:
                 self._idle.setdefault(cap, []).append(buf)
                 self.idle_bytes += nbytes
 

@@ -146,11 +146,11 @@ class WorkerSide:
                 )
                 self._trace("store_dropped", req=op.req_id, tokens=cut, in_flight_bytes=self.in_flight.nbytes)
                 continue
-            buf = pool.take(len(ids))
+            buf = pool.take(len(ids), room=self.in_flight.cap_bytes - self.in_flight.nbytes - nbytes)
             try:
                 blocks.gather_into(ids, buf)
             except ValueError as exc:  # block ids outside the cache: nothing submitted
-                pool.give(buf)
+                self._pool_give(buf)
                 self.stats[f"store_{miss_reason(exc)}"] += 1
                 log.warning("kvgate store for %s failed: %s", op.req_id, miss_reason(exc))
                 continue
@@ -198,12 +198,12 @@ class WorkerSide:
 
     def _staging(self, blocks: BlockView) -> StagingPool:
         if self._pool is None:
-            self._pool = StagingPool(blocks, keep_bytes=self.in_flight.cap_bytes)
+            self._pool = StagingPool(blocks)
         return self._pool
 
     def _pool_give(self, buf: list[torch.Tensor]) -> None:
         if self._pool is not None:
-            self._pool.give(buf)
+            self._pool.give(buf, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
 
     def wait_stores(self, timeout_s: float) -> bool:
         """Wait (bounded) for the stores in flight; True if none is left (shutdown, tests)."""
