@@ -43,7 +43,11 @@ Why a finished request's blocks are freed at once although its store may still b
 store reads its own copy (gathered in ``wait_for_save``, before that step returns), never the
 paged KV, so neither the end of a request (``request_finished`` returns ``delay_free_blocks``
 False) nor a preemption (vLLM 0.32 frees the blocks without telling the connector) can let it
-seal KV that another request wrote. On CUDA the store waits for the gather's copy to run.
+seal KV that another request wrote. On CUDA the store waits for the gather's copy to run. (A
+store straight from the paged KV, without the copy, would have to hold the blocks: delay their
+free in ``request_finished`` and report the request in ``get_finished``'s finished_sending once
+its store ended, fence a preempted request's blocks before a step may write them, and outlive a
+timed-out store's seal jobs; vLLM's CPU paged layout is also not one the data plane reads.)
 
 Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no asynchronous sends or
 receives (``get_finished`` reports none), no KV events, no handshake, no worker metadata.

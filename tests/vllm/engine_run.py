@@ -4,10 +4,12 @@
 
 Run as a script (vLLM spawns its engine and worker processes, so it needs the ``__main__``
 guard and its own process). Steps: ``gen`` (name, prompt ids, capability name or none,
-max_tokens; then it waits for the connector's stores in flight to end, unless ``settle`` is
-false) and ``clear`` (Admin.clear of a tenant in this process, broadcast over Redis to the
-engine's own gateway, then a fresh capability). Results: per gen step the output token ids,
-vLLM's num_cached_tokens, the kv_transfer_params the connector returned and the wall time.
+max_tokens; then it waits until the connector's trace shows every store it submitted ended,
+unless ``settle`` is false), ``settle`` (that wait alone), ``clear`` (Admin.clear of a tenant
+in this process, broadcast over Redis to the engine's own gateway, then a fresh capability) and
+the faults below. Plan option ``num_blocks``: vLLM's KV cache size in blocks. Results: per gen
+step the output token ids, vLLM's num_cached_tokens, the kv_transfer_params the connector
+returned, the wall time and when generate returned (``t_end``).
 """
 
 from __future__ import annotations
