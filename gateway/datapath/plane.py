@@ -189,8 +189,14 @@ class DataPlane:
                     self.stats["store_failures"] += 1
             return stored
 
-        total = sum(await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks))))
-        return len(todo), total
+        # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
+        # job reads the KV any more (a caller may reuse that memory at once). Only a cancelled
+        # store can leave one running in the pool.
+        ended = await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks)), return_exceptions=True)
+        for outcome in ended:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return len(todo), sum(n for n in ended if isinstance(n, int))
 
     # -- retrieve ----------------------------------------------------------------------------
     async def retrieve(
