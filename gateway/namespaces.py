@@ -10,6 +10,11 @@ the same namespace wait for it instead of each calling the KEK. Other namespaces
 
 Secure clear bumps a namespace's epoch with a fresh wrapped salt (``new_epoch_salt``) and drops
 the cached keys (``forget``), so the next request derives keys under the new epoch.
+
+Storage keys are cached too (``chunk_keys``), per index key and chained hash: a prompt's prefix
+is looked up, loaded and stored again and again, and its 128 HMACs and key objects were a third
+of a 32K-token lookup. The cache is bounded (emptied when full) and emptied by ``forget``; an
+entry is keyed by the namespace epoch's index key, so a new epoch never meets an old entry.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tenancy.registry import Registry, TenantDisabled, UnknownTenant
 __all__ = ["NamespaceResolver", "keys_digest"]
 
 _Key = tuple[str, str]
+_KEY_CACHE_ENTRIES = 1 << 16  # storage keys kept (about 20 MiB at most); emptied when full
 
 
 def keys_digest(keys: Sequence[ChunkKey]) -> str:
@@ -47,6 +53,7 @@ class NamespaceResolver:
         self.deriver = deriver
         self._cache: dict[_Key, NamespaceKeys] = {}
         self._inflight: dict[_Key, asyncio.Future[NamespaceKeys]] = {}
+        self._chunk_keys: dict[tuple[bytes, bytes], ChunkKey] = {}  # (index key, chained hash)
 
     # -- keys --------------------------------------------------------------------------------
     async def keys(self, tenant: str, namespace: str) -> NamespaceKeys:
@@ -101,6 +108,7 @@ class NamespaceResolver:
                 if tenant is None or (k[0] == tenant and (namespace is None or k[1] == namespace))
             ]:
                 del table[key]
+        self._chunk_keys.clear()  # rare (a clear, a rotation, a disable): all of them, simply
 
     # -- storage keys: built here and nowhere else ---------------------------------------------
     @staticmethod
@@ -108,9 +116,20 @@ class NamespaceResolver:
         return ChunkKey(ns.owner, ns.group, ns.storage_key(chained_hash))
 
     def chunk_keys(self, ns: NamespaceKeys, chained_hashes: Sequence[bytes]) -> list[ChunkKey]:
-        """A request's storage keys (labels checked once, not per chunk)."""
-        index_key = ns.index_key
-        return ChunkKey.many(ns.owner, ns.group, [hmac.digest(index_key, h, "sha256").hex() for h in chained_hashes])
+        """A request's storage keys (cached; labels checked once, not per chunk)."""
+        index_key, cache = ns.index_key, self._chunk_keys
+        got = [cache.get((index_key, h)) for h in chained_hashes]
+        missing = [h for h, key in zip(chained_hashes, got, strict=True) if key is None]
+        if not missing:
+            return [key for key in got if key is not None]  # every one cached (the common case)
+        made = dict(zip(missing, ChunkKey.many(
+            ns.owner, ns.group, [hmac.digest(index_key, h, "sha256").hex() for h in missing]
+        ), strict=True))
+        if len(cache) + len(made) > _KEY_CACHE_ENTRIES:
+            cache.clear()
+        for h, key in made.items():
+            cache[(index_key, h)] = key
+        return [key if key is not None else made[h] for h, key in zip(chained_hashes, got, strict=True)]
 
     def chunk_key_of_labels(self, tenant: str, group: str, digest: str) -> ChunkKey:
         """A stored chunk's key from a clear job's record (owner label, group label, digest)."""

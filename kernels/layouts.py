@@ -9,7 +9,8 @@ vLLM keeps one paged tensor per attention layer, in one of three layouts:
 
 pack/unpack take the first two; ``block_first_view`` sees any of the three as BLOCK_FIRST (a
 strided view, no copy), and ``BlockView`` holds every layer of a worker's cache that way: it
-gathers a request's blocks into a contiguous compact buffer (BLOCK_FIRST, blocks 0..n-1) and
+gathers a request's blocks into a contiguous compact buffer (BLOCK_FIRST, blocks 0..n-1; a new
+one, or ``gather_into`` a reused one) and
 scatters back only chosen blocks (the vLLM connector writes back only what authenticated).
 
 A token's place in a layer is its slot: ``slot = block_id * block_size + offset``.
@@ -262,6 +263,17 @@ class BlockView:
         """A contiguous copy of these blocks of every layer (the compact buffer for a store)."""
         idx = self._index(block_ids)
         return [v.index_select(0, idx).contiguous() for v in self.views]
+
+    def gather_into(self, block_ids: Sequence[int], out: Sequence[torch.Tensor]) -> None:
+        """Copy these blocks of every layer into blocks ``0..len(block_ids)-1`` of ``out`` (a
+        reused compact buffer, one contiguous tensor per layer with at least that many blocks)."""
+        idx = self._index(block_ids)
+        n = idx.numel()
+        for view, buf in zip(self.views, out, strict=True):
+            if (buf.shape[0] < n or buf.shape[1:] != view.shape[1:] or buf.dtype != view.dtype
+                    or buf.device != view.device or not buf.is_contiguous()):
+                raise KVLayoutError(f"a compact buffer of shape {tuple(buf.shape)} cannot take {n} blocks of this cache")
+            torch.index_select(view, 0, idx, out=buf[:n])
 
     def empty(self, num_blocks: int) -> list[torch.Tensor]:
         """A zeroed compact buffer of ``num_blocks`` blocks (for a load)."""

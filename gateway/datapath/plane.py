@@ -191,9 +191,15 @@ class DataPlane:
                     self.stats["store_failures"] += 1
             return stored
 
-        total = sum(await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks))))
+        # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
+        # job reads the KV any more (a caller may reuse that memory at once). Only a cancelled
+        # store can leave one running in the pool.
+        ended = await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks)), return_exceptions=True)
+        for outcome in ended:
+            if isinstance(outcome, BaseException):
+                raise outcome
         await session.flush()  # a store that batches puts (remote) sends the rest; raises what it met
-        return len(todo), total
+        return len(todo), sum(n for n in ended if isinstance(n, int))
 
     # -- retrieve ----------------------------------------------------------------------------
     async def retrieve(

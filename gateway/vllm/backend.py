@@ -3,8 +3,10 @@
     Backend           the protocol: ``open``, the three data operations, ``aclose`` (all async),
                       ``chunk_tokens``, and ``loop`` (the thread that runs them)
     LoopThread        one asyncio event loop in a daemon thread of its own; vLLM calls the
-                      connector from its threads and wants plain return values, so every
-                      operation is submitted with ``call`` and waited for with a timeout
+                      connector from its threads and wants plain return values, so an
+                      operation is submitted with ``call`` and waited for with a timeout, or
+                      with ``submit`` (stores) and not waited for: its future ends, with the
+                      same timeout, on the loop
     EmbeddedBackend   open_runtime(Settings(**kvgate_settings)): registry, KEK, tiers, audit
     RemoteBackend     a RemoteGateway per capability, against ``remote_url`` with a service
                       bearer token; the capability from the request goes on every call
@@ -23,6 +25,7 @@ import asyncio
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -71,6 +74,23 @@ class LoopThread:
         except FutureTimeout:
             fut.cancel()
             raise GatewayTimeout(f"the gateway did not answer in {wait:g} s") from None
+
+    def submit(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> Future[T]:
+        """Run ``coro`` on the loop and return at once; the future raises ``GatewayTimeout``
+        (the coroutine cancelled) past the timeout. Cancelling a coroutine does not stop work it
+        handed to other threads: whatever those read must stay untouched until they end."""
+        if self._loop is None:
+            coro.close()
+            raise RuntimeError("the backend's loop thread is not running")
+        wait = self.timeout_s if timeout is None else timeout
+
+        async def bounded() -> T:
+            try:
+                return await asyncio.wait_for(coro, wait)
+            except TimeoutError:
+                raise GatewayTimeout(f"the gateway did not answer in {wait:g} s") from None
+
+        return asyncio.run_coroutine_threadsafe(bounded(), self._loop)
 
     def stop(self) -> None:
         loop, thread, self._loop, self._thread = self._loop, self._thread, None, None

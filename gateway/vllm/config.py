@@ -88,6 +88,8 @@ class ConnectorConfig(BaseModel):
     model_name: str | None = None
     layout: Literal["auto", "cpu", "kv_first", "block_first"] = "auto"
     timeout_s: float = Field(30.0, gt=0)
+    # stores sealing and putting in the background, per worker: past it a new store is dropped
+    store_in_flight_bytes: int = Field(1 << 30, gt=0)
     trace_path: str | None = None
 
     @classmethod

@@ -9,7 +9,8 @@ Hooks, by side:
                                         to compute); no capability: 0, no lookup
         update_state_after_alloc        remember the blocks a hit loads into
         build_connector_meta            per request: one load, and one store once the
-                                        prompt's full chunks are computed
+                                        prompt's full chunks are computed (none when the
+                                        lookup or vLLM's own cache covered all of them)
         update_connector_output         blocks whose load failed: their requests never store
                                         them, nor anything after them
         request_finished                kv_transfer_params {"kvgate": {hit_tokens}} out
@@ -19,16 +20,34 @@ Hooks, by side:
         start_load_kv                   retrieve into a compact buffer, scatter back only what
                                         authenticated; the rest is a load error, logged at
                                         WARNING with its reason and counted
-        wait_for_layer_load             nothing left to wait for (loads are synchronous)
+        wait_for_layer_load             nothing left to wait for: loads are synchronous, all
+                                        layers in ``start_load_kv`` (an envelope seals every
+                                        layer of a chunk at once; layer-wise loads would need
+                                        another envelope format)
         save_kv_layer                   nothing (the core seals every layer of a chunk at once)
-        wait_for_save                   gather the request's blocks, store (encrypt, put), cut
-                                        before any block whose load failed
+        wait_for_save                   cut before any block whose load failed, gather the
+                                        request's blocks into a pooled buffer, submit the
+                                        store (encrypt, put) and return: the step never waits
+                                        for it; past ``store_in_flight_bytes`` a store is
+                                        dropped (counted), never waited for
         get_block_ids_with_load_errors  failed blocks; vLLM recomputes them with
                                         ``kv_load_failure_policy: "recompute"``
-        get_finished                    forget finished requests' failed-load marks
+        get_finished                    forget finished requests' failed-load marks; reports
+                                        none (see below)
 
     both
-        shutdown                        release the backend (the last user closes it)
+        shutdown                        wait (bounded by ``timeout_s``) for the stores in
+                                        flight, release the backend (the last user closes it)
+
+Why a finished request's blocks are freed at once although its store may still be running: the
+store reads its own copy (gathered in ``wait_for_save``, before that step returns), never the
+paged KV, so neither the end of a request (``request_finished`` returns ``delay_free_blocks``
+False) nor a preemption (vLLM 0.32 frees the blocks without telling the connector) can let it
+seal KV that another request wrote. On CUDA the store waits for the gather's copy to run. (A
+store straight from the paged KV, without the copy, would have to hold the blocks: delay their
+free in ``request_finished`` and report the request in ``get_finished``'s finished_sending once
+its store ended, fence a preempted request's blocks before a step may write them, and outlive a
+timed-out store's seal jobs; vLLM's CPU paged layout is also not one the data plane reads.)
 
 Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no asynchronous sends or
 receives (``get_finished`` reports none), no KV events, no handshake, no worker metadata.
@@ -112,6 +131,9 @@ class KvgateConnector(KVConnectorBase_V1):
         config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
         block_size = vllm_config.cache_config.block_size
         ensure_visible_logging()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        self._drain_s = config.timeout_s
         self._backend: Backend | None = backend_for(config)
         chunk = self._backend.chunk_tokens
         if chunk % block_size:
@@ -121,8 +143,6 @@ class KvgateConnector(KVConnectorBase_V1):
         model_name = str(config.model_name or mc.served_model_name or mc.model)
         self.stats: Counter[str] = Counter()  # miss and failure reasons, loads and stores
         trace = Tracer(config.trace_path)
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             model = _scheduler_model(vllm_config, model_name, block_size)
             backend = self._backend
@@ -135,6 +155,7 @@ class KvgateConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(
                 self._backend, chunk, block_size, model_name, layout=config.layout, stats=self.stats, trace=trace,
+                max_in_flight_bytes=config.store_in_flight_bytes,
             )
 
     @property
@@ -203,6 +224,8 @@ class KvgateConnector(KVConnectorBase_V1):
 
     # -- both ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
+        if self._worker is not None and self._backend is not None:
+            self._worker.wait_stores(self._drain_s)  # bounded: a store has this timeout too
         backend, self._backend = self._backend, None
         if backend is not None:
             release(backend)

@@ -5,7 +5,8 @@ Two ledgers, one per side of the connector:
 
     SchedulerLedger   per request: capability, prompt, blocks, hit; decides per step the load
                       (once, where a lookup hit) and the store (once, when the prompt's full
-                      chunks are computed); learns load failures back from the workers'
+                      chunks are computed, and only if some of them are neither in kvgate, by
+                      the lookup, nor came from vLLM's own prefix cache); learns load failures back from the workers'
                       ``invalid_block_ids`` and then never lets that request store from the
                       first failed block on.
     WorkerLedger      per step: the blocks whose load failed here; per request: where its first
@@ -69,6 +70,7 @@ class _Request:
     store_tokens: int  # full chunks of the prompt; lowered by a failed load
     block_ids: list[int] = field(default_factory=list)
     hit_tokens: int = 0
+    covered: int = 0  # leading tokens kvgate holds (the lookup said so) or vLLM's cache supplied
     stored: bool = False
     load: tuple[int, list[int], int] | None = None  # (tokens, block ids, skip blocks), once
 
@@ -79,7 +81,8 @@ class SchedulerLedger:
             raise ValueError("chunk_tokens must be a positive multiple of block_size")
         self.chunk, self.block = chunk_tokens, block_size
         self._reqs: dict[str, _Request] = {}
-        self._local: dict[str, int] = {}  # tokens the engine had computed at the last lookup
+        # at the last lookup: (tokens the engine had computed, tokens kvgate said it holds)
+        self._local: dict[str, tuple[int, int]] = {}
         self.failed_loads = 0  # requests that learned of a failed load (for the trace and tests)
 
     # -- lookup and allocation ----------------------------------------------------------------
@@ -87,8 +90,10 @@ class SchedulerLedger:
         """The longest chunk-aligned prefix worth a lookup (vLLM must compute one token)."""
         return (prompt_len - 1) // self.chunk * self.chunk if prompt_len > 0 else 0
 
-    def looked_up(self, req_id: str, num_computed_tokens: int) -> None:
-        self._local[req_id] = num_computed_tokens
+    def looked_up(self, req_id: str, num_computed_tokens: int, hit_tokens: int = 0) -> None:
+        """Before allocation: vLLM's own cache had ``num_computed_tokens``; kvgate's lookup found
+        ``hit_tokens`` (0 when it was not asked)."""
+        self._local[req_id] = (num_computed_tokens, hit_tokens)
 
     def allocated(
         self, req_id: str, capability: str, prompt: Sequence[int], block_ids: Sequence[int], num_external: int
@@ -97,7 +102,8 @@ class SchedulerLedger:
         req = self._reqs.get(req_id)
         if req is None:
             req = self._reqs[req_id] = _Request(capability, list(prompt), len(prompt) // self.chunk * self.chunk)
-        local = self._local.pop(req_id, 0)
+        local, found = self._local.pop(req_id, (0, 0))
+        req.covered = max(local, found)
         if num_external > 0:
             total = local + num_external
             req.hit_tokens = total
@@ -122,7 +128,7 @@ class SchedulerLedger:
             done = s.num_computed_tokens + s.num_scheduled_tokens
             if not req.stored and req.store_tokens and done >= req.store_tokens:
                 req.stored = True
-                if req.hit_tokens < req.store_tokens:
+                if max(req.hit_tokens, req.covered) < req.store_tokens:  # else nothing new to store
                     n = req.store_tokens // self.block
                     stores.append(StoreOp(s.req_id, req.capability, req.prompt[: req.store_tokens], req.block_ids[:n]))
         return loads, stores

@@ -108,7 +108,8 @@ class SchedulerSide:
         if req.capability is None or not req.prompt:
             return 0
         limit = self.ledger.lookup_limit(len(req.prompt))
-        if limit <= num_computed_tokens:
+        if limit <= num_computed_tokens:  # vLLM's own cache has it all: no lookup
+            self.ledger.looked_up(req.req_id, num_computed_tokens)
             return 0
         t0 = time.perf_counter()
         try:
@@ -121,7 +122,7 @@ class SchedulerSide:
             self._lookup_log.warning("kvgate lookup for %s degraded to %d hit tokens: %s", req.req_id, hit, reason)
         self._trace("lookup", req=req.req_id, hit_tokens=hit, reason=reason, ms=(time.perf_counter() - t0) * 1e3)
         hit -= hit % self.block
-        self.ledger.looked_up(req.req_id, num_computed_tokens)
+        self.ledger.looked_up(req.req_id, num_computed_tokens, hit)
         return max(0, hit - num_computed_tokens)
 
     def _state_mismatch(self, exc: BaseException) -> None:

@@ -5,29 +5,43 @@
     load(loads)                             start_load_kv: retrieve into a compact buffer, scatter
                                             back only what authenticated; the rest is a load
                                             error, logged at WARNING with its reason and counted
-    save(stores)                            wait_for_save: gather the request's blocks, store
-                                            (encrypt, put), cut before any block whose load failed
+    save(stores)                            wait_for_save: cut before any block whose load
+                                            failed, gather the blocks into a pooled buffer,
+                                            submit the store (encrypt, put) and return; past
+                                            the in-flight cap the store is dropped and counted
+    wait_stores(timeout_s)                  shutdown: wait (bounded) for the stores in flight
     take_load_errors()                      get_block_ids_with_load_errors: failed blocks (vLLM
                                             recomputes them with kv_load_failure_policy "recompute")
     finished(req_ids)                       get_finished: forget finished requests' failure marks
 
-Loads and stores are synchronous on the backend's loop thread (``backend.LoopThread``); where a
-failed load cuts a store is ``ledger.WorkerLedger``'s rule.
+Loads are synchronous on the backend's loop thread (``backend.LoopThread.call``). Stores are
+not: the step copies the request's blocks (every layer) into a buffer of ``inflight.StagingPool``
+and hands the seal and put to the loop (``LoopThread.submit``); the copy is the store's own, so
+vLLM may free and reuse the blocks at once, and ``inflight`` says when a buffer may be reused.
+Every hook reaps the stores that ended (counted failures, buffers back to the pool). Where a
+failed load cuts a store is ``ledger.WorkerLedger``'s rule, applied at submit time. The trace
+has ``store_submit`` (``ms``: what the step spent on it) and ``store`` as the store ends (``ms``
+from submit, ``reason`` if it failed), or ``store_dropped``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import torch
 
 from gateway.errors import GatewayError
-from gateway.types import KVModel
+from gateway.types import KVModel, StoreResult
 from gateway.vllm.backend import Backend
 from gateway.vllm.errors import ConnectorConfigError
+from gateway.vllm.inflight import InFlight, StagingPool
 from gateway.vllm.ledger import LoadOp, StoreOp, WorkerLedger
 from gateway.vllm.logs import Tracer, miss_reason
 from kernels.errors import KVLayoutError
@@ -41,7 +55,7 @@ log = logging.getLogger("kvgate.vllm")
 class WorkerSide:
     def __init__(
         self, backend: Backend, chunk_tokens: int, block_size: int, model_name: str, *, layout: str = "auto",
-        stats: Counter[str] | None = None, trace: Tracer | None = None,
+        stats: Counter[str] | None = None, trace: Tracer | None = None, max_in_flight_bytes: int = 1 << 30,
     ) -> None:
         self._backend = backend
         self.block = block_size
@@ -53,6 +67,8 @@ class WorkerSide:
         self.blocks: BlockView | None = None
         self.model: KVModel | None = None
         self._load_errors: set[int] = set()
+        self.in_flight: InFlight[StoreResult] = InFlight(max_in_flight_bytes)
+        self._pool: StagingPool | None = None
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0, tp_size: int = 1) -> None:
         try:
@@ -69,6 +85,7 @@ class WorkerSide:
     def load(self, loads: Sequence[LoadOp]) -> None:
         """One step's loads (every step starts here, with or without loads)."""
         self.ledger.new_step()
+        self.in_flight.reap()
         if not loads:
             return
         blocks, model = self._registered()
@@ -102,33 +119,124 @@ class WorkerSide:
             )
 
     def save(self, stores: Sequence[StoreOp]) -> None:
-        """One step's stores, each cut before the first block whose load failed."""
+        """One step's stores, each cut before the first block whose load failed, gathered now
+        into a pooled compact buffer and submitted (sealed and put on the backend's loop, not
+        waited for). A store past the in-flight cap is dropped, never waited for."""
+        self.in_flight.reap()
         if not stores:
             return
         blocks, model = self._registered()
+        pool = self._staging(blocks)
         for op in stores:
             t0 = time.perf_counter()
             cut = self.ledger.store_cut(op)
-            stored = 0
             if cut < len(op.tokens):  # a load of this request (or of these blocks) failed
                 self.stats["store_cut_after_failed_load"] += 1
                 self._trace("store_cut", req=op.req_id, tokens=len(op.tokens), cut_tokens=cut)
-            if cut:
-                ids = op.block_ids[: cut // self.block]
-                try:
-                    compact = blocks.gather(ids)
-                    result = self._backend.loop.call(
-                        self._backend.store(op.capability, model, op.tokens[:cut], compact, range(len(ids)))
-                    )
-                    stored = result.stored
-                except (GatewayError, ValueError) as exc:
-                    self.stats[f"store_{miss_reason(exc)}"] += 1
-                    log.warning("kvgate store for %s failed: %s", op.req_id, miss_reason(exc))
-            self._trace("store", req=op.req_id, tokens=cut, stored_chunks=stored, ms=(time.perf_counter() - t0) * 1e3)
+            if not cut:
+                self._trace("store", req=op.req_id, tokens=0, stored_chunks=0, ms=0.0, reason="")
+                continue
+            ids = op.block_ids[: cut // self.block]
+            nbytes = pool.nbytes(len(ids))
+            if not self.in_flight.admit(nbytes):
+                self.stats["store_dropped_in_flight"] += 1
+                log.debug(
+                    "kvgate store for %s dropped: %d bytes in flight, cap %d", op.req_id, self.in_flight.nbytes,
+                    self.in_flight.cap_bytes,
+                )
+                self._trace("store_dropped", req=op.req_id, tokens=cut, in_flight_bytes=self.in_flight.nbytes)
+                continue
+            buf = pool.take(len(ids), room=self.in_flight.cap_bytes - self.in_flight.nbytes - nbytes)
+            try:
+                blocks.gather_into(ids, buf)
+            except ValueError as exc:  # block ids outside the cache: nothing submitted
+                self._pool_give(buf)
+                self.stats[f"store_{miss_reason(exc)}"] += 1
+                log.warning("kvgate store for %s failed: %s", op.req_id, miss_reason(exc))
+                continue
+            compact = [b[: len(ids)] for b in buf]
+            ready = _copied_event(buf[0])
+            self._trace(  # before it can end; ``ms``: what this step waited for (cut and gather)
+                "store_submit", req=op.req_id, tokens=cut, ms=(time.perf_counter() - t0) * 1e3,
+                in_flight=len(self.in_flight) + 1, in_flight_bytes=self.in_flight.nbytes + nbytes,
+            )
+            store = self._backend.store(op.capability, model, op.tokens[:cut], compact, range(len(ids)))
+            future = self._backend.loop.submit(self._traced(op.req_id, cut, t0, store, ready))
+            self.in_flight.add(future, nbytes, functools.partial(self._store_ended, op.req_id, buf))
+
+    async def _traced(
+        self, req_id: str, tokens: int, t0: float, store: Awaitable[StoreResult], ready: Any = None,
+    ) -> StoreResult:
+        """The store (once the gather's copy has run, on CUDA), and on the loop's thread as it
+        ends its trace line (``ms`` from submit)."""
+        stored, reason = 0, ""
+        try:
+            if ready is not None:
+                await asyncio.to_thread(ready.synchronize)
+            result = await store
+            stored = result.stored
+            return result
+        except asyncio.CancelledError:  # by its timeout, or the loop stopping
+            reason = "cancelled"
+            raise
+        except Exception as exc:
+            reason = _reason(exc)
+            raise
+        finally:
+            self._trace("store", req=req_id, tokens=tokens, stored_chunks=stored,
+                        ms=(time.perf_counter() - t0) * 1e3, reason=reason)
+
+    def _store_ended(self, req_id: str, buf: list[torch.Tensor], future: Future[StoreResult]) -> None:
+        """On the engine's thread, at a hook after the store ended: count it, reuse its buffer
+        (unless it timed out or was cancelled: a seal job may still read it, see ``inflight``)."""
+        _, reason = _outcome(future)
+        if reason not in ("gateway_timeout", "cancelled"):
+            self._pool_give(buf)
+        if reason:
+            self.stats[f"store_{reason}"] += 1
+            log.warning("kvgate store for %s failed: %s", req_id, reason)
+
+    def _staging(self, blocks: BlockView) -> StagingPool:
+        if self._pool is None:
+            self._pool = StagingPool(blocks)
+        return self._pool
+
+    def _pool_give(self, buf: list[torch.Tensor]) -> None:
+        if self._pool is not None:
+            self._pool.give(buf, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
+
+    def wait_stores(self, timeout_s: float) -> bool:
+        """Wait (bounded) for the stores in flight; True if none is left (shutdown, tests)."""
+        return self.in_flight.wait(timeout_s)
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def finished(self, req_ids: Iterable[str]) -> None:
+        self.in_flight.reap()
         self.ledger.finished(req_ids)
+
+
+def _outcome(future: Future[StoreResult]) -> tuple[int, str]:
+    """(chunks stored, failure reason or "") of a store that ended."""
+    if future.cancelled():
+        return 0, "cancelled"
+    exc = future.exception()
+    return (future.result().stored, "") if exc is None else (0, _reason(exc))
+
+
+def _copied_event(buf: torch.Tensor) -> Any:
+    """On CUDA, an event recorded after the gather on the engine's stream: the seal runs on other
+    threads (other streams) and must not read the buffer before the copy into it has run."""
+    if buf.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves the CUDA Event constructor unannotated
+    event.record(torch.cuda.current_stream(buf.device))
+    return event
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, (GatewayError, ValueError)):
+        return miss_reason(exc)
+    return f"error_{type(exc).__name__}"

@@ -74,3 +74,22 @@ def test_block_view_refuses_mismatched_layers_and_foreign_block_ids():
         with pytest.raises(KVLayoutError, match=r"block ids must lie in \[0, 6\)"):
             view.gather(ids)
     view.gather([0, B - 1])  # positive control
+
+
+def test_gather_into_fills_the_leading_blocks_of_a_reused_buffer_and_refuses_one_that_does_not_fit():
+    caches = {f"l.{i}": torch.randn(B, H, BS, 2 * D) for i in range(2)}
+    view = BlockView.of(caches, BS)
+    buf = [torch.full((4, 2, BS, H, D), 7.0) for _ in range(2)]  # a pooled buffer, last used for 4 blocks
+    view.gather_into([4, 1], buf)
+    for got, want in zip(buf, view.gather([4, 1])):
+        assert torch.equal(got[:2], want) and (got[2:] == 7.0).all()  # only the leading blocks written
+    for bad in (
+        [torch.zeros(1, 2, BS, H, D)] * 2,  # too few blocks
+        [torch.zeros(4, 2, BS, H, D, dtype=torch.float64)] * 2,  # another dtype
+        [torch.zeros(4, 2, BS, H, D + 1)] * 2,  # another shape
+        [torch.zeros(2, 4, BS, H, D).transpose(0, 1)] * 2,  # not contiguous
+    ):
+        with pytest.raises(KVLayoutError, match="compact buffer"):
+            view.gather_into([4, 1], bad)
+    with pytest.raises(ValueError):
+        view.gather_into([4, 1], buf[:1])  # one tensor per layer

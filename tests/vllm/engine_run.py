@@ -4,9 +4,12 @@
 
 Run as a script (vLLM spawns its engine and worker processes, so it needs the ``__main__``
 guard and its own process). Steps: ``gen`` (name, prompt ids, capability name or none,
-max_tokens) and ``clear`` (Admin.clear of a tenant in this process, broadcast over Redis to the
-engine's own gateway, then a fresh capability). Results: per gen step the output token ids,
-vLLM's num_cached_tokens, the kv_transfer_params the connector returned and the wall time.
+max_tokens; then it waits until the connector's trace shows every store it submitted ended,
+unless ``settle`` is false), ``settle`` (that wait alone), ``clear`` (Admin.clear of a tenant
+in this process, broadcast over Redis to the engine's own gateway, then a fresh capability) and
+the faults below. Plan option ``num_blocks``: vLLM's KV cache size in blocks. Results: per gen
+step the output token ids, vLLM's num_cached_tokens, the kv_transfer_params the connector
+returned, the wall time and when generate returned (``t_end``).
 """
 
 from __future__ import annotations
@@ -85,7 +88,11 @@ def _fault_sleep(plan: dict, step: dict) -> None:
     time.sleep(float(step["s"]))
 
 
-_FAULTS = {"tamper": _fault_tamper, "kms_disable": _fault_kms, "kms_enable": _fault_kms, "sleep": _fault_sleep}
+def _fault_settle(plan: dict, step: dict) -> None:
+    _settle_stores(plan)
+
+
+_FAULTS = {"settle": _fault_settle, "tamper": _fault_tamper, "kms_disable": _fault_kms, "kms_enable": _fault_kms, "sleep": _fault_sleep}
 
 
 def _stall_on_lookup(plan: dict, step: dict):
@@ -121,6 +128,29 @@ def _stall_on_lookup(plan: dict, step: dict):
     return t
 
 
+def _settle_stores(plan: dict, timeout_s: float = 60.0) -> None:
+    """Wait until every store the connector submitted has ended (its trace says so): stores are
+    asynchronous, and the next step of a plan expects what the last one stored to be there."""
+    trace = plan["kv_transfer_config"].get("kv_connector_extra_config", {}).get("trace_path")
+    if not trace:
+        return
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            events = [json.loads(line) for line in open(trace, encoding="utf-8") if line.strip()]
+        except FileNotFoundError:  # nothing traced yet: nothing submitted
+            return
+        except json.JSONDecodeError:  # a line half written
+            events = None
+        if events is not None:
+            submitted = sum(e["event"] == "store_submit" for e in events)
+            ended = sum(e["event"] == "store" and e["tokens"] > 0 for e in events)
+            if ended >= submitted:
+                return
+        time.sleep(0.01)
+    raise TimeoutError(f"stores still in flight after {timeout_s} s")
+
+
 def main(plan_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -131,6 +161,7 @@ def main(plan_path: str, out_path: str) -> None:
         model=plan["model"], enforce_eager=True, block_size=plan.get("block_size", 32),
         enable_prefix_caching=plan.get("prefix_caching", False), dtype="float32", max_model_len=1024,
         kv_transfer_config=plan["kv_transfer_config"], seed=0,
+        num_gpu_blocks_override=plan.get("num_blocks"),  # a small cache: freed blocks are reused at once
     )
     results = []
     for step in plan["steps"]:
@@ -147,10 +178,13 @@ def main(plan_path: str, out_path: str) -> None:
         sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), extra_args={"kv_transfer_params": params})
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=step["ids"])], sp, use_tqdm=False)[0]
+        t_end = time.time()
         if stall is not None:
             stall.join(30)
+        if step.get("settle", True):
+            _settle_stores(plan)
         results.append({
-            "name": step["name"], "op": "gen", "s": time.perf_counter() - t0, "req": out.request_id,
+            "name": step["name"], "op": "gen", "s": time.perf_counter() - t0, "t_end": t_end, "req": out.request_id,
             "tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
             "kv": out.kv_transfer_params,
         })

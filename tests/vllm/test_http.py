@@ -87,6 +87,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
             log.close()
 
 
+def _settled(trace: Path, timeout_s: float = 60.0) -> list[dict]:
+    """The connector's trace once every store it submitted has ended (stores are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        events = [json.loads(x) for x in trace.read_text().splitlines()]
+        submitted = sum(e["event"] == "store_submit" for e in events)
+        if sum(e["event"] == "store" and e["tokens"] > 0 for e in events) >= submitted:
+            return events
+        if time.monotonic() > deadline:
+            raise AssertionError(f"stores still in flight after {timeout_s} s: {events}")
+        time.sleep(0.05)
+
+
 def _complete(stack, token: str | None, prompt: str, **extra) -> httpx.Response:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra}
@@ -123,7 +136,7 @@ def test_copied_cache_salt_gives_the_other_tenant_no_hit(stack):
     assert r.status_code == 200, r.text
     assert _cached(r) == 0
     assert r.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
-    events = [json.loads(x) for x in stack["trace"].read_text().splitlines()]
+    events = _settled(stack["trace"])
     assert any(e["event"] == "store" and e["stored_chunks"] == 4 for e in events)  # remote mode stored A's prefix
     lookups = [e for e in events if e["event"] == "lookup"]
     assert lookups[-1]["hit_tokens"] == 0  # B's lookup, in B's namespace, found nothing

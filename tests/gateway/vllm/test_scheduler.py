@@ -188,6 +188,37 @@ def test_a_full_hit_is_not_stored_again():
     assert len(loads) == 1 and stores == []
 
 
+@pytest.mark.parametrize("local,lookup_hit,stored", [
+    (256, 0, False),  # vLLM's own prefix cache supplied every full chunk: no lookup, no store
+    (0, 0, True),  # positive control: a miss everywhere stores the full chunks
+    (64, 0, True),  # vLLM had only the first chunk
+])
+def test_no_store_when_vllms_own_cache_supplied_every_full_chunk(local, lookup_hit, stored):
+    prompt = PROMPT[:300]  # 4 full chunks (256 tokens); a lookup may hit all of them
+    lookups = Lookups(hit=lookup_hit)
+    side = _side(lookups)
+    view = request_view(_req(prompt=prompt))
+    external = side.matched_tokens(view, local)
+    assert external == 0 and lookups.calls == ([] if local == 256 else [("cap-A", 256)])
+    side.allocated(view, list(range(19)), external)
+    out = SchedulerOutput([NewRequestData("r1", local, (list(range(19)),))], num_scheduled_tokens={"r1": 300 - local})
+    loads, stores = side.build(step_requests(out, side.tracked))
+    assert loads == [] and [len(op.tokens) for op in stores] == ([256] if stored else [])
+
+
+def test_no_store_when_the_lookup_found_every_full_chunk_but_nothing_was_loaded():
+    """The lookup found all 4 full chunks, vLLM's cache had 3 of them and chose to compute the
+    fourth itself (no external tokens): kvgate holds every full chunk, nothing to gather."""
+    prompt = PROMPT[:300]
+    side = _side(Lookups(hit=256))
+    view = request_view(_req(prompt=prompt))
+    assert side.matched_tokens(view, 192) == 64
+    side.allocated(view, list(range(19)), 0)  # vLLM loads nothing
+    out = SchedulerOutput([NewRequestData("r1", 192, (list(range(19)),))], num_scheduled_tokens={"r1": 108})
+    assert side.build(step_requests(out, side.tracked)) == ([], [])
+    assert side.finished("r1") == {"kvgate": {"hit_tokens": 0}}  # nothing came from kvgate
+
+
 def test_chunked_prefill_stores_when_the_last_full_chunk_is_computed():
     side = _side(Lookups(hit=0))
     view = request_view(_req())

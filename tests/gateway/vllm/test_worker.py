@@ -6,11 +6,15 @@ scattered into the engine's cache, and the same step's store is cut before it.""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import threading
 
 import pytest
 import torch
 
+from gateway.errors import TenantUnavailable
 from gateway.types import KVModel
 from gateway.vllm.backend import Backend, backend_for, release
 from gateway.vllm.config import ConnectorConfig
@@ -92,6 +96,7 @@ def _store_then_load(backend: Backend, tmp_path, flip_chunk: int | None):
     src_ids, dst_ids = list(range(3, 15)), list(range(20, 32))
     writer.load([])
     writer.save([StoreOp("w", cap, TOKENS, src_ids)])
+    assert writer.wait_stores(30)  # stores are asynchronous: save() only submitted it
     assert writer.model is not None
     if flip_chunk is not None:
         _flip(backend, writer.model, flip_chunk)
@@ -99,6 +104,7 @@ def _store_then_load(backend: Backend, tmp_path, flip_chunk: int | None):
     reader.load([LoadOp("r", cap, TOKENS[:32], dst_ids[:8])])
     # the same step stores the whole prompt (the hit was shorter than its full chunks)
     reader.save([StoreOp("r", cap, TOKENS, dst_ids)])
+    assert reader.wait_stores(30)
     return src, dst, src_ids, dst_ids, reader
 
 
@@ -110,7 +116,8 @@ def test_a_store_loads_back_bit_exact_into_other_blocks(backend, tmp_path):
     assert reader.take_load_errors() == set() and reader.stats == {}
     events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert [(e["event"], e.get("loaded_tokens"), e.get("stored_chunks")) for e in events] == [
-        ("store", None, 3), ("load", 32, None), ("store", None, 0),  # the reader's chunks were stored already
+        ("store_submit", None, None), ("store", None, 3), ("load", 32, None),
+        ("store_submit", None, None), ("store", None, 0),  # the reader's chunks were stored already
     ]
 
 
@@ -130,3 +137,141 @@ def test_a_flipped_ciphertext_is_a_load_error_and_cuts_the_same_step_store(backe
     assert reader.ledger.store_cut(StoreOp("r", "cap", TOKENS, list(range(12)))) == 16
     reader.finished({"r"})
     assert reader.ledger.store_cut(StoreOp("r", "cap", TOKENS, list(range(12)))) == 48
+
+
+# -- asynchronous stores ------------------------------------------------------------------------
+class _GatedLoop:
+    """The backend's loop, with a shorter timeout for submitted stores (when given)."""
+
+    def __init__(self, loop, store_timeout_s: float | None) -> None:
+        self._loop, self._timeout = loop, store_timeout_s
+        self.timeout_s = loop.timeout_s
+
+    def call(self, coro, timeout=None):
+        return self._loop.call(coro, timeout)
+
+    def submit(self, coro, timeout=None):
+        return self._loop.submit(coro, self._timeout if self._timeout is not None else timeout)
+
+
+class GatedBackend:
+    """The real embedded backend whose stores wait for ``gate`` (a slow tier, as the engine would
+    meet it), then run, or raise ``fail``; everything else goes straight through."""
+
+    def __init__(self, inner: Backend, fail: Exception | None = None, store_timeout_s: float | None = None) -> None:
+        self.inner, self.fail = inner, fail
+        self.chunk_tokens = inner.chunk_tokens
+        self.loop = _GatedLoop(inner.loop, store_timeout_s)
+        self.gate = threading.Event()
+        self.started = 0
+
+    async def lookup(self, cap, model, tokens):
+        return await self.inner.lookup(cap, model, tokens)
+
+    async def retrieve(self, cap, model, tokens, layers, block_ids):
+        return await self.inner.retrieve(cap, model, tokens, layers, block_ids)
+
+    async def store(self, cap, model, tokens, layers, block_ids):
+        self.started += 1
+        await asyncio.to_thread(self.gate.wait, 30)
+        if self.fail is not None:
+            raise self.fail
+        return await self.inner.store(cap, model, tokens, layers, block_ids)
+
+
+def _events(tmp_path) -> list[dict]:
+    path = tmp_path / "trace.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _gated_worker(gated: GatedBackend, cache: dict[str, torch.Tensor], tmp_path, **kw) -> WorkerSide:
+    w = WorkerSide(gated, CHUNK, BLOCK, "tiny", layout="cpu", trace=Tracer(str(tmp_path / "trace.jsonl")), **kw)
+    w.register(cache)
+    return w
+
+
+def test_a_store_is_submitted_without_waiting_and_seals_the_kv_as_it_was_at_submit(backend, tmp_path):
+    """wait_for_save returns while the store is still held up; the engine then reuses the blocks
+    for another request (overwrites them) before the store runs: what is stored, and loads back,
+    is the KV of the request that stored it, never what the blocks hold later."""
+    cap = _capability(backend)
+    gated = GatedBackend(backend)
+    src, dst = _cpu_cache(seed=1), _cpu_cache(seed=2)
+    original = {name: t.clone() for name, t in src.items()}
+    writer = _gated_worker(gated, src, tmp_path)
+    src_ids, dst_ids = list(range(3, 15)), list(range(20, 32))
+    writer.save([StoreOp("w", cap, TOKENS, src_ids)])
+    assert len(writer.in_flight) == 1 and not writer.wait_stores(0.2)  # still held up: save() did not wait
+    assert [e["event"] for e in _events(tmp_path)] == ["store_submit"]
+    for t in src.values():  # the blocks, freed, now hold another request's KV
+        t[src_ids] = torch.randn_like(t[src_ids])
+    gated.gate.set()
+    assert writer.wait_stores(30) and len(writer.in_flight) == 0 and writer.in_flight.nbytes == 0
+    assert [(e["event"], e.get("stored_chunks")) for e in _events(tmp_path)] == [("store_submit", None), ("store", 3)]
+    reader = _worker(backend, dst, tmp_path)
+    reader.load([LoadOp("r", cap, TOKENS, dst_ids)])
+    assert reader.take_load_errors() == set()
+    for a, b in zip(_blocks(original, src_ids), _blocks(dst, dst_ids)):
+        assert torch.equal(a, b)  # the KV at submit time
+    for a, b in zip(_blocks(src, src_ids), _blocks(dst, dst_ids)):
+        assert not torch.equal(a, b)  # not what the reused blocks hold now
+
+
+def test_a_store_past_the_in_flight_cap_is_dropped_and_counted(backend, tmp_path, caplog):
+    cap = _capability(backend)
+    gated = GatedBackend(backend)
+    writer = _gated_worker(gated, _cpu_cache(seed=1), tmp_path, max_in_flight_bytes=1)
+    other = list(range(900, 948))
+    with caplog.at_level(logging.DEBUG, logger="kvgate.vllm"):
+        writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])  # none in flight: admitted past the cap
+        writer.save([StoreOp("b", cap, other, list(range(15, 27)))])  # dropped, not waited for
+    assert writer.stats == {"store_dropped_in_flight": 1} and len(writer.in_flight) == 1
+    assert "kvgate store for b dropped" in caplog.text
+    gated.gate.set()
+    assert writer.wait_stores(30)
+    assert [(e["event"], e["req"]) for e in _events(tmp_path)] == [
+        ("store_submit", "a"), ("store_dropped", "b"), ("store", "a"),
+    ]
+    assert writer.model is not None
+    assert backend.loop.call(backend.lookup(cap, writer.model, TOKENS)).hit_tokens == 48
+    assert backend.loop.call(backend.lookup(cap, writer.model, other)).hit_tokens == 0
+    # the cap is on what is in flight: with "a" ended, "b" is admitted again
+    writer.save([StoreOp("b", cap, other, list(range(15, 27)))])
+    assert writer.wait_stores(30) and writer.stats == {"store_dropped_in_flight": 1}
+    assert backend.loop.call(backend.lookup(cap, writer.model, other)).hit_tokens == 48
+
+
+def test_a_failing_store_ends_counted_and_frees_its_place(backend, tmp_path):
+    cap = _capability(backend)
+    gated = GatedBackend(backend, fail=TenantUnavailable("acme is disabled"))
+    one_store = 16 * LAYERS * HEADS * BLOCK * 2 * HEAD_SIZE * 4  # 12 blocks, pooled as 16
+    writer = _gated_worker(gated, _cpu_cache(seed=1), tmp_path, max_in_flight_bytes=one_store)
+    writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])
+    writer.save([StoreOp("b", cap, TOKENS, list(range(3, 15)))])  # control: "a" holds the place
+    assert writer.stats == {"store_dropped_in_flight": 1}
+    gated.gate.set()
+    assert writer.wait_stores(30) and writer.in_flight.nbytes == 0
+    assert writer.stats == {"store_dropped_in_flight": 1, "store_tenant_unavailable": 1}
+    assert [(e["event"], e.get("reason")) for e in _events(tmp_path)][-1] == ("store", "tenant_unavailable")
+    assert writer._pool is not None and writer._pool.idle_bytes > 0  # its buffer serves the next store
+    writer.save([StoreOp("b", cap, TOKENS, list(range(3, 15)))])  # admitted: nothing in flight any more
+    assert writer.wait_stores(30)
+    assert writer.stats == {"store_dropped_in_flight": 1, "store_tenant_unavailable": 2}
+
+
+def test_a_timed_out_store_never_lends_its_buffer_again(backend, tmp_path):
+    """A store cut off by its timeout may still have a seal job reading its buffer: the buffer
+    is dropped, not pooled, so the next gather cannot overwrite KV that is being sealed."""
+    cap = _capability(backend)
+    gated = GatedBackend(backend, store_timeout_s=0.2)
+    writer = _gated_worker(gated, _cpu_cache(seed=1), tmp_path)
+    try:
+        writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])
+        assert writer.wait_stores(30)
+        assert writer.stats == {"store_gateway_timeout": 1}
+        assert writer._pool is not None and writer._pool.idle_bytes == 0
+    finally:
+        gated.gate.set()
+    # positive control: a store that ends in time gives its buffer back
+    writer.save([StoreOp("b", cap, TOKENS, list(range(3, 15)))])
+    assert writer.wait_stores(30) and writer._pool.idle_bytes > 0
