@@ -129,6 +129,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8420
     max_chunk_bytes: int = 64 << 20
+    # the batched data plane (issue 18): the most bytes and items one PUT /v1/chunks frame carries
+    max_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    max_batch_items: int = Field(default=4096, ge=1, le=65536)
     api_token: SecretStr | None = None
     # request bounds (issue 15): JSON bodies of the small routes, the header block, read timeouts
     max_json_body_bytes: int = Field(default=16 << 10, ge=1024, le=1 << 20)

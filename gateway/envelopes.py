@@ -27,6 +27,11 @@ salts get keys that open nothing of theirs. The server counts keys issued (in ``
 ``/metrics``, and per capability), bounds them per request and per capability lifetime
 (``KeyBudgetSpent`` past it; the bound is per server replica), and audits one ``key.issue`` event
 per request with the count, not one per envelope.
+
+A load needs no key request of its own: ``POST /v1/chunks/fetch`` with ``keys`` (``gateway.batches``)
+reads each streamed envelope's header and issues its opening key through the same ``KeyIssue``
+(same derivation, budget, counters and one aggregated ``key.issue`` event per fetch), sent in the
+envelope's frame item just before its bytes (``gateway.frames``).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
 
-__all__ = ["EnvelopeKey", "EnvelopePlane", "IssuedKeys", "LookupAnswer", "parse_hash"]
+__all__ = ["EnvelopeKey", "EnvelopePlane", "IssuedKeys", "KeyIssue", "LookupAnswer", "parse_hash"]
 
 _HASH_LEN = 64
 
@@ -132,6 +137,11 @@ class EnvelopePlane:
         except Exception as exc:  # the tenant was disabled after the capability was minted
             raise AccessDenied("tenant unavailable") from exc
         return cap, keys
+
+    async def keys_for(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
+        """The capability verified for ``op`` on every hash (its chunk allowlist included) and
+        the hashes' storage keys in its namespace (the batched routes, ``gateway.batches``)."""
+        return await self._authorized(token, op, hashes)
 
     async def lookup(self, token: str, hashes: Sequence[str]) -> LookupAnswer:
         """Prefix walk over chained hashes: how many leading chunks are stored, and where."""
@@ -214,6 +224,35 @@ class EnvelopePlane:
         self._issued[cap.cap_id] = (used + n, cap.expires_at)
         return used + n
 
+    async def begin_issue(
+        self, cap: Capability, purpose: Literal["seal", "open"], n: int, *, actor: Actor | None = None,
+        route: str = "/v1/keys/envelopes",
+    ) -> KeyIssue:
+        """Start issuing up to ``n`` keys under a verified capability: its namespace keys are
+        resolved and ``n`` keys charged against its budget (``KeyBudgetSpent``, counted as a
+        denial and audited, where that would pass the bound). The caller closes the issue."""
+        try:
+            ns = await self.resolver.keys(cap.tenant, cap.namespace)
+        except (DependencyUnavailable, KekError):
+            raise  # an outage (503), not a refusal
+        except Exception as exc:  # the tenant was disabled after the capability was minted
+            raise AccessDenied("tenant unavailable") from exc
+        who = actor or Actor(tenant=cap.tenant, token_id=cap.cap_id)
+        try:
+            total = self._charge(cap, n)
+        except KeyBudgetSpent:
+            self.stats["denials"] += 1
+            self.audit.emit(
+                AuditEvent(
+                    Actions.KEY_ISSUE, outcome="denied", actor=who,
+                    target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=n),
+                    details={"purpose": purpose, "cap_id": cap.cap_id, "reason": "key budget spent",
+                             "requested": n, "capability_total": self.issued_to(cap.cap_id), "route": route},
+                )
+            )
+            raise
+        return KeyIssue(self, cap, ns, purpose, n, total, who, route)
+
     async def envelope_keys(
         self,
         token: str,
@@ -236,47 +275,19 @@ class EnvelopePlane:
             raise InvalidRequest(f"a salt is {SALT_BYTES} bytes")
         chained = [parse_hash(h) for h in hashes]
         cap = self.access.authorize(token, "put" if purpose == "seal" else "get", chunks=list(hashes))
+        issue = await self.begin_issue(cap, purpose, len(hashes), actor=actor)
         try:
-            ns = await self.resolver.keys(cap.tenant, cap.namespace)
-        except (DependencyUnavailable, KekError):
-            raise  # an outage (503), not a refusal
-        except Exception as exc:  # the tenant was disabled after the capability was minted
-            raise AccessDenied("tenant unavailable") from exc
-        try:
-            total = self._charge(cap, len(hashes))
-        except KeyBudgetSpent:
-            self.stats["denials"] += 1
-            self.audit.emit(
-                AuditEvent(
-                    Actions.KEY_ISSUE, outcome="denied",
-                    actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),
-                    target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=len(hashes)),
-                    details={"purpose": purpose, "cap_id": cap.cap_id, "reason": "key budget spent",
-                             "requested": len(hashes), "capability_total": self.issued_to(cap.cap_id)},
-                )
-            )
-            raise
-        try:
-            keys = await self._derive(cap, ns, purpose, hashes, chained, refs)
+            if purpose == "seal":
+                keys = [await issue.seal(h, c) for h, c in zip(hashes, chained, strict=True)]
+            else:
+                keys = [
+                    await issue.open(h, c, version, salt)
+                    for h, c, (version, salt) in zip(hashes, chained, refs, strict=True)
+                ]
         except BaseException:
-            self._refund(cap, len(hashes))
+            issue.cancel()  # no key left the server
             raise
-        issued = sum(1 for k in keys if k.key is not None)
-        self._refund(cap, len(hashes) - issued)
-        self.stats["envelope_keys_issued"] += issued
-        self.stats[f"envelope_keys_issued_{purpose}"] += issued
-        self.audit.emit(
-            AuditEvent(
-                Actions.KEY_ISSUE,
-                actor=actor or Actor(tenant=cap.tenant, token_id=cap.cap_id),
-                target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=issued),
-                details={
-                    "purpose": purpose, "cap_id": cap.cap_id, "issued": issued, "unavailable": len(keys) - issued,
-                    "versions": sorted({k.key_version for k in keys if k.key is not None}),
-                    "capability_total": total - (len(hashes) - issued),
-                },
-            )
-        )
+        issue.close()
         return IssuedKeys(cap.tenant, cap.namespace, keys)
 
     def _refund(self, cap: Capability, n: int) -> None:
@@ -284,29 +295,95 @@ class EnvelopePlane:
             used, expires = self._issued.get(cap.cap_id, (0, cap.expires_at))
             self._issued[cap.cap_id] = (max(0, used - n), expires)
 
-    async def _derive(
-        self, cap: Capability, ns: NamespaceKeys, purpose: str, hashes: Sequence[str],
-        chained: Sequence[bytes], refs: Sequence[tuple[int, bytes]],
-    ) -> list[EnvelopeKey]:
-        binding, storage_key = ns.binding_secret, ns.storage_key
-        out: list[EnvelopeKey] = []
-        if purpose == "seal":
-            for h, c in zip(hashes, chained, strict=True):
-                try:  # one invocation of the active data key per envelope, counted as in process
-                    version, dek = await self.keyring.encryption_key(cap.tenant)
-                except KeyUnavailable:  # contention, or the KEK cannot unwrap it now: retry later
-                    raise DependencyUnavailable("data key") from None
-                salt = self._salt_source(SALT_BYTES)
-                out.append(EnvelopeKey(h, version, salt, derive_segment_key(dek, binding, salt), storage_key(c)))
-            return out
-        deks: dict[int, bytes | None] = {}
-        for h, c, (version, salt) in zip(hashes, chained, refs, strict=True):
-            if version not in deks:
-                try:
-                    deks[version] = await self.keyring.decryption_key(cap.tenant, version)
-                except KeyUnavailable:  # destroyed (or never existed): that envelope is a miss
-                    deks[version] = None
-            opener = deks[version]
-            key = None if opener is None else derive_segment_key(opener, binding, salt)
-            out.append(EnvelopeKey(h, version, salt, key, storage_key(c)))
-        return out
+
+class KeyIssue:
+    """The envelope keys of one request under one capability (``EnvelopePlane.begin_issue``):
+    charged against the capability's budget up front, derived one envelope at a time, and closed
+    once. ``close`` refunds what was charged and not issued, counts what was (``stats``:
+    ``envelope_keys_issued`` and ``envelope_keys_issued_<purpose>``) and audits one ``key.issue``
+    event with the count; ``cancel`` (nothing left the server) refunds it all and audits nothing.
+
+    ``POST /v1/keys/envelopes`` issues a list of keys in one; ``POST /v1/chunks/fetch`` with keys
+    issues each envelope's key as the prefix walk reaches it (``gateway.batches``)."""
+
+    def __init__(
+        self, plane: EnvelopePlane, cap: Capability, ns: NamespaceKeys, purpose: Literal["seal", "open"],
+        charged: int, total: int, actor: Actor, route: str,
+    ) -> None:
+        self._plane = plane
+        self.cap = cap
+        self._ns = ns
+        self.purpose = purpose
+        self._charged = charged
+        self._total = total
+        self._actor = actor
+        self._route = route
+        self._deks: dict[int, bytes | None] = {}
+        self._versions: set[int] = set()
+        self.issued = 0
+        self.unavailable = 0
+        self._done = False
+
+    def _take(self) -> None:
+        if self._done:
+            raise RuntimeError("this key issue is closed")
+        if self.issued + self.unavailable >= self._charged:
+            raise InvalidRequest("more keys than were asked for")
+
+    async def seal(self, chunk_hash: str, chained: bytes) -> EnvelopeKey:
+        """A fresh salt and its key under the active data key (one invocation of it, counted as
+        in process)."""
+        self._take()
+        try:
+            version, dek = await self._plane.keyring.encryption_key(self.cap.tenant)
+        except KeyUnavailable:  # contention, or the KEK cannot unwrap it now: retry later
+            raise DependencyUnavailable("data key") from None
+        salt = self._plane._salt_source(SALT_BYTES)
+        self.issued += 1
+        self._versions.add(version)
+        ns = self._ns
+        return EnvelopeKey(chunk_hash, version, salt, derive_segment_key(dek, ns.binding_secret, salt), ns.storage_key(chained))
+
+    async def open(self, chunk_hash: str, chained: bytes, version: int, salt: bytes) -> EnvelopeKey:
+        """The key of the envelope sealed with ``(version, salt)``; its ``key`` is None where that
+        key version is destroyed (or never existed): the envelope is a miss."""
+        self._take()
+        if version not in self._deks:
+            try:
+                self._deks[version] = await self._plane.keyring.decryption_key(self.cap.tenant, version)
+            except KeyUnavailable:
+                self._deks[version] = None
+        opener, ns = self._deks[version], self._ns
+        if opener is None:
+            self.unavailable += 1
+            return EnvelopeKey(chunk_hash, version, salt, None, ns.storage_key(chained))
+        self.issued += 1
+        self._versions.add(version)
+        return EnvelopeKey(chunk_hash, version, salt, derive_segment_key(opener, ns.binding_secret, salt), ns.storage_key(chained))
+
+    def cancel(self) -> None:
+        if not self._done:
+            self._done = True
+            self._plane._refund(self.cap, self._charged)
+
+    def close(self) -> None:
+        """Refund what was not issued, count and audit what was (once; later calls do nothing)."""
+        if self._done:
+            return
+        self._done = True
+        plane, cap, issued = self._plane, self.cap, self.issued
+        plane._refund(cap, self._charged - issued)
+        plane.stats["envelope_keys_issued"] += issued
+        plane.stats[f"envelope_keys_issued_{self.purpose}"] += issued
+        plane.audit.emit(
+            AuditEvent(
+                Actions.KEY_ISSUE,
+                actor=self._actor,
+                target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=issued),
+                details={
+                    "purpose": self.purpose, "cap_id": cap.cap_id, "issued": issued, "unavailable": self.unavailable,
+                    "versions": sorted(self._versions), "capability_total": self._total - (self._charged - issued),
+                    "route": self._route,
+                },
+            )
+        )

@@ -8,6 +8,7 @@ Exception tree (HTTP status as the server answers it)::
      +-- AccessDenied            403  no valid capability for this tenant, namespace, operation or chunk
      |    +-- KeyBudgetSpent     403  the capability has had all the envelope keys it may have (mint a new one)
      +-- InvalidRequest          422  bad input: tokens, KV tensors, block ids, names (also ValueError)
+     |    +-- BadFrame           400  a batch body that is not a well-formed frame (gateway.frames)
      +-- TenantUnavailable       403  the tenant is unknown or disabled (told to callers as a 403
      |                                wherever existence must not leak)
      +-- ChunkMissing            404  an operation named a chunk that is not stored
@@ -42,6 +43,7 @@ __all__ = [
     "AccessDenied",
     "KeyBudgetSpent",
     "InvalidRequest",
+    "BadFrame",
     "TenantUnavailable",
     "ChunkMissing",
     "NotReady",
@@ -73,6 +75,10 @@ class KeyBudgetSpent(AccessDenied):
 
 class InvalidRequest(GatewayError, ValueError):
     pass
+
+
+class BadFrame(InvalidRequest):
+    """A batched body that does not parse as its frame; ``str()`` is told to the caller."""
 
 
 class TenantUnavailable(GatewayError):

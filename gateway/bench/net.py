@@ -1,6 +1,11 @@
 """Network figures for `kvgate bench`: the Redis tier beside raw redis-py, the REST data plane
 beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chunks).
 
+The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
+one streamed ``POST /v1/chunks/fetch`` per prefix, read into a buffer per envelope as
+``gateway.remote`` does; ``get_keyed`` with each envelope's opening key in the stream, the
+worker's load), and, labelled ``per_chunk``, one request per chunk as before issue 18.
+
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
 the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;
 ``socket`` is one TCP connection over loopback to a separate process that reads into (or writes
@@ -22,8 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
+from gateway import frames
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
@@ -45,6 +52,9 @@ while True:
         if not conn.recv(1): sys.exit(0)
         conn.sendall(view)
 """
+
+
+_PIECE = 1 << 20  # the size of the parts a batch body is handed to httpx in (gateway.remote._PIECE)
 
 
 def _median_gbps(fn: Callable[[], object], nbytes: int, reps: int) -> float:
@@ -134,6 +144,15 @@ def _envelope(size: int) -> bytes:
     return bytes(ChunkCipher().seal(DataKey(os.urandom(32), os.urandom(32)), ctx, os.urandom(size - 56 - 16 * (-(-size // (2 << 20))))))
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -142,8 +161,11 @@ def _free_port() -> int:
 
 
 async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
-    """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size and
-    lookup latency for 128 chained hashes."""
+    """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
+    batched (``put``, ``get``; ``get_keyed``: the fetch with each envelope's opening key, as a
+    remote worker loads) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
+    the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
+    latency for 128 chained hashes."""
     from gateway import dbschema
     from tenancy.devissuer import DevIssuer
 
@@ -155,12 +177,13 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
         **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url,
         "KVGATE_TIERS": '["memory"]', "KVGATE_MEMORY_BYTES": str(4 << 30),
         "KVGATE_MAX_CHUNK_BYTES": str(max(sizes) + (1 << 20)),
+        "KVGATE_MAX_BATCH_BYTES": str(max(max(sizes) + (1 << 20), max(s * counts[s] for s in sizes) + (1 << 20))),
     }
     env.pop("KVGATE_DATABASE_URL", None)
     await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, Any] = {"put": {}, "get": {}}
+    out: dict[str, Any] = {"put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
             for _ in range(150):
@@ -182,13 +205,21 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                 body = _envelope(size)
                 hashes = [secrets.token_hex(32) for _ in range(counts[size])]
 
-                async def timed(fn: Callable[[], Awaitable[object]]) -> float:
+                async def timed(fn: Callable[[], Awaitable[object]], name: str) -> float:
+                    """GB/s (median of ``reps``); CPU seconds per GB of client and server go to
+                    ``out["cpu_s_per_gb"]`` (steadier than wall time on a loaded machine)."""
                     await fn()
                     times = []
+                    c0, s0 = time.process_time(), _cpu_seconds(proc.pid)
                     for _ in range(reps):
                         t0 = time.perf_counter()
                         await fn()
                         times.append(time.perf_counter() - t0)
+                    gb = len(body) * len(hashes) * reps / 1e9
+                    out["cpu_s_per_gb"].setdefault(name, {})[size] = {
+                        "client": round((time.process_time() - c0) / gb, 3),
+                        "server": round((_cpu_seconds(proc.pid) - s0) / gb, 3),
+                    }
                     return len(body) * len(hashes) / statistics.median(times) / 1e9
 
                 async def puts() -> None:
@@ -202,8 +233,47 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                             async for _ in resp.aiter_raw(1 << 20):
                                 pass
 
-                out["put"][size] = await timed(puts)
-                out["get"][size] = await timed(gets)
+                async def frame() -> Any:
+                    yield frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
+                    view = memoryview(body)
+                    for _ in hashes:
+                        for off in range(0, len(view), _PIECE):  # as gateway.remote sends an envelope
+                            yield view[off : off + _PIECE]
+
+                async def put_batch() -> None:
+                    total = frames.HEAD + frames.INDEX_ITEM * len(hashes) + len(body) * len(hashes)
+                    batch_hdr = {**capability, "Content-Type": "application/octet-stream", "Content-Length": str(total)}
+                    (await http.put("/v1/chunks", content=frame(), headers=batch_hdr)).raise_for_status()
+
+                async def get_batch() -> None:
+                    async with http.stream("POST", "/v1/chunks/fetch", json={"hashes": hashes}, headers=capability) as resp:
+                        resp.raise_for_status()
+                        reader = frames.Reader(resp.aiter_raw())
+                        await reader.read(len(frames.MAGIC))
+                        for _ in hashes:
+                            _h, status, length = frames.parse_item_head(await reader.read(frames.ITEM_HEAD))
+                            assert status == frames.OK, status
+                            await reader.into(np.empty(length, dtype=np.uint8).data.cast("B"))
+
+                async def get_keyed() -> None:
+                    """As a worker loads: each envelope after its opening key (a fresh capability
+                    per fetch, so the bench never meets the per-capability key budget)."""
+                    r = await http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers=user)
+                    keyed = {**user, "X-KV-Capability": r.raise_for_status().json()["capability"]}
+                    async with http.stream("POST", "/v1/chunks/fetch", json={"hashes": hashes, "keys": True}, headers=keyed) as resp:
+                        resp.raise_for_status()
+                        reader = frames.Reader(resp.aiter_raw())
+                        await frames.read_keyed_head(reader)
+                        for _ in hashes:
+                            item = frames.parse_keyed_item_head(await reader.read(frames.KEYED_ITEM_HEAD))
+                            assert item.status == frames.OK, item.status
+                            await reader.into(np.empty(item.length, dtype=np.uint8).data.cast("B"))
+
+                out["put_per_chunk"][size] = await timed(puts, "put_per_chunk")
+                out["get_per_chunk"][size] = await timed(gets, "get_per_chunk")
+                out["put"][size] = await timed(put_batch, "put")
+                out["get"][size] = await timed(get_batch, "get")
+                out["get_keyed"][size] = await timed(get_keyed, "get_keyed")
                 out.setdefault("bytes", {})[size] = len(body)
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)

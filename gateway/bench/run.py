@@ -218,10 +218,14 @@ async def run_bench(
                 latency["lookup_32k_tokens_rest_ms"] = rest["lookup_ms"]
                 for b in byte_sizes:
                     send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps)
-                    for op, gbps, sock in (("store", rest["put"][b], send), ("load", rest["get"][b], recv)):
+                    rows = [("rest", "store", "put", send), ("rest", "load", "get", recv),  # batched
+                            ("rest_keyed", "load", "get_keyed", recv),  # the worker's load: keys in the stream
+                            ("rest_per_chunk", "store", "put_per_chunk", send), ("rest_per_chunk", "load", "get_per_chunk", recv)]
+                    for tier, op, name, sock in rows:
                         results.append({
-                            "op": op, "tier": "rest", "encrypted": True, "chunk_bytes": b, "threads": 1,
-                            "gbps": round(gbps, 3), "ceiling": {"name": "socket", "gbps": round(sock, 3)},
+                            "op": op, "tier": tier, "encrypted": True, "chunk_bytes": b, "threads": 1,
+                            "gbps": round(rest[name][b], 3), "ceiling": {"name": "socket", "gbps": round(sock, 3)},
+                            "cpu_s_per_gb": rest["cpu_s_per_gb"][name][b],
                         })
     finally:
         shutil.rmtree(base, ignore_errors=True)

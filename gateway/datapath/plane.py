@@ -5,10 +5,12 @@
     store.fetch --open (every tag checked) + scatter--> paged KV
 
 Embedded and remote mode run this same code; only the store differs. Keys are asked of the
-store's session once per request: for every chunk to seal, and, after the fetched envelopes'
-headers are read, for every chunk to open. A chunk that fails
-authentication, whose key is unavailable, or whose tier (or server) cannot deliver it ends the
-loaded prefix: a miss, counted, never handed to the engine.
+store's session once per request for every chunk to seal, and per load batch, from the fetched
+envelopes' headers, for the chunks to open: asking costs no round trip either way (in process the
+keys are derived there; a remote session received them with the envelopes, in the fetch stream),
+so opening one batch overlaps the fetches of the next. A chunk that fails authentication, whose
+key is unavailable, or whose tier (or server) cannot deliver it ends the loaded prefix: a miss,
+counted, never handed to the engine.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class DataPlane:
         for outcome in ended:
             if isinstance(outcome, BaseException):
                 raise outcome
+        await session.flush()  # a store that batches puts (remote) sends the rest; raises what it met
         return len(todo), sum(n for n in ended if isinstance(n, int))
 
     # -- retrieve ----------------------------------------------------------------------------
@@ -246,12 +249,9 @@ class DataPlane:
     async def _load(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor
     ) -> tuple[int, int, int, dict[int, str]]:
-        """Fetch, authenticate, decrypt and scatter the stored prefix in batches.
-
-        Where keys are a round trip (``session.keys_local`` false: a remote worker asks the server
-        for each envelope's key), the whole prefix is fetched first and its keys asked for in one
-        call. Where they are derived in process, each batch fetches, keys and opens its own chunks,
-        so opening one batch overlaps the fetches of the next (a disk or Redis tier)."""
+        """Fetch, authenticate, decrypt and scatter the stored prefix in batches: every fetch is
+        started at once (one streamed request in remote mode), and each batch keys and opens its
+        chunks as soon as they are in, so opening one batch overlaps the fetches of the next."""
         stats = {"failures": 0, "unavailable": 0}
         ended: dict[int, str] = {}  # chunk index -> why the prefix ended there
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
@@ -273,22 +273,15 @@ class DataPlane:
             self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
             return loaded
 
-        if session.keys_local:
-            session.prefetch(range(len(chunks)))
+        session.prefetch(range(len(chunks)))
 
-            async def run(batch: list[int]) -> int:
-                got = await self._fetch_run(session, batch, stats, ended)
-                fetched.update(zip(batch, got, strict=False))
-                return await open_jobs(batch, await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended))
+        async def run(batch: list[int]) -> int:
+            got = await self._fetch_run(session, batch, stats, ended)
+            fetched.update(zip(batch, got, strict=False))
+            return await open_jobs(batch, await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended))
 
-            batches = self._batches(len(chunks), model, chunks)
-            results = await asyncio.gather(*(run(b) for b in batches))
-        else:
-            got = await self._fetch_prefix(session, len(chunks), stats, ended)
-            fetched.update(enumerate(got))
-            jobs = await self._open_jobs(session, model, chunks, slots, 0, got, stats, ended)
-            batches = self._batches(len(jobs), model, chunks) if jobs else []
-            results = await asyncio.gather(*(open_jobs(b, jobs[b[0] : b[-1] + 1]) for b in batches))
+        batches = self._batches(len(chunks), model, chunks)
+        results = await asyncio.gather(*(run(b) for b in batches))
 
         # Batches run concurrently; the prefix ends at the first chunk that did not load. A chunk
         # past that point may have been unpacked already: authentic KV in slots the engine
@@ -354,31 +347,6 @@ class DataPlane:
                 break
         return out
 
-    async def _fetch_prefix(
-        self, session: ChunkSession, n: int, stats: dict[str, int], ended: dict[int, str]
-    ) -> list[Fetched]:
-        """The envelopes of chunks ``0 .. k-1``, up to the first that could not be fetched (fetched
-        concurrently, at most ``_FETCHES`` at a time)."""
-        session.prefetch(range(n))
-        gate = asyncio.Semaphore(_FETCHES)
-
-        async def one(i: int) -> Fetched | FetchFailed:
-            async with gate:
-                try:
-                    return await session.fetch(i)
-                except FetchFailed as exc:
-                    return exc
-
-        out: list[Fetched] = []
-        for i, got in enumerate(await asyncio.gather(*(one(i) for i in range(n)))):
-            if isinstance(got, FetchFailed):
-                if got.unavailable:
-                    stats["unavailable"] += 1
-                ended[i] = got.reason
-                break
-            out.append(got)
-        return out
-
 
 class _Unkeyed:
     """The keys of an envelope that needs none (a codec without keys) or cannot be opened (an
@@ -392,4 +360,3 @@ class _Unkeyed:
 
 
 _UNKEYED = _Unkeyed()
-_FETCHES = 8

@@ -11,8 +11,11 @@ namespace resolved, the chunks' storage keys computed once. The data plane (``pl
 the same store / lookup / retrieve over either. Nothing here touches plaintext: sealing and
 opening happen in the data path, on the worker.
 
-Keys are asked for once per request, for every chunk of it: ``sealing_keys`` before sealing,
-``opening_keys`` with the key version and salt read from the fetched envelopes' headers. Each
+Keys are asked for in one go: ``sealing_keys`` once per store, for every chunk to seal (one
+``POST /v1/keys/envelopes`` in remote mode); ``opening_keys`` per load batch, with the key
+version and salt read from the fetched envelopes' headers. Asking to open costs no round trip
+in either mode (in process the key is derived here; a remote session received each envelope's
+key with the envelope, in the fetch stream), so the plane opens each batch as it arrives. Each
 answer is an ``EnvelopeKeys`` per chunk (``crypto.segments``): a ``DataKey`` in process, the
 server's ``IssuedKey`` for that one envelope in remote mode.
 """
@@ -95,10 +98,6 @@ class ChunkSession(Protocol):
     """One request's access to one namespace. A chunk's keys are asked for (``sealing_keys`` /
     ``opening_keys``) before its ``context`` is used."""
 
-    #: True where keys are derived in process (asking costs nothing, so a load asks per batch and
-    #: overlaps opening with fetching); False where each ask is a round trip (once per request).
-    keys_local: bool
-
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext: ...
     async def presence(self) -> Presence: ...
     async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
@@ -110,6 +109,9 @@ class ChunkSession(Protocol):
     def prefetch(self, indices: Sequence[int]) -> None: ...
     async def fetch(self, i: int) -> Fetched: ...
     async def put(self, i: int, envelope: memoryview) -> None: ...
+    async def flush(self) -> None:
+        """Every envelope handed to ``put`` is stored (a store that batches puts sends them now),
+        or this raises what stopped it."""
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
         """A slot of the fastest tier to seal chunk ``i`` straight into, or None (then ``put``)."""
     async def commit(self, reserved: Reserved) -> bool: ...
@@ -159,8 +161,6 @@ class TierStore:
 
 
 class _TierSession:
-    keys_local = True  # the namespace's data key, unwrapped once: keys are derived per envelope here
-
     def __init__(self, store: TierStore, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
         self.store = store
         self.cap = cap
@@ -225,6 +225,9 @@ class _TierSession:
 
     async def put(self, i: int, envelope: memoryview) -> None:
         await self.store.tiers.put(self.keys[i], envelope)
+
+    async def flush(self) -> None:
+        return None  # every put is stored when it returns
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
         tiers = self.store.tiers

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from gateway.config import Settings
@@ -96,21 +96,7 @@ def create_app(settings: Settings) -> FastAPI:
     # before anything reads the body (inside the telemetry middleware, so refusals are counted)
     app.add_middleware(Gatekeeper, settings=settings)
 
-    @app.middleware("http")
-    async def observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        state: ServerState | None = getattr(request.app.state, "kvgate", None)
-        t0 = time.perf_counter()
-        if state is None:
-            return await call_next(request)
-        with state.telemetry.tracer.start_as_current_span(f"{request.method} {request.url.path[:40]}") as span:
-            response: Response = await call_next(request)
-            route = request.scope.get("route")
-            path = getattr(route, "path", "unmatched")
-            span.set_attribute("http.status_code", response.status_code)
-            attrs = {"method": request.method, "route": path, "status": str(response.status_code)}
-            state.telemetry.requests.add(1, attrs)
-            state.telemetry.latency.record(time.perf_counter() - t0, {"method": request.method, "route": path})
-        return response
+    app.add_middleware(_Observe)  # outermost: every request is counted, refusals included
 
     @app.get("/healthz", include_in_schema=True)
     async def healthz() -> dict[str, str]:
@@ -152,6 +138,36 @@ def create_app(settings: Settings) -> FastAPI:
         return JSONResponse(state.dev_issuer.jwks())
 
     return app
+
+
+class _Observe:
+    """A span, a request count and the latency to the response's start, per request. Plain ASGI
+    (not ``BaseHTTPMiddleware``, which hands every body message through a task group and every
+    streamed response part through a memory stream: a cost per 64 KiB of a chunk batch)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        state: ServerState | None = getattr(scope["app"].state, "kvgate", None) if scope["type"] == "http" else None
+        if state is None:
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        method = scope["method"]
+        tel = state.telemetry
+        with tel.tracer.start_as_current_span(f"{method} {scope['path'][:40]}") as span:
+
+            async def observed(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    path = getattr(scope.get("route"), "path", "unmatched")
+                    status = message["status"]
+                    span.set_attribute("http.status_code", status)
+                    tel.requests.add(1, {"method": method, "route": path, "status": str(status)})
+                    tel.latency.record(time.perf_counter() - t0, {"method": method, "route": path})
+                await send(message)
+
+            await self.app(scope, receive, observed)
 
 
 _Series = Callable[[], Iterable[tuple[float, dict[str, str]]]]

@@ -1,17 +1,26 @@
-"""Data-plane routes: capabilities, lookup, chunks, pins and per-envelope keys (DESIGN section 4)."""
+"""Data-plane routes: capabilities, lookup, chunks, pins and per-envelope keys (DESIGN section 4).
+
+Chunks move one per request (``PUT|GET|HEAD|DELETE /v1/chunks/{hash}``, kept for compatibility)
+or a prefix per request (issue 18): ``PUT /v1/chunks`` takes a frame of envelopes and stores all
+of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes back,
+each envelope as its tier hands it over. The frames are drawn in ``gateway.frames``; the
+upload's buffers and the prefix walk live in ``gateway.batches``. ``POST /v1/keys/envelopes``
+issues the keys a remote worker seals and opens envelopes with (``gateway.envelopes``).
+"""
 
 from __future__ import annotations
 
 import base64
 from collections.abc import AsyncIterator
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import APIRouter, Body, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from gateway.errors import InvalidRequest, TooLarge
+from gateway import batches, frames
+from gateway.errors import BadFrame, InvalidRequest, TooLarge
 from gateway.server.deps import (
     Authorize,
     Name,
@@ -36,6 +45,32 @@ _ENVELOPE_BODY = {
         "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
     }
 }
+
+_BATCH_MEDIA = "application/octet-stream"
+_BATCH_SCHEMA = {"schema": {"type": "string", "format": "binary"}}
+_BATCH_BODY = {
+    "requestBody": {
+        "required": True,
+        "description": "integers little endian: b'KVB1', count u32, count x (chained hash 32 bytes, "
+        "envelope length u64), then the envelopes concatenated in that order (gateway.frames)",
+        "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
+    }
+}
+_BATCH_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "b'KVB1', then per chunk of the stored prefix: chained hash 32 bytes, status u8 (0 ok), "
+        "length u64, the envelope; the first chunk not stored ends it with status 1 (missing) or 2 "
+        "(a tier could not answer) and length 0 (gateway.frames). With keys: b'KVK1', chunk_tokens u32, "
+        "tenant and namespace (u16 lengths, UTF-8), then per item: chained hash 32, status u8, key version u32, "
+        "salt 32, key 32, storage key 32, length u64, the envelope; status 3: key version destroyed, "
+        "4: a header that does not parse, sent without a key",
+        "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
+    }
+}
+
+# A streamed envelope goes out in views of this size: h11 copies each part once as it frames it,
+# and 1 MiB parts keep that copy in reused memory (a whole 32 MiB part is a fresh mmap each time).
+_PIECE = 1 << 20
 
 HashPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="chained sha256 of the chunk, hex")]
 Op = Literal["lookup", "get", "put", "pin"]
@@ -62,6 +97,15 @@ class LookupRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
     chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
     last_chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
+
+
+class FetchRequest(Strict):
+    hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
+    keys: bool = Field(
+        default=False,
+        description="send each envelope's opening key in its item (frame KVK1; the caller's roles must "
+        "also allow envelope_keys): a remote worker's load in one request",
+    )
 
 
 class LookupResponse(BaseModel):
@@ -155,13 +199,7 @@ async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> Lo
     return LookupResponse(hit_chunks=answer.hit_chunks, hit_tokens=hit_tokens, locations=answer.locations)
 
 
-@router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
-async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
-    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
-    the capability is checked: a forged or foreign capability costs no body read."""
-    cap = _cap(scope)
-    state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
-    limit = state.settings.max_chunk_bytes
+def _content_length(request: Request, limit: int) -> int:
     declared = request.headers.get("content-length")
     if declared is None:
         raise InvalidRequest("Content-Length is required")
@@ -173,6 +211,108 @@ async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, requ
         raise TooLarge()
     if size < 0:
         raise InvalidRequest("bad Content-Length")
+    return size
+
+
+@router.put(
+    "/chunks", status_code=204, openapi_extra=_BATCH_BODY,
+    responses=problem_responses(400),
+)
+async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Response:
+    """Store a batch of envelopes (a frame, ``gateway.frames``): all of them, or none.
+
+    The index is read and checked first (count, sizes, the total against ``Content-Length``,
+    the capability for every hash); then each envelope is read straight into the buffer that
+    keeps it; only a whole frame whose envelopes all have a valid header is stored. A bad frame
+    is a 400 and a torn body (a client gone mid-upload) stores nothing."""
+    cap = _cap(scope)
+    s = state.settings
+    size = _content_length(request, max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM))
+    body = frames.Reader(request.stream())
+    if size < frames.HEAD:
+        raise BadFrame("the body is shorter than a frame head")
+    count = frames.parse_head(await body.read(frames.HEAD), s.max_batch_items)
+    if size < frames.HEAD + count * frames.INDEX_ITEM:
+        raise BadFrame("the body is shorter than the frame's index")
+    items = frames.parse_index(await body.read(count * frames.INDEX_ITEM), count, s.max_chunk_bytes)
+    if frames.HEAD + count * frames.INDEX_ITEM + sum(n for _h, n in items) != size:
+        raise BadFrame("Content-Length does not match the frame's index")
+    batch = await batches.open_upload(state.plane, cap, items)
+    try:
+        for view in batch.views:
+            await body.into(view)
+        await body.end()
+    except BaseException:  # a torn frame, a client gone: nothing was stored
+        batch.abort()
+        raise
+    for where, n in zip(await batch.commit(), batch.sizes):
+        for tier in where:
+            state.telemetry.bytes.add(n, {"direction": "in", "tier": tier})
+    return Response(status_code=204)
+
+
+@router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
+async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
+    """The stored prefix of ``hashes``, streamed as a frame (``gateway.frames``): each envelope
+    is written from its tier's buffer as soon as it is had, and the next is read from its tier
+    only once the previous one was handed to the connection (a slow reader holds the server
+    to about one envelope). The capability is checked for every hash before anything is read.
+
+    With ``keys``, each envelope's item carries the key that opens it (issued as ``POST
+    /v1/keys/envelopes {open}`` would: counted against the capability's key budget, a 403
+    ``key-budget-spent`` before anything is sent past it, one ``key.issue`` audit event per fetch)."""
+    cap = _cap(scope)
+    if body.keys:
+        authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
+    walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
+    first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
+    if body.keys:
+        verified = read_unverified(cap)  # verified by the walk just now
+        head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
+    else:
+        head = frames.MAGIC
+
+    def item(got: batches.PrefixItem) -> bytes:
+        if got.found is None:
+            status = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE}.get(got.reason, frames.UNAVAILABLE)
+            return frames.keyed_item_head(got.chained_hash, status) if body.keys else frames.item_head(got.chained_hash, status, 0)
+        n = got.found.data.nbytes
+        if not body.keys:
+            return frames.item_head(got.chained_hash, frames.OK, n)
+        k = got.key
+        if k is None or k.key is None:  # a header that does not parse: no key to send
+            return frames.keyed_item_head(got.chained_hash, frames.UNKEYED, n)
+        return frames.keyed_item_head(
+            got.chained_hash, frames.OK, n, key_version=k.key_version, salt=k.salt, key=k.key,
+            storage_key=bytes.fromhex(k.storage_key),
+        )
+
+    async def frame() -> AsyncIterator[bytes | memoryview]:
+        yield head
+        got: batches.PrefixItem | None = first
+        try:
+            while got is not None:
+                yield item(got)
+                if got.found is None:
+                    return
+                data = got.found.data
+                state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
+                for off in range(0, data.nbytes, _PIECE):  # views of the tier's buffer (see _PIECE)
+                    yield data[off : off + _PIECE]
+                got = await anext(walk, None)
+        finally:
+            await walk.aclose()
+
+    return StreamingResponse(frame(), media_type=_BATCH_MEDIA)
+
+
+@router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
+async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
+    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
+    the capability is checked: a forged or foreign capability costs no body read."""
+    cap = _cap(scope)
+    state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
+    size = _content_length(request, state.settings.max_chunk_bytes)
     buf = np.empty(size, dtype=np.uint8).data.cast("B")
     filled = 0
     async for part in request.stream():

@@ -33,6 +33,7 @@ from typing import Any
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from gateway import frames
 from gateway.config import Settings
 
 __all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
@@ -47,11 +48,13 @@ def body_limit(method: str, path: str, settings: Settings) -> int:
     """The most body bytes a route takes (0: it takes none)."""
     if method == "PUT" and path.startswith("/v1/chunks/"):
         return settings.max_chunk_bytes
+    if method == "PUT" and path == "/v1/chunks":  # a batch frame (gateway.frames): at least one whole chunk
+        return max(settings.max_batch_bytes, settings.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
     if method != "POST" or path.endswith("/keys/rotate"):
         return 0  # GET, HEAD, DELETE, and a rotation (its tenant is in the path) take no body
     if path in ("/v1/admin/clear", "/v1/admin/move"):
         return _BULK_BYTES
-    if path == "/v1/lookup":
+    if path in ("/v1/lookup", "/v1/chunks/fetch"):
         return _LOOKUP_BYTES
     if path == "/v1/keys/envelopes":
         return _KEYS_BYTES
@@ -143,7 +146,8 @@ class _Body:
         if self.done:  # the body is in; what follows is a wait for the client to disconnect
             return await self._receive()
         try:
-            message = await asyncio.wait_for(self._receive(), self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task per message, as wait_for would make
+                message = await self._receive()
         except TimeoutError:
             raise HTTPException(408, "the request body did not arrive in time", headers={"Connection": "close"}) from None
         if message["type"] == "http.request":

@@ -29,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from crypto.errors import KekError
 from gateway.errors import (
     AccessDenied,
+    BadFrame,
     ChunkMissing,
     Conflict,
     InvalidRequest,
@@ -169,6 +170,7 @@ PROBLEMS: dict[type[Exception], Entry] = {
     TenantUnavailable: _FORBIDDEN,  # unknown or disabled: told like any refusal
     ChunkMissing: ProblemType(404, "Not Found", "no such chunk"),
     InvalidRequest: _INVALID,
+    BadFrame: ProblemType(400, "Bad Request", _echo),
     CapabilityRequestInvalid: _INVALID,
     RequestValidationError: ProblemType(422, "Unprocessable Content", "the request does not match the schema"),
     Conflict: _CONFLICT,

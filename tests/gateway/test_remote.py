@@ -7,17 +7,19 @@ from __future__ import annotations
 import base64
 import json
 
+import httpx
 import pytest
 import torch
 
 from crypto.envelope import ChunkCipher, EnvelopeContext, IssuedKey, read_header
 from crypto.errors import DecryptionFailed
-from gateway.errors import AccessDenied, InvalidRequest
+from gateway import frames
+from gateway.errors import AccessDenied, BadFrame, InvalidRequest
 from gateway.remote import RemoteGateway, RemoteUnavailable
 from tenancy.capabilities import read_unverified
 from tests.support import server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
-from tests.support.server_fixture import ALL_OPS, LiveServer
+from tests.support.server_fixture import ALL_OPS, LiveServer, random_hash
 
 live_server = server_fixture.live_server  # a fixture, registered in this module
 live_server_pg = server_fixture.live_server_pg  # a fixture, registered in this module
@@ -322,8 +324,8 @@ async def test_another_tenants_capability_gets_no_key_to_an_envelope(live_server
 
 
 async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_server: LiveServer):
-    """A store asks for the keys of all its chunks in one call, a retrieve for all it fetched in
-    one call; each is one audit event with the count."""
+    """A store asks for the keys of all its chunks in one call, a retrieve gets the keys of all it
+    fetched in its one fetch stream; each is one audit event with the count."""
     live = live_server
     g = small_geometry()
     model = model_for(g)
@@ -343,6 +345,280 @@ async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_s
         r = await http.get("/v1/admin/audit/export", params={"until": "2999-01-01T00:00:00+00:00"},
                            headers=live.headers(live.admin_token(a)))
         rows = [row for row in map(json.loads, r.text.splitlines()) if row.get("action") == "key.issue"]
-        assert [(row["details"]["purpose"], row["details"]["issued"]) for row in rows if row["details"]["cap_id"] == cap_id] == [
-            ("seal", 4), ("open", 4),
+        assert [
+            (row["details"]["purpose"], row["details"]["issued"], row["details"]["route"])
+            for row in rows if row["details"]["cap_id"] == cap_id
+        ] == [("seal", 4, "/v1/keys/envelopes"), ("open", 4, "/v1/chunks/fetch")]
+
+
+# -- issue 18: the batched data plane, through the worker's client ---------------------------------
+SIX = 16 * 6  # six full chunks
+BLOCKS6 = list(range(24))
+
+
+def _requests(log: list[str]):
+    async def hook(request: httpx.Request) -> None:
+        log.append(f"{request.method} {request.url.path}")
+
+    return hook
+
+
+async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
+    """Puts go out as framed batches (here forced to two envelopes each, so three batches overlap
+    the sealing), a load is one streamed fetch: no per-chunk request either way."""
+    import gateway.remote as remote
+
+    monkeypatch.setattr(remote, "_BATCH_ITEMS", 2)
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=11)
+    tokens = list(range(100, 100 + SIX))
+    log: list[str] = []
+    async with httpx.AsyncClient(timeout=30, event_hooks={"request": [_requests(log)]}) as http:
+        async with _remote(live, a, http=http) as ra:
+            assert (await ra.store(model, tokens, src, block_ids=BLOCKS6, skip_existing=False)).stored == 6
+            assert [r for r in log if "/chunks" in r] == ["PUT /v1/chunks"] * 3
+            log.clear()
+            dst = zero_cache(g, NUM_BLOCKS)
+            got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+            assert (got.loaded_tokens, got.integrity_failures) == (SIX, 0)
+            assert torch.equal(gathered(src, g, BLOCKS6, SIX), gathered(dst, g, BLOCKS6, SIX))
+            assert log == ["POST /v1/chunks/fetch"]  # the whole load: its keys came in the stream
+
+
+async def _spoil(live: LiveServer, ra: RemoteGateway, rb: RemoteGateway, model, tokens, how: str) -> None:
+    """Make chunk 2 of ``tokens`` in A's namespace missing, tampered, another tenant's, or bytes
+    whose header does not parse (written into the tier behind the server's back)."""
+    h = ra._chunks(model, tokens)[2].chained_hash.hex()
+    async with live.client() as http:
+        hdr = live.headers(live.worker_token("acme"), await ra.capability())
+        if how == "missing":
+            assert (await http.delete(f"/v1/chunks/{h}", headers=hdr)).status_code == 204
+            return
+        if how == "junk":
+            _cap, keys = await live.call(live.state.plane.keys_for, await ra.capability(), "get", [h])
+            await live.call(live.runtime.tiers.put, keys[0], memoryview(b"junk" * 64))
+            return
+        if how == "tampered":
+            blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr)).content)
+            blob[-1] ^= 1  # the last tag: the header still parses, the server takes it
+        else:  # B's envelope of the same chunk (same tokens, same model), put in A's place
+            hdr_b = live.headers(live.worker_token("globex"), await rb.capability())
+            blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr_b)).content)
+        assert (await http.put(f"/v1/chunks/{h}", content=bytes(blob), headers=hdr)).status_code == 204
+
+
+@pytest.mark.parametrize("how", ["missing", "tampered", "foreign", "junk"])
+async def test_a_bad_chunk_mid_batch_ends_the_prefix_and_nothing_past_it_lands(live_server: LiveServer, how: str):
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    a, b = await _tenants(live, "acme", "globex")
+    src = random_cache(g, NUM_BLOCKS, seed=12)
+    tokens = list(range(300, 300 + SIX))
+    async with _remote(live, a, threads=1) as ra, _remote(live, b, threads=1) as rb:  # one batch: nothing unpacked past a failure
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+        assert (await rb.store(model, tokens, random_cache(g, NUM_BLOCKS, seed=13), block_ids=BLOCKS6)).stored == 6
+        # positive control: the whole prefix loads
+        ok = zero_cache(g, NUM_BLOCKS)
+        assert (await ra.retrieve(model, tokens, ok, block_ids=BLOCKS6)).loaded_tokens == SIX
+        await _spoil(live, ra, rb, model, tokens, how)
+        sentinel = random_cache(g, NUM_BLOCKS, seed=99)  # what the engine's cache held before
+        dst = [t.clone() for t in sentinel]
+        got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+        assert got.loaded_tokens == 32  # chunks 0 and 1
+        assert got.integrity_failures == (0 if how == "missing" else 1)
+        assert torch.equal(gathered(src, g, BLOCKS6, 32), gathered(dst, g, BLOCKS6, 32))
+        # past the prefix: every slot as it was (no byte of chunks 2..5 reached the cache)
+        past = BLOCKS6[8:]
+        assert torch.equal(gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32))
+        # the blocks of the table nobody named are untouched too
+        assert all(torch.equal(s[:, 24:], d[:, 24:]) for s, d in zip(sentinel, dst))  # KV_FIRST: blocks are dim 1
+        # an inauthentic chunk was deleted, so a recompute stores a good copy
+        h = ra._chunks(model, tokens)[2].chained_hash.hex()
+        async with live.client() as http:
+            hdr = live.headers(live.worker_token("acme"), await ra.capability())
+            assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 404
+
+
+# -- the opening keys in the fetch stream -----------------------------------------------------------
+async def _one_part(data: bytes):
+    yield data
+
+
+async def _keyed_fetch(live: LiveServer, http, tenant: str, cap: str, hashes: list[str]):
+    """``POST /v1/chunks/fetch {keys}`` as a worker of ``tenant``: the frame's scope and its items
+    (item head, envelope bytes)."""
+    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes, "keys": True},
+                        headers=live.headers(live.worker_token(tenant), cap))
+    assert r.status_code == 200, r.text
+    reader = frames.Reader(_one_part(r.content))
+    chunk_tokens, got_tenant, namespace = await frames.read_keyed_head(reader)
+    assert chunk_tokens == live.settings.chunk_tokens
+    items = []
+    while True:
+        try:
+            head = await reader.read(frames.KEYED_ITEM_HEAD)
+        except BadFrame:
+            break
+        item = frames.parse_keyed_item_head(head)
+        items.append((item, bytes(await reader.read(item.length))))
+        if item.status != frames.OK:
+            break
+    await reader.end()
+    return (got_tenant, namespace), items
+
+
+async def _key_issue_rows(live: LiveServer, http, tenant: str, cap_id: str) -> list[dict]:
+    await live.call(live.runtime.audit.flush, 10)
+    r = await http.get("/v1/admin/audit/export", params={"until": "2999-01-01T00:00:00+00:00"},
+                       headers=live.headers(live.admin_token(tenant)))
+    rows = [row for row in map(json.loads, r.text.splitlines()) if row.get("action") == "key.issue"]
+    return [row for row in rows if row["details"]["cap_id"] == cap_id]
+
+
+async def test_the_fetch_stream_carries_each_envelopes_key_counted_and_audited_per_fetch(live_server: LiveServer):
+    """Every envelope of the stored prefix comes with its key version, salt, key and storage key;
+    the keys open exactly those envelopes; they count as issued keys of the capability, and each
+    fetch is one key.issue event with its count (not one per envelope)."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=21)
+    tokens = list(range(400, 400 + N))
+    stats = live.runtime.gateway.stats
+    async with _remote(live, a) as ra, live.client() as http:
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
+        cap = await ra.capability()
+        cap_id = read_unverified(cap).cap_id
+        hashes = [c.chained_hash.hex() for c in ra._chunks(model, tokens)]
+        issued0, open0, budget0 = stats["envelope_keys_issued"], stats["envelope_keys_issued_open"], live.state.plane.issued_to(cap_id)
+        for _ in range(2):
+            scope, items = await _keyed_fetch(live, http, a, cap, hashes + [random_hash()])  # a miss ends it
+            assert scope == (a, "default")
+            assert [it.status for it, _env in items] == [frames.OK] * 4 + [frames.MISSING]
+            ns = await live.call(live.runtime.resolver.keys, a, "default")
+            for k, (it, env) in enumerate(items[:4]):
+                header = read_header(env)
+                assert (it.chained_hash.hex(), it.key_version, it.salt) == (hashes[k], header.key_version, header.salt)
+                assert it.storage_key.hex() == ns.storage_key(it.chained_hash)
+                ctx = _ctx(a, it.storage_key.hex(), model, it.key_version)
+                plain = ChunkCipher().open(IssuedKey(it.salt, it.key), ctx, env)
+                if k == 0:  # the others authenticated too (open checks every tag)
+                    assert bytes(plain) == gathered(src, g, BLOCKS, 16).numpy().tobytes()
+            assert items[4][0].key == bytes(32)  # nothing is issued for a miss
+        assert (stats["envelope_keys_issued"] - issued0, stats["envelope_keys_issued_open"] - open0) == (8, 8)
+        assert live.state.plane.issued_to(cap_id) - budget0 == 8  # charged 5 per fetch, the miss refunded
+        rows = [row for row in await _key_issue_rows(live, http, a, cap_id) if row["details"]["route"] == "/v1/chunks/fetch"]
+        assert [(row["outcome"], row["details"]["purpose"], row["details"]["issued"], row["target"]["chunk_count"]) for row in rows] == [
+            ("success", "open", 4, 4), ("success", "open", 4, 4),
         ]
+        # without keys the frame is the plain one, and nothing is issued or audited
+        r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=live.headers(live.worker_token(a), cap))
+        assert r.content[:4] == frames.MAGIC and stats["envelope_keys_issued"] - issued0 == 8
+        assert len(await _key_issue_rows(live, http, a, cap_id)) == len(rows) + 1  # + the store's seal
+
+
+async def test_a_key_kept_from_a_fetch_opens_no_other_envelope(live_server: LiveServer):
+    """The attacker is a worker that kept the key a fetch stream handed it for one envelope: it
+    opens that envelope (positive control) and no other envelope of the tenant, with that
+    envelope's true context or with its header rewritten to carry the kept salt; the other
+    envelope's own key from the stream opens it (so the refusal is the key's)."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=22)
+    t1, t2 = list(range(16)), list(range(6000, 6016))
+    async with _remote(live, a) as ra, live.client() as http:
+        await ra.store(model, t1, src, block_ids=BLOCKS)
+        await ra.store(model, t2, src, block_ids=BLOCKS)
+        cap = await ra.capability()
+        h1, h2 = ra._chunks(model, t1)[0].chained_hash.hex(), ra._chunks(model, t2)[0].chained_hash.hex()
+        _scope, [(kept, env1)] = await _keyed_fetch(live, http, a, cap, [h1])
+        _scope, [(own2, env2)] = await _keyed_fetch(live, http, a, cap, [h2])
+        key1 = IssuedKey(kept.salt, kept.key)
+        plain = ChunkCipher().open(key1, _ctx(a, kept.storage_key.hex(), model, kept.key_version), env1)
+        assert bytes(plain) == gathered(src, g, BLOCKS, 16).numpy().tobytes()  # positive control
+        ctx2 = _ctx(a, own2.storage_key.hex(), model, own2.key_version)
+        with pytest.raises(DecryptionFailed):
+            ChunkCipher().open(key1, ctx2, env2)
+        forged = bytearray(env2)
+        forged[8:40] = kept.salt  # the header claims the kept salt
+        with pytest.raises(DecryptionFailed):
+            ChunkCipher().open(key1, ctx2, bytes(forged))
+        with pytest.raises(DecryptionFailed):  # nor the raw key under the other salt
+            ChunkCipher().open(IssuedKey(own2.salt, kept.key), ctx2, env2)
+        assert ChunkCipher().open(IssuedKey(own2.salt, own2.key), ctx2, env2) == plain
+
+
+async def test_a_destroyed_key_version_mid_prefix_ends_it_as_key_unavailable(live_server: LiveServer):
+    """Chunk 0 is sealed under a live key version, chunk 1 under one then destroyed: the stream
+    sends chunk 0 with its key, ends at chunk 1 with status key-unavailable (no bytes, no key),
+    and the worker loads one chunk, reason key_unavailable; the fetch audits one key issued."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=23)
+    tokens = list(range(8000, 8064))  # four chunks
+    async with _remote(live, a) as ra, live.client() as http:
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 4
+        cap = await ra.capability()
+        hashes = [c.chained_hash.hex() for c in ra._chunks(model, tokens)]
+        v1 = read_header(await _stored_envelope(live, http, a, cap, hashes[0])).key_version
+        r = await http.post(f"/v1/admin/tenants/{a}/keys/rotate", headers=live.headers(live.admin_token(a)))
+        assert r.status_code == 200
+        # chunk 0 sealed again, under v1 + 1 (it is the whole of these tokens); chunks 1..3 stay under v1
+        assert (await ra.store(model, tokens[:16], src, block_ids=BLOCKS6, skip_existing=False)).stored == 1
+        assert read_header(await _stored_envelope(live, http, a, cap, hashes[0])).key_version == v1 + 1
+        control = zero_cache(g, NUM_BLOCKS)  # positive control: the whole prefix loads
+        assert (await ra.retrieve(model, tokens, control, block_ids=BLOCKS6)).loaded_tokens == 64
+        assert await live.call(live.runtime.gateway.keyring.destroy, a, [v1]) == [v1]
+        cap_id = read_unverified(cap).cap_id
+        seen = len(await _key_issue_rows(live, http, a, cap_id))
+        _scope, items = await _keyed_fetch(live, http, a, cap, hashes)
+        assert [(it.status, it.length, it.key == bytes(32)) for it, _env in items] == [
+            (frames.OK, items[0][0].length, False), (frames.KEY_UNAVAILABLE, 0, True),
+        ]
+        rows = (await _key_issue_rows(live, http, a, cap_id))[seen:]
+        assert [(row["details"]["issued"], row["details"]["unavailable"]) for row in rows] == [(1, 1)]
+        before = ra.stats["key_unavailable"]
+        sentinel = random_cache(g, NUM_BLOCKS, seed=98)
+        dst = [t.clone() for t in sentinel]
+        got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+        assert (got.loaded_tokens, got.unavailable, got.integrity_failures, got.reason) == (16, 1, 0, "key_unavailable")
+        assert ra.stats["key_unavailable"] == before + 1
+        assert torch.equal(gathered(src, g, BLOCKS6, 16), gathered(dst, g, BLOCKS6, 16))
+
+
+async def test_the_fetch_charges_the_key_budget_before_it_sends_anything(live_server: LiveServer):
+    """Past the capability's key budget a keyed fetch is a typed 403 before any byte of an
+    envelope is sent (audited as a denial); the worker's load renews its capability and loads."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=24)
+    tokens = list(range(9000, 9000 + N))
+    plane = live.state.plane
+    saved = plane.max_keys_per_capability
+    async with _remote(live, a) as ra, live.client() as http:
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
+        cap = await ra.capability()
+        hashes = [c.chained_hash.hex() for c in ra._chunks(model, tokens)]
+        plane.max_keys_per_capability = plane.issued_to(read_unverified(cap).cap_id) + 3  # room for 3 of 4
+        try:
+            r = await http.post("/v1/chunks/fetch", json={"hashes": hashes, "keys": True},
+                                headers=live.headers(live.worker_token(a), cap))
+            assert r.status_code == 403 and r.json()["type"] == "urn:kvgate:problem:key-budget-spent"
+            rows = await _key_issue_rows(live, http, a, read_unverified(cap).cap_id)
+            assert [(row["outcome"], row["details"]["route"]) for row in rows][-1] == ("denied", "/v1/chunks/fetch")
+            dst = zero_cache(g, NUM_BLOCKS)
+            assert (await ra.retrieve(model, tokens, dst, block_ids=BLOCKS)).loaded_tokens == N  # a fresh capability
+            assert await ra.capability() != cap
+        finally:
+            plane.max_keys_per_capability = saved

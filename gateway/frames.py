@@ -1,0 +1,224 @@
+"""The batched data plane's framing: several envelopes in one body, and back (issue 18).
+
+One request per prefix instead of one per chunk. Both directions are a short, length-prefixed
+binary frame (integers little endian, hashes raw 32-byte chained sha256):
+
+Upload, the body of ``PUT /v1/chunks`` (``application/octet-stream``)::
+
+    magic   4 bytes   b"KVB1" (a version byte on the format: a reader refuses any other)
+    count   u32       1 .. max items
+    index   count x ( hash 32 bytes | length u64 )     every item's hash and envelope size
+    bodies  the envelopes, concatenated in index order  (sum of the lengths)
+
+The whole index comes before any envelope byte, so the server checks the frame (count, sizes,
+total against ``Content-Length``, no hash twice) and the capability for every hash (its chunk
+allowlist included) before it reads an envelope, and reads each envelope straight into the
+buffer that keeps it. Nothing is stored until the whole frame is in and every envelope's header
+checked: a torn or malformed batch stores nothing.
+
+Download, the response of ``POST /v1/chunks/fetch`` (JSON ``{"hashes": [...]}`` in)::
+
+    magic   4 bytes   b"KVB1"
+    items   ( hash 32 bytes | status u8 | length u64 | length envelope bytes ) ...
+
+Items come in the order asked, each as soon as the server has it from its tier (a streamed,
+chunked response: a slow reader holds the server to about one envelope). Status 0 is an
+envelope; the prefix walk is folded in: the first chunk that is not stored ends the response
+with one item of status 1 (missing) or 2 (a tier could not answer), length 0. A response that
+stops before every hash was answered, without such an item, was cut (the client treats the
+rest as a miss).
+
+Download with keys, the response of ``POST /v1/chunks/fetch`` with ``"keys": true`` (a remote
+worker's load: each envelope arrives with the key that opens it, so a load is one request)::
+
+    magic        4 bytes   b"KVK1" (keyed items, layout version 1; a reader refuses any other)
+    chunk_tokens u32       the server's chunk size (a worker must chain-hash with the same)
+    scope        tenant length u16 | namespace length u16 | tenant | namespace   (UTF-8)
+    items   ( hash 32 | status u8 | key version u32 | salt 32 | key 32 | storage key 32
+              | length u64 | length envelope bytes ) ...
+
+An item's key is the envelope's own segment key, ``HKDF(dek || binding_secret, salt)`` for the
+key version and salt the server read from the envelope's header, issued as ``POST
+/v1/keys/envelopes {open}`` issues it (``gateway.envelopes``: the capability's budget, counted,
+one audited ``key.issue`` per fetch); the storage key is ``HMAC(index key, hash)``, raw, which
+the envelope's AAD binds. Statuses are those above, plus 3 (the envelope's key version is
+destroyed: it ends the prefix, no key, length 0; the worker reads it as ``key_unavailable``) and
+4 (an envelope whose header does not parse: sent without a key, so it fails to open and the
+worker counts an integrity failure; nothing follows it). Key fields are zero where no key is
+sent.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.errors import BadFrame
+
+__all__ = [
+    "HEAD",
+    "INDEX_ITEM",
+    "ITEM_HEAD",
+    "KEYED_ITEM_HEAD",
+    "KEYED_MAGIC",
+    "KEY_UNAVAILABLE",
+    "KeyedItem",
+    "MAGIC",
+    "OK",
+    "MISSING",
+    "Reader",
+    "UNAVAILABLE",
+    "UNKEYED",
+    "encode_head",
+    "encode_index",
+    "item_head",
+    "keyed_head",
+    "keyed_item_head",
+    "parse_head",
+    "parse_index",
+    "parse_item_head",
+    "parse_keyed_item_head",
+    "read_keyed_head",
+]
+
+MAGIC = b"KVB1"
+KEYED_MAGIC = b"KVK1"
+OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED = 0, 1, 2, 3, 4
+_HEAD = struct.Struct("<4sI")
+_INDEX = struct.Struct("<32sQ")
+_ITEM = struct.Struct("<32sBQ")
+_KEYED_HEAD = struct.Struct("<4sIHH")
+_KEYED_ITEM = struct.Struct("<32sBI32s32s32sQ")
+HEAD, INDEX_ITEM, ITEM_HEAD = _HEAD.size, _INDEX.size, _ITEM.size  # 8, 40, 41 bytes
+KEYED_ITEM_HEAD = _KEYED_ITEM.size  # 141 bytes
+_KEY_BYTES = 32
+_NO_KEY = bytes(_KEY_BYTES)
+_MAX_NAME = 1024  # a tenant or namespace name longer than this is a broken frame
+
+
+def encode_head(count: int) -> bytes:
+    return _HEAD.pack(MAGIC, count)
+
+
+def encode_index(items: Sequence[tuple[bytes, int]]) -> bytes:
+    """The head and index of an upload frame: ``(chained hash, envelope length)`` per item."""
+    return encode_head(len(items)) + b"".join(_INDEX.pack(h, n) for h, n in items)
+
+
+def parse_head(data: bytes | memoryview, max_items: int) -> int:
+    """The item count of a frame's head; BadFrame for another magic or a count out of range."""
+    magic, count = _HEAD.unpack(data)
+    if magic != MAGIC:
+        raise BadFrame("not a kvgate batch frame (magic KVB1)")
+    if not 1 <= count <= max_items:
+        raise BadFrame(f"a batch holds 1 to {max_items} items, not {count}")
+    return int(count)
+
+
+def parse_index(data: bytes | memoryview, count: int, max_item_bytes: int) -> list[tuple[bytes, int]]:
+    """An upload's index; BadFrame for an empty or oversized item or a hash named twice."""
+    items = [(bytes(h), int(n)) for h, n in _INDEX.iter_unpack(data)]
+    if len(items) != count:
+        raise BadFrame("the index is shorter than its count")
+    for _h, n in items:
+        if n <= 0 or n > max_item_bytes:
+            raise BadFrame(f"an item is 1 to {max_item_bytes} bytes, not {n}")
+    if len({h for h, _n in items}) != count:
+        raise BadFrame("a hash is named twice in one batch")
+    return items
+
+
+def item_head(chained_hash: bytes, status: int, length: int) -> bytes:
+    return _ITEM.pack(chained_hash, status, length)
+
+
+def parse_item_head(data: bytes | memoryview) -> tuple[bytes, int, int]:
+    h, status, length = _ITEM.unpack(data)
+    return bytes(h), int(status), int(length)
+
+
+def keyed_head(chunk_tokens: int, tenant: str, namespace: str) -> bytes:
+    """The head of a keyed download: magic, chunk size and the capability's scope."""
+    t, n = tenant.encode(), namespace.encode()
+    return _KEYED_HEAD.pack(KEYED_MAGIC, chunk_tokens, len(t), len(n)) + t + n
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedItem:
+    """One item head of a keyed download (``key`` is all zero where none was sent)."""
+
+    chained_hash: bytes
+    status: int
+    key_version: int
+    salt: bytes
+    key: bytes = field(repr=False)
+    storage_key: bytes
+    length: int
+
+
+def keyed_item_head(
+    chained_hash: bytes, status: int, length: int = 0, *, key_version: int = 0, salt: bytes = _NO_KEY,
+    key: bytes = _NO_KEY, storage_key: bytes = _NO_KEY,
+) -> bytes:
+    return _KEYED_ITEM.pack(chained_hash, status, key_version, salt, key, storage_key, length)
+
+
+def parse_keyed_item_head(data: bytes | memoryview) -> KeyedItem:
+    h, status, version, salt, key, storage_key, length = _KEYED_ITEM.unpack(data)
+    return KeyedItem(bytes(h), int(status), int(version), bytes(salt), bytes(key), bytes(storage_key), int(length))
+
+
+async def read_keyed_head(reader: Reader) -> tuple[int, str, str]:
+    """``(chunk_tokens, tenant, namespace)`` of a keyed download; BadFrame for another magic."""
+    magic, chunk_tokens, t_len, n_len = _KEYED_HEAD.unpack(await reader.read(_KEYED_HEAD.size))
+    if magic != KEYED_MAGIC:
+        raise BadFrame("not a kvgate keyed batch frame (magic KVK1)")
+    if t_len > _MAX_NAME or n_len > _MAX_NAME:
+        raise BadFrame("a scope name is too long")
+    try:
+        tenant = bytes(await reader.read(t_len)).decode()
+        namespace = bytes(await reader.read(n_len)).decode()
+    except UnicodeDecodeError:
+        raise BadFrame("a scope name is not UTF-8") from None
+    return int(chunk_tokens), tenant, namespace
+
+
+class Reader:
+    """A byte stream read into the caller's buffers as it arrives (no copy beyond the one out of
+    the transport's own receive buffer); BadFrame where it ends early or runs on."""
+
+    def __init__(self, parts: AsyncIterable[bytes]) -> None:
+        self._parts = parts.__aiter__()
+        self._left = memoryview(b"")
+
+    async def _next(self) -> memoryview:
+        while not self._left:
+            try:
+                self._left = memoryview(await self._parts.__anext__()).cast("B")
+            except StopAsyncIteration:
+                raise BadFrame("the body ends inside the frame") from None
+        return self._left
+
+    async def into(self, view: memoryview) -> None:
+        """Fill ``view`` (a writable byte buffer) from the stream."""
+        filled = 0
+        while filled < view.nbytes:
+            part = await self._next()
+            n = min(part.nbytes, view.nbytes - filled)
+            view[filled : filled + n] = part[:n]
+            self._left = part[n:]
+            filled += n
+
+    async def read(self, n: int) -> memoryview:
+        out = memoryview(bytearray(n))
+        await self.into(out)
+        return out
+
+    async def end(self) -> None:
+        """Check that nothing follows the frame."""
+        if self._left:
+            raise BadFrame("the body runs on past the frame")
+        async for part in self._parts:
+            if part:
+                raise BadFrame("the body runs on past the frame")

@@ -1,0 +1,315 @@
+"""Issue 18, the batched data plane under a live server: ``PUT /v1/chunks`` (a frame, all or
+nothing) and ``POST /v1/chunks/fetch`` (the stored prefix, streamed).
+
+Written as a misbehaving client would act: malformed and torn frames, a client that hangs up
+mid-upload, a reader that stops reading, capabilities narrowed to other chunks or tenants --
+each beside the positive control that the same request, done right, works."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from gateway import frames
+from tenancy.capabilities import attenuate
+from tests.support import server_fixture
+from tests.support.server_fixture import LiveServer, assert_problem, fake_envelope, random_hash
+
+live_server = server_fixture.live_server  # a fixture, registered in this module
+
+BATCH = "application/octet-stream"
+
+
+def frame(items: list[tuple[str, bytes]]) -> bytes:
+    return frames.encode_index([(bytes.fromhex(h), len(e)) for h, e in items]) + b"".join(e for _h, e in items)
+
+
+async def put_batch(http: httpx.AsyncClient, hdr: dict[str, str], body: bytes) -> httpx.Response:
+    return await http.put("/v1/chunks", content=body, headers={**hdr, "Content-Type": BATCH})
+
+
+async def fetch(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[tuple[str, int, bytes]]:
+    """Every item of a fetch response, parsed."""
+    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=hdr)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith(BATCH)
+    raw = memoryview(r.content)
+    assert bytes(raw[:4]) == frames.MAGIC
+    out, off = [], 4
+    while off < len(raw):
+        h, status, n = frames.parse_item_head(raw[off : off + frames.ITEM_HEAD])
+        off += frames.ITEM_HEAD
+        out.append((h.hex(), status, bytes(raw[off : off + n])))
+        off += n
+    return out
+
+
+async def stored(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[bool]:
+    """Whether each chunk is in any tier (HEAD answers from every tier)."""
+    return [(await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 200 for h in hashes]
+
+
+def reservations(live: LiveServer) -> int:
+    return live.runtime.tiers.tiers[0].stats().reservations  # the memory tier's extents not yet committed
+
+
+async def _setup(live: LiveServer, http: httpx.AsyncClient) -> tuple[str, dict[str, str]]:
+    tenant = await live.create_tenant(http)
+    return tenant, live.headers(live.worker_token(tenant), await live.capability(http, tenant))
+
+
+async def test_round_trip_and_the_prefix_walk(live_server: LiveServer):
+    live = live_server
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(n)) for n in (300, 5000, 70_000)]
+        r = await put_batch(http, hdr, frame(items))
+        assert r.status_code == 204, r.text
+        hashes = [h for h, _e in items]
+        assert await stored(http, hdr, hashes) == [True] * 3
+        got = await fetch(http, hdr, hashes)
+        assert got == [(h, frames.OK, e) for h, e in items]  # bit-identical, in order
+        # a chunk missing in the middle ends the response there, with one "missing" item
+        gap = random_hash()
+        got = await fetch(http, hdr, [hashes[0], hashes[1], gap, hashes[2]])
+        assert got == [(hashes[0], 0, items[0][1]), (hashes[1], 0, items[1][1]), (gap, frames.MISSING, b"")]
+        # the per-chunk routes see the batch's chunks (compatibility)
+        assert (await http.get(f"/v1/chunks/{hashes[1]}", headers=hdr)).content == items[1][1]
+
+
+def _malformed(items: list[tuple[str, bytes]]) -> dict[str, bytes]:
+    good = frame(items)
+    idx = frames.HEAD + len(items) * frames.INDEX_ITEM
+    h0, e0 = items[0]
+    bad_header = bytearray(good)
+    bad_header[idx + len(e0) + len(items[1][1]) : idx + len(e0) + len(items[1][1]) + 4] = b"XXXX"  # item 2's header
+    return {
+        "magic": b"NOPE" + good[4:],
+        "count zero": frames.encode_head(0) + good[frames.HEAD :],
+        "count beyond the index": frames.encode_head(4) + good[frames.HEAD :],
+        "truncated bodies": good[:-10],
+        "trailing bytes": good + b"tail",
+        "a hash twice": frame([items[0], (h0, e0)]),
+        "an empty item": frames.encode_index([(bytes.fromhex(h0), 0)]),
+        "a bad envelope header": bytes(bad_header),
+        "head only": good[:6],
+    }
+
+
+@pytest.mark.parametrize("case", list(_malformed([(random_hash(), b"x")] * 3)))
+async def test_a_malformed_frame_is_a_400_and_stores_nothing(live_server: LiveServer, case: str):
+    live = live_server
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(1000 + i)) for i in range(3)]
+        hashes = [h for h, _e in items]
+        r = await put_batch(http, hdr, _malformed(items)[case])
+        body = assert_problem(r, 400)
+        assert body.get("detail")  # says what is wrong with the frame
+        assert await stored(http, hdr, hashes) == [False] * 3
+        assert reservations(live) == 0
+        # positive control: the well-formed frame of the same items is stored whole
+        assert (await put_batch(http, hdr, frame(items))).status_code == 204
+        assert await stored(http, hdr, hashes) == [True] * 3
+
+
+async def test_size_limits(live_server: LiveServer):
+    live = live_server
+    s = live.settings
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        h = random_hash()
+        # an item over max_chunk_bytes, named in the index: refused before a body byte is read
+        over = frames.encode_index([(bytes.fromhex(h), s.max_chunk_bytes + 1)])
+        r = await http.put("/v1/chunks", content=over, headers={**hdr, "Content-Type": BATCH})
+        assert_problem(r, 400)
+        # more items than max_batch_items
+        many = frames.encode_head(s.max_batch_items + 1)
+        assert_problem(await put_batch(http, hdr, many), 400)
+        # a body over the batch limit: 413 from its Content-Length alone
+        limit = max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
+        u = urlsplit(live.base_url)
+        assert u.hostname is not None and u.port is not None
+        rd, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(_request_head(live, "PUT", "/v1/chunks", hdr, limit + 1, BATCH))
+        await w.drain()
+        status = await asyncio.wait_for(rd.readline(), 10)
+        w.close()
+        assert status.startswith(b"HTTP/1.1 413"), status
+        assert await stored(http, hdr, [h]) == [False]
+
+
+async def test_every_item_is_capability_checked(live_server: LiveServer):
+    live = live_server
+    async with live.client() as http:
+        a, hdr = await _setup(live, http)
+        b, hdr_b = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(500)) for _ in range(3)]
+        hashes = [h for h, _e in items]
+        cap = hdr["X-KV-Capability"]
+        narrowed = live.headers(live.worker_token(a), attenuate(cap, chunks=hashes[:2]))
+        # one item outside the capability's chunk allowlist: 403, and nothing of the batch stored
+        assert_problem(await put_batch(http, narrowed, frame(items)), 403)
+        assert await stored(http, hdr, hashes) == [False] * 3
+        # positive control: the items it names are stored
+        assert (await put_batch(http, narrowed, frame(items[:2]))).status_code == 204
+        assert await stored(http, hdr, hashes) == [True, True, False]
+        # the same for fetch: one hash outside the allowlist refuses the whole request
+        assert (await put_batch(http, hdr, frame(items[2:]))).status_code == 204
+        r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=narrowed)
+        assert_problem(r, 403)
+        assert [s for _h, s, _e in await fetch(http, narrowed, hashes[:2])] == [frames.OK] * 2
+        # operations: a get-only capability cannot upload, a put-only one cannot fetch
+        get_only = live.headers(live.worker_token(a), attenuate(cap, ops=["get"]))
+        put_only = live.headers(live.worker_token(a), attenuate(cap, ops=["put"]))
+        assert_problem(await put_batch(http, get_only, frame([(random_hash(), fake_envelope(10))])), 403)
+        assert_problem(await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=put_only), 403)
+        # another tenant: its own capability sees nothing of A's (namespaced keys) ...
+        assert await fetch(http, hdr_b, hashes) == [(hashes[0], frames.MISSING, b"")]
+        # ... and A's capability under B's bearer token is refused
+        stolen = live.headers(live.worker_token(b), cap)
+        assert_problem(await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=stolen), 403)
+        assert_problem(await put_batch(http, stolen, frame([(random_hash(), fake_envelope(10))])), 403)
+        # no capability at all
+        no_cap = live.headers(live.worker_token(a))
+        assert (await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=no_cap)).status_code in (401, 403)
+
+
+def _request_head(live: LiveServer, method: str, path: str, hdr: dict[str, str], length: int, ctype: str) -> bytes:
+    host = urlsplit(live.base_url).netloc
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {host}", f"Content-Type: {ctype}", f"Content-Length: {length}"]
+    lines += [f"{k}: {v}" for k, v in hdr.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def _until(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.02)
+    return cond()
+
+
+async def test_a_client_gone_mid_upload_leaves_nothing(live_server: LiveServer):
+    live = live_server
+    u = urlsplit(live.base_url)
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(200_000)) for _ in range(3)]
+        hashes = [h for h, _e in items]
+        body = frame(items)
+        head = _request_head(live, "PUT", "/v1/chunks", hdr, len(body), BATCH)
+        assert u.hostname is not None and u.port is not None
+        # the client sends the index, the first envelope and half the second, then hangs up
+        _r, w = await asyncio.open_connection(u.hostname, u.port)
+        cut = frames.HEAD + 3 * frames.INDEX_ITEM + len(items[0][1]) + len(items[1][1]) // 2
+        w.write(head + body[:cut])
+        await w.drain()
+        assert await _until(lambda: reservations(live) > 0)  # the server is reading into the tier's extents
+        w.close()
+        assert await _until(lambda: reservations(live) == 0)  # every extent given back
+        assert await stored(http, hdr, hashes) == [False] * 3  # in no tier, not even the first envelope
+        # positive control: the same bytes, sent whole over a raw connection, are stored
+        rd, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(head + body)
+        await w.drain()
+        status = await asyncio.wait_for(rd.readline(), 10)
+        w.close()
+        assert status.startswith(b"HTTP/1.1 204"), status
+        assert await stored(http, hdr, hashes) == [True] * 3
+
+
+async def test_a_slow_reader_holds_the_server_to_a_few_envelopes(live_server: LiveServer):
+    """A reader that stops reading a big streamed fetch: the server takes the next envelope from
+    its tier only when the previous one went out, so it holds a few envelopes, not the response."""
+    live = live_server
+    u = urlsplit(live.base_url)
+    assert u.hostname is not None and u.port is not None
+    n, env = 24, fake_envelope(2 << 20)
+    async with live.client(timeout=60) as http:
+        _a, hdr = await _setup(live, http)
+        hashes = [random_hash() for _ in range(n)]
+        assert (await put_batch(http, hdr, frame([(h, env) for h in hashes]))).status_code == 204
+        stats = live.runtime.gateway.stats
+        before = stats["chunks_loaded"]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
+        sock.connect((u.hostname, u.port))
+        sock.setblocking(False)
+        rd, w = await asyncio.open_connection(sock=sock)
+        req = json.dumps({"hashes": hashes}).encode()
+        w.write(_request_head(live, "POST", "/v1/chunks/fetch", hdr, len(req), "application/json") + req)
+        await w.drain()
+        await rd.readexactly(64 << 10)  # a little of the response, then the reader stalls
+        last, still = -1, 0
+        deadline = time.monotonic() + 15
+        while still < 10 and time.monotonic() < deadline:  # until the server stops taking envelopes
+            await asyncio.sleep(0.1)
+            now = stats["chunks_loaded"] - before
+            still = still + 1 if now == last else 0
+            last = now
+        taken = stats["chunks_loaded"] - before
+        assert 1 <= taken <= 8, taken  # socket buffers and one envelope in flight, not 24
+        # positive control: reading on, the whole response arrives
+        rest = await asyncio.wait_for(_read_all(rd), 60)
+        w.close()
+        assert stats["chunks_loaded"] - before == n
+        assert (64 << 10) + len(rest) > n * len(env)
+
+
+async def _read_all(rd: asyncio.StreamReader) -> bytes:
+    """The rest of a chunked response, read until its last chunk (the connection stays open)."""
+    out = bytearray()
+    while not out.endswith(b"\r\n0\r\n\r\n"):
+        part = await rd.read(1 << 20)
+        if not part:
+            break
+        out += part
+    return bytes(out)
+
+
+async def keyed_fetch(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[tuple[frames.KeyedItem, bytes]]:
+    """Every item of a keyed fetch response (frame KVK1), parsed."""
+    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes, "keys": True}, headers=hdr)
+    assert r.status_code == 200, r.text
+    raw = memoryview(r.content)
+    assert bytes(raw[:4]) == frames.KEYED_MAGIC
+    t_len, n_len = int.from_bytes(raw[8:10], "little"), int.from_bytes(raw[10:12], "little")
+    out, off = [], 12 + t_len + n_len
+    while off < len(raw):
+        item = frames.parse_keyed_item_head(raw[off : off + frames.KEYED_ITEM_HEAD])
+        off += frames.KEYED_ITEM_HEAD
+        out.append((item, bytes(raw[off : off + item.length])))
+        off += item.length
+    return out
+
+
+async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stops(live_server: LiveServer):
+    """A tier that holds bytes whose header does not parse (written behind the server's back):
+    the keyed fetch hands them over with status unkeyed and no key (the worker fails to open them
+    and counts an integrity failure), ends there, and issues no key for them."""
+    live = live_server
+    async with live.client() as http:
+        _tenant, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(300)) for _ in range(3)]
+        assert (await put_batch(http, hdr, frame(items))).status_code == 204
+        hashes = [h for h, _e in items]
+        got = await keyed_fetch(http, hdr, hashes)  # positive control: three keyed envelopes
+        assert [(it.status, env, it.key != bytes(32)) for it, env in got] == [(frames.OK, e, True) for _h, e in items]
+        cap = hdr["X-KV-Capability"]
+        _cap, keys = await live.call(live.state.plane.keys_for, cap, "get", [hashes[1]])
+        junk = b"not an envelope" * 20
+        await live.call(live.runtime.tiers.put, keys[0], memoryview(junk))
+        issued = live.runtime.gateway.stats["envelope_keys_issued"]
+        got = await keyed_fetch(http, hdr, hashes)
+        assert [(it.status, env, it.key == bytes(32)) for it, env in got] == [
+            (frames.OK, items[0][1], False), (frames.UNKEYED, junk, True),
+        ]
+        assert live.runtime.gateway.stats["envelope_keys_issued"] == issued + 1
