@@ -285,6 +285,10 @@ class BlockView:
         if not positions:
             return
         idx = self._index([block_ids[p] for p in positions])
+        if positions.step == 1:  # the usual case: a slice, not a gathered copy
+            for view, buf in zip(self.views, compact):
+                view.index_copy_(0, idx, buf[positions.start : positions.stop])
+            return
         src = torch.as_tensor(list(positions), dtype=torch.int64, device=idx.device)
         for view, buf in zip(self.views, compact):
             view.index_copy_(0, idx, buf.index_select(0, src))

@@ -40,7 +40,7 @@ import torch
 from gateway.errors import GatewayError
 from gateway.types import KVModel, StoreResult
 from gateway.vllm.backend import Backend
-from gateway.vllm.errors import ConnectorConfigError
+from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 from gateway.vllm.inflight import InFlight, StagingPool
 from gateway.vllm.ledger import LoadOp, StoreOp, WorkerLedger
 from gateway.vllm.logs import Tracer, miss_reason
@@ -89,19 +89,29 @@ class WorkerSide:
         if not loads:
             return
         blocks, model = self._registered()
+        pool = self._staging(blocks)
         bs = self.block
         for op in loads:
             want = -(-len(op.tokens) // bs)
             t0 = time.perf_counter()
             loaded = failures = 0
             reason = ""
+            # A pooled compact buffer, as stores use: a fresh 400 MB one per 8K-token load cost
+            # its page faults and zeroing every time. Its stale bytes are never scattered: only
+            # the prefix this retrieve authenticated and wrote is. After a timeout a seal job may
+            # still write into it, so it is not given back then.
+            compact = pool.take(want, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
+            reuse = True
             try:
-                compact = blocks.empty(want)
                 result = self._backend.loop.call(self._backend.retrieve(op.capability, model, op.tokens, compact, range(want)))
                 loaded, failures, reason = result.loaded_tokens // bs, result.integrity_failures, result.reason
                 blocks.scatter(compact, range(op.skip_blocks, min(loaded, want)), op.block_ids)
+            except GatewayTimeout as exc:
+                loaded, reason, reuse = 0, miss_reason(exc), False
             except (GatewayError, ValueError) as exc:
                 loaded, reason = 0, miss_reason(exc)
+            if reuse:
+                self._pool_give(compact)
             first_failed = max(loaded, op.skip_blocks)
             failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, want)
             self._load_errors |= failed

@@ -139,6 +139,33 @@ def test_a_flipped_ciphertext_is_a_load_error_and_cuts_the_same_step_store(backe
     assert reader.ledger.store_cut(StoreOp("r", "cap", TOKENS, list(range(12)))) == 48
 
 
+def test_a_reused_load_buffer_never_scatters_another_loads_bytes(backend, tmp_path):
+    """Loads reuse a pooled compact buffer: after a full load of the prompt, a load of the same
+    prompt whose chunk 1 fails authentication writes chunk 0 only; the stale (authentic, but
+    not authenticated by this load) bytes of chunks 1-2 left in the buffer never reach the cache."""
+    cap = _capability(backend)
+    src, dst = _cpu_cache(seed=1), _cpu_cache(seed=2)
+    writer = _worker(backend, src, tmp_path)
+    src_ids = list(range(3, 15))
+    writer.load([])
+    writer.save([StoreOp("w", cap, TOKENS, src_ids)])
+    assert writer.wait_stores(30)
+    reader = _worker(backend, dst, tmp_path)
+    first, second = list(range(15, 27)), list(range(20, 32))[::-1]
+    reader.load([LoadOp("r1", cap, TOKENS, first)])
+    for a, b in zip(_blocks(src, src_ids), _blocks(dst, first)):
+        assert torch.equal(a, b)  # positive control: the whole prompt loaded
+    assert reader._pool is not None and reader._pool.idle_bytes > 0  # the buffer went back to the pool
+    assert writer.model is not None
+    _flip(backend, writer.model, 1)
+    before = {name: t.clone() for name, t in dst.items()}
+    reader.load([LoadOp("r2", cap, TOKENS, second)])
+    for a, b in zip(_blocks(src, src_ids[:4]), _blocks(dst, second[:4])):
+        assert torch.equal(a, b)  # chunk 0 authenticated and loaded
+    assert all(torch.equal(t[second[4:]], before[name][second[4:]]) for name, t in dst.items())
+    assert reader.take_load_errors() == set(second[4:])
+
+
 # -- asynchronous stores ------------------------------------------------------------------------
 class _GatedLoop:
     """The backend's loop, with a shorter timeout for submitted stores (when given)."""
