@@ -348,8 +348,15 @@ class DiskTier(Tier):
     async def _delete_label(self, kind: str, label: str) -> int:
         self._check_open()
         async with self._clearing_label(kind, label):
+            # Let puts already under way land first: new ones of this label now wait for the
+            # clear (``_wait_clearing``), and every put task made before it is waited for, also
+            # one not yet holding its key's lock (a lock-only wait missed those, and the clear
+            # then unlinked their temp files under them).
+            started = [t for t in self._tasks if not t.done()]
+            if started:
+                await asyncio.wait(started)
             in_flight = [k for k in self._locks.held() if (k.group if kind == "g" else k.owner) == label]
-            for key in in_flight:  # let puts already under way land first
+            for key in in_flight:  # an eviction's unlink still holding a victim's lock
                 async with self._locks.hold(key):
                     pass
             keys = self._index.group_keys(label) if kind == "g" else self._index.owner_keys(label)
