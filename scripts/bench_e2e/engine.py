@@ -15,6 +15,10 @@ the capabilities by name and the steps:
   first and last token times from vLLM's request metrics, and the batch's wall time.
 - ``flush``: drop what the system cached (the Redis prefix of kvgate's embedded shared tier, or
   the ExampleConnector's directory), so the machine's memory holds one prompt set at a time.
+- ``settle``: wait until every store the connector submitted has ended (kvgate stores are
+  asynchronous; its trace says when each ends), so a hit measures a load, not a race with the
+  store before it; the wait goes into the next request's row as ``settled_s``. A system without
+  a trace (its stores end before the request does) has nothing to wait for.
 """
 
 from __future__ import annotations
@@ -51,6 +55,30 @@ def _flush(plan: dict[str, Any]) -> None:
     if flush.get("dir"):
         for child in Path(flush["dir"]).iterdir():
             shutil.rmtree(child, ignore_errors=True)
+
+
+def _settle(plan: dict[str, Any], timeout_s: float = 300.0) -> float:
+    """Seconds waited until the connector's trace shows every submitted store ended."""
+    cfg = (plan.get("kv_transfer_config") or {}).get("kv_connector_extra_config") or {}
+    trace = cfg.get("trace_path")
+    t0 = time.monotonic()
+    if not trace:
+        return 0.0
+    while time.monotonic() - t0 < timeout_s:
+        try:
+            with open(trace, encoding="utf-8") as f:
+                events = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:  # nothing traced yet: nothing submitted
+            return 0.0
+        except json.JSONDecodeError:  # a line half written
+            events = None
+        if events is not None:
+            submitted = sum(e["event"] == "store_submit" for e in events)
+            ended = sum(e["event"] == "store" and e["tokens"] > 0 for e in events)
+            if ended >= submitted:
+                return time.monotonic() - t0
+        time.sleep(0.01)
+    raise TimeoutError(f"kvgate stores still in flight after {timeout_s} s")
 
 
 def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str, Any]]:
@@ -98,15 +126,22 @@ def main(plan_path: str, out_path: str) -> None:
         kv_transfer_config=plan.get("kv_transfer_config"), seed=0, disable_log_stats=False,
     )
     results: list[dict[str, Any]] = []
+    settled: float | None = None
     with open(out_path, "w", encoding="utf-8") as out:
         for step in plan["steps"]:
             if step["op"] == "flush":
                 _flush(plan)
                 continue
+            if step["op"] == "settle":
+                settled = _settle(plan)
+                continue
             for row in _gen(llm, plan, step):
+                if settled is not None:
+                    row["settled_s"] = round(settled, 3)
                 out.write(json.dumps(row) + "\n")  # one line a request, so a crash keeps what ran
                 out.flush()
                 results.append(row)
+            settled = None
             print(f"step {step['name']}: {results[-1]['ttft_s']}", file=sys.stderr, flush=True)
 
 

@@ -11,7 +11,8 @@ README section between its markers). Steps, per system:
 
 1. warm-up (two short prompts, no capability);
 2. per prompt length L and prompt i < reps: no connector: one request; a connector: tenant A
-   misses (and stores), A hits; at the isolation length tenant B sends A's prompt; then the
+   misses (and stores), the store is let finish (kvgate's stores are asynchronous: ``settle``
+   waits for the connector's trace to say so), A hits; at the isolation length tenant B sends A's prompt; then the
    system's store is flushed (one prompt's KV in memory at a time);
 3. the multi-tenant workload: T tenants, each with its own context of C tokens, Q rounds of one
    question (64 tokens) per tenant, each round one batch of T concurrent requests.
@@ -94,6 +95,7 @@ def steps(cfg: Config, key: str, salt: dict[str, str]) -> list[dict[str, Any]]:
                 out.append(gen(f"base {length}/{i}", [_req(parts, ISO_A, salt, kind="base", length=length, i=i)]))
                 continue
             out.append(gen(f"miss {length}/{i}", [_req(parts, ISO_A, salt, kind="miss", length=length, i=i)]))
+            out.append({"op": "settle"})  # the miss's store has ended: the hit measures a load
             out.append(gen(f"hit {length}/{i}", [_req(parts, ISO_A, salt, kind="hit", length=length, i=i)]))
             if length == cfg.iso_length:
                 out.append(gen(f"b_on_a {length}/{i}", [_req(parts, ISO_B, salt, kind="b_on_a", length=length, i=i)]))

@@ -3,6 +3,8 @@ engines themselves run only under ``make bench-e2e``."""
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -150,3 +152,30 @@ def test_lmcache_system_needs_an_environment_with_lmcache(tmp_path: Path):
     assert system.python == good and system.preflight and system.versions["lmcache"] == "0.5.6"
     assert system.ktc == {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
     assert system.env["LMCACHE_CHUNK_SIZE"] == "256" and system.env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "0.25"
+
+
+def test_settle_waits_for_every_submitted_store_to_end(tmp_path: Path):
+    """The hit after a miss must not race the miss's asynchronous store: ``settle`` returns only
+    once the connector's trace has an end for every submit (and says so on a timeout)."""
+    import threading
+
+    from scripts.bench_e2e.engine import _settle
+
+    trace = tmp_path / "trace.jsonl"
+    plan = {"kv_transfer_config": {"kv_connector_extra_config": {"trace_path": str(trace)}}}
+    assert _settle({"kv_transfer_config": None}) == 0.0  # no connector, nothing to wait for
+    assert _settle(plan) == 0.0  # nothing traced yet: nothing submitted
+    trace.write_text(json.dumps({"event": "store_submit", "tokens": 512}) + "\n")
+    with pytest.raises(TimeoutError):
+        _settle(plan, timeout_s=0.2)
+
+    def end() -> None:
+        time.sleep(0.3)
+        with trace.open("a") as f:
+            f.write(json.dumps({"event": "store", "tokens": 512, "stored_chunks": 2}) + "\n")
+
+    t = threading.Thread(target=end)
+    t.start()
+    waited = _settle(plan, timeout_s=10)
+    t.join()
+    assert waited >= 0.25
