@@ -5,11 +5,12 @@ process's backend (``backend.backend_for``) and hands every hook to the side vLL
 Hooks, by side:
 
     scheduler (``scheduler.SchedulerSide``: bookkeeping only, unit-tested without vLLM)
-        get_num_new_matched_tokens      lookup (chunk-aligned prefix, at least one token left
-                                        to compute); no capability: 0, no lookup
+        get_num_new_matched_tokens      lookup of the prompt's full blocks, loadable up to the
+                                        block before its last token (vLLM computes at least
+                                        that one); no capability: 0, no lookup
         update_state_after_alloc        remember the blocks a hit loads into
         build_connector_meta            per request: one load, and one store once the
-                                        prompt's full chunks are computed (none when the
+                                        prompt's full blocks are computed (none when the
                                         lookup or vLLM's own cache covered all of them)
         update_connector_output         blocks whose load failed: their requests never store
                                         them, nor anything after them

@@ -5,10 +5,18 @@ Two ledgers, one per side of the connector:
 
     SchedulerLedger   per request: capability, prompt, blocks, hit; decides per step the load
                       (once, where a lookup hit) and the store (once, when the prompt's full
-                      chunks are computed, and only if some of them are neither in kvgate, by
+                      blocks are computed, and only if some of them are neither in kvgate, by
                       the lookup, nor came from vLLM's own prefix cache); learns load failures back from the workers'
                       ``invalid_block_ids`` and then never lets that request store from the
                       first failed block on.
+
+Granularity (why a hit is not cut to whole chunks). A store takes every full block of the
+prompt, so its last chunk may be partial (a block-aligned tail, hashed as its own chunk, as the
+core always allowed); a lookup asks for the same block-aligned prefix, so the same prompt finds
+its tail again. vLLM must compute at least one token itself, so a load may fill only the blocks
+before the prompt's last token: a load retrieves (and authenticates) every chunk the lookup
+found and scatters the blocks up to that limit. An 8,192-token prompt with chunks of 256 and
+blocks of 32 loads 8,160 tokens, not 7,936: the engine recomputes one block, not one chunk.
     WorkerLedger      per step: the blocks whose load failed here; per request: where its first
                       failed load began. ``store_cut`` trims a store to the chunks before both.
 
@@ -38,16 +46,22 @@ __all__ = ["LoadOp", "SchedulerLedger", "StepRequest", "StoreOp", "WorkerLedger"
 class LoadOp:
     req_id: str
     capability: str
-    tokens: list[int]  # chunk-aligned prefix to load
+    tokens: list[int]  # the stored prefix to retrieve (chunks as the store cut them)
     block_ids: list[int]  # the request's blocks, from block 0
     skip_blocks: int = 0  # leading blocks the engine computed itself (never written)
+    upto: int | None = None  # tokens to load into the engine (whole blocks); None: all of ``tokens``
+
+    @property
+    def load_tokens(self) -> int:
+        """Tokens the engine expects loaded: a block-aligned prefix of ``tokens``."""
+        return len(self.tokens) if self.upto is None else min(self.upto, len(self.tokens))
 
 
 @dataclass(frozen=True)
 class StoreOp:
     req_id: str
     capability: str
-    tokens: list[int]  # chunk-aligned prefix to store
+    tokens: list[int]  # block-aligned prefix to store (its last chunk may be partial)
     block_ids: list[int]  # its blocks, one per ``block_size`` tokens
 
 
@@ -67,12 +81,12 @@ class StepRequest:
 class _Request:
     capability: str
     prompt: list[int]
-    store_tokens: int  # full chunks of the prompt; lowered by a failed load
+    store_tokens: int  # full blocks of the prompt; lowered (to whole chunks) by a failed load
     block_ids: list[int] = field(default_factory=list)
     hit_tokens: int = 0
     covered: int = 0  # leading tokens kvgate holds (the lookup said so) or vLLM's cache supplied
     stored: bool = False
-    load: tuple[int, list[int], int] | None = None  # (tokens, block ids, skip blocks), once
+    load: tuple[int, int, list[int], int] | None = None  # (retrieve, load tokens, block ids, skip blocks), once
 
 
 class SchedulerLedger:
@@ -87,8 +101,13 @@ class SchedulerLedger:
 
     # -- lookup and allocation ----------------------------------------------------------------
     def lookup_limit(self, prompt_len: int) -> int:
-        """The longest chunk-aligned prefix worth a lookup (vLLM must compute one token)."""
-        return (prompt_len - 1) // self.chunk * self.chunk if prompt_len > 0 else 0
+        """The prefix a lookup asks for: the prompt's full blocks, as a store takes them."""
+        return prompt_len // self.block * self.block
+
+    def load_limit(self, prompt_len: int) -> int:
+        """The most a load may fill: whole blocks before the prompt's last token (vLLM computes
+        at least that one)."""
+        return (prompt_len - 1) // self.block * self.block if prompt_len > 0 else 0
 
     def looked_up(self, req_id: str, num_computed_tokens: int, hit_tokens: int = 0) -> None:
         """Before allocation: vLLM's own cache had ``num_computed_tokens``; kvgate's lookup found
@@ -101,13 +120,14 @@ class SchedulerLedger:
         """After vLLM allocated blocks; ``num_external`` tokens come from kvgate (a load)."""
         req = self._reqs.get(req_id)
         if req is None:
-            req = self._reqs[req_id] = _Request(capability, list(prompt), len(prompt) // self.chunk * self.chunk)
+            req = self._reqs[req_id] = _Request(capability, list(prompt), self.lookup_limit(len(prompt)))
         local, found = self._local.pop(req_id, (0, 0))
         req.covered = max(local, found)
         if num_external > 0:
             total = local + num_external
             req.hit_tokens = total
-            req.load = (total, list(block_ids), local // self.block)
+            # retrieve what the lookup found (the chunks as stored), load ``total`` of it
+            req.load = (max(found, total), total, list(block_ids), local // self.block)
 
     # -- one step -----------------------------------------------------------------------------
     def build(self, step: Iterable[StepRequest]) -> tuple[list[LoadOp], list[StoreOp]]:
@@ -122,9 +142,9 @@ class SchedulerLedger:
             else:
                 req.block_ids.extend(s.block_ids)
             if req.load is not None:
-                total, block_ids, skip = req.load
+                retrieve, total, block_ids, skip = req.load
                 req.load = None
-                loads.append(LoadOp(s.req_id, req.capability, req.prompt[:total], block_ids, skip))
+                loads.append(LoadOp(s.req_id, req.capability, req.prompt[:retrieve], block_ids, skip, upto=total))
             done = s.num_computed_tokens + s.num_scheduled_tokens
             if not req.stored and req.store_tokens and done >= req.store_tokens:
                 req.stored = True
@@ -183,14 +203,15 @@ class WorkerLedger:
         return failed
 
     def store_cut(self, op: StoreOp) -> int:
-        """How many leading tokens of ``op`` may be stored: the chunks wholly before the
-        request's first failed load and before any block that failed to load in this step."""
+        """How many leading tokens of ``op`` may be stored: all of them (a partial last chunk
+        included) when no load of theirs failed, else the chunks wholly before the request's
+        first failed load and before any block that failed to load in this step."""
         limit = min(len(op.tokens), self._failed_from.get(op.req_id, len(op.tokens)))
         for i, b in enumerate(op.block_ids):
             if b in self._step_failed:
                 limit = min(limit, i * self.block)
                 break
-        return limit // self.chunk * self.chunk
+        return limit if limit == len(op.tokens) else limit // self.chunk * self.chunk
 
     def finished(self, req_ids: Iterable[str]) -> None:
         for r in req_ids:

@@ -5,14 +5,15 @@ function handed in (the connector's backend in the engine, a plain function in a
 vLLM passes in is read by attribute (``request_view``, ``step_requests``), so a test drives it
 with plain dataclasses of the same shape:
 
-    matched_tokens(request, computed)   get_num_new_matched_tokens: a chunk-aligned lookup of
-                                        the prompt (at least one token left to compute); no
-                                        capability: 0, no lookup; a refused capability, an
-                                        outage or a timeout: 0 (a counted, logged miss)
+    matched_tokens(request, computed)   get_num_new_matched_tokens: a lookup of the prompt's
+                                        full blocks, loadable up to the block before its last
+                                        token (vLLM computes at least one); no capability: 0,
+                                        no lookup; a refused capability, an outage or a
+                                        timeout: 0 (a counted, logged miss)
     allocated(request, block_ids, n)    update_state_after_alloc: the blocks a hit loads into
     build(steps)                        build_connector_meta: per request one load (where a
                                         lookup hit) and one store (once the prompt's full
-                                        chunks are computed)
+                                        blocks are computed; the last chunk may be partial)
     load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed; their
                                         requests never store them, nor anything after them
     finished(req_id)                    request_finished: kv_transfer_params {"kvgate": ...} out
@@ -40,7 +41,7 @@ log = logging.getLogger("kvgate.vllm")
 CAPABILITY_PARAM = "kvgate_capability"
 MAX_CAPABILITY_CHARS = 8192
 
-#: (capability, chunk-aligned prompt prefix) -> (hit tokens, degraded reason or ""); may raise
+#: (capability, block-aligned prompt prefix) -> (hit tokens, degraded reason or ""); may raise
 #: GatewayError or ValueError (refused, expired, unreachable: a miss)
 LookupFn = Callable[[str, Sequence[int]], tuple[int, str]]
 
@@ -108,7 +109,8 @@ class SchedulerSide:
         if req.capability is None or not req.prompt:
             return 0
         limit = self.ledger.lookup_limit(len(req.prompt))
-        if limit <= num_computed_tokens:  # vLLM's own cache has it all: no lookup
+        loadable = self.ledger.load_limit(len(req.prompt))
+        if loadable <= num_computed_tokens:  # vLLM's own cache has all it could load: no lookup
             self.ledger.looked_up(req.req_id, num_computed_tokens)
             return 0
         t0 = time.perf_counter()
@@ -123,7 +125,7 @@ class SchedulerSide:
         self._trace("lookup", req=req.req_id, hit_tokens=hit, reason=reason, ms=(time.perf_counter() - t0) * 1e3)
         hit -= hit % self.block
         self.ledger.looked_up(req.req_id, num_computed_tokens, hit)
-        return max(0, hit - num_computed_tokens)
+        return max(0, min(hit, loadable) - num_computed_tokens)
 
     def _state_mismatch(self, exc: BaseException) -> None:
         """A capability whose MAC does not verify here was minted against other kvgate state:

@@ -92,7 +92,8 @@ class WorkerSide:
         pool = self._staging(blocks)
         bs = self.block
         for op in loads:
-            want = -(-len(op.tokens) // bs)
+            want = -(-len(op.tokens) // bs)  # blocks retrieved (and authenticated)
+            upto = op.load_tokens // bs  # blocks the engine expects loaded (whole, a prefix of them)
             t0 = time.perf_counter()
             loaded = failures = 0
             reason = ""
@@ -105,7 +106,7 @@ class WorkerSide:
             try:
                 result = self._backend.loop.call(self._backend.retrieve(op.capability, model, op.tokens, compact, range(want)))
                 loaded, failures, reason = result.loaded_tokens // bs, result.integrity_failures, result.reason
-                blocks.scatter(compact, range(op.skip_blocks, min(loaded, want)), op.block_ids)
+                blocks.scatter(compact, range(op.skip_blocks, min(loaded, upto)), op.block_ids)
             except GatewayTimeout as exc:
                 loaded, reason, reuse = 0, miss_reason(exc), False
             except (GatewayError, ValueError) as exc:
@@ -113,17 +114,17 @@ class WorkerSide:
             if reuse:
                 self._pool_give(compact)
             first_failed = max(loaded, op.skip_blocks)
-            failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, want)
+            failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, upto)
             self._load_errors |= failed
             if failed:
                 reason = reason or "miss"
                 self.stats[f"load_{reason}"] += 1
                 log.warning(
                     "kvgate load for %s: %d of %d tokens loaded (%s); vLLM recomputes %d blocks, none of them "
-                    "is stored by this request", op.req_id, min(loaded, want) * bs, want * bs, reason, len(failed),
+                    "is stored by this request", op.req_id, min(loaded, upto) * bs, upto * bs, reason, len(failed),
                 )
             self._trace(
-                "load", req=op.req_id, tokens=len(op.tokens), loaded_tokens=min(loaded, want) * bs,
+                "load", req=op.req_id, tokens=op.load_tokens, loaded_tokens=min(loaded, upto) * bs,
                 failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
                 ms=(time.perf_counter() - t0) * 1e3,
             )

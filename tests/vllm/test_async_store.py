@@ -9,7 +9,7 @@ backend's loop, not waited for. Here every store is held up for a few seconds
     LONG     no capability, 960 tokens: 31 of the 32 blocks, so it runs on P's freed blocks
              while P's store is still in flight
     settle   wait until the connector's trace says every store ended
-    A_P2     tenant A: P hits all 256 tokens kvgate stored, and answers exactly as base_P:
+    A_P2     tenant A: P hits all 288 tokens kvgate stored, and answers exactly as base_P:
              the store sealed P's KV as it was when submitted, not what LONG wrote over it
 
 vLLM's own cache is off and LONG has no capability, so nothing of it reaches kvgate: a wrong
@@ -88,7 +88,7 @@ def _store_events(run: dict, name: str) -> tuple[dict, dict]:
 def test_a_request_finishes_and_its_blocks_are_reused_while_its_store_is_in_flight(run):
     r = run["r"]
     submit, end = _store_events(run, "A_P1")
-    assert submit["tokens"] == 256 and end["stored_chunks"] == 4 and end["reason"] == ""
+    assert submit["tokens"] == 288 and end["stored_chunks"] == 5 and end["reason"] == ""  # 4 chunks, a 32-token tail
     # the engine did not wait: P finished, then LONG ran on the freed blocks, then the store ended
     assert submit["t"] < r["A_P1"]["t_end"] < r["LONG"]["t_end"] < end["t"]
     assert end["ms"] >= DELAY_S * 1e3 > submit["ms"]
@@ -97,8 +97,8 @@ def test_a_request_finishes_and_its_blocks_are_reused_while_its_store_is_in_flig
 def test_the_hit_after_an_async_store_answers_exactly_as_the_engine_alone(run):
     r = run["r"]
     assert r["A_P1"]["kv"]["kvgate"]["hit_tokens"] == 0
-    assert r["A_P2"]["kv"]["kvgate"]["hit_tokens"] == 256 and r["A_P2"]["cached"] == 256  # positive control
+    assert r["A_P2"]["kv"]["kvgate"]["hit_tokens"] == 288 and r["A_P2"]["cached"] == 288  # positive control
     assert r["A_P2"]["tokens"] == r["base_P"]["tokens"]
     assert r["A_P1"]["tokens"] == r["base_P"]["tokens"][:1]
     loads = [e for e in run["trace"] if e["event"] == "load"]
-    assert [(e["loaded_tokens"], e["failed_blocks"]) for e in loads] == [(256, 0)]
+    assert [(e["loaded_tokens"], e["failed_blocks"]) for e in loads] == [(288, 0)]

@@ -153,16 +153,18 @@ def _lookups(events: list[dict]) -> list[int]:
 def test_second_request_hits_kvgate_with_identical_output(scenario):
     r = scenario["r"]
     assert r["A_P1"]["kv"]["kvgate"]["hit_tokens"] == 0
-    assert r["A_P2"]["kv"]["kvgate"]["hit_tokens"] == 256  # (300 - 1) // 64 * 64
-    assert r["A_P2"]["cached"] == 256  # vLLM's own prefix cache is off: these came from kvgate
+    # A_P1 stored P's 9 full blocks (4 chunks and a 32-token tail); the hit loads all of them:
+    # vLLM computes only the block holding the last 12 tokens
+    assert r["A_P2"]["kv"]["kvgate"]["hit_tokens"] == 288  # (300 - 1) // 32 * 32
+    assert r["A_P2"]["cached"] == 288  # vLLM's own prefix cache is off: these came from kvgate
     assert r["A_P1"]["tokens"] == r["A_P2"]["tokens"] == r["base_P"]["tokens"]
     loads = [e for e in scenario["trace"] if e["event"] == "load"]
-    assert loads and loads[0]["loaded_tokens"] == 256 and loads[0]["failed_blocks"] == 0
+    assert loads and loads[0]["loaded_tokens"] == 288 and loads[0]["failed_blocks"] == 0
 
 
 def test_other_tenant_gets_zero_hits_beside_the_positive_control(scenario):
     r = scenario["r"]
-    assert r["A_P2"]["kv"]["kvgate"]["hit_tokens"] == 256  # positive control
+    assert r["A_P2"]["kv"]["kvgate"]["hit_tokens"] == 288  # positive control
     assert r["B_P"]["kv"]["kvgate"]["hit_tokens"] == 0 and r["B_P"]["cached"] == 0
     assert r["B_P"]["tokens"] == r["base_P"]["tokens"]
 
@@ -189,10 +191,10 @@ def test_hits_after_engine_restart_come_from_redis_or_disk(scenario):
 def test_tampered_chunk_is_recomputed_and_audited(scenario):
     r = scenario["r"]
     assert scenario["tampered"] >= 1
-    assert r["A_P_tampered"]["kv"]["kvgate"]["hit_tokens"] == 256  # the lookup saw it ...
+    assert r["A_P_tampered"]["kv"]["kvgate"]["hit_tokens"] == 288  # the lookup saw it ...
     load = [e for e in scenario["trace"] if e["event"] == "load"][-1]
     assert load["integrity_failures"] == 1 and load["loaded_tokens"] == CHUNK  # ... the tag stopped it
-    assert load["failed_blocks"] == (256 - CHUNK) // BLOCK
+    assert load["failed_blocks"] == (288 - CHUNK) // BLOCK
     assert r["A_P_tampered"]["tokens"] == r["base_P"]["tokens"]  # vLLM recomputed
     assert "integrity.failure" in scenario["audit"]
 
@@ -200,7 +202,7 @@ def test_tampered_chunk_is_recomputed_and_audited(scenario):
 def test_report_ttft_and_miss_latency(scenario):
     """Not a benchmark gate: records numbers for the report (tiny model, this CPU)."""
     r, events = scenario["r"], scenario["trace"]
-    assert r["ttft_hit"]["cached"] == 896
+    assert r["ttft_hit"]["cached"] == 928  # all 30 blocks but the one holding the last token
     miss_lookups = [e["ms"] for e in events if e["event"] == "lookup" and e["hit_tokens"] == 0]
     report = {
         "ttft_s_no_kvgate": r["ttft_nocap"]["s"], "ttft_s_kvgate_miss": r["ttft_miss"]["s"], "ttft_s_kvgate_hit": r["ttft_hit"]["s"],

@@ -137,7 +137,8 @@ def test_copied_cache_salt_gives_the_other_tenant_no_hit(stack):
     assert _cached(r) == 0
     assert r.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
     events = _settled(stack["trace"])
-    assert any(e["event"] == "store" and e["stored_chunks"] == 4 for e in events)  # remote mode stored A's prefix
+    # remote mode stored A's prefix: 4 chunks of 64 (and a partial chunk of the prompt's last full blocks)
+    assert any(e["event"] == "store" and e["stored_chunks"] >= 4 for e in events)
     lookups = [e for e in events if e["event"] == "lookup"]
     assert lookups[-1]["hit_tokens"] == 0  # B's lookup, in B's namespace, found nothing
 

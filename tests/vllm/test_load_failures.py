@@ -1,10 +1,13 @@
 """A failed or partial load is never stored back (issue 13), on a real vLLM engine (CPU, tiny
 Llama, fp32 so greedy outputs are bit-exact, vLLM's prefix cache off).
 
-Every scenario has the shape that poisoned the cache before: a 320-token prompt (5 chunks of 64)
-whose lookup may hit 256 tokens, so the request that loads also stores, in the same step. Per
-prompt X: X1 stores, X2 hits (positive control), a fault, X3 recovers, then X4-X6 (the requests
-*after* the recovery) must answer exactly as the engine alone does and load without a failure.
+Every scenario has the shape that poisoned the cache before: a request that loads and stores in
+the same step. Per scenario X every request is a 256-token prefix shared by all of X's requests
+(4 chunks of 64, a system prompt or a conversation so far) and a 64-token question of its own, so
+its lookup hits at most the 256 shared tokens and it stores its 320 (the question's chunk is new).
+X1 stores, X2 hits (positive control), a fault, X3 recovers, then X4-X6 (the requests *after*
+the recovery) must answer exactly as the engine alone does on the same prompt and load without a
+failure.
 
     engine 1 (Redis on 6379 under a fresh prefix, then disk; KEK in moto's KMS)
         P  a ciphertext bit flipped in every tier            -> integrity failure at chunk 1
@@ -39,14 +42,25 @@ from tests.vllm.tiny_model import build_tiny_llama
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 CHUNK, BLOCK, MODEL_NAME, REGION = 64, 32, "tiny-llama", "us-east-1"
-FULL_HIT = 256  # (320 - 1) // 64 * 64
+FULL_HIT = 256  # the shared prefix; each request's own 64-token question is never in kvgate before it
 
 
-def _scenario(x: str, ids: list[int], fault: list[dict], **gen3) -> list[dict]:
+def _prompts(model_dir: Path, seed: int) -> dict[int, list[int]]:
+    """X1..X6: one 256-token prefix, each with a 64-token question of its own."""
+    prefix = _ids(model_dir, 256, seed)
+    return {n: prefix + _ids(model_dir, 64, seed * 100 + n) for n in range(1, 7)}
+
+
+def _baselines(x: str, prompts: dict[int, list[int]]) -> list[dict]:
+    """The engine alone (no capability) on each of X's prompts."""
+    return [{"op": "gen", "name": f"base{x}{n}", "ids": ids} for n, ids in prompts.items()]
+
+
+def _scenario(x: str, prompts: dict[int, list[int]], fault: list[dict], **gen3) -> list[dict]:
     """X1 stores, X2 hits, the fault, X3 recovers, X4-X6 follow (tenant A)."""
 
     def gen(n: int, **kw) -> dict:
-        return {"op": "gen", "name": f"{x}{n}", "ids": ids, "cap": "A", **kw}
+        return {"op": "gen", "name": f"{x}{n}", "ids": prompts[n], "cap": "A", **kw}
 
     return [gen(1), gen(2), *fault, gen(3, **gen3), gen(4), gen(5), gen(6)]
 
@@ -124,7 +138,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
     redis_url = redis_or_fail()
     work = tmp_path_factory.mktemp("vllm-load-failures")
     model_dir = build_tiny_llama(work / "model")
-    P, Q, R, S = (_ids(model_dir, 320, seed) for seed in (11, 12, 13, 14))
+    P, Q, R, S = (_prompts(model_dir, seed) for seed in (11, 12, 13, 14))
     prefix = f"kvgate-vllm-lf-{secrets.token_hex(4)}:"
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION=REGION)
@@ -147,11 +161,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         caps1 = {**asyncio.run(_setup(s1)), "F": caps2["A"]}
         base1 = {"model": str(model_dir), "block_size": BLOCK, "kv_transfer_config": _ktc(s1, trace1), "settings": s1, "caps": caps1}
         steps1 = [
-            {"op": "gen", "name": "baseP", "ids": P}, {"op": "gen", "name": "baseQ", "ids": Q},
-            {"op": "gen", "name": "baseR", "ids": R},
-            {"op": "gen", "name": "foreign1", "ids": P, "cap": "F"}, {"op": "gen", "name": "foreign2", "ids": Q, "cap": "F"},
-            *_scenario("P", P, [{"op": "tamper", "ids": P, "chunk": 1, "how": "flip"}]),
-            *_scenario("Q", Q, [{"op": "tamper", "ids": Q, "chunk": 2, "how": "corrupt_head"}]),
+            *_baselines("P", P), *_baselines("Q", Q), *_baselines("R", R),
+            {"op": "gen", "name": "foreign1", "ids": P[1], "cap": "F"}, {"op": "gen", "name": "foreign2", "ids": Q[1], "cap": "F"},
+            *_scenario("P", P, [{"op": "tamper", "ids": P[1], "chunk": 1, "how": "flip"}]),
+            *_scenario("Q", Q, [{"op": "tamper", "ids": Q[1], "chunk": 2, "how": "corrupt_head"}]),
             *_scenario("R", R, [{"op": "sleep", "s": 1.5}, {"op": "kms_disable"}]),
         ]
         # R4..R6 run with the key enabled again (after the key-state cache expired)
@@ -162,7 +175,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         # engine 2: a Redis of our own, the only tier, stalled during a load
         trace2 = work / "trace2.jsonl"
         base2 = {"model": str(model_dir), "block_size": BLOCK, "kv_transfer_config": _ktc(s2, trace2), "settings": s2, "caps": caps2}
-        steps2 = [{"op": "gen", "name": "baseS", "ids": S}, *_scenario("S", S, [], stall_redis_pid=own.proc.pid, stall_s=1.0)]
+        steps2 = [*_baselines("S", S), *_scenario("S", S, [], stall_redis_pid=own.proc.pid, stall_s=1.0)]
         i = next(k for k, st in enumerate(steps2) if st.get("name") == "S4")
         steps2[i:i] = [{"op": "sleep", "s": 2.5}]  # the circuit breaker's cooldown (2 s)
         second = _run({**base2, "steps": steps2}, work, "engine2")
@@ -191,15 +204,20 @@ def _events(runs: dict, name: str, event: str) -> list[dict]:
 
 def _check(runs: dict, x: str, reasons: set[str], *, healed_at: int) -> None:
     r = runs["r"]
-    base = r[f"base{x}"]["tokens"]
-    assert r[f"{x}1"]["tokens"] == base and r[f"{x}1"]["kv"]["kvgate"]["hit_tokens"] == 0
-    assert r[f"{x}2"]["kv"]["kvgate"]["hit_tokens"] == FULL_HIT and r[f"{x}2"]["tokens"] == base  # positive control
+
+    def base(n: int) -> list[int]:
+        return r[f"base{x}{n}"]["tokens"]
+
+    assert r[f"{x}1"]["tokens"] == base(1) and r[f"{x}1"]["kv"]["kvgate"]["hit_tokens"] == 0
+    assert r[f"{x}2"]["kv"]["kvgate"]["hit_tokens"] == FULL_HIT and r[f"{x}2"]["tokens"] == base(2)  # positive control
+    (store2,) = _events(runs, f"{x}2", "store")  # the same-step store: the new question's chunk
+    assert (store2["tokens"], store2["stored_chunks"]) == (320, 1), store2
     (load3,) = _events(runs, f"{x}3", "load")
     assert load3["failed_blocks"] > 0 and load3["reason"] in reasons, load3  # the fault bit
-    assert r[f"{x}3"]["tokens"] == base  # vLLM recomputed
+    assert r[f"{x}3"]["tokens"] == base(3)  # vLLM recomputed
     assert all(e["stored_chunks"] == 0 for e in _events(runs, f"{x}3", "store"))  # nothing stored back
     for n in (4, 5, 6):
-        assert r[f"{x}{n}"]["tokens"] == base, f"{x}{n} answers differently from the engine alone"
+        assert r[f"{x}{n}"]["tokens"] == base(n), f"{x}{n} answers differently from the engine alone"
         loads = _events(runs, f"{x}{n}", "load")
         assert all(e["failed_blocks"] == 0 for e in loads), loads
         if n >= healed_at:
@@ -240,7 +258,7 @@ def test_failed_loads_are_logged_with_their_reason(runs):
 
 def test_capabilities_minted_against_other_state_are_misses_and_one_error(runs):
     r = runs["r"]
-    for name, base in (("foreign1", "baseP"), ("foreign2", "baseQ")):
+    for name, base in (("foreign1", "baseP1"), ("foreign2", "baseQ1")):
         assert r[name]["kv"]["kvgate"]["hit_tokens"] == 0 and r[name]["tokens"] == r[base]["tokens"]
     said = re.findall(r"ERROR .*does not verify against the connector's kvgate state", runs["log"])
     assert len(said) == 1, said  # loud, once, with the fix

@@ -8,7 +8,7 @@ import pytest
 from gateway.vllm.ledger import SchedulerLedger, StepRequest, StoreOp, WorkerLedger
 
 CHUNK, BLOCK = 64, 16
-PROMPT = list(range(1000, 1000 + 320))  # 5 full chunks; a lookup may hit 4 (one token left)
+PROMPT = list(range(1000, 1000 + 320))  # 5 full chunks; a load may fill 19 of its 20 blocks (one token left)
 
 
 def _ledgers() -> tuple[SchedulerLedger, WorkerLedger]:
@@ -17,7 +17,7 @@ def _ledgers() -> tuple[SchedulerLedger, WorkerLedger]:
 
 def _hit_and_schedule(s: SchedulerLedger, req: str = "r1", hit: int = 256, blocks: list[int] | None = None):
     blocks = blocks if blocks is not None else list(range(100, 120))
-    assert s.lookup_limit(len(PROMPT)) == 256
+    assert (s.lookup_limit(len(PROMPT)), s.load_limit(len(PROMPT))) == (320, 304)
     s.looked_up(req, 0)
     s.allocated(req, "cap", PROMPT, blocks, hit)
     # the whole rest of the prompt is computed in the same step as the load
@@ -109,13 +109,43 @@ def test_scheduler_load_error_after_the_store_changes_nothing_later():
     assert not s.tracked("r1")
 
 
-def test_no_store_when_the_hit_covers_every_full_chunk():
+@pytest.mark.parametrize("hit,stored", [(288, None), (256, 288)])
+def test_no_store_when_the_hit_covers_every_full_block(hit, stored):
+    """300 tokens: 18 full blocks (4 chunks and a 32-token tail). A hit of all 18 stores nothing;
+    positive control: a hit of the 4 chunks alone stores the prompt again, tail included."""
     s, _ = _ledgers()
-    prompt = PROMPT[:300]  # 4 full chunks, all hit
+    prompt = PROMPT[:300]
+    s.looked_up("r1", 0, hit)
+    s.allocated("r1", "cap", prompt, list(range(19)), hit)
+    loads, stores = s.build([StepRequest("r1", hit, 300 - hit, list(range(19)), new=True)])
+    assert [(len(op.tokens), op.load_tokens) for op in loads] == [(hit, hit)]
+    assert [len(op.tokens) for op in stores] == ([] if stored is None else [stored])
+
+
+def test_a_prompt_of_whole_chunks_loads_all_but_its_last_block():
+    """The stored prompt is 5 whole chunks (320 tokens); vLLM must compute the last token, so a
+    load retrieves all 5 chunks (as stored: the same hashes) and fills 19 of the 20 blocks. The
+    engine recomputes one block, not one chunk; nothing is stored again."""
+    s, _ = _ledgers()
+    s.looked_up("r1", 0, 320)  # the lookup found everything stored
+    s.allocated("r1", "cap", PROMPT, list(range(100, 120)), s.load_limit(len(PROMPT)))
+    loads, stores = s.build([StepRequest("r1", 304, 16, list(range(100, 120)), new=True)])
+    assert [(len(op.tokens), op.load_tokens, op.skip_blocks) for op in loads] == [(320, 304, 0)]
+    assert stores == []
+    assert s.finished("r1") == 304
+
+
+def test_a_store_takes_the_partial_last_chunk_unless_a_load_failed():
+    s, w = _ledgers()
+    prompt = PROMPT[:300]  # 18 full blocks: 4 chunks and 32 tokens
     s.looked_up("r1", 0)
-    s.allocated("r1", "cap", prompt, list(range(19)), 256)
-    loads, stores = s.build([StepRequest("r1", 256, 44, list(range(19)), new=True)])
-    assert loads and not stores
+    s.allocated("r1", "cap", prompt, list(range(19)), 0)
+    _, (store,) = s.build([StepRequest("r1", 0, 300, list(range(19)), new=True)])
+    assert (len(store.tokens), len(store.block_ids)) == (288, 18)
+    w.new_step()
+    assert w.store_cut(store) == 288  # whole: the tail goes in as a partial chunk
+    w.load_failed("r1", store.block_ids, 17, 18)  # the tail's second block failed to load
+    assert w.store_cut(store) == 256  # a cut is to whole chunks before the failure
 
 
 def test_resumed_request_takes_its_new_blocks():

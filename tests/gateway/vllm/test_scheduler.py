@@ -26,7 +26,7 @@ from gateway.vllm.scheduler import (
 )
 
 CHUNK, BLOCK = 64, 16
-PROMPT = list(range(1000, 1320))  # 5 full chunks; a lookup may hit 4 (one token is left to compute)
+PROMPT = list(range(1000, 1320))  # 5 full chunks (20 blocks); a load may fill 19 blocks (one token is left to compute)
 
 
 # -- vLLM's shapes, as plain dataclasses ------------------------------------------------------
@@ -102,9 +102,9 @@ def test_a_request_without_capability_is_neither_looked_up_nor_tracked():
     assert side.matched_tokens(request_view(_req(cap=None)), 0) == 0
     side.allocated(request_view(_req(cap=None)), list(range(20)), 0)
     assert lookups.calls == [] and not side.tracked("r1")
-    # positive control: the same request with a capability is looked up (chunk-aligned, one token left)
+    # positive control: the same request with a capability is looked up (its full blocks)
     assert side.matched_tokens(request_view(_req()), 0) == 256
-    assert lookups.calls == [("cap-A", 256)]
+    assert lookups.calls == [("cap-A", 320)]
 
 
 @pytest.mark.parametrize("hit,computed,expected", [(256, 0, 256), (250, 0, 240), (256, 32, 224), (0, 0, 0), (16, 32, 0)])
@@ -113,12 +113,16 @@ def test_matched_tokens_are_whole_blocks_beyond_what_the_engine_computed(hit, co
     assert side.matched_tokens(request_view(_req()), computed) == expected
 
 
-def test_no_lookup_when_the_engine_already_computed_every_chunk_worth_loading():
-    lookups = Lookups()
+def test_no_lookup_when_the_engine_already_computed_every_block_worth_loading():
+    lookups = Lookups(hit=320)
     side = _side(lookups)
-    assert side.matched_tokens(request_view(_req()), 256) == 0
-    assert side.matched_tokens(request_view(_req(prompt=PROMPT[:64])), 0) == 0  # 64 tokens: nothing to load
+    assert side.matched_tokens(request_view(_req()), 304) == 0  # all but the last block: nothing to load
+    assert side.matched_tokens(request_view(_req(prompt=PROMPT[:16])), 0) == 0  # one block: nothing to load
     assert lookups.calls == []
+    # positive control: a partial chunk's blocks are worth a lookup (and a load)
+    assert side.matched_tokens(request_view(_req()), 256) == 48
+    assert side.matched_tokens(request_view(_req(prompt=PROMPT[:64])), 0) == 48
+    assert lookups.calls == [("cap-A", 320), ("cap-A", 64)]
 
 
 @pytest.mark.parametrize("error,reason", [
@@ -189,30 +193,30 @@ def test_a_full_hit_is_not_stored_again():
 
 
 @pytest.mark.parametrize("local,lookup_hit,stored", [
-    (256, 0, False),  # vLLM's own prefix cache supplied every full chunk: no lookup, no store
-    (0, 0, True),  # positive control: a miss everywhere stores the full chunks
+    (288, 0, False),  # vLLM's own prefix cache supplied every full block: no lookup, no store
+    (0, 0, True),  # positive control: a miss everywhere stores the full blocks
     (64, 0, True),  # vLLM had only the first chunk
 ])
-def test_no_store_when_vllms_own_cache_supplied_every_full_chunk(local, lookup_hit, stored):
-    prompt = PROMPT[:300]  # 4 full chunks (256 tokens); a lookup may hit all of them
+def test_no_store_when_vllms_own_cache_supplied_every_full_block(local, lookup_hit, stored):
+    prompt = PROMPT[:300]  # 18 full blocks (4 chunks and 32 tokens); a lookup may hit all of them
     lookups = Lookups(hit=lookup_hit)
     side = _side(lookups)
     view = request_view(_req(prompt=prompt))
     external = side.matched_tokens(view, local)
-    assert external == 0 and lookups.calls == ([] if local == 256 else [("cap-A", 256)])
+    assert external == 0 and lookups.calls == ([] if local == 288 else [("cap-A", 288)])
     side.allocated(view, list(range(19)), external)
     out = SchedulerOutput([NewRequestData("r1", local, (list(range(19)),))], num_scheduled_tokens={"r1": 300 - local})
     loads, stores = side.build(step_requests(out, side.tracked))
-    assert loads == [] and [len(op.tokens) for op in stores] == ([256] if stored else [])
+    assert loads == [] and [len(op.tokens) for op in stores] == ([288] if stored else [])
 
 
-def test_no_store_when_the_lookup_found_every_full_chunk_but_nothing_was_loaded():
-    """The lookup found all 4 full chunks, vLLM's cache had 3 of them and chose to compute the
-    fourth itself (no external tokens): kvgate holds every full chunk, nothing to gather."""
+def test_no_store_when_the_lookup_found_every_full_block_but_nothing_was_loaded():
+    """The lookup found all 18 full blocks, vLLM's cache had 3 chunks of them and chose to compute
+    the rest itself (no external tokens): kvgate holds every full block, nothing to gather."""
     prompt = PROMPT[:300]
-    side = _side(Lookups(hit=256))
+    side = _side(Lookups(hit=288))
     view = request_view(_req(prompt=prompt))
-    assert side.matched_tokens(view, 192) == 64
+    assert side.matched_tokens(view, 192) == 96
     side.allocated(view, list(range(19)), 0)  # vLLM loads nothing
     out = SchedulerOutput([NewRequestData("r1", 192, (list(range(19)),))], num_scheduled_tokens={"r1": 108})
     assert side.build(step_requests(out, side.tracked)) == ([], [])

@@ -166,6 +166,34 @@ def test_a_reused_load_buffer_never_scatters_another_loads_bytes(backend, tmp_pa
     assert reader.take_load_errors() == set(second[4:])
 
 
+def test_a_partial_last_chunk_is_stored_and_loads_up_to_the_limit(backend, tmp_path):
+    """A 44-token prompt (11 blocks: chunks of 16, 16 and a 12-token tail) stores all three
+    chunks; a load retrieves all three and fills only the blocks the engine asked for (here 10:
+    the last block holds the prompt's last token, which vLLM computes). A load that asks for
+    another tail (the 48-token prompt's full third chunk) finds none: blocks past the second
+    chunk are load errors, never written."""
+    cap = _capability(backend)
+    src, dst = _cpu_cache(seed=1), _cpu_cache(seed=2)
+    writer = _worker(backend, src, tmp_path)
+    src_ids, dst_ids = list(range(3, 15)), list(range(20, 32))
+    writer.load([])
+    writer.save([StoreOp("w", cap, TOKENS[:44], src_ids[:11])])
+    assert writer.wait_stores(30)
+    reader = _worker(backend, dst, tmp_path)
+    reader.load([LoadOp("r", cap, TOKENS[:44], dst_ids, upto=40)])
+    for a, b in zip(_blocks(src, src_ids[:10]), _blocks(dst, dst_ids[:10])):
+        assert torch.equal(a, b)  # the tail chunk's first blocks loaded, bit-exact
+    assert _untouched(dst, dst_ids[10:])  # the last block (and past it) is the engine's to compute
+    assert reader.take_load_errors() == set()
+    reader.load([LoadOp("r2", cap, TOKENS, dst_ids, upto=44)])  # the 48-token prompt's third chunk: not stored
+    assert reader.take_load_errors() == set(dst_ids[8:11])
+    assert _untouched(dst, dst_ids[10:])
+    events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [(e["tokens"], e["loaded_tokens"], e["failed_blocks"]) for e in events if e["event"] == "load"] == [
+        (40, 40, 0), (44, 32, 3),
+    ]
+
+
 # -- asynchronous stores ------------------------------------------------------------------------
 class _GatedLoop:
     """The backend's loop, with a shorter timeout for submitted stores (when given)."""
