@@ -4,7 +4,9 @@ vLLM configures its ``vllm`` logger and leaves the root logger bare, so a ``kvga
 would reach only Python's last-resort handler (unformatted) or nothing. ``ensure_visible_logging``
 gives the ``kvgate`` logger one stderr handler at WARNING when nobody configured logging for it
 (an application that did keeps its own). The logger tree is drawn in ``gateway/logs.py``.
-``Tracer`` appends the connector's optional JSON-lines trace (``trace_path``).
+``Tracer`` appends the connector's optional JSON-lines trace (``trace_path``); ``wait_for_stores``
+reads it back to wait, from outside the engine, until every asynchronous store has ended (tests and
+the end-to-end benchmark, before a request that expects what the last one stored).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["RateLimitedLogger", "Tracer", "ensure_visible_logging", "miss_reason"]
+__all__ = ["RateLimitedLogger", "Tracer", "ensure_visible_logging", "miss_reason", "wait_for_stores"]
 
 
 def ensure_visible_logging() -> None:
@@ -40,6 +42,28 @@ class Tracer:
         line = json.dumps({"event": event, "t": time.time(), "pid": os.getpid(), **fields})
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+
+
+def wait_for_stores(path: str | None, timeout_s: float = 60.0) -> float:
+    """Wait until the trace at ``path`` has an end (``store`` with tokens) for every
+    ``store_submit``; returns the seconds waited, raises TimeoutError past ``timeout_s``."""
+    t0 = time.monotonic()
+    while path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                events = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:  # nothing traced yet: nothing submitted
+            break
+        except json.JSONDecodeError:  # a line half written
+            events = None
+        if events is not None:
+            submitted = sum(e["event"] == "store_submit" for e in events)
+            if sum(e["event"] == "store" and e["tokens"] > 0 for e in events) >= submitted:
+                break
+        if time.monotonic() - t0 > timeout_s:
+            raise TimeoutError(f"kvgate stores still in flight after {timeout_s} s")
+        time.sleep(0.01)
+    return time.monotonic() - t0
 
 
 class RateLimitedLogger:

@@ -58,27 +58,14 @@ def _flush(plan: dict[str, Any]) -> None:
 
 
 def _settle(plan: dict[str, Any], timeout_s: float = 300.0) -> float:
-    """Seconds waited until the connector's trace shows every submitted store ended."""
+    """Seconds waited until the connector's trace shows every submitted store ended (only
+    kvgate's connector keeps one; the other systems' environments need not have kvgate)."""
     cfg = (plan.get("kv_transfer_config") or {}).get("kv_connector_extra_config") or {}
-    trace = cfg.get("trace_path")
-    t0 = time.monotonic()
-    if not trace:
+    if not cfg.get("trace_path"):
         return 0.0
-    while time.monotonic() - t0 < timeout_s:
-        try:
-            with open(trace, encoding="utf-8") as f:
-                events = [json.loads(line) for line in f if line.strip()]
-        except FileNotFoundError:  # nothing traced yet: nothing submitted
-            return 0.0
-        except json.JSONDecodeError:  # a line half written
-            events = None
-        if events is not None:
-            submitted = sum(e["event"] == "store_submit" for e in events)
-            ended = sum(e["event"] == "store" and e["tokens"] > 0 for e in events)
-            if ended >= submitted:
-                return time.monotonic() - t0
-        time.sleep(0.01)
-    raise TimeoutError(f"kvgate stores still in flight after {timeout_s} s")
+    from gateway.vllm.logs import wait_for_stores
+
+    return wait_for_stores(cfg["trace_path"], timeout_s)
 
 
 def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str, Any]]:

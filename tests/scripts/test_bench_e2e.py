@@ -164,7 +164,7 @@ def test_settle_waits_for_every_submitted_store_to_end(tmp_path: Path):
     trace = tmp_path / "trace.jsonl"
     plan = {"kv_transfer_config": {"kv_connector_extra_config": {"trace_path": str(trace)}}}
     assert _settle({"kv_transfer_config": None}) == 0.0  # no connector, nothing to wait for
-    assert _settle(plan) == 0.0  # nothing traced yet: nothing submitted
+    assert _settle(plan) < 0.1  # nothing traced yet: nothing submitted
     trace.write_text(json.dumps({"event": "store_submit", "tokens": 512}) + "\n")
     with pytest.raises(TimeoutError):
         _settle(plan, timeout_s=0.2)

@@ -131,24 +131,9 @@ def _stall_on_lookup(plan: dict, step: dict):
 def _settle_stores(plan: dict, timeout_s: float = 60.0) -> None:
     """Wait until every store the connector submitted has ended (its trace says so): stores are
     asynchronous, and the next step of a plan expects what the last one stored to be there."""
-    trace = plan["kv_transfer_config"].get("kv_connector_extra_config", {}).get("trace_path")
-    if not trace:
-        return
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            events = [json.loads(line) for line in open(trace, encoding="utf-8") if line.strip()]
-        except FileNotFoundError:  # nothing traced yet: nothing submitted
-            return
-        except json.JSONDecodeError:  # a line half written
-            events = None
-        if events is not None:
-            submitted = sum(e["event"] == "store_submit" for e in events)
-            ended = sum(e["event"] == "store" and e["tokens"] > 0 for e in events)
-            if ended >= submitted:
-                return
-        time.sleep(0.01)
-    raise TimeoutError(f"stores still in flight after {timeout_s} s")
+    from gateway.vllm.logs import wait_for_stores
+
+    wait_for_stores(plan["kv_transfer_config"].get("kv_connector_extra_config", {}).get("trace_path"), timeout_s)
 
 
 def main(plan_path: str, out_path: str) -> None:
