@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -38,7 +39,7 @@ from gateway.datapath.stores import (
     Reserved,
     prefix_hits,
 )
-from gateway.errors import AccessDenied
+from gateway.errors import AccessDenied, InvalidRequest
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from kernels.paged import PagedKV
 from storage.types import TierError, TierTimeout
@@ -212,12 +213,25 @@ class DataPlane:
         *,
         block_ids: BlockIds = None,
         slot_mapping: BlockIds = None,
+        first_chunk: int = 0,
     ) -> RetrieveResult:
         """Load the longest stored prefix of ``tokens`` into ``kv_layers``.
 
         Chunks are fetched, authenticated and unpacked in order; the first miss, failed tag,
-        unavailable key or unreachable tier ends the prefix. Returns how many tokens were loaded."""
-        chunks = self.chunks(model, tokens)
+        unavailable key or unreachable tier ends the prefix. Returns how many tokens were loaded
+        (``loaded_tokens``: the end of the last chunk loaded, counted from the prompt's start).
+
+        ``first_chunk`` > 0: the caller has the first chunks' KV already (an engine's own prefix
+        cache held them): every chunk is still hashed (the chain needs them), but only chunks
+        from ``first_chunk`` on are fetched and opened, and ``block_ids`` / ``slot_mapping``
+        describe the tokens from that chunk's start on."""
+        every = self.chunks(model, tokens)
+        if not 0 <= first_chunk < len(every):
+            raise InvalidRequest(f"first_chunk must lie in [0, {len(every)}), got {first_chunk}")
+        base = every[first_chunk].start
+        # positions relative to the first chunk loaded (the slots start there); identity (the
+        # chained hash, so the storage key and the envelope's context) is unchanged
+        chunks = every if not base else [replace(c, start=c.start - base, end=c.end - base) for c in every[first_chunk:]]
         kv, slots = request_slots(model, kv_layers, chunks[-1].end, block_ids, slot_mapping)
         try:
             session = await store.session(token, "get", chunks)
@@ -239,7 +253,7 @@ class DataPlane:
         self.stats["chunks_loaded"] += loaded
         self.stats["load_misses" if loaded < len(chunks) else "load_hits"] += 1
         return RetrieveResult(
-            loaded_tokens=chunks[loaded - 1].end if loaded else 0,
+            loaded_tokens=base + chunks[loaded - 1].end if loaded else 0,
             loaded_chunks=loaded,
             integrity_failures=failures,
             unavailable=unavailable,

@@ -110,7 +110,8 @@ class Backend(Protocol):
     async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult: ...
 
     async def retrieve(
-        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
+        first_chunk: int = 0,
     ) -> RetrieveResult: ...
 
     async def store(
@@ -142,9 +143,12 @@ class EmbeddedBackend:
         return result
 
     async def retrieve(
-        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
+        first_chunk: int = 0,
     ) -> RetrieveResult:
-        result: RetrieveResult = await self.runtime.gateway.retrieve(cap, model, tokens, layers, block_ids=list(block_ids))
+        result: RetrieveResult = await self.runtime.gateway.retrieve(
+            cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
+        )
         return result
 
     async def store(
@@ -205,9 +209,12 @@ class RemoteBackend:
         return result
 
     async def retrieve(
-        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
+        first_chunk: int = 0,
     ) -> RetrieveResult:
-        result: RetrieveResult = await self._client(cap).retrieve(model, tokens, layers, block_ids=list(block_ids))
+        result: RetrieveResult = await self._client(cap).retrieve(
+            model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
+        )
         return result
 
     async def store(

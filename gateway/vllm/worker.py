@@ -94,6 +94,10 @@ class WorkerSide:
         for op in loads:
             want = -(-len(op.tokens) // bs)  # blocks retrieved (and authenticated)
             upto = op.load_tokens // bs  # blocks the engine expects loaded (whole, a prefix of them)
+            # chunks wholly inside what the engine computed itself (vLLM's own prefix cache) are
+            # neither fetched nor opened: the compact buffer starts at the first chunk loaded
+            first = op.skip_blocks * bs // self.ledger.chunk
+            base = first * self.ledger.chunk // bs
             t0 = time.perf_counter()
             loaded = failures = 0
             reason = ""
@@ -101,12 +105,14 @@ class WorkerSide:
             # its page faults and zeroing every time. Its stale bytes are never scattered: only
             # the prefix this retrieve authenticated and wrote is. After a timeout a seal job may
             # still write into it, so it is not given back then.
-            compact = pool.take(want, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
+            compact = pool.take(want - base, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
             reuse = True
             try:
-                result = self._backend.loop.call(self._backend.retrieve(op.capability, model, op.tokens, compact, range(want)))
+                result = self._backend.loop.call(
+                    self._backend.retrieve(op.capability, model, op.tokens, compact, range(want - base), first)
+                )
                 loaded, failures, reason = result.loaded_tokens // bs, result.integrity_failures, result.reason
-                blocks.scatter(compact, range(op.skip_blocks, min(loaded, upto)), op.block_ids)
+                blocks.scatter(compact, range(op.skip_blocks - base, max(0, min(loaded, upto) - base)), op.block_ids[base:])
             except GatewayTimeout as exc:
                 loaded, reason, reuse = 0, miss_reason(exc), False
             except (GatewayError, ValueError) as exc:

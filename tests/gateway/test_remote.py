@@ -388,6 +388,39 @@ async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monke
             assert log == ["POST /v1/chunks/fetch"]  # the whole load: its keys came in the stream
 
 
+async def test_a_load_from_a_later_chunk_reads_only_the_chunks_from_there(live_server: LiveServer):
+    """An engine that holds a prompt's first chunks itself (vLLM's own prefix cache) asks for the
+    rest only (``first_chunk``): with chunk 2 gone from the tier, a whole-prefix load ends there
+    (positive control) and a load from chunk 3 does not; what it writes is bit-exact and lands
+    only in the blocks it was given, through REST and in process alike."""
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=12)
+    tokens = list(range(300, 300 + SIX))
+    async with _remote(live, a) as ra:
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+        await _spoil(live, ra, ra, model, tokens, "missing")
+        whole = await ra.retrieve(model, tokens, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS6)
+        assert (whole.loaded_tokens, whole.reason) == (32, "miss")  # chunks 0-1, then the missing chunk 2
+        later = BLOCKS6[12:]  # the blocks of tokens 48.. (chunks 3-5)
+        dst = zero_cache(g, NUM_BLOCKS)
+        got = await ra.retrieve(model, tokens, dst, block_ids=later, first_chunk=3)
+        assert (got.loaded_tokens, got.loaded_chunks, got.integrity_failures, got.reason) == (SIX, 3, 0, "")
+        assert torch.equal(gathered(src, g, later, 48), gathered(dst, g, later, 48))
+        assert not gathered(dst, g, BLOCKS6[:12], 48).any()  # the engine's own blocks: not written
+        core = zero_cache(g, NUM_BLOCKS)
+        got = await live.call(
+            live.runtime.gateway.retrieve, await _core_cap(live, a), model, tokens, core, block_ids=later, first_chunk=3
+        )
+        assert (got.loaded_tokens, got.loaded_chunks) == (SIX, 3)
+        assert torch.equal(gathered(src, g, later, 48), gathered(core, g, later, 48))
+        for bad in (-1, 6):
+            with pytest.raises(InvalidRequest):
+                await ra.retrieve(model, tokens, dst, block_ids=later, first_chunk=bad)
+
+
 async def _spoil(live: LiveServer, ra: RemoteGateway, rb: RemoteGateway, model, tokens, how: str) -> None:
     """Make chunk 2 of ``tokens`` in A's namespace missing, tampered, another tenant's, or bytes
     whose header does not parse (written into the tier behind the server's back)."""

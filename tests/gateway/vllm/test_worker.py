@@ -194,6 +194,34 @@ def test_a_partial_last_chunk_is_stored_and_loads_up_to_the_limit(backend, tmp_p
     ]
 
 
+def test_chunks_the_engine_computed_itself_are_neither_fetched_nor_opened(backend, tmp_path):
+    """vLLM's own prefix cache held the first 5 blocks (chunk 0 and a block of chunk 1): the load
+    opens chunks 1 and 2 only, writes blocks 5.. bit-exact and leaves the engine's blocks 0-4 as
+    they were. A tampered chunk 0 cannot fail it (it is not read); a tampered chunk 1 does."""
+    cap = _capability(backend)
+    src, dst = _cpu_cache(seed=1), _cpu_cache(seed=2)
+    writer = _worker(backend, src, tmp_path)
+    src_ids, dst_ids = list(range(3, 15)), list(range(20, 32))
+    writer.load([])
+    writer.save([StoreOp("w", cap, TOKENS, src_ids)])
+    assert writer.wait_stores(30)
+    assert writer.model is not None
+    _flip(backend, writer.model, 0)
+    stats = backend.runtime.gateway.plane.stats  # type: ignore[attr-defined]
+    before_loaded = stats["chunks_loaded"]
+    reader = _worker(backend, dst, tmp_path)
+    reader.load([LoadOp("r", cap, TOKENS, dst_ids, skip_blocks=5, upto=44)])
+    assert stats["chunks_loaded"] - before_loaded == 2  # chunks 1 and 2, not chunk 0
+    for a, b in zip(_blocks(src, src_ids[5:11]), _blocks(dst, dst_ids[5:11])):
+        assert torch.equal(a, b)
+    assert _untouched(dst, dst_ids[:5]) and _untouched(dst, dst_ids[11:])  # the engine's own, and its last block
+    assert reader.take_load_errors() == set()
+    # positive control of the check above: chunk 1 tampered fails the same load from block 5 on
+    _flip(backend, writer.model, 1)
+    reader.load([LoadOp("r2", cap, TOKENS, dst_ids, skip_blocks=5, upto=44)])
+    assert reader.take_load_errors() == set(dst_ids[5:11])
+
+
 # -- asynchronous stores ------------------------------------------------------------------------
 class _GatedLoop:
     """The backend's loop, with a shorter timeout for submitted stores (when given)."""
@@ -223,8 +251,8 @@ class GatedBackend:
     async def lookup(self, cap, model, tokens):
         return await self.inner.lookup(cap, model, tokens)
 
-    async def retrieve(self, cap, model, tokens, layers, block_ids):
-        return await self.inner.retrieve(cap, model, tokens, layers, block_ids)
+    async def retrieve(self, cap, model, tokens, layers, block_ids, first_chunk=0):
+        return await self.inner.retrieve(cap, model, tokens, layers, block_ids, first_chunk)
 
     async def store(self, cap, model, tokens, layers, block_ids):
         self.started += 1
