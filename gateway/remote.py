@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
-import numpy as np
 import torch
 
 from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, IssuedKey
@@ -65,7 +64,7 @@ from gateway.datapath.plane import DataPlane
 from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
-from gateway.wire import Exchange, RemoteUnavailable, WirePool
+from gateway.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 
 __all__ = ["RemoteGateway", "RemoteUnavailable"]
 
@@ -423,7 +422,7 @@ class _HttpSession:
                         key = IssuedKey(item.salt, item.key)
                     except ValueError:
                         raise BadFrame("a malformed key") from None
-                buf = np.empty(item.length, dtype=np.uint8).data.cast("B")  # the envelope's own buffer
+                buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)
                 ex.readinto(buf)
                 post(self._arrived, i, buf, key, item.storage_key.hex())
                 if item.status == frames.UNKEYED:  # it fails to open (an integrity failure): the end

@@ -41,14 +41,17 @@ import socket
 import ssl
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+import numpy as np
+
 from gateway.errors import GatewayError, InvalidRequest
 
-__all__ = ["Exchange", "RemoteUnavailable", "TornResponse", "WirePool"]
+__all__ = ["Exchange", "ReceiveBuffers", "RemoteUnavailable", "TornResponse", "WirePool", "receive_buffers"]
 
 _SMALL = 256 << 10  # the connection's own receive buffer: heads, chunk-size lines, small reads
 _DIRECT = 64 << 10  # a read of at least this much (with the buffer empty) goes straight into the caller's buffer
@@ -229,6 +232,47 @@ class WirePool:
     def exchange(self) -> Exchange:
         """A request not yet sent (nothing blocks until ``Exchange.start``)."""
         return Exchange(self)
+
+
+class ReceiveBuffers:
+    """Buffers to receive envelopes into, used again once nothing holds them any more.
+
+    A fresh buffer of an envelope's size is fresh memory: every page of it faults in as the kernel
+    writes the received bytes (measured on this box: receiving 32 MiB bodies into fresh buffers ran
+    at 0.9 GB/s, into reused ones at 1.7 GB/s, same socket). ``take`` hands out a view of a kept
+    buffer of exactly that size where one is free, else of a new one; the buffer comes back here
+    when the last view of it (and anything made from one: a tensor over it) is gone, never
+    before, and at most ``max_bytes`` of free buffers are kept. The caller fills every byte of
+    what it takes before handing it on (``Exchange.readinto`` fills all of it, or raises)."""
+
+    def __init__(self, max_bytes: int = 256 << 20) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[int, list[np.ndarray[Any, Any]]] = {}
+        self._free_bytes = 0
+        self._lock = threading.Lock()
+        self.reused = 0
+
+    def take(self, n: int) -> memoryview:
+        with self._lock:
+            kept = self._free.get(n)
+            raw = kept.pop() if kept else None
+            if raw is not None:
+                self._free_bytes -= n
+                self.reused += 1
+        if raw is None:
+            raw = np.empty(n, dtype=np.uint8)
+        holder = raw[:]  # a view object of its own: it lives exactly as long as what is handed out
+        weakref.finalize(holder, self._give_back, raw)
+        return holder.data.cast("B")
+
+    def _give_back(self, raw: np.ndarray[Any, Any]) -> None:
+        with self._lock:
+            if self._free_bytes + raw.nbytes <= self.max_bytes:
+                self._free.setdefault(raw.nbytes, []).append(raw)
+                self._free_bytes += raw.nbytes
+
+
+receive_buffers = ReceiveBuffers()  # one per process: every client of every server shares it
 
 
 def _consume(fut: asyncio.Future[Any] | Future[Any]) -> None:

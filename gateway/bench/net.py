@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 from gateway import frames, wire
@@ -267,7 +266,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                             else:
                                 _h, status, length = frames.parse_item_head(ex.read(frames.ITEM_HEAD))
                             assert status == frames.OK, status
-                            ex.readinto(np.empty(length, dtype=np.uint8).data.cast("B"))
+                            ex.readinto(wire.receive_buffers.take(length))  # as gateway.remote receives
                         ex.at_end()
                     finally:
                         ex.close()

@@ -312,3 +312,34 @@ def test_bad_urls_are_refused():
     for url in ("ftp://h/", "http://", "localhost:80"):
         with pytest.raises(InvalidRequest):
             WirePool(url)
+
+
+def test_a_receive_buffer_is_used_again_only_once_nothing_holds_it():
+    import gc
+
+    import numpy as np
+    import torch
+
+    from gateway.wire import ReceiveBuffers
+
+    bufs = ReceiveBuffers(max_bytes=1 << 20)
+    first = bufs.take(4096)
+    first[:] = b"A" * 4096
+    address = np.frombuffer(first, dtype=np.uint8).ctypes.data
+    tensor = torch.frombuffer(first, dtype=torch.uint8)  # something made from the view keeps it too
+    del first
+    gc.collect()
+    second = bufs.take(4096)  # the first is still held (by the tensor): a new buffer
+    address2 = np.frombuffer(second, dtype=np.uint8).ctypes.data
+    assert address2 != address and bufs.reused == 0
+    assert bytes(tensor[:4].numpy()) == b"AAAA"  # untouched by anyone else
+    del tensor, second
+    gc.collect()
+    third = bufs.take(4096)  # now one comes back
+    assert bufs.reused == 1
+    assert np.frombuffer(third, dtype=np.uint8).ctypes.data in (address, address2)
+    # at most max_bytes of free buffers are kept
+    big = [bufs.take(600 << 10) for _ in range(2)]
+    del big
+    gc.collect()
+    assert bufs._free_bytes <= 1 << 20
