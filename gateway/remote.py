@@ -299,6 +299,7 @@ class _HttpSession:
         self._pending_bytes = 0
         self._sending: asyncio.Task[None] | None = None  # the batch on the wire
         self._error: BaseException | None = None  # what a batch met, raised to the plane
+        self._closed = False
 
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
         storage_key = self._storage_keys.get(i)
@@ -437,6 +438,8 @@ class _HttpSession:
         self._scope = scope
 
     def _arrived(self, i: int, buf: memoryview, key: IssuedKey | None, storage_key: str) -> None:
+        if self._closed:  # arrived after the session closed: its key is not kept
+            return
         if key is not None:
             self._opening[i] = key
             self._storage_keys[i] = storage_key
@@ -520,6 +523,7 @@ class _HttpSession:
     async def aclose(self) -> None:
         """Stop what is still in flight: a batch not flushed is dropped (cut mid-body, the server
         stores none of it), a fetch still streaming is closed."""
+        self._closed = True
         tasks = [*self._readers, *([self._sending] if self._sending is not None else [])]
         for t in tasks:
             t.cancel()

@@ -58,6 +58,7 @@ _DIRECT = 64 << 10  # a read of at least this much (with the buffer empty) goes 
 _MAX_LINE = 8 << 10  # a status line, header line or chunk-size line longer than this is a torn response
 _MAX_HEADERS = 100
 _ERROR_BODY = 64 << 10  # the most of an error response's body kept (for the message)
+_SEND_SLICE = 8 << 20  # sendall's timeout bounds a whole call: a body goes out in slices of this size
 T = TypeVar("T")
 
 
@@ -214,6 +215,7 @@ class WirePool:
     def _give_back(self, conn: _Conn) -> None:
         conn.idle_since = time.monotonic()
         conn.reused = False
+        conn.lo = conn.hi = 0  # empty (checked by the caller): a reused connection starts with no answer
         with self._lock:
             if not self._closed:
                 self._idle.append(conn)
@@ -365,7 +367,9 @@ class Exchange:
         try:
             conn.sock.sendall(head)
             for part in body:
-                conn.sock.sendall(part)
+                view = memoryview(part).cast("B")
+                for off in range(0, view.nbytes, _SEND_SLICE):  # each slice gets the whole timeout
+                    conn.sock.sendall(view[off : off + _SEND_SLICE])
         except (BrokenPipeError, ConnectionResetError):
             # the server answered (a refusal) and closed before taking the whole body: read its answer
             if not conn.readable():

@@ -343,3 +343,38 @@ def test_a_receive_buffer_is_used_again_only_once_nothing_holds_it():
     del big
     gc.collect()
     assert bufs._free_bytes <= 1 << 20
+
+
+def test_a_request_whose_kept_connection_dies_unanswered_is_sent_again_on_a_fresh_one():
+    """The keep-alive race: the server closes a kept connection just as a request arrives on it
+    (no byte of an answer). The request goes again, once, on a new connection; a connection that
+    died the same way twice in a row (both fresh) is an error, not a loop."""
+    ref: list[Scripted] = []
+
+    def flaky(conn: socket.socket, n: int) -> None:
+        if n == 1:
+            ref[0].read_request(conn)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            ref[0].read_request(conn)  # the second request on this connection: dropped unanswered
+            return
+        if n == 2:
+            while ref[0].read_request(conn):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfresh")
+            return
+        ref[0].read_request(conn)  # 3 and on: never answer
+
+    srv = Scripted(flaky)
+    ref.append(srv)
+    pool = WirePool(f"http://127.0.0.1:{srv.port}", timeout_s=5, connections=1)
+    try:
+        assert get(pool)[:2] == (200, b"ok")
+        assert get(pool, body=b"second")[:2] == (200, b"fresh")
+        assert srv.accepted == 2 and [r.endswith(b"second") for r in srv.requests[1:]] == [True, True]
+        pool.close()
+        pool = WirePool(f"http://127.0.0.1:{srv.port}", timeout_s=5, connections=1)  # fresh connections only
+        with pytest.raises(TornResponse):
+            get(pool)
+        assert srv.accepted == 3
+    finally:
+        pool.close()
+        srv.close()
