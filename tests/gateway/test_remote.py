@@ -794,3 +794,63 @@ async def test_a_store_cancelled_mid_upload_stores_nothing_and_frees_the_connect
             assert (await http.head(f"/v1/chunks/{chunks[0].chained_hash.hex()}", headers=hdr)).status_code == 404
         # positive control: a client straight to the server stores the prefix whole
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+
+
+async def test_remote_mode_over_https_with_the_servers_certificate_checked(live_server: LiveServer, tmp_path):
+    """A worker's store and load over TLS (a TLS front in this test's loop, the live server behind
+    it): every call, the data plane's own client included, checks the certificate; an untrusted
+    certificate is refused before anything is sent."""
+    import ssl
+    from urllib.parse import urlsplit
+
+    from tests.gateway.test_wire import _certificate
+
+    cert, key = _certificate(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    u = urlsplit(live_server.base_url)
+    connections = []
+
+    async def pump(rd: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await rd.read(1 << 20):
+                w.write(data)
+                await w.drain()
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            w.close()
+
+    async def front(rd: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections.append(w.get_extra_info("ssl_object").version())
+        up_rd, up_w = await asyncio.open_connection(u.hostname, u.port)
+        await asyncio.gather(pump(rd, up_w), pump(up_rd, w))
+
+    tls = await asyncio.start_server(front, "127.0.0.1", 0, ssl=server_ctx)
+    url = f"https://localhost:{tls.sockets[0].getsockname()[1]}"
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=23)
+    tokens = list(range(1100, 1100 + SIX))
+    trusted = ssl.create_default_context(cafile=str(cert))
+    try:
+        async with RemoteGateway(url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens, ssl_context=trusted) as rt:
+            assert (await rt.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+            dst = zero_cache(g, NUM_BLOCKS)
+            got = await rt.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+            assert (got.loaded_tokens, got.integrity_failures) == (SIX, 0)
+            assert torch.equal(gathered(src, g, BLOCKS6, SIX), gathered(dst, g, BLOCKS6, SIX))
+            assert rt._wire.requests == ["PUT /v1/chunks", "POST /v1/chunks/fetch"]
+        assert connections and all(v.startswith("TLS") for v in connections)
+        # a certificate the worker does not trust (a man in the middle): refused, nothing stored
+        seen = len(connections)
+        async with RemoteGateway(url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens) as untrusting:
+            with pytest.raises(RemoteUnavailable):
+                await untrusting.store(model, list(range(5000, 5000 + SIX)), src, block_ids=BLOCKS6)
+            assert untrusting._wire.requests == []
+        assert len(connections) == seen  # no TLS session was ever set up
+    finally:
+        tls.close()
+        await tls.wait_closed()
