@@ -59,6 +59,7 @@ from gateway.errors import BadFrame
 __all__ = [
     "HEAD",
     "INDEX_ITEM",
+    "KEYED_HEAD",
     "ITEM_HEAD",
     "KEYED_ITEM_HEAD",
     "KEYED_MAGIC",
@@ -75,9 +76,11 @@ __all__ = [
     "item_head",
     "keyed_head",
     "keyed_item_head",
+    "decode_name",
     "parse_head",
     "parse_index",
     "parse_item_head",
+    "parse_keyed_head",
     "parse_keyed_item_head",
     "read_keyed_head",
 ]
@@ -92,6 +95,7 @@ _KEYED_HEAD = struct.Struct("<4sIHH")
 _KEYED_ITEM = struct.Struct("<32sBI32s32s32sQ")
 HEAD, INDEX_ITEM, ITEM_HEAD = _HEAD.size, _INDEX.size, _ITEM.size  # 8, 40, 41 bytes
 KEYED_ITEM_HEAD = _KEYED_ITEM.size  # 141 bytes
+KEYED_HEAD = _KEYED_HEAD.size  # 12 bytes, then the two names
 _KEY_BYTES = 32
 _NO_KEY = bytes(_KEY_BYTES)
 _MAX_NAME = 1024  # a tenant or namespace name longer than this is a broken frame
@@ -169,19 +173,31 @@ def parse_keyed_item_head(data: bytes | memoryview) -> KeyedItem:
     return KeyedItem(bytes(h), int(status), int(version), bytes(salt), bytes(key), bytes(storage_key), int(length))
 
 
-async def read_keyed_head(reader: Reader) -> tuple[int, str, str]:
-    """``(chunk_tokens, tenant, namespace)`` of a keyed download; BadFrame for another magic."""
-    magic, chunk_tokens, t_len, n_len = _KEYED_HEAD.unpack(await reader.read(_KEYED_HEAD.size))
+def parse_keyed_head(data: bytes | memoryview) -> tuple[int, int, int]:
+    """``(chunk_tokens, tenant length, namespace length)`` from the fixed part of a keyed
+    download's head (``KEYED_HEAD`` bytes); BadFrame for another magic or a name too long."""
+    magic, chunk_tokens, t_len, n_len = _KEYED_HEAD.unpack(data)
     if magic != KEYED_MAGIC:
         raise BadFrame("not a kvgate keyed batch frame (magic KVK1)")
     if t_len > _MAX_NAME or n_len > _MAX_NAME:
         raise BadFrame("a scope name is too long")
+    return int(chunk_tokens), int(t_len), int(n_len)
+
+
+def decode_name(data: bytes | memoryview) -> str:
+    """A tenant or namespace name of a keyed head; BadFrame where it is not UTF-8."""
     try:
-        tenant = bytes(await reader.read(t_len)).decode()
-        namespace = bytes(await reader.read(n_len)).decode()
+        return bytes(data).decode()
     except UnicodeDecodeError:
         raise BadFrame("a scope name is not UTF-8") from None
-    return int(chunk_tokens), tenant, namespace
+
+
+async def read_keyed_head(reader: Reader) -> tuple[int, str, str]:
+    """``(chunk_tokens, tenant, namespace)`` of a keyed download; BadFrame for another magic."""
+    chunk_tokens, t_len, n_len = parse_keyed_head(await reader.read(KEYED_HEAD))
+    tenant = decode_name(await reader.read(t_len))
+    namespace = decode_name(await reader.read(n_len))
+    return chunk_tokens, tenant, namespace
 
 
 class Reader:

@@ -22,7 +22,10 @@ load is one streamed request per prefix and nothing else: the server walks the h
 the first chunk it does not hold (or whose key version is destroyed), and sends each envelope
 with the key that opens it (frame ``KVK1``); each envelope lands in a buffer allocated for it as
 its bytes arrive, and its chunk is handed to the plane (to open and unpack) while the next ones
-are still coming. The connection pool is bounded (``_CONNECTIONS``, HTTP/1.1 keep-alive).
+are still coming. Both data-plane calls go over ``gateway.wire`` (an HTTP/1.1 client of their own:
+``recv_into`` each envelope's buffer, ``sendall`` the sealer's buffers, in a thread, so the wire
+overlaps opening and sealing; it says why httpx is not used there); everything else over httpx.
+Each connection pool is bounded (``_CONNECTIONS``, HTTP/1.1 keep-alive, TLS for ``https://``).
 
 The worker never holds the tenant's data key, the namespace binding secret or the index key: the
 server issues one key per envelope (``HKDF(dek || binding_secret, salt)``, the derivation of
@@ -41,14 +44,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import ssl
 import time
+import weakref
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
 import httpx
-import numpy as np
 import torch
 
 from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, IssuedKey
@@ -59,6 +64,7 @@ from gateway.datapath.plane import DataPlane
 from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
+from gateway.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 
 __all__ = ["RemoteGateway", "RemoteUnavailable"]
 
@@ -70,11 +76,9 @@ _BATCH_ITEMS = 1024  # ... or this many envelopes (the server takes up to max_ba
 _FETCH_ITEMS = 4096  # hashes per streamed fetch (the server's bound)
 _MAX_ENVELOPE = 1 << 32  # a response item larger than this is a broken frame, not an allocation
 _BATCH_MEDIA = "application/octet-stream"
-_PIECE = 1 << 20  # an envelope is handed to httpx in slices of this size (see _Frame)
-
-
-class RemoteUnavailable(GatewayError):
-    """The kvgate server could not be reached or failed (5xx, 429, transport error)."""
+# the data plane's connection pools (gateway.wire) of a shared httpx client, per base URL: the
+# vLLM backend shares one client between the RemoteGateways of many capabilities
+_SHARED_POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, WirePool]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(slots=True)
@@ -100,6 +104,7 @@ class RemoteGateway:
         threads: int = 2,
         device_cipher: str = "auto",
         device_aes: str = "auto",
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
@@ -111,8 +116,18 @@ class RemoteGateway:
         self._bearer = bearer_token
         self._own_http = http is None
         self._http = http or httpx.AsyncClient(
-            timeout=30.0, limits=httpx.Limits(max_connections=_CONNECTIONS, max_keepalive_connections=_CONNECTIONS)
+            timeout=30.0, limits=httpx.Limits(max_connections=_CONNECTIONS, max_keepalive_connections=_CONNECTIONS),
+            verify=ssl_context if ssl_context is not None else True,
         )
+        # the data plane's own client (gateway.wire says why): the same timeout as the httpx client
+        timeout_s = self._http.timeout.read or 30.0
+        if self._own_http:
+            self._wire = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context)
+        else:
+            pools = _SHARED_POOLS.setdefault(self._http, {})
+            if self.base_url not in pools:
+                pools[self.base_url] = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context)
+            self._wire = pools[self.base_url]
         self._plane = DataPlane(
             DataPath(ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes),
             chunk_tokens, Counter(),
@@ -130,6 +145,7 @@ class RemoteGateway:
         self._forget()
         self._plane.datapath.close()
         if self._own_http:
+            self._wire.close()
             await self._http.aclose()
 
     # -- HTTP --------------------------------------------------------------------------------
@@ -157,27 +173,30 @@ class RemoteGateway:
             self._forget()
             return await self._send(method, path, **kw)
 
-    async def _stream(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        """A streamed response (the caller closes it), with the errors ``_send`` raises and one
-        retry with a fresh capability after a 403."""
-        for attempt in (0, 1):
-            headers = {"Authorization": f"Bearer {self._bearer}", "X-KV-Capability": await self.capability()}
-            try:
-                r = await self._http.send(self._http.build_request(method, self.base_url + path, headers=headers, **kw), stream=True)
-            except httpx.HTTPError as exc:
-                raise RemoteUnavailable(f"{method} {path}: {type(exc).__name__}") from None
-            if r.status_code == 200:
-                return r
-            await r.aread()
-            await r.aclose()
-            if r.status_code in (401, 403):
+    def _data_headers(self, capability: str, content_type: str) -> list[tuple[str, str]]:
+        return [("Authorization", f"Bearer {self._bearer}"), ("X-KV-Capability", capability), ("Content-Type", content_type)]
+
+    async def _wire_call(
+        self, method: str, path: str, fn: Callable[..., tuple[int, Any]], *args: Any, retry: bool = True,
+    ) -> Any:
+        """``fn(exchange, headers, *args)`` on the data plane's own client (``gateway.wire``), in one
+        of its threads: ``fn`` starts the request and reads the answer, returning ``(status,
+        result)``. A 2xx is ``result``; the errors ``_send`` raises otherwise, after one retry with
+        a fresh capability on a 401/403 (revoked by a clear, or its key budget spent) where
+        ``retry`` (never for an upload: its envelopes were sealed for the revoked scope)."""
+        for attempt in (0, 1) if retry else (1,):
+            headers = self._data_headers(await self.capability(), _BATCH_MEDIA if method == "PUT" else "application/json")
+            status, result = await self._wire.run(fn, headers, *args)
+            if 200 <= status < 300:
+                return result
+            if status in (401, 403):
                 if attempt == 0:
                     self._forget()
                     continue
-                raise AccessDenied(f"{method} {path}: {r.status_code}")
-            if r.status_code in (400, 413, 422):
-                raise InvalidRequest(f"{method} {path}: {r.status_code} {r.text[:200]}")
-            raise RemoteUnavailable(f"{method} {path}: {r.status_code}")
+                raise AccessDenied(f"{method} {path}: {status}")
+            if status in (400, 413, 422):
+                raise InvalidRequest(f"{method} {path}: {status} {str(result)[:200]}")
+            raise RemoteUnavailable(f"{method} {path}: {status}")
         raise AssertionError("unreachable")
 
     def _forget(self) -> None:
@@ -282,6 +301,7 @@ class _HttpSession:
         self._pending_bytes = 0
         self._sending: asyncio.Task[None] | None = None  # the batch on the wire
         self._error: BaseException | None = None  # what a batch met, raised to the plane
+        self._closed = False
 
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
         storage_key = self._storage_keys.get(i)
@@ -347,7 +367,7 @@ class _HttpSession:
             for start in range(0, len(todo), _FETCH_ITEMS):
                 if not await self._read_group(todo[start : start + _FETCH_ITEMS]):
                     break
-        except (GatewayError, httpx.HTTPError):  # unreachable, refused, or a frame cut short: a miss
+        except GatewayError:  # unreachable, refused, or a frame cut short: a miss
             self.client.stats["unavailable"] += 1
         finally:
             for i in todo:  # past the end of the prefix (or of what arrived)
@@ -357,42 +377,84 @@ class _HttpSession:
 
     async def _read_group(self, group: list[int]) -> bool:
         """Whether every chunk of ``group`` arrived (the prefix goes on). Each envelope comes with
-        its opening key and storage key (frame ``KVK1``), kept for ``opening_keys`` and ``context``."""
-        body = {"hashes": [self.chunks[i].chained_hash.hex() for i in group], "keys": True}
-        r = await self.client._stream("POST", "/v1/chunks/fetch", json=body)
+        its opening key and storage key (frame ``KVK1``), kept for ``opening_keys`` and ``context``;
+        the stream is received in a thread of the data plane's client, straight into each
+        envelope's own buffer, and each chunk is handed over (``fetch`` returns) as soon as it is in."""
+        body = json.dumps({"hashes": [self.chunks[i].chained_hash.hex() for i in group], "keys": True}).encode()
+        loop = asyncio.get_running_loop()
+        complete: bool = await self.client._wire_call("POST", "/v1/chunks/fetch", self._receive, body, group, loop)
+        return complete
+
+    def _receive(
+        self, ex: Exchange, headers: list[tuple[str, str]], body: bytes, group: list[int], loop: asyncio.AbstractEventLoop,
+    ) -> tuple[int, Any]:
+        """(In a thread of the data plane's client.) The fetch of ``group``: ``(status, whether
+        every chunk arrived)``, or ``(status, the error body)``. What arrives is handed to the
+        event loop (``_arrived``, ``_ended``) as it comes."""
+
+        def post(fn: Callable[..., None], *args: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: nobody waits for these chunks any more
+                pass
+
         try:
-            reader = frames.Reader(r.aiter_raw())
-            chunk_tokens, tenant, namespace = await frames.read_keyed_head(reader)
+            ex.start("POST", "/v1/chunks/fetch", headers, [body])
+            if ex.status != 200:
+                return ex.status, ex.read_rest().decode("utf-8", "replace")
+            chunk_tokens, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
+            scope = frames.decode_name(ex.read(t_len)), frames.decode_name(ex.read(n_len))
             if chunk_tokens != self.client.chunk_tokens:
                 raise InvalidRequest(f"the server chunks {chunk_tokens} tokens, this worker {self.client.chunk_tokens}")
-            self._scope = (tenant, namespace)
+            post(self._set_scope, scope)
             for i in group:
-                item = frames.parse_keyed_item_head(await reader.read(frames.KEYED_ITEM_HEAD))
+                item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
                 if item.chained_hash != self.chunks[i].chained_hash or item.length > _MAX_ENVELOPE:
                     raise BadFrame("the response does not answer the hashes asked")
                 if item.status == frames.KEY_UNAVAILABLE:  # its key version is destroyed: a miss
-                    self.client.stats["unavailable"] += 1
-                    self.client.stats["key_unavailable"] += 1
-                    self._fetches[i].set_result(FetchFailed("key_unavailable", unavailable=True))
-                    return False
+                    post(self._ended, i, FetchFailed("key_unavailable", unavailable=True), ("unavailable", "key_unavailable"))
+                    ex.at_end()  # the end of the prefix is the end of the body: the connection is kept
+                    return 200, False
                 if item.status not in (frames.OK, frames.UNKEYED):
-                    if item.status != frames.MISSING:
-                        self.client.stats["unavailable"] += 1
-                    return False
+                    post(self._ended, i, None, () if item.status == frames.MISSING else ("unavailable",))
+                    ex.at_end()
+                    return 200, False
+                key: IssuedKey | None = None
                 if item.status == frames.OK:
                     try:
-                        self._opening[i] = IssuedKey(item.salt, item.key)
+                        key = IssuedKey(item.salt, item.key)
                     except ValueError:
                         raise BadFrame("a malformed key") from None
-                    self._storage_keys[i] = item.storage_key.hex()
-                buf = np.empty(item.length, dtype=np.uint8).data.cast("B")  # the envelope's own buffer
-                await reader.into(buf)
-                self._fetches[i].set_result(Fetched(buf, "remote"))
+                buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)
+                ex.readinto(buf)
+                post(self._arrived, i, buf, key, item.storage_key.hex())
                 if item.status == frames.UNKEYED:  # it fails to open (an integrity failure): the end
-                    return False
-            return True
+                    ex.at_end()
+                    return 200, False
+            ex.at_end()  # the body's last chunk: the connection goes back to the pool
+            return 200, True
         finally:
-            await r.aclose()
+            ex.close()
+
+    def _set_scope(self, scope: tuple[str, str]) -> None:
+        self._scope = scope
+
+    def _arrived(self, i: int, buf: memoryview, key: IssuedKey | None, storage_key: str) -> None:
+        if self._closed:  # arrived after the session closed: its key is not kept
+            return
+        if key is not None:
+            self._opening[i] = key
+            self._storage_keys[i] = storage_key
+        f = self._fetches.get(i)
+        if f is not None and not f.done():
+            f.set_result(Fetched(buf, "remote"))
+
+    def _ended(self, i: int, got: FetchFailed | None, counts: tuple[str, ...]) -> None:
+        for name in counts:
+            self.client.stats[name] += 1
+        f = self._fetches.get(i)
+        if got is not None and f is not None and not f.done():
+            f.set_result(got)
 
     async def fetch(self, i: int) -> Fetched:
         if i not in self._fetches:
@@ -436,13 +498,11 @@ class _HttpSession:
         self._sending = asyncio.ensure_future(self._upload(items))
 
     async def _upload(self, items: list[tuple[int, memoryview]]) -> None:
+        """One ``PUT /v1/chunks`` frame: the index, then each envelope sent from its own buffer."""
         views = [env.cast("B") if env.format != "B" or env.ndim != 1 else env for _i, env in items]
         index = frames.encode_index([(self.chunks[i].chained_hash, v.nbytes) for (i, _e), v in zip(items, views)])
-        headers = {"Content-Type": _BATCH_MEDIA, "Content-Length": str(len(index) + sum(v.nbytes for v in views))}
         try:
-            r = await self.client._send("PUT", "/v1/chunks", content=_Frame(index, views), headers=headers)
-            if r.status_code != 204:  # a frame the server refused (400): nothing of it was stored
-                raise InvalidRequest(f"PUT /v1/chunks: {r.status_code} {r.text[:200]}")
+            await self.client._wire_call("PUT", "/v1/chunks", _put, [index, *views], retry=False)
         except AccessDenied as exc:
             self.client._forget()  # revoked (a clear): the keys it was sealed under are gone too
             self._error = exc
@@ -465,6 +525,7 @@ class _HttpSession:
     async def aclose(self) -> None:
         """Stop what is still in flight: a batch not flushed is dropped (cut mid-body, the server
         stores none of it), a fetch still streaming is closed."""
+        self._closed = True
         tasks = [*self._readers, *([self._sending] if self._sending is not None else [])]
         for t in tasks:
             t.cancel()
@@ -478,23 +539,13 @@ class _HttpSession:
         self._sending = None
 
 
-class _Frame:
-    """An upload frame as the request body: the index, then each envelope's own buffer in
-    ``_PIECE`` slices (no copy here; re-iterable, so a retried request sends it again).
-
-    h11 copies each part once as it frames it, and asyncio keeps what the socket did not take:
-    slices of 1 MiB keep both copies in warm, reused memory (a whole 32 MiB envelope as one part
-    cost the client 2.5x the CPU per byte here, ``kvgate bench``'s ``cpu_s_per_gb``)."""
-
-    def __init__(self, index: bytes, views: list[memoryview]) -> None:
-        self.index = index
-        self.views = views
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        yield self.index
-        for v in self.views:
-            for off in range(0, v.nbytes, _PIECE):
-                yield v[off : off + _PIECE]  # type: ignore[misc]  # a memoryview of bytes: h11 writes any bytes-like part
+def _put(ex: Exchange, headers: list[tuple[str, str]], parts: list[bytes | memoryview]) -> tuple[int, str]:
+    """(In a thread of the data plane's client.) Send an upload frame; ``(status, answer body)``."""
+    try:
+        ex.start("PUT", "/v1/chunks", headers, parts)
+        return ex.status, ex.read_rest().decode("utf-8", "replace")
+    finally:
+        ex.close()
 
 
 def _issued(item: dict[str, Any]) -> IssuedKey:

@@ -2,8 +2,8 @@
 beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chunks).
 
 The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
-one streamed ``POST /v1/chunks/fetch`` per prefix, read into a buffer per envelope as
-``gateway.remote`` does; ``get_keyed`` with each envelope's opening key in the stream, the
+one streamed ``POST /v1/chunks/fetch`` per prefix, over the data plane's own client
+``gateway.wire``, received into a buffer per envelope as ``gateway.remote`` does; ``get_keyed`` with each envelope's opening key in the stream, the
 worker's load), and, labelled ``per_chunk``, one request per chunk as before issue 18.
 
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
@@ -15,6 +15,7 @@ from) a preallocated buffer, the most any HTTP server on this machine could move
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import socket
@@ -27,10 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
-from gateway import frames
+from gateway import frames, wire
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
@@ -54,7 +54,9 @@ while True:
 """
 
 
-_PIECE = 1 << 20  # the size of the parts a batch body is handed to httpx in (gateway.remote._PIECE)
+def _wire_headers(headers: dict[str, str], content_type: str) -> list[tuple[str, str]]:
+    return [("Authorization", headers["Authorization"]), ("X-KV-Capability", headers["X-KV-Capability"]),
+            ("Content-Type", content_type)]
 
 
 def _median_gbps(fn: Callable[[], object], nbytes: int, reps: int) -> float:
@@ -184,6 +186,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict[str, Any] = {"put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
+    pool = wire.WirePool(url, timeout_s=120.0, connections=2)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
             for _ in range(150):
@@ -233,41 +236,51 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                             async for _ in resp.aiter_raw(1 << 20):
                                 pass
 
-                async def frame() -> Any:
-                    yield frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
-                    view = memoryview(body)
-                    for _ in hashes:
-                        for off in range(0, len(view), _PIECE):  # as gateway.remote sends an envelope
-                            yield view[off : off + _PIECE]
+                def put_frame(ex: wire.Exchange, headers: list[tuple[str, str]]) -> None:
+                    """As ``gateway.remote`` uploads: the index, then each envelope from its buffer."""
+                    index = frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
+                    try:
+                        ex.start("PUT", "/v1/chunks", headers, [index, *[body] * len(hashes)])
+                        assert ex.status == 204, (ex.status, ex.read_rest())
+                        ex.read_rest()
+                    finally:
+                        ex.close()
 
                 async def put_batch() -> None:
-                    total = frames.HEAD + frames.INDEX_ITEM * len(hashes) + len(body) * len(hashes)
-                    batch_hdr = {**capability, "Content-Type": "application/octet-stream", "Content-Length": str(total)}
-                    (await http.put("/v1/chunks", content=frame(), headers=batch_hdr)).raise_for_status()
+                    await pool.run(put_frame, _wire_headers(capability, "application/octet-stream"))
+
+                def fetch(ex: wire.Exchange, headers: list[tuple[str, str]], keyed: bool) -> None:
+                    """As ``gateway.remote`` loads: each envelope received into a buffer of its own."""
+                    try:
+                        ex.start("POST", "/v1/chunks/fetch", headers, [json.dumps({"hashes": hashes, "keys": keyed}).encode()])
+                        assert ex.status == 200, (ex.status, ex.read_rest())
+                        if keyed:
+                            _ct, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
+                            ex.read(t_len + n_len)
+                        else:
+                            ex.read(len(frames.MAGIC))
+                        for _ in hashes:
+                            if keyed:
+                                item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
+                                status, length = item.status, item.length
+                            else:
+                                _h, status, length = frames.parse_item_head(ex.read(frames.ITEM_HEAD))
+                            assert status == frames.OK, status
+                            ex.readinto(wire.receive_buffers.take(length))  # as gateway.remote receives
+                        ex.at_end()
+                    finally:
+                        ex.close()
 
                 async def get_batch() -> None:
-                    async with http.stream("POST", "/v1/chunks/fetch", json={"hashes": hashes}, headers=capability) as resp:
-                        resp.raise_for_status()
-                        reader = frames.Reader(resp.aiter_raw())
-                        await reader.read(len(frames.MAGIC))
-                        for _ in hashes:
-                            _h, status, length = frames.parse_item_head(await reader.read(frames.ITEM_HEAD))
-                            assert status == frames.OK, status
-                            await reader.into(np.empty(length, dtype=np.uint8).data.cast("B"))
+                    await pool.run(fetch, _wire_headers(capability, "application/json"), False)
+
+                # as a worker loads: each envelope after its opening key, under one capability per
+                # size (a worker keeps its capability; (reps + 1) x count keys stay far inside its budget)
+                r = await http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers=user)
+                keyed = {**user, "X-KV-Capability": r.raise_for_status().json()["capability"]}
 
                 async def get_keyed() -> None:
-                    """As a worker loads: each envelope after its opening key (a fresh capability
-                    per fetch, so the bench never meets the per-capability key budget)."""
-                    r = await http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers=user)
-                    keyed = {**user, "X-KV-Capability": r.raise_for_status().json()["capability"]}
-                    async with http.stream("POST", "/v1/chunks/fetch", json={"hashes": hashes, "keys": True}, headers=keyed) as resp:
-                        resp.raise_for_status()
-                        reader = frames.Reader(resp.aiter_raw())
-                        await frames.read_keyed_head(reader)
-                        for _ in hashes:
-                            item = frames.parse_keyed_item_head(await reader.read(frames.KEYED_ITEM_HEAD))
-                            assert item.status == frames.OK, item.status
-                            await reader.into(np.empty(item.length, dtype=np.uint8).data.cast("B"))
+                    await pool.run(fetch, _wire_headers(keyed, "application/json"), True)
 
                 out["put_per_chunk"][size] = await timed(puts, "put_per_chunk")
                 out["get_per_chunk"][size] = await timed(gets, "get_per_chunk")
@@ -289,9 +302,48 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
             lat.sort()
             out["lookup_ms"] = {"p50": round(lat[len(lat) // 2] * 1e3, 3), "p99": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
     finally:
+        pool.close()
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
     return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Only the REST rows of ``kvgate bench`` (and the socket ceiling of the same run), as
+    ratios: ``python -m gateway.bench.net --sizes-mib 2 32 --reps 5``."""
+    import argparse
+    import shutil
+    import tempfile
+
+    p = argparse.ArgumentParser(prog="python -m gateway.bench.net", description=main.__doc__)
+    p.add_argument("--sizes-mib", type=int, nargs="+", default=[2, 32])
+    p.add_argument("--total-mib", type=int, default=64, help="bytes per measured transfer (kvgate bench: 64)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    sizes = [m << 20 for m in args.sizes_mib]
+    counts = {b: max(2, (args.total_mib << 20) // b) for b in sizes}
+    base = Path(tempfile.mkdtemp(prefix="kvgate-bench-net-"))
+    try:
+        rest = asyncio.run(rest_figures(base, sizes, counts, args.reps))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    rows = []
+    for b in sizes:
+        send, recv = socket_ceiling(rest["bytes"][b], counts[b], args.reps)
+        for name, sock in (("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv)):
+            gbps = rest[name][b]
+            rows.append({"op": name, "mib": b >> 20, "count": counts[b], "gbps": round(gbps, 3), "socket_gbps": round(sock, 3),
+                         "ratio": round(gbps / sock, 3), "cpu_s_per_gb": rest["cpu_s_per_gb"][name][b]})
+            print(f"{name:14s} {b >> 20:3d} MiB x{counts[b]:<3d} {gbps:7.3f} GB/s  socket {sock:7.3f}  ratio {gbps / sock:5.2f}"
+                  f"  cpu/GB client {rest['cpu_s_per_gb'][name][b]['client']:.3f} server {rest['cpu_s_per_gb'][name][b]['server']:.3f}")
+    print(f"lookup 32K tokens: {rest['lookup_ms']}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"rows": rows, "lookup_ms": rest["lookup_ms"]}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -21,6 +21,7 @@ from pydantic import BaseModel, Field
 
 from gateway import batches, frames
 from gateway.errors import BadFrame, InvalidRequest, TooLarge
+from gateway.server import rawchunks
 from gateway.server.deps import (
     Authorize,
     Name,
@@ -287,23 +288,68 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
             storage_key=bytes.fromhex(k.storage_key),
         )
 
-    async def frame() -> AsyncIterator[bytes | memoryview]:
-        yield head
+    async def items() -> AsyncIterator[list[bytes | memoryview]]:
+        """Each item of the frame: its head, and the envelope (a view of the tier's buffer)."""
         got: batches.PrefixItem | None = first
         try:
             while got is not None:
-                yield item(got)
                 if got.found is None:
+                    yield [item(got)]
                     return
                 data = got.found.data
                 state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
-                for off in range(0, data.nbytes, _PIECE):  # views of the tier's buffer (see _PIECE)
-                    yield data[off : off + _PIECE]
+                yield [item(got), data]
                 got = await anext(walk, None)
         finally:
             await walk.aclose()
 
+    raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
+    if isinstance(raw, rawchunks.RawChunks):
+        return _RawFrame(raw, head, items())
+
+    async def frame() -> AsyncIterator[bytes | memoryview]:
+        yield head
+        async for parts in items():
+            for part in parts:
+                for off in range(0, len(part), _PIECE):  # views of the tier's buffer (see _PIECE)
+                    yield part[off : off + _PIECE]
+
     return StreamingResponse(frame(), media_type=_BATCH_MEDIA)
+
+
+class _RawFrame(Response):
+    """The fetch frame, each item written as one chunk straight to the connection
+    (``gateway.server.rawchunks``: no copy, no task per piece). The head and the last chunk go
+    through ASGI; a client gone mid-stream ends the walk (its tier buffers are let go)."""
+
+    media_type = _BATCH_MEDIA
+
+    def __init__(self, raw: rawchunks.RawChunks, head: bytes, items: AsyncIterator[list[bytes | memoryview]]) -> None:
+        # no Response.__init__: it would declare Content-Length 0; h11 frames this one chunked
+        self.status_code, self.background, self.body = 200, None, b""
+        self.raw_headers = [(b"content-type", _BATCH_MEDIA.encode())]
+        self._raw, self._head, self._items = raw, head, items
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        if not self._raw.usable():  # framed otherwise (an HTTP/1.0 client): through ASGI
+            await send({"type": "http.response.body", "body": self._head, "more_body": True})
+            async for parts in self._items:
+                for part in parts:
+                    await send({"type": "http.response.body", "body": bytes(part), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        pending: list[bytes | memoryview] = [self._head]
+        try:
+            async for parts in self._items:
+                if not await self._raw.write([*pending, *parts]):
+                    return  # the client is gone
+                pending = []
+            if pending and not await self._raw.write(pending):
+                return
+        finally:
+            await self._items.aclose()  # type: ignore[attr-defined]  # an async generator
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)

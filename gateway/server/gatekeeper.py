@@ -20,7 +20,8 @@ finished by then (a bounded lingering close, so the client can still read the re
 from the connection's first byte (and after each response) the whole header block must arrive
 within ``header_timeout_s``, however slowly it trickles (uvicorn's keep-alive timer restarts on
 every byte, so it cannot cut a slow-header client). The header block size is bounded by h11's
-``max_incomplete_event_size`` (``max_header_bytes``, 431 beyond).
+``max_incomplete_event_size`` (``max_header_bytes``, 431 beyond). It also offers the fetch route
+its raw chunk writer (``gateway.server.rawchunks``) in the request's scope, before the app runs.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway import frames
 from gateway.config import Settings
+from gateway.server.rawchunks import offer_raw_chunks
 
 __all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
 
@@ -197,11 +199,14 @@ def bounded_h11(header_timeout_s: float) -> type[H11Protocol]:
             super().data_received(data)
             if self._active():
                 self._disarm()  # a request is being served: its body has its own timeout
+                offer_raw_chunks(self.cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self._active():
                 self._arm()  # the next request's head (or the rest of a body nobody reads)
+            elif self._active():
+                offer_raw_chunks(self.cycle)  # a pipelined request, its cycle made just now
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()

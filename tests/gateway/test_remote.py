@@ -4,6 +4,7 @@ envelope moved to another chunk's place fails authentication and is a miss on bo
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -378,14 +379,17 @@ async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monke
     log: list[str] = []
     async with httpx.AsyncClient(timeout=30, event_hooks={"request": [_requests(log)]}) as http:
         async with _remote(live, a, http=http) as ra:
+            wire = ra._wire.requests  # the data plane's own client (gateway.wire)
             assert (await ra.store(model, tokens, src, block_ids=BLOCKS6, skip_existing=False)).stored == 6
-            assert [r for r in log if "/chunks" in r] == ["PUT /v1/chunks"] * 3
+            assert [r for r in log if "/chunks" in r] == []
+            assert wire == ["PUT /v1/chunks"] * 3
             log.clear()
+            wire.clear()
             dst = zero_cache(g, NUM_BLOCKS)
             got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
             assert (got.loaded_tokens, got.integrity_failures) == (SIX, 0)
             assert torch.equal(gathered(src, g, BLOCKS6, SIX), gathered(dst, g, BLOCKS6, SIX))
-            assert log == ["POST /v1/chunks/fetch"]  # the whole load: its keys came in the stream
+            assert (log, wire) == ([], ["POST /v1/chunks/fetch"])  # the whole load: its keys came in the stream
 
 
 async def test_a_load_from_a_later_chunk_reads_only_the_chunks_from_there(live_server: LiveServer):
@@ -655,3 +659,231 @@ async def test_the_fetch_charges_the_key_budget_before_it_sends_anything(live_se
             assert await ra.capability() != cap
         finally:
             plane.max_keys_per_capability = saved
+
+
+# -- the data plane's own client (gateway.wire) -----------------------------------------------------
+def _hang_up(*socks) -> None:
+    import socket
+
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)  # wakes the other pump, blocked on it; a close alone would not
+        except OSError:
+            pass
+        s.close()
+
+
+class _CuttingProxy:
+    """A TCP proxy in front of the live server that cuts a ``POST /v1/chunks/fetch`` response
+    after ``cut`` bytes (the connection closed under the client, mid-envelope)."""
+
+    def __init__(self, upstream: tuple[str, int], cut: int = 1 << 62, stall_put_after: int | None = None) -> None:
+        import socket
+        import threading
+
+        self.upstream, self.cut, self.stall_put_after = upstream, cut, stall_put_after
+        self.release = threading.Event()  # a stalled upload is let go (its connections closed) once set
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.cuts = 0
+        self._threading = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            state = {"fetch": False}
+            self._threading.Thread(target=self._up, args=(client, server, state), daemon=True).start()
+            self._threading.Thread(target=self._down, args=(server, client, state), daemon=True).start()
+
+    def _up(self, src, dst, state) -> None:
+        put = 0
+        try:
+            while data := src.recv(1 << 16):
+                if b"POST /v1/chunks/fetch" in data:
+                    state["fetch"] = True
+                if b"PUT /v1/chunks " in data:
+                    put = 1
+                if put and self.stall_put_after is not None:
+                    put += len(data)
+                    if put > self.stall_put_after:  # stop reading: the client's send blocks
+                        self.release.wait(30)
+                        break
+                dst.sendall(data)
+        except OSError:
+            pass
+        _hang_up(src, dst)
+
+    def _down(self, src, dst, state) -> None:
+        sent = 0
+        try:
+            while data := src.recv(1 << 16):
+                if state["fetch"]:
+                    if sent + len(data) >= self.cut:
+                        dst.sendall(data[: self.cut - sent])
+                        self.cuts += 1
+                        break
+                    sent += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        _hang_up(src, dst)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+async def test_a_fetch_cut_mid_envelope_loads_only_the_whole_envelopes_before_it(live_server: LiveServer):
+    """The connection closes inside chunk 2's envelope: the worker's client reads a torn response
+    (a typed error, counted unavailable), the load is chunks 0 and 1, and not a byte of chunk 2
+    or later reaches the engine's cache."""
+    from urllib.parse import urlsplit
+
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=21)
+    tokens = list(range(700, 700 + SIX))
+    u = urlsplit(live.base_url)
+    async with _remote(live, a, threads=1) as ra:
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+        # positive control: straight to the server, the whole prefix loads
+        ok = zero_cache(g, NUM_BLOCKS)
+        assert (await ra.retrieve(model, tokens, ok, block_ids=BLOCKS6)).loaded_tokens == SIX
+        h = ra._chunks(model, tokens)[0].chained_hash.hex()
+        async with live.client() as http:
+            r = await http.get(f"/v1/chunks/{h}", headers=live.headers(live.worker_token(a), await ra.capability()))
+        item = frames.KEYED_ITEM_HEAD + len(r.content)
+        assert len(r.content) > 4096  # so the response head and chunk framing fit in half an item
+    proxy = _CuttingProxy((u.hostname, u.port), cut=int(2.5 * item))
+    try:
+        async with RemoteGateway(proxy.url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens, threads=1) as rp:
+            sentinel = random_cache(g, NUM_BLOCKS, seed=98)
+            dst = [t.clone() for t in sentinel]
+            got = await rp.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+            assert proxy.cuts == 1
+            assert (got.loaded_tokens, got.integrity_failures) == (32, 0)
+            assert rp.stats["unavailable"] == 1
+            assert torch.equal(gathered(src, g, BLOCKS6, 32), gathered(dst, g, BLOCKS6, 32))
+            past = BLOCKS6[8:]
+            assert torch.equal(gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32))
+    finally:
+        proxy.close()
+
+
+async def test_a_store_cancelled_mid_upload_stores_nothing_and_frees_the_connection(live_server: LiveServer):
+    """A worker that goes away while its batch is on the wire (the session closed mid-body): the
+    server stores none of the batch, and the client's connection slot comes back."""
+    import time
+    from urllib.parse import urlsplit
+
+    import gateway.remote as remote
+
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=22)
+    tokens = list(range(900, 900 + SIX))
+    u = urlsplit(live.base_url)
+    proxy = _CuttingProxy((u.hostname, u.port), stall_put_after=256 << 10)
+    try:
+        async with RemoteGateway(proxy.url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens) as rp:
+            chunks = rp._chunks(model, tokens)
+            session = await rp.session("", "put", chunks)
+            env = memoryview(bytearray(32 << 20))  # far larger than the socket buffers: the send blocks at the proxy
+            session._pending = [(0, env)]
+            await session._send_pending()  # the batch goes on the wire in the background, as put sends it
+            sent = session._sending
+            assert sent is not None
+            await asyncio.sleep(0.5)
+            assert not sent.done()  # blocked mid-body
+            t0 = time.monotonic()
+            await session.aclose()  # cancels the batch on the wire
+            assert sent.cancelled()
+            for _ in range(50):
+                if rp._wire._slots._value == remote._CONNECTIONS:  # every connection slot is back
+                    break
+                await asyncio.sleep(0.05)
+            assert rp._wire._slots._value == remote._CONNECTIONS and time.monotonic() - t0 < 2.5
+    finally:
+        proxy.release.set()
+        proxy.close()
+    async with _remote(live, a) as ra:
+        async with live.client() as http:
+            hdr = live.headers(live.worker_token(a), await ra.capability())
+            for _ in range(100):  # the server saw the body torn: every extent it reserved given back
+                if live.runtime.tiers.tiers[0].stats().reservations == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert live.runtime.tiers.tiers[0].stats().reservations == 0
+            assert (await http.head(f"/v1/chunks/{chunks[0].chained_hash.hex()}", headers=hdr)).status_code == 404
+        # positive control: a client straight to the server stores the prefix whole
+        assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+
+
+async def test_remote_mode_over_https_with_the_servers_certificate_checked(live_server: LiveServer, tmp_path):
+    """A worker's store and load over TLS (a TLS front in this test's loop, the live server behind
+    it): every call, the data plane's own client included, checks the certificate; an untrusted
+    certificate is refused before anything is sent."""
+    import ssl
+    from urllib.parse import urlsplit
+
+    from tests.gateway.test_wire import _certificate
+
+    cert, key = _certificate(tmp_path)
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(cert, key)
+    u = urlsplit(live_server.base_url)
+    connections = []
+
+    async def pump(rd: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await rd.read(1 << 20):
+                w.write(data)
+                await w.drain()
+        except (OSError, ssl.SSLError):
+            pass
+        finally:
+            w.close()
+
+    async def front(rd: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections.append(w.get_extra_info("ssl_object").version())
+        up_rd, up_w = await asyncio.open_connection(u.hostname, u.port)
+        await asyncio.gather(pump(rd, up_w), pump(up_rd, w))
+
+    tls = await asyncio.start_server(front, "127.0.0.1", 0, ssl=server_ctx)
+    url = f"https://localhost:{tls.sockets[0].getsockname()[1]}"
+    live = live_server
+    g = small_geometry()
+    model = model_for(g)
+    (a,) = await _tenants(live, "acme")
+    src = random_cache(g, NUM_BLOCKS, seed=23)
+    tokens = list(range(1100, 1100 + SIX))
+    trusted = ssl.create_default_context(cafile=str(cert))
+    try:
+        async with RemoteGateway(url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens, ssl_context=trusted) as rt:
+            assert (await rt.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
+            dst = zero_cache(g, NUM_BLOCKS)
+            got = await rt.retrieve(model, tokens, dst, block_ids=BLOCKS6)
+            assert (got.loaded_tokens, got.integrity_failures) == (SIX, 0)
+            assert torch.equal(gathered(src, g, BLOCKS6, SIX), gathered(dst, g, BLOCKS6, SIX))
+            assert rt._wire.requests == ["PUT /v1/chunks", "POST /v1/chunks/fetch"]
+        assert connections and all(v.startswith("TLS") for v in connections)
+        # a certificate the worker does not trust (a man in the middle): refused, nothing stored
+        seen = len(connections)
+        async with RemoteGateway(url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens) as untrusting:
+            with pytest.raises(RemoteUnavailable):
+                await untrusting.store(model, list(range(5000, 5000 + SIX)), src, block_ids=BLOCKS6)
+            assert untrusting._wire.requests == []
+        assert len(connections) == seen  # no TLS session was ever set up
+    finally:
+        tls.close()
+        await tls.wait_closed()

@@ -313,3 +313,44 @@ async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stop
             (frames.OK, items[0][1], False), (frames.UNKEYED, junk, True),
         ]
         assert live.runtime.gateway.stats["envelope_keys_issued"] == issued + 1
+
+
+async def test_the_fetch_stream_goes_to_the_connection_raw_and_through_asgi_alike(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
+    """Under uvicorn's h11 protocol the fetch items are written straight to the connection
+    (gateway.server.rawchunks); an HTTP/1.0 client (no chunked framing) gets the same bytes
+    through ASGI. Both carry every envelope exactly as stored."""
+    from gateway.server import rawchunks
+
+    writes: list[int] = []
+    real = rawchunks.RawChunks.write
+
+    async def counted(self, parts):
+        writes.append(len(parts))
+        return await real(self, parts)
+
+    monkeypatch.setattr(rawchunks.RawChunks, "write", counted)
+    live = live_server
+    u = urlsplit(live.base_url)
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(300_000 + k)) for k in range(3)]
+        assert (await put_batch(http, hdr, frame(items))).status_code == 204
+        hashes = [h for h, _e in items]
+        got = await fetch(http, hdr, hashes)
+        assert [(h, status, body) for h, status, body in got] == [(h, frames.OK, e) for h, e in items]
+        assert len(writes) == 3  # one chunk per item (the head rides with the first)
+        # HTTP/1.0: the response is framed by the connection's end, through ASGI
+        writes.clear()
+        req = json.dumps({"hashes": hashes}).encode()
+        head = _request_head(live, "POST", "/v1/chunks/fetch", hdr, len(req), "application/json").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
+        rd, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(head + req)
+        await w.drain()
+        raw = await asyncio.wait_for(rd.read(-1), 10)
+        w.close()
+        status_line, _, rest = raw.partition(b"\r\n")
+        assert status_line.startswith(b"HTTP/1.1 200"), status_line
+        body = rest.partition(b"\r\n\r\n")[2]
+        assert writes == []
+        expected = frames.MAGIC + b"".join(frames.item_head(bytes.fromhex(h), frames.OK, len(e)) + e for h, e in items)
+        assert body == expected

@@ -1,0 +1,78 @@
+"""The fetch stream's envelopes written to the connection as they are (issue 18).
+
+Through ASGI, every body message of a response is framed by uvicorn's h11 connection: h11 joins
+the chunk header, the data and the CRLF into a fresh ``bytes`` (a copy of every envelope byte)
+and Starlette's ``StreamingResponse`` adds a task and a send per message. For the fetch stream,
+measured with ``python -m gateway.bench.net`` and cProfile on the server: the join alone was
+about a quarter of the server's CPU per GB. ``RawChunks`` writes each item (head and envelope)
+as one HTTP/1.1 chunk straight to the transport, from the tier's own buffer, with uvicorn's own
+flow control (it waits while the transport is paused, so a slow reader still holds the server to
+about one envelope); the response head and its last chunk still go through h11, which does not
+count a chunked body's bytes, so its state stays right and the connection is kept alive.
+
+It is used only where it is known to be right: the request runs under uvicorn's h11 protocol
+(the server's protocol, ``gatekeeper.bounded_h11``, offers it in the scope's extensions,
+``kvgate.raw_chunks``, for ``POST /v1/chunks/fetch`` only) and h11 chose chunked framing for the
+response. Anywhere else the route
+streams through ASGI as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import h11
+
+__all__ = ["EXTENSION", "RawChunks", "offer_raw_chunks"]
+
+EXTENSION = "kvgate.raw_chunks"
+_CYCLE_MODULE = "uvicorn.protocols.http.h11_impl"
+
+
+class RawChunks:
+    """Chunks of a chunked response written straight to uvicorn's transport (see the module)."""
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def usable(self) -> bool:
+        """Whether the response head was sent with chunked framing (then ``write`` may be used)."""
+        c = self._cycle
+        writer = getattr(c.conn, "_writer", None)
+        return bool(c.response_started and not c.response_complete and isinstance(writer, h11._writers.ChunkedWriter))
+
+    async def write(self, parts: Sequence[bytes | memoryview]) -> bool:
+        """``parts`` as one chunk; False where the client is gone (nothing written)."""
+        c = self._cycle
+        if c.flow.write_paused and not c.disconnected:
+            await c.flow.drain()
+        if c.disconnected:
+            return False
+        n = sum(memoryview(p).nbytes for p in parts)
+        if n == 0:
+            return True
+        transport = c.transport
+        transport.write(b"%x\r\n" % n)
+        for p in parts:
+            transport.write(p)
+        transport.write(b"\r\n")
+        return True
+
+
+def offer_raw_chunks(cycle: Any) -> None:
+    """Put a ``RawChunks`` in the scope's extensions of ``cycle`` (uvicorn's h11
+    ``RequestResponseCycle``, just made: its app has not started) where it serves ``POST
+    /v1/chunks/fetch``. Called by the server's protocol (``gatekeeper.bounded_h11``)."""
+    scope = getattr(cycle, "scope", None)
+    if type(cycle).__module__ != _CYCLE_MODULE or not isinstance(scope, dict):
+        return
+    if scope.get("method") != "POST" or scope.get("path") != "/v1/chunks/fetch" or cycle.response_started:
+        return
+    if not all(hasattr(cycle, a) for a in ("conn", "transport", "flow", "disconnected", "response_complete")):
+        return
+    if not isinstance(cycle.conn, h11.Connection):
+        return
+    extensions = scope.setdefault("extensions", {})
+    if isinstance(extensions, dict):
+        extensions.setdefault(EXTENSION, RawChunks(cycle))
