@@ -59,7 +59,7 @@ def _identical(rows: list[dict[str, Any]], base: dict[tuple[Any, ...], list[int]
 def analyze(raw: dict[str, Any]) -> dict[str, Any]:
     meta, runs = raw["meta"], raw["runs"]
     cfg, kvb = meta["config"], meta["model"]["kv_bytes_per_token"]
-    chunk = cfg["chunk_tokens"]
+    block = meta["engine"]["block_size"]  # hits are block-granular (gateway/vllm/ledger.py)
     base_rows = [r for r in runs.get("none", {}).get("rows", []) if r["tag"].get("kind") == "base"]
     base = {(r["tag"]["length"], r["tag"]["i"]): r["tokens"] for r in base_rows}
     base_ms = {L: statistics.median([_ttft_ms(r) for r in base_rows if r["tag"]["length"] == L])
@@ -78,7 +78,8 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                 if not rs:
                     continue
                 ttft = _summary([_ttft_ms(r) for r in rs])
-                hit_tokens = (length - 1) // chunk * chunk
+                hit_tokens = (length - 1) // block * block  # a load fills every block before the last token
+                stored_tokens = length // block * block  # a store takes every full block
                 rows.append({
                     "system": key, "label": run["label"], "kind": kind, "length": length, "ttft_ms": ttft,
                     "speedup_vs_none": round(base_ms[length] / ttft["median"], 2) if length in base_ms and ttft else None,
@@ -86,7 +87,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     "decode_tok_s": _med([d for d in map(_decode, rs) if d]),
                     "identical_to_none": _identical(rs, base, "length,i") if kind != "base" else None,
                     "load_gbps": _gbps(loads, "loaded_tokens", hit_tokens, kvb) if kind == "hit" and loads else None,
-                    "store_gbps": _gbps(stores, "tokens", hit_tokens, kvb) if kind == "miss" and stores else None,
+                    "store_gbps": _gbps(stores, "tokens", stored_tokens, kvb) if kind == "miss" and stores else None,
                 })
         iso = [r for r in run["rows"] if r["tag"].get("kind") == "b_on_a"]
         if iso:

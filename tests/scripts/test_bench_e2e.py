@@ -24,11 +24,14 @@ def _raw() -> dict:
            "questions": 1, "question_tokens": 64}
     none = [_row("base", 1024, i, 2.0 + i, [i, 1]) for i in range(3)]
     emb = [_row("miss", 1024, i, 2.2, [i, 1]) for i in range(3)] + [
-        _row("hit", 1024, 0, 0.5, [0, 1], 768), _row("hit", 1024, 1, 0.4, [1, 1], 768),
-        _row("hit", 1024, 2, 0.6, [9, 9], 768),  # a wrong answer: counted, not hidden
+        _row("hit", 1024, 0, 0.5, [0, 1], 992), _row("hit", 1024, 1, 0.4, [1, 1], 992),
+        _row("hit", 1024, 2, 0.6, [9, 9], 992),  # a wrong answer: counted, not hidden
         _row("b_on_a", 1024, 0, 2.3, [0, 1]),
     ]
-    trace = [{"event": "load", "loaded_tokens": 768, "ms": 10.0}, {"event": "store", "tokens": 768, "ms": 20.0}]
+    # block-granular (block 32): a hit loads the 31 blocks before the last token, a store takes all 32;
+    # a partial load (the 768 below) is not a hit's rate
+    trace = [{"event": "load", "loaded_tokens": 992, "ms": 10.0}, {"event": "load", "loaded_tokens": 768, "ms": 90.0},
+             {"event": "store", "tokens": 1024, "ms": 20.0}]
     model = {"kv_bytes_per_token": 49152, "params": 1, "hidden": 64, "heads": 2, "layers": 2, "kv_heads": 2}
     return {"meta": {"config": cfg, "engine": {"dtype": "float32", "block_size": 32}, "model": model},
             "runs": {"none": {"label": "no connector", "rows": none, "trace": []},
@@ -45,9 +48,11 @@ def test_analysis_speedup_identity_load_rate_and_isolation():
     hit = next(r for r in res["ttft"] if r["kind"] == "hit")
     assert hit["ttft_ms"]["median"] == 500.0 and hit["speedup_vs_none"] == 6.0  # 3000 ms / 500 ms
     assert hit["identical_to_none"] == "2/3"
-    assert hit["load_gbps"] == pytest.approx(768 * 49152 / 0.010 / 1e9, abs=0.01)  # 3.77 GB/s
+    assert hit["load_gbps"] == pytest.approx(992 * 49152 / 0.010 / 1e9, abs=0.01)  # 4.88 GB/s
+    miss = next(r for r in res["ttft"] if r["kind"] == "miss")
+    assert miss["store_gbps"] == pytest.approx(1024 * 49152 / 0.020 / 1e9, abs=0.01)
     iso = res["isolation"][0]
-    assert iso["b_on_a_cached"] == 0 and iso["a_on_a_cached"] == 768 and iso["b_speedup_vs_own_miss"] < 1
+    assert iso["b_on_a_cached"] == 0 and iso["a_on_a_cached"] == 992 and iso["b_speedup_vs_own_miss"] < 1
     assert "| kvgate embedded hit | 1K | 500 |" in markdown(res)
 
 
