@@ -114,7 +114,11 @@ class Cluster:
             if all("cluster_state:ok" in cli(p, "cluster", "info") for p in live) and len(self.masters()) == 3:
                 return
             time.sleep(0.2)
-        raise RuntimeError("the cluster did not reach cluster_state:ok")
+        # say what each node saw, so a failure here can be diagnosed from the CI log alone
+        seen = {p: (cli(p, "cluster", "info").split("\r\n")[0], cli(p, "cluster", "nodes").strip())
+                for p, proc in self.procs.items() if proc.poll() is None}
+        raise RuntimeError(f"the cluster did not reach cluster_state:ok in {timeout:.0f} s; masters {self.masters()}; "
+                           f"nodes: {seen}")
 
     def reshard(self, src: int, dst: int, slots: int, timeout: float = 120.0) -> None:
         """Move ``slots`` slots from master ``src`` to master ``dst`` (redis-cli --cluster reshard)."""
