@@ -40,9 +40,12 @@ class ModelFingerprint:
     tp_rank: int = 0
     tp_size: int = 1
     layout_version: int = 1
+    # the chunk format where it is not the GPU layouts' one (kernels.layouts: the CPU format and
+    # its block size); left out of the canonical form when empty, so their digests are unchanged
+    chunk_format: str = ""
 
     def canonical(self) -> bytes:
-        fields = {
+        fields: dict[str, object] = {
             "model": self.model,
             "dtype": self.dtype,
             "num_layers": self.num_layers,
@@ -52,6 +55,8 @@ class ModelFingerprint:
             "tp_size": self.tp_size,
             "layout_version": self.layout_version,
         }
+        if self.chunk_format:
+            fields["chunk_format"] = self.chunk_format
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @property

@@ -50,6 +50,7 @@ class KVModel:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             layout_version=int(CHUNK_LAYOUT.rsplit(":v", 1)[1]),
+            chunk_format="" if g.chunk_format == CHUNK_LAYOUT else g.chunk_format,
         )
         object.__setattr__(self, "fingerprint", fp)
         object.__setattr__(self, "fingerprint_digest", fp.digest)

@@ -7,21 +7,29 @@ vLLM keeps one paged tensor per attention layer, in one of three layouts:
     CPU                   [num_blocks, num_kv_heads, block_size, 2 * head_size]  (vLLM's CPU backend;
                           memory: per block and head, block_size K rows, then block_size V rows)
 
-pack/unpack take the first two; ``block_first_view`` sees any of the three as BLOCK_FIRST (a
-strided view, no copy), and ``BlockView`` holds every layer of a worker's cache that way: it
-gathers a request's blocks into a contiguous compact buffer (BLOCK_FIRST, blocks 0..n-1; a new
-one, or ``gather_into`` a reused one) and
-scatters back only chosen blocks (the vLLM connector writes back only what authenticated).
+pack/unpack take all three (``KVLayout.CPU`` is the third). ``block_first_view`` sees the GPU
+layouts as BLOCK_FIRST (a strided view, no copy), and ``BlockView`` holds every layer of a
+worker's cache as blocks: it gathers a request's blocks into a contiguous compact buffer (blocks
+0..n-1; a new one, or ``gather_into`` a reused one) and scatters back only chosen blocks. A CPU
+cache is held as it is (``BlockView.native``): its compact buffers have vLLM's own layout, so a
+gather or scatter is a copy of whole blocks, and the data plane can read and write the cache
+itself.
 
 A token's place in a layer is its slot: ``slot = block_id * block_size + offset``.
 
-A chunk of ``n`` tokens, packed across every layer, always has the shape
+The chunk format (what the cipher encrypts) of ``n`` tokens, every layer one after another:
 
-    [num_layers, 2, n, num_kv_heads, head_size]        (K at index 0, V at index 1)
+    KV_FIRST, BLOCK_FIRST  [num_layers, 2, n, num_kv_heads, head_size]   (K at index 0, V at 1)
+    CPU                    per layer, per group of ``block_size`` tokens (the chunk's tokens
+                           0..bs-1, bs..2bs-1, ...; the last group may be shorter, m tokens):
+                           [num_kv_heads, 2, m, head_size]: exactly a block's bytes in vLLM's CPU
+                           layout, so a chunk of whole blocks moves as a few long runs, no transpose
 
-whatever the paged layout or block size was; the cipher encrypts exactly these bytes, so a chunk
-written by a flash-attn worker can be loaded by a FlashInfer worker with another block size.
-That is why ``fingerprint_fields()`` leaves the paged layout and block size out.
+The first format is the same whatever the GPU layout or block size was, so a chunk written by a
+flash-attn worker can be loaded by a FlashInfer worker with another block size, and
+``fingerprint_fields()`` leaves those out. The CPU format depends on the block size, so its
+fingerprint names it (and the format): a CPU worker and a GPU worker never read each other's
+chunks, which hold the same KV in another byte order.
 """
 
 from __future__ import annotations
@@ -38,8 +46,11 @@ from .errors import KVLayoutError
 
 __all__ = ["CHUNK_LAYOUT", "PAGED_LAYOUTS", "BlockView", "KVGeometry", "KVLayout", "block_first_view", "layer_order"]
 
-#: Names the fixed chunk layout; part of the model fingerprint so a format change cannot be misread.
+#: Names the chunk format of the GPU layouts; part of the model fingerprint so a format change
+#: cannot be misread.
 CHUNK_LAYOUT = "layer,kv,token,head,dim:v1"
+#: The chunk format of the CPU layout (with the block size in the fingerprint beside it).
+CPU_CHUNK_LAYOUT = "layer,block,head,kv,token,dim:v1"
 
 
 class KVLayout(str, enum.Enum):
@@ -47,6 +58,7 @@ class KVLayout(str, enum.Enum):
 
     KV_FIRST = "kv_first"
     BLOCK_FIRST = "block_first"
+    CPU = "cpu"  # [num_blocks, num_kv_heads, block_size, 2 * head_size] (vLLM's CPU attention backend)
 
 
 def _positive_int(name: str, value: object) -> int:
@@ -87,20 +99,32 @@ class KVGeometry:
         """Bytes of one token's K (or V) in one layer: ``num_kv_heads * head_size * itemsize``."""
         return self.num_kv_heads * self.head_size * self.dtype.itemsize
 
-    def chunk_shape(self, num_tokens: int) -> tuple[int, int, int, int, int]:
-        """Shape of a packed chunk of ``num_tokens`` tokens."""
+    @property
+    def unit_nbytes(self) -> int:
+        """Bytes of the unit pack/unpack move per index entry: a row (one token's K or V, every
+        head) in the GPU layouts, one head's K or V of one token in the CPU layout."""
+        if self.layout is KVLayout.CPU:
+            return self.head_size * self.dtype.itemsize
+        return self.row_nbytes
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of a packed chunk of ``num_tokens`` tokens (the CPU format: flat per layer)."""
         n = _positive_int("num_tokens", num_tokens)
+        if self.layout is KVLayout.CPU:
+            return (self.num_layers, 2 * n * self.num_kv_heads * self.head_size)
         return (self.num_layers, 2, n, self.num_kv_heads, self.head_size)
 
     def chunk_nbytes(self, num_tokens: int) -> int:
         """Bytes of a packed chunk of ``num_tokens`` tokens."""
         return math.prod(self.chunk_shape(num_tokens)) * self.dtype.itemsize
 
-    def layer_shape(self, num_blocks: int) -> tuple[int, int, int, int, int]:
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Shape of one layer's paged tensor holding ``num_blocks`` blocks."""
         b = _positive_int("num_blocks", num_blocks)
         if self.layout is KVLayout.KV_FIRST:
             return (2, b, self.block_size, self.num_kv_heads, self.head_size)
+        if self.layout is KVLayout.CPU:
+            return (b, self.num_kv_heads, self.block_size, 2 * self.head_size)
         return (b, 2, self.block_size, self.num_kv_heads, self.head_size)
 
     # -- validation --------------------------------------------------------------------------
@@ -121,9 +145,10 @@ class KVGeometry:
                 f"kv_layers has {len(kv_layers)} layers, geometry expects {self.num_layers}"
             )
         first = kv_layers[0]
-        if not isinstance(first, torch.Tensor) or first.dim() != 5:
-            raise KVLayoutError(f"kv_layers[0] must be a 5-D tensor, got {_describe(first)}")
-        num_blocks = first.shape[0 if self.layout is KVLayout.BLOCK_FIRST else 1]
+        dims = 4 if self.layout is KVLayout.CPU else 5
+        if not isinstance(first, torch.Tensor) or first.dim() != dims:
+            raise KVLayoutError(f"kv_layers[0] must be a {dims}-D tensor, got {_describe(first)}")
+        num_blocks = first.shape[1 if self.layout is KVLayout.KV_FIRST else 0]
         if num_blocks <= 0:
             raise KVLayoutError("kv_layers[0] holds no blocks")
         want = self.layer_shape(num_blocks)
@@ -169,17 +194,26 @@ class KVGeometry:
 
     # -- identity ----------------------------------------------------------------------------
 
+    @property
+    def chunk_format(self) -> str:
+        """The chunk format's name: ``CHUNK_LAYOUT`` for the GPU layouts (whatever their block
+        size), the CPU format with its block size (its bytes depend on it)."""
+        if self.layout is KVLayout.CPU:
+            return f"{CPU_CHUNK_LAYOUT};block_size={self.block_size}"
+        return CHUNK_LAYOUT
+
     def fingerprint_fields(self) -> dict[str, Any]:
         """The fields of this geometry a model fingerprint must cover (JSON-ready values).
 
-        Paged layout and block size are left out on purpose: the chunk bytes do not depend on
-        them. The gateway adds model name and tensor-parallel rank."""
+        The GPU layouts and their block size are left out on purpose: their chunk bytes do not
+        depend on them. The CPU format does, and ``chunk_layout`` names it with its block size.
+        The gateway adds model name and tensor-parallel rank."""
         return {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_size": self.head_size,
             "dtype": str(self.dtype).removeprefix("torch."),
-            "chunk_layout": CHUNK_LAYOUT,
+            "chunk_layout": self.chunk_format,
         }
 
 
@@ -210,7 +244,7 @@ def layer_order(names: Sequence[str]) -> list[str]:
 def block_first_view(t: torch.Tensor, block_size: int, layout: str = "auto") -> torch.Tensor:
     """``t`` (CPU, KV-first or block-first paged layout) as ``[num_blocks, 2, block_size, heads,
     head_size]``, without a copy. ``KVLayoutError`` for a shape none of them explains."""
-    if layout in ("auto", "cpu") and t.dim() == 4 and t.shape[2] == block_size and t.shape[3] % 2 == 0:
+    if _is_cpu_layout(t, block_size, layout):
         b, h, bs, d2 = t.shape
         return t.view(b, h, 2, bs, d2 // 2).permute(0, 2, 3, 1, 4)
     if t.dim() == 5 and t.shape[2] == block_size:
@@ -224,30 +258,43 @@ def block_first_view(t: torch.Tensor, block_size: int, layout: str = "auto") -> 
     )
 
 
+def _is_cpu_layout(t: torch.Tensor, block_size: int, layout: str) -> bool:
+    return layout in ("auto", "cpu") and t.dim() == 4 and t.shape[2] == block_size and t.shape[3] % 2 == 0
+
+
 @dataclass(frozen=True)
 class BlockView:
-    """Every layer of a worker's KV cache as ``[num_blocks, 2, block_size, heads, head_size]``."""
+    """Every layer of a worker's KV cache as blocks along dim 0: a CPU cache as it is
+    (``native``: ``[num_blocks, heads, block_size, 2 * head_size]``, geometry ``KVLayout.CPU``),
+    a GPU one as ``[num_blocks, 2, block_size, heads, head_size]`` (geometry BLOCK_FIRST, the
+    layout of its compact buffers)."""
 
     names: tuple[str, ...]
     views: tuple[torch.Tensor, ...]
-    geometry: KVGeometry  # of the compact buffers (BLOCK_FIRST)
+    geometry: KVGeometry  # of the compact buffers (and, when native, of the cache itself)
+    native: bool = False
 
     @classmethod
     def of(cls, kv_caches: Mapping[str, torch.Tensor], block_size: int, layout: str = "auto") -> BlockView:
         if not kv_caches:
             raise KVLayoutError("vLLM registered no KV caches")
         names = tuple(layer_order(list(kv_caches)))
-        views = tuple(block_first_view(kv_caches[n], block_size, layout) for n in names)
+        tensors = [kv_caches[n] for n in names]
+        if all(_is_cpu_layout(t, block_size, layout) and t.device.type == "cpu" and t.is_contiguous() for t in tensors):
+            views = tuple(tensors)
+            heads, head_size, kind = views[0].shape[1], views[0].shape[3] // 2, KVLayout.CPU
+        else:
+            views = tuple(block_first_view(t, block_size, layout) for t in tensors)
+            heads, head_size, kind = views[0].shape[3], views[0].shape[4], KVLayout.BLOCK_FIRST
         first = views[0]
         for n, v in zip(names, views):
             if v.shape[1:] != first.shape[1:] or v.dtype != first.dtype:
                 raise KVLayoutError(f"layer {n} has shape {tuple(v.shape)}, {names[0]} {tuple(first.shape)}")
-        _, _, bs, heads, head_size = first.shape
         geometry = KVGeometry(
             num_layers=len(views), num_kv_heads=heads, head_size=head_size, dtype=first.dtype,
-            block_size=bs, layout=KVLayout.BLOCK_FIRST,
+            block_size=block_size, layout=kind,
         )
-        return cls(names, views, geometry)
+        return cls(names, views, geometry, native=kind is KVLayout.CPU)
 
     @property
     def num_blocks(self) -> int:

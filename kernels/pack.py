@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from .errors import KVLayoutError
-from .layouts import KVGeometry
+from .layouts import KVGeometry, KVLayout
 from .paged import WORDS, PagedKV, rows_view, word_alignment
 
 __all__ = ["KVLayers", "SlotsLike", "chunk_rows", "pack", "slots_from_block_ids", "unpack"]
@@ -145,8 +145,9 @@ def pack(
         geometry.validate_chunk(out, n, kv.device, name="out")
     idx = kv.row_index(s)
     align = min(kv.alignment, word_alignment([out]))
-    word = _word(geometry.row_nbytes, align, kv.device, gather=True)
-    dst = rows_view(out, word, geometry.num_layers * 2 * n).view(geometry.num_layers, 2 * n, -1)
+    word = _word(geometry.unit_nbytes, align, kv.device, gather=True)
+    units = idx.numel()
+    dst = rows_view(out, word, geometry.num_layers * units).view(geometry.num_layers, units, -1)
     for rows, rows_out in zip(kv.rows(word), dst, strict=True):
         torch.index_select(rows, 0, idx, out=rows_out)
     return out
@@ -157,18 +158,27 @@ def unpack(
     kv_layers: KVLayers,
     slots: SlotsLike,
     geometry: KVGeometry,
+    *,
+    write_tokens: int | None = None,
 ) -> None:
     """Scatter a packed chunk back into every layer at ``slots`` (which must be distinct).
 
-    ``kv_layers``: the per-layer paged tensors, or a ``PagedKV`` built from them once."""
+    ``kv_layers``: the per-layer paged tensors, or a ``PagedKV`` built from them once.
+    ``write_tokens``: write only the chunk's first that many tokens (the rest of the slots are
+    left as they are)."""
     kv = PagedKV.of(kv_layers, geometry)
     s = _checked_slots(slots, kv.num_slots, kv.device, unique=True)
     n = s.numel()
     geometry.validate_chunk(chunk, n, kv.device, name="chunk")
     idx = kv.row_index(s)
     align = min(kv.alignment, word_alignment([chunk]))
-    word = _word(geometry.row_nbytes, align, kv.device, gather=False)
-    src = rows_view(chunk, word, geometry.num_layers * 2 * n).view(geometry.num_layers, 2 * n, -1)
+    word = _word(geometry.unit_nbytes, align, kv.device, gather=False)
+    units = idx.numel()
+    src = rows_view(chunk, word, geometry.num_layers * units).view(geometry.num_layers, units, -1)
+    if write_tokens is not None and write_tokens < n:
+        keep = (kv.unit_tokens(n) < max(0, write_tokens)).nonzero().view(-1)
+        idx = idx.index_select(0, keep)
+        src = src.index_select(1, keep)
     for rows, rows_in in zip(kv.rows(word), src, strict=True):
         rows.index_copy_(0, idx, rows_in)
 
@@ -179,5 +189,7 @@ def chunk_rows(
     """``(PagedKV, row index)`` of a chunk, the slots checked as ``pack`` (``unique``: as
     ``unpack``) checks them: what a fused gather/scatter kernel reads (``PagedKV.row_index``)."""
     kv = PagedKV.of(kv_layers, geometry)
+    if geometry.layout is KVLayout.CPU:  # the kernels move whole rows (every head of a token)
+        raise KVLayoutError("the fused device kernels take kv_first or block_first caches, not the cpu layout")
     s = _checked_slots(slots, kv.num_slots, kv.device, unique=unique)
     return kv, kv.row_index(s).contiguous()

@@ -2,7 +2,7 @@
 
 ``pack`` copies a chunk into one contiguous buffer before it is sealed; on the CPU that copy costs
 more than AES-GCM itself. The fused path skips it: ``ChunkPieces`` lists, in exact chunk order
-``[layer][k|v][token][head][dim]``, the byte runs of the chunk inside each layer's tensor, as
+(``layouts``: the chunk format of the cache's layout), the byte runs of the chunk inside each layer's tensor, as
 memoryviews the cipher reads straight out of the cache (``chunk_pieces``), and scatters a byte range
 of the chunk layout (one decrypted segment) back into the cache (``unpack_range``).
 
@@ -16,6 +16,12 @@ torch call) and is the same for every layer. Consecutive rows coalesce:
   ``+ bs``. Consecutive blocks never coalesce (the V rows of ``b`` lie between the K rows of ``b``
   and ``b + 1``), but a chunk that is exactly one full block is one run per layer: its K rows are
   followed by its V rows.
+- ``CPU`` ``[num_blocks][heads][2][block_size]`` units of one head's K or V: a group of
+  ``block_size`` tokens that fills one block in order is the block's bytes, one run, and
+  consecutive blocks join too: a chunk of whole, consecutive blocks is one run per layer.
+
+``write_tokens`` makes the runs of the chunk's later tokens ``SKIP`` runs: a load scatters only
+the tokens the engine wants from it, and decrypts (authenticates) all of them.
 
 ``FlatKV`` views each layer once as a flat, writable byte memoryview; build it once per cache (or
 per batch) and reuse it. CPU tensors only: a CUDA cache keeps the torch ``pack``/``unpack`` path.
@@ -40,6 +46,8 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 __all__ = ["ChunkPieces", "FlatKV", "chunk_pieces", "unpack_range"]
+
+SKIP = -1  # the offset of a run scattering reads past (tokens from ``write_tokens`` on)
 
 
 class FlatKV:
@@ -78,8 +86,29 @@ def _slot_list(slots: SlotsLike, num_slots: int, *, unique: bool) -> list[int]:
     return values
 
 
-def _layer_runs(slots: list[int], geometry: KVGeometry, num_slots: int) -> list[tuple[int, int]]:
-    """(byte offset, byte length) runs of one layer, in chunk order: K rows then V rows."""
+def _coalesce(units: list[tuple[int, int]], unit_bytes: int) -> list[tuple[int, int]]:
+    """(byte offset, byte length) runs of ``(first unit, count)`` pieces in chunk order, adjacent
+    ones joined; a piece whose first unit is ``SKIP`` is read past, never written."""
+    runs: list[tuple[int, int]] = []
+    first, count = units[0]
+    for u, c in units[1:]:
+        if (u == SKIP and first == SKIP) or (u != SKIP and first != SKIP and u == first + count):
+            count += c
+            continue
+        runs.append((first if first == SKIP else first * unit_bytes, count * unit_bytes))
+        first, count = u, c
+    runs.append((first if first == SKIP else first * unit_bytes, count * unit_bytes))
+    return runs
+
+
+def _layer_runs(
+    slots: list[int], geometry: KVGeometry, num_slots: int, write_tokens: int | None = None
+) -> list[tuple[int, int]]:
+    """(byte offset, byte length) runs of one layer, in chunk order (``layouts``: the chunk
+    format). Tokens from ``write_tokens`` on are ``SKIP`` runs (only scattering honours that)."""
+    limit = len(slots) if write_tokens is None else max(0, write_tokens)
+    if geometry.layout is KVLayout.CPU:
+        return _coalesce(_cpu_units(slots, geometry, limit), geometry.unit_nbytes)
     bs = geometry.block_size
     if geometry.layout is KVLayout.KV_FIRST:
         k_rows = slots
@@ -87,32 +116,53 @@ def _layer_runs(slots: list[int], geometry: KVGeometry, num_slots: int) -> list[
     else:
         k_rows = [s + (s // bs) * bs for s in slots]
         v_rows = [r + bs for r in k_rows]
-    r_bytes = geometry.row_nbytes
-    runs: list[tuple[int, int]] = []
-    first, count = k_rows[0], 0
-    for r in k_rows + v_rows:
-        if r == first + count:
-            count += 1
+    if limit < len(slots):
+        k_rows = k_rows[:limit] + [SKIP] * (len(slots) - limit)
+        v_rows = v_rows[:limit] + [SKIP] * (len(slots) - limit)
+    return _coalesce([(r, 1) for r in k_rows + v_rows], geometry.row_nbytes)
+
+
+def _cpu_units(slots: list[int], geometry: KVGeometry, limit: int) -> list[tuple[int, int]]:
+    """The CPU format's ``(first unit, count)`` pieces: per group of ``block_size`` tokens, per
+    head, K then V; a group that fills one block in order is one piece per head and half (they
+    join into the whole block), any other is one piece per unit."""
+    bs, heads = geometry.block_size, geometry.num_kv_heads
+    out: list[tuple[int, int]] = []
+    for a in range(0, len(slots), bs):
+        group = slots[a : a + bs]
+        m = len(group)
+        if a >= limit:
+            out.append((SKIP, 2 * heads * m))
             continue
-        runs.append((first * r_bytes, count * r_bytes))
-        first, count = r, 1
-    runs.append((first * r_bytes, count * r_bytes))
-    return runs
+        block, off = divmod(group[0], bs)
+        if a + m <= limit and off + m <= bs and group[-1] - group[0] == m - 1 and group == list(range(group[0], group[0] + m)):
+            out.extend((((block * heads + h) * 2 + kv) * bs + off, m) for h in range(heads) for kv in (0, 1))
+            continue
+        for h in range(heads):
+            for kv in (0, 1):
+                for t, s in enumerate(group):
+                    b, o = divmod(s, bs)
+                    out.append((((b * heads + h) * 2 + kv) * bs + o, 1) if a + t < limit else (SKIP, 1))
+    return out
 
 
 class ChunkPieces:
     """Where the chunk of ``slots`` lies in a ``FlatKV``: per-layer runs, in chunk order.
 
-    ``unique=True`` (needed to scatter) also rejects repeated slots."""
+    ``unique=True`` (needed to scatter) also rejects repeated slots. ``write_tokens``: scatter
+    writes only the chunk's first that many tokens (the rest is read past; ``pieces`` refuses)."""
 
-    __slots__ = ("flat", "layer_nbytes", "nbytes", "runs", "starts")
+    __slots__ = ("flat", "layer_nbytes", "masked", "nbytes", "runs", "starts")
 
-    def __init__(self, flat: FlatKV, slots: SlotsLike, *, unique: bool = False) -> None:
+    def __init__(
+        self, flat: FlatKV, slots: SlotsLike, *, unique: bool = False, write_tokens: int | None = None
+    ) -> None:
         kv = flat.kv
         values = _slot_list(slots, kv.num_slots, unique=unique)
         geometry = kv.geometry
         self.flat = flat
-        self.runs = _layer_runs(values, geometry, kv.num_slots)
+        self.masked = write_tokens is not None and write_tokens < len(values)
+        self.runs = _layer_runs(values, geometry, kv.num_slots, write_tokens)
         starts, pos = [], 0
         for _, n in self.runs:
             starts.append(pos)
@@ -124,6 +174,8 @@ class ChunkPieces:
     def pieces(self) -> list[memoryview]:
         """The chunk's bytes as views into the cache, in chunk order (they concatenate to
         ``pack``'s output). Read them only: they are views of the live cache."""
+        if self.masked:
+            raise KVLayoutError("a chunk with write_tokens is for scattering only")
         runs = self.runs
         return [v[a : a + n] for v in self.flat.views for a, n in runs]
 
@@ -154,7 +206,8 @@ class ChunkPieces:
                 a, n = runs[j]
                 take = min(n - rel, end - pos)
                 s = pos - start
-                view[a + rel : a + rel + take] = data[s : s + take]
+                if a != SKIP:
+                    view[a + rel : a + rel + take] = data[s : s + take]
                 pos += take
                 j += 1
                 rel = 0

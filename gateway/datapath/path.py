@@ -89,9 +89,18 @@ class DataPath:
             self._executor = None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a worker thread (inline without one). A thread cannot be stopped, and
+        what it writes (an open scattering into an engine's cache, a seal into a reserved slot)
+        must not outlive the call that asked for it: a cancelled ``run`` ends only once its
+        thread has."""
         if self._executor is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            await asyncio.wait([fut])
+            raise
 
     def key_ref(self, envelope: memoryview) -> KeyRef | None:
         """The data-key version and salt an envelope was sealed with (None: a codec without keys;

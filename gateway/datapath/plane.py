@@ -214,6 +214,7 @@ class DataPlane:
         block_ids: BlockIds = None,
         slot_mapping: BlockIds = None,
         first_chunk: int = 0,
+        write_upto: int | None = None,
     ) -> RetrieveResult:
         """Load the longest stored prefix of ``tokens`` into ``kv_layers``.
 
@@ -224,10 +225,17 @@ class DataPlane:
         ``first_chunk`` > 0: the caller has the first chunks' KV already (an engine's own prefix
         cache held them): every chunk is still hashed (the chain needs them), but only chunks
         from ``first_chunk`` on are fetched and opened, and ``block_ids`` / ``slot_mapping``
-        describe the tokens from that chunk's start on."""
+        describe the tokens from that chunk's start on.
+
+        ``write_upto``: no token from that position on (counted from the prompt's start) is
+        written into ``kv_layers``: its chunk is fetched and authenticated whole, and only its
+        earlier tokens are scattered (an engine computes the rest itself and wants its slots
+        untouched)."""
         every = self.chunks(model, tokens)
         if not 0 <= first_chunk < len(every):
             raise InvalidRequest(f"first_chunk must lie in [0, {len(every)}), got {first_chunk}")
+        if write_upto is not None and (isinstance(write_upto, bool) or not isinstance(write_upto, int) or write_upto < 0):
+            raise InvalidRequest(f"write_upto must be an int >= 0, got {write_upto!r}")
         base = every[first_chunk].start
         # positions relative to the first chunk loaded (the slots start there); identity (the
         # chained hash, so the storage key and the envelope's context) is unchanged
@@ -242,7 +250,8 @@ class DataPlane:
                 loaded_tokens=0, loaded_chunks=0, integrity_failures=0, unavailable=1, reason="key_unavailable"
             )
         try:
-            loaded, failures, unavailable, ended = await self._load(session, model, chunks, kv, slots)
+            upto = None if write_upto is None else write_upto - base
+            loaded, failures, unavailable, ended = await self._load(session, model, chunks, kv, slots, upto)
         finally:
             await session.aclose()
         reason = ""
@@ -261,7 +270,8 @@ class DataPlane:
         )
 
     async def _load(
-        self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor
+        self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor,
+        write_upto: int | None = None,
     ) -> tuple[int, int, int, dict[int, str]]:
         """Fetch, authenticate, decrypt and scatter the stored prefix in batches: every fetch is
         started at once (one streamed request in remote mode), and each batch keys and opens its
@@ -292,7 +302,12 @@ class DataPlane:
         async def run(batch: list[int]) -> int:
             got = await self._fetch_run(session, batch, stats, ended)
             fetched.update(zip(batch, got, strict=False))
-            return await open_jobs(batch, await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended))
+            jobs = await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended)
+            if write_upto is not None:
+                for i, job in enumerate(jobs, start=batch[0]):
+                    if chunks[i].end > write_upto:
+                        job.write_tokens = max(0, write_upto - chunks[i].start)
+            return await open_jobs(batch, jobs)
 
         batches = self._batches(len(chunks), model, chunks)
         results = await asyncio.gather(*(run(b) for b in batches))

@@ -32,6 +32,7 @@ from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, plaintex
 from crypto.errors import DecryptionFailed
 from gateway.datapath.buffers import BufferPool, empty
 from gateway.datapath.codec import EnvelopeCodec, layer_segment_bytes
+from kernels.layouts import KVLayout
 from kernels.pack import chunk_rows, pack, unpack
 from kernels.paged import PagedKV
 from kernels.pieces import ChunkPieces, FlatKV
@@ -61,6 +62,7 @@ class OpenJob:
     slots: torch.Tensor
     keys: EnvelopeKeys
     ctx: EnvelopeContext
+    write_tokens: int | None = None  # scatter only the chunk's first that many tokens (all are authenticated)
 
 
 class Sealer(Protocol):
@@ -114,7 +116,7 @@ class CpuSealer:
     def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         flat = FlatKV(kv)
         for i, job in enumerate(jobs):
-            chunk = ChunkPieces(flat, job.slots, unique=True)
+            chunk = ChunkPieces(flat, job.slots, unique=True, write_tokens=job.write_tokens)
             try:
                 self._open_one(chunk, job)
             except DecryptionFailed:
@@ -177,7 +179,7 @@ class HostSealer:
                 self.codec.open_into(job.keys, job.ctx, job.envelope, _bytes(staging))
             except DecryptionFailed:
                 return i, True
-            unpack(staging.to(kv.device), kv, job.slots, geometry)
+            unpack(staging.to(kv.device), kv, job.slots, geometry, write_tokens=job.write_tokens)
         return len(jobs), False
 
 
@@ -195,8 +197,13 @@ class DeviceSealer:
         self.pool = pool
         self.segment_bytes = segment_bytes
 
+    def _fused_for(self, kv: PagedKV) -> bool:
+        """The Triton kernels move whole rows (every head of a token): the GPU layouts. A cache
+        in the CPU layout on a device (possible through the core's API) takes the torch path."""
+        return self.fused and kv.geometry.layout is not KVLayout.CPU
+
     def seal(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
-        if self.fused:
+        if self._fused_for(kv):
             return self._seal_fused(kv, jobs)
         out: list[memoryview] = []
         for job in jobs:
@@ -242,25 +249,38 @@ class DeviceSealer:
         return out
 
     def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
-        if self.fused:
+        if self._fused_for(kv):
             return self._open_fused(kv, jobs)
         for i, job in enumerate(jobs):
-            staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
-            plain = staging.view(-1).view(torch.uint8)
-            try:
-                if plaintext_length(job.envelope) != plain.numel():
-                    raise DecryptionFailed
-                self.cipher.open_device_into(job.keys, job.ctx, job.envelope, plain, to_device=_to_device, zero=_zero_)
-            except DecryptionFailed:
+            if not self._open_staged(kv, job):
                 return i, True
-            unpack(staging, kv, job.slots, kv.geometry)
         return len(jobs), False
+
+    def _open_staged(self, kv: PagedKV, job: OpenJob) -> bool:
+        """Ciphertext to the device, decrypted in place (every tag checked), then unpacked;
+        False if it failed authentication (nothing written)."""
+        staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
+        plain = staging.view(-1).view(torch.uint8)
+        try:
+            if plaintext_length(job.envelope) != plain.numel():
+                raise DecryptionFailed
+            self.cipher.open_device_into(job.keys, job.ctx, job.envelope, plain, to_device=_to_device, zero=_zero_)
+        except DecryptionFailed:
+            return False
+        unpack(staging, kv, job.slots, kv.geometry, write_tokens=job.write_tokens)
+        return True
 
     def _open_fused(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
         """Ciphertext to the device staging buffer; every segment's tag checked, then the Triton
         kernels decrypt and scatter into the layers in one pass. A chunk that fails writes nothing."""
         factory = self.factory
         for i, job in enumerate(jobs):
+            if job.write_tokens is not None and job.write_tokens < job.slots.numel():
+                # the kernels scatter every row they decrypt: a chunk written only in part
+                # takes the staged path (decrypt in place, then a partial unpack)
+                if not self._open_staged(kv, job):
+                    return i, True
+                continue
             staging = self.pool.staging(kv.geometry, job.slots.numel(), kv.device)
             plain = staging.view(-1).view(torch.uint8)
             try:

@@ -22,11 +22,11 @@ Nothing is opened at import time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import ValidationError
@@ -45,13 +45,15 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+log = logging.getLogger("kvgate.vllm")
 
 
 class LoopThread:
     """An asyncio event loop in a daemon thread, for synchronous callers (vLLM's threads)."""
 
-    def __init__(self, timeout_s: float = 30.0, name: str = "kvgate-connector") -> None:
+    def __init__(self, timeout_s: float = 30.0, name: str = "kvgate-connector", settle_s: float = 10.0) -> None:
         self.timeout_s = timeout_s
+        self.settle_s = settle_s
         self._name = name
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -63,17 +65,34 @@ class LoopThread:
             self._thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop; ``GatewayTimeout`` (and the coroutine cancelled) past the timeout."""
-        if self._loop is None:
+        """Run ``coro`` on the loop and return its result. Past the timeout it is cancelled and
+        ``GatewayTimeout`` raised once it has ended (its worker threads too, ``DataPath.run``):
+        a load that writes straight into the engine's cache has stopped writing when this
+        returns, so vLLM may recompute or reuse those blocks. A coroutine that has not ended
+        ``settle_s`` after its cancellation is logged at ERROR and left running."""
+        loop = self._loop
+        if loop is None:
             coro.close()
             raise RuntimeError("the backend's loop thread is not running")
         wait = self.timeout_s if timeout is None else timeout
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        try:
-            return fut.result(wait)
-        except FutureTimeout:
-            fut.cancel()
-            raise GatewayTimeout(f"the gateway did not answer in {wait:g} s") from None
+        ended = threading.Event()
+        box: list[asyncio.Task[T]] = []
+
+        def start() -> None:
+            task = loop.create_task(coro)
+            task.add_done_callback(lambda _t: ended.set())
+            box.append(task)
+
+        loop.call_soon_threadsafe(start)
+        if not ended.wait(wait):
+            loop.call_soon_threadsafe(lambda: box[0].cancel())  # after start(): the loop runs callbacks in order
+            if not ended.wait(self.settle_s):
+                log.error("a cancelled gateway call had not ended %g s after its timeout; it may still be running", self.settle_s)
+            raise GatewayTimeout(f"the gateway did not answer in {wait:g} s")
+        task = box[0]
+        if task.cancelled():  # the loop was stopped under it
+            raise GatewayTimeout("the gateway call was cancelled")
+        return task.result()
 
     def submit(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> Future[T]:
         """Run ``coro`` on the loop and return at once; the future raises ``GatewayTimeout``
@@ -111,7 +130,7 @@ class Backend(Protocol):
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
-        first_chunk: int = 0,
+        first_chunk: int = 0, write_upto: int | None = None,
     ) -> RetrieveResult: ...
 
     async def store(
@@ -144,10 +163,11 @@ class EmbeddedBackend:
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
-        first_chunk: int = 0,
+        first_chunk: int = 0, write_upto: int | None = None,
     ) -> RetrieveResult:
         result: RetrieveResult = await self.runtime.gateway.retrieve(
-            cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
+            cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk,
+            write_upto=write_upto,
         )
         return result
 
@@ -210,10 +230,11 @@ class RemoteBackend:
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
-        first_chunk: int = 0,
+        first_chunk: int = 0, write_upto: int | None = None,
     ) -> RetrieveResult:
         result: RetrieveResult = await self._client(cap).retrieve(
-            model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
+            model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk,
+            write_upto=write_upto,
         )
         return result
 

@@ -109,19 +109,23 @@ class KvgateMetadata(KVConnectorMetadata):
     stores: list[StoreOp] = field(default_factory=list)
 
 
-def _scheduler_model(cfg: VllmConfig, name: str, block_size: int) -> KVModel:
-    """The model identity the scheduler looks up under (the workers derive the same one from
-    their registered caches; the fingerprint leaves the paged layout and block size out)."""
+def _scheduler_model(cfg: VllmConfig, name: str, block_size: int, layout: str) -> KVModel:
+    """The model identity the scheduler looks up under. The workers derive theirs from their
+    registered caches (``register_kv_caches`` checks they agree): the chunk format of a CPU
+    engine's caches (vLLM's CPU layout, kept as it is) or of a GPU engine's (any of its layouts,
+    one format whatever the block size)."""
+    from vllm.platforms import current_platform
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
     from gateway.types import KVModel
     from kernels.layouts import KVGeometry, KVLayout
 
     mc, pc = cfg.model_config, cfg.parallel_config
+    cpu = layout == "cpu" or (layout == "auto" and current_platform.is_cpu())
     geometry = KVGeometry(
         num_layers=mc.get_num_layers(pc), num_kv_heads=mc.get_num_kv_heads(pc), head_size=mc.get_head_size(),
         dtype=kv_cache_dtype_str_to_dtype(cfg.cache_config.cache_dtype, mc), block_size=block_size,
-        layout=KVLayout.BLOCK_FIRST,
+        layout=KVLayout.CPU if cpu else KVLayout.BLOCK_FIRST,
     )
     return KVModel(name, geometry, tp_rank=0, tp_size=pc.tensor_parallel_size)
 
@@ -144,8 +148,9 @@ class KvgateConnector(KVConnectorBase_V1):
         model_name = str(config.model_name or mc.served_model_name or mc.model)
         self.stats: Counter[str] = Counter()  # miss and failure reasons, loads and stores
         trace = Tracer(config.trace_path)
+        self._expected = _scheduler_model(vllm_config, model_name, block_size, config.layout)
         if role == KVConnectorRole.SCHEDULER:
-            model = _scheduler_model(vllm_config, model_name, block_size)
+            model = self._expected
             backend = self._backend
 
             def lookup(cap: str, tokens: Sequence[int]) -> tuple[int, str]:
@@ -203,6 +208,13 @@ class KvgateConnector(KVConnectorBase_V1):
 
         pc = self._vllm_config.parallel_config
         self.worker.register(kv_caches, get_tensor_model_parallel_rank(), pc.tensor_parallel_size)
+        have, want = self.worker.model, self._expected
+        if have is not None and have.geometry.chunk_format != want.geometry.chunk_format:
+            raise ConnectorConfigError(
+                f"the KV caches vLLM registered hold chunks in format {have.geometry.chunk_format!r}, but the "
+                f"scheduler looks them up in {want.geometry.chunk_format!r}: set kv_connector_extra_config.layout "
+                "to the caches' layout (cpu, kv_first or block_first)"
+            )
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.load(self._metadata().loads)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from gateway.errors import GatewayError
-from gateway.types import KVModel, StoreResult
+from gateway.types import KVModel, RetrieveResult, StoreResult
 from gateway.vllm.backend import Backend
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 from gateway.vllm.inflight import InFlight, StagingPool
@@ -101,24 +101,23 @@ class WorkerSide:
             t0 = time.perf_counter()
             loaded = failures = 0
             reason = ""
-            # A pooled compact buffer, as stores use: a fresh 400 MB one per 8K-token load cost
-            # its page faults and zeroing every time. Its stale bytes are never scattered: only
-            # the prefix this retrieve authenticated and wrote is. After a timeout a seal job may
-            # still write into it, so it is not given back then.
-            compact = pool.take(want - base, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
-            reuse = True
             try:
-                result = self._backend.loop.call(
-                    self._backend.retrieve(op.capability, model, op.tokens, compact, range(want - base), first)
-                )
+                if blocks.native and op.skip_blocks == base and len(op.block_ids) >= want:
+                    # a CPU cache is in the chunk format's own layout: decrypt straight into
+                    # the request's blocks, no compact buffer and no second pass. Only blocks
+                    # before ``upto`` are written (the last one is the engine's to compute);
+                    # a chunk that fails authentication leaves nothing of itself there.
+                    result = self._backend.loop.call(self._backend.retrieve(
+                        op.capability, model, op.tokens, list(blocks.views), op.block_ids[base:want], first,
+                        write_upto=upto * bs,
+                    ))
+                else:
+                    result = self._load_compact(pool, op, blocks, model, want, upto, first, base)
                 loaded, failures, reason = result.loaded_tokens // bs, result.integrity_failures, result.reason
-                blocks.scatter(compact, range(op.skip_blocks - base, max(0, min(loaded, upto) - base)), op.block_ids[base:])
             except GatewayTimeout as exc:
-                loaded, reason, reuse = 0, miss_reason(exc), False
+                loaded, reason = 0, miss_reason(exc)
             except (GatewayError, ValueError) as exc:
                 loaded, reason = 0, miss_reason(exc)
-            if reuse:
-                self._pool_give(compact)
             first_failed = max(loaded, op.skip_blocks)
             failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, upto)
             self._load_errors |= failed
@@ -134,6 +133,29 @@ class WorkerSide:
                 failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
                 ms=(time.perf_counter() - t0) * 1e3,
             )
+
+    def _load_compact(
+        self, pool: StagingPool, op: LoadOp, blocks: BlockView, model: KVModel, want: int, upto: int, first: int,
+        base: int,
+    ) -> RetrieveResult:
+        """A load through a pooled compact buffer, scattered into the cache after (a GPU cache, or
+        a load whose first chunk is partly the engine's own). Its stale bytes are never
+        scattered: only the prefix this retrieve authenticated and wrote is. After a timeout a
+        seal job may still write into it, so it is not given back then."""
+        compact = pool.take(want - base, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
+        try:
+            result = self._backend.loop.call(
+                self._backend.retrieve(op.capability, model, op.tokens, compact, range(want - base), first)
+            )
+        except GatewayTimeout:
+            raise  # the buffer is left to the garbage collector
+        except BaseException:
+            self._pool_give(compact)
+            raise
+        loaded = result.loaded_tokens // self.block
+        blocks.scatter(compact, range(op.skip_blocks - base, max(0, min(loaded, upto) - base)), op.block_ids[base:])
+        self._pool_give(compact)
+        return result
 
     def save(self, stores: Sequence[StoreOp]) -> None:
         """One step's stores, each cut before the first block whose load failed, gathered now

@@ -58,6 +58,30 @@ def test_prefix_shares_hashes_and_model_changes_all():
     assert not {c.chained_hash for c in a} & {c.chained_hash for c in other}
 
 
+def test_the_cpu_chunk_format_has_its_own_fingerprint_and_the_gpu_one_keeps_its_digest():
+    """The CPU chunk format (its byte order depends on the block size) gets a fingerprint of its
+    own per block size, so its chunks are never opened as another format; the GPU format's
+    fingerprint is what it was before the field existed (stored chunks keep their keys)."""
+    import torch
+
+    from gateway.types import KVModel
+    from kernels.layouts import KVGeometry, KVLayout
+
+    def fp(layout: KVLayout, block_size: int) -> ModelFingerprint:
+        g = KVGeometry(num_layers=32, num_kv_heads=8, head_size=128, dtype=torch.float16, block_size=block_size,
+                       layout=layout)
+        return KVModel("m", g).fingerprint
+
+    gpu = {fp(KVLayout.KV_FIRST, 16), fp(KVLayout.BLOCK_FIRST, 16), fp(KVLayout.BLOCK_FIRST, 32)}
+    assert gpu == {FP} and FP.canonical() == (
+        b'{"dtype":"float16","head_size":128,"layout_version":1,"model":"m","num_kv_heads":8,'
+        b'"num_layers":32,"tp_rank":0,"tp_size":1}'
+    )  # unchanged: no chunk_format field for the GPU format
+    cpu16, cpu32 = fp(KVLayout.CPU, 16), fp(KVLayout.CPU, 32)
+    assert len({FP.digest, cpu16.digest, cpu32.digest}) == 3
+    assert b"block_size=16" in cpu16.canonical()
+
+
 def test_hashes_do_not_depend_on_the_process_or_hash_seed():
     code = (
         "from gateway.chunking import *;"

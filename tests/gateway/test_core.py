@@ -7,6 +7,7 @@ import torch
 
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
 from kernels.layouts import KVLayout
+from kernels.pack import pack, slots_from_block_ids
 from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
 
 NUM_BLOCKS = 64
@@ -42,6 +43,44 @@ async def test_round_trip_is_bit_exact(tmp_path, layout, dtype):
         # storing again skips what is there
         again = await rt.gateway.store(cap, model, tokens, src, block_ids=src_blocks)
         assert (again.stored, again.skipped) == (0, 4)
+
+
+@pytest.mark.parametrize("layout", [KVLayout.CPU, KVLayout.BLOCK_FIRST])
+async def test_write_upto_authenticates_whole_chunks_and_writes_only_the_tokens_before_it(tmp_path, layout):
+    """A load straight into an engine's cache leaves the tokens the engine computes itself
+    (``write_upto`` on) as they were, yet authenticates the whole chunk that holds them: a chunk
+    tampered only past the limit still ends the load there."""
+    g = small_geometry(layout)
+    model = model_for(g)
+    async with gateway_runtime(tmp_path) as rt:
+        (cap,) = await _setup(rt, "acme")
+        src = random_cache(g, NUM_BLOCKS, seed=3)
+        n, blocks = 48, list(range(5, 17))  # three chunks of 16 tokens, 12 blocks of 4
+        tokens = list(range(700, 700 + n))
+        await rt.gateway.store(cap, model, tokens, src, block_ids=blocks)
+        dst = random_cache(g, NUM_BLOCKS, seed=4)
+        before = [t.clone() for t in dst]
+        got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks, write_upto=42)
+        assert (got.loaded_tokens, got.integrity_failures) == (n, 0)
+        assert torch.equal(gathered(src, g, blocks, 42), gathered(dst, g, blocks, 42))
+        tail = slots_from_block_ids(blocks, g.block_size, 42, n - 42)
+        assert torch.equal(pack(dst, tail, g).view(torch.uint8), pack(before, tail, g).view(torch.uint8))
+        full = random_cache(g, NUM_BLOCKS, seed=4)
+        await rt.gateway.retrieve(cap, model, tokens, full, block_ids=blocks)  # control: the tail differs
+        assert not torch.equal(pack(full, tail, g).view(torch.uint8), pack(before, tail, g).view(torch.uint8))
+        for bad in (-1, 1.5, True):
+            with pytest.raises(InvalidRequest):
+                await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks, write_upto=bad)
+        # chunk 2 tampered in every tier: the load from it fails although no token of it past 42 is written
+        key = (await rt.gateway.keys_for("acme", "default", model, tokens))[2]
+        await rt.gateway.tiers.flush()  # the disk copy is written behind: let it land, then spoil both
+        for tier in rt.gateway.tiers.tiers:
+            raw = bytearray((await tier.get(key)).data)
+            raw[-20] ^= 0x80
+            await tier.put(key, raw)
+        got = await rt.gateway.retrieve(cap, model, tokens, random_cache(g, NUM_BLOCKS, seed=4), block_ids=blocks,
+                                        write_upto=42)
+        assert (got.loaded_tokens, got.integrity_failures) == (32, 1)
 
 
 async def test_slot_mapping_with_gaps(tmp_path):

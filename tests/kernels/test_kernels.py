@@ -54,29 +54,51 @@ def zero_cache(g: KVGeometry, num_blocks: int) -> list[torch.Tensor]:
 
 
 def _token_bytes(layer: torch.Tensor, g: KVGeometry, kv: int, slot: int) -> torch.Tensor:
+    """The bytes of one token's K (kv=0) or V (kv=1), every head: ``[heads, head bytes]`` (a view)."""
     block, off = divmod(slot, g.block_size)
     lb = layer.view(torch.uint8)
+    if g.layout is KVLayout.CPU:  # [block, head, token, 2 * dim] holds [block, head, K|V, token, dim]
+        b, h, bs, _ = lb.shape
+        return lb.view(b, h, 2, bs, -1)[block, :, kv, off]
     return lb[kv, block, off] if g.layout is KVLayout.KV_FIRST else lb[block, kv, off]
+
+
+def _chunk_order(g: KVGeometry, slots: Sequence[int]) -> list[tuple[int, int, int | None]]:
+    """``(kv, slot, head)`` of each unit of a layer's chunk bytes, in order (head None: every
+    head). The GPU format: K of every token, then V; the CPU format: per group of block_size
+    tokens, per head, K of the group's tokens, then V."""
+    if g.layout is not KVLayout.CPU:
+        return [(kv, s, None) for kv in (0, 1) for s in slots]
+    out: list[tuple[int, int, int | None]] = []
+    for a in range(0, len(slots), g.block_size):
+        group = slots[a : a + g.block_size]
+        out += [(kv, s, h) for h in range(g.num_kv_heads) for kv in (0, 1) for s in group]
+    return out
+
+
+def _unit(layer: torch.Tensor, g: KVGeometry, kv: int, slot: int, head: int | None) -> torch.Tensor:
+    t = _token_bytes(layer, g, kv, slot)
+    return t if head is None else t[head]
 
 
 def naive_pack(
     layers: Sequence[torch.Tensor], slots: Sequence[int], g: KVGeometry
 ) -> torch.Tensor:
     chunk = torch.zeros(g.chunk_shape(len(slots)), dtype=g.dtype)
-    cb = chunk.view(torch.uint8)
+    cb = chunk.view(torch.uint8).view(g.num_layers, -1)
     for li, layer in enumerate(layers):
-        for i, slot in enumerate(slots):
-            for kv in (0, 1):
-                cb[li, kv, i] = _token_bytes(layer, g, kv, slot)
+        cb[li] = torch.cat([_unit(layer, g, *u).reshape(-1) for u in _chunk_order(g, slots)])
     return chunk
 
 
 def naive_unpack(chunk: torch.Tensor, layers: Sequence[torch.Tensor], slots: Sequence[int], g):
-    cb = chunk.view(torch.uint8)
+    cb = chunk.view(torch.uint8).view(g.num_layers, -1)
     for li, layer in enumerate(layers):
-        for i, slot in enumerate(slots):
-            for kv in (0, 1):
-                _token_bytes(layer, g, kv, slot).copy_(cb[li, kv, i])
+        pos = 0
+        for u in _chunk_order(g, slots):
+            dst = _unit(layer, g, *u)
+            dst.copy_(cb[li, pos : pos + dst.numel()].view(dst.shape))
+            pos += dst.numel()
 
 
 def same_bytes(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> bool:

@@ -52,8 +52,9 @@ def test_block_view_orders_layers_and_writes_through():
     assert layer_order(list(caches)) == ["model.layers.2.attn", "model.layers.9.attn", "model.layers.10.attn"]
     view = BlockView.of(caches, BS)
     assert view.names == tuple(layer_order(list(caches))) and view.num_blocks == B
-    g = view.geometry
-    assert (g.num_layers, g.num_kv_heads, g.head_size, g.block_size, g.layout) == (3, H, D, BS, KVLayout.BLOCK_FIRST)
+    g = view.geometry  # a CPU cache is held as it is: its compact buffers are in its own layout
+    assert (g.num_layers, g.num_kv_heads, g.head_size, g.block_size, g.layout) == (3, H, D, BS, KVLayout.CPU)
+    assert view.native and all(v is caches[n] for n, v in zip(view.names, view.views))
     compact = view.gather([4, 1])
     assert torch.equal(compact[0][0], view.views[0][4]) and compact[0].is_contiguous()
     before = {n: t.clone() for n, t in caches.items()}
@@ -61,7 +62,19 @@ def test_block_view_orders_layers_and_writes_through():
     for n, t in caches.items():
         assert torch.equal(t[5], before[n][1]) and torch.equal(t[:5], before[n][:5])
     empty = view.empty(3)
-    assert len(empty) == 3 and empty[0].shape == (3, 2, BS, H, D) and not empty[0].any()
+    assert len(empty) == 3 and empty[0].shape == (3, H, BS, 2 * D) and not empty[0].any()
+
+
+def test_block_view_of_a_gpu_layout_or_a_strided_cpu_cache_is_block_first():
+    for caches in (
+        {f"l.{i}": torch.randn(B, 2, BS, H, D) for i in range(2)},  # block-first
+        {f"l.{i}": torch.randn(2, B, BS, H, D) for i in range(2)},  # kv-first
+        {f"l.{i}": torch.randn(B, H, 2 * BS, 2 * D)[:, :, :BS] for i in range(2)},  # CPU shape, not contiguous
+    ):
+        view = BlockView.of(caches, BS)
+        assert not view.native and view.geometry.layout is KVLayout.BLOCK_FIRST
+        assert view.views[0].shape == (B, 2, BS, H, D)
+        assert view.empty(3)[0].shape == (3, 2, BS, H, D)
 
 
 def test_block_view_refuses_mismatched_layers_and_foreign_block_ids():
@@ -79,15 +92,15 @@ def test_block_view_refuses_mismatched_layers_and_foreign_block_ids():
 def test_gather_into_fills_the_leading_blocks_of_a_reused_buffer_and_refuses_one_that_does_not_fit():
     caches = {f"l.{i}": torch.randn(B, H, BS, 2 * D) for i in range(2)}
     view = BlockView.of(caches, BS)
-    buf = [torch.full((4, 2, BS, H, D), 7.0) for _ in range(2)]  # a pooled buffer, last used for 4 blocks
+    buf = [torch.full((4, H, BS, 2 * D), 7.0) for _ in range(2)]  # a pooled buffer, last used for 4 blocks
     view.gather_into([4, 1], buf)
     for got, want in zip(buf, view.gather([4, 1])):
         assert torch.equal(got[:2], want) and (got[2:] == 7.0).all()  # only the leading blocks written
     for bad in (
-        [torch.zeros(1, 2, BS, H, D)] * 2,  # too few blocks
-        [torch.zeros(4, 2, BS, H, D, dtype=torch.float64)] * 2,  # another dtype
-        [torch.zeros(4, 2, BS, H, D + 1)] * 2,  # another shape
-        [torch.zeros(2, 4, BS, H, D).transpose(0, 1)] * 2,  # not contiguous
+        [torch.zeros(1, H, BS, 2 * D)] * 2,  # too few blocks
+        [torch.zeros(4, H, BS, 2 * D, dtype=torch.float64)] * 2,  # another dtype
+        [torch.zeros(4, H, BS, 2 * D + 2)] * 2,  # another shape
+        [torch.zeros(H, 4, BS, 2 * D).transpose(0, 1)] * 2,  # not contiguous
     ):
         with pytest.raises(KVLayoutError, match="compact buffer"):
             view.gather_into([4, 1], bad)

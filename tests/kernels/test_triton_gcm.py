@@ -241,7 +241,7 @@ def test_fused_round_trip(tg, layout: KVLayout, dtype: torch.dtype, seg: int) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("layout", [KVLayout.KV_FIRST, KVLayout.BLOCK_FIRST])  # the kernels move whole rows
 def test_fused_round_trip_every_layout_and_dtype(tg, layout: KVLayout, dtype: torch.dtype) -> None:
     _round_trip(tg, layout, dtype, seg=97)
 

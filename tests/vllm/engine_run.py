@@ -33,14 +33,15 @@ async def _clear(settings: dict, tenant: str, namespace: str) -> str:
 
 
 def tiny_kv_model():
-    """The KVModel the connector derives for tests.vllm.tiny_model (its chunk keys)."""
+    """The KVModel the connector derives for tests.vllm.tiny_model (its chunk keys): the CPU
+    engine's caches are in vLLM's CPU layout, so its chunks are in the CPU chunk format."""
     import torch
 
     from gateway.core import KVModel
     from kernels.layouts import KVGeometry, KVLayout
 
     g = KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=32,
-                   layout=KVLayout.BLOCK_FIRST)
+                   layout=KVLayout.CPU)
     return KVModel("tiny-llama", g)
 
 

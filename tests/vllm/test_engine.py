@@ -43,7 +43,8 @@ def _model(geometry_dtype: str = "float32"):
     from gateway.core import KVModel
     from kernels.layouts import KVGeometry, KVLayout
 
-    g = KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=BLOCK, layout=KVLayout.BLOCK_FIRST)
+    # the CPU engine's caches are in vLLM's CPU layout: the connector stores the CPU chunk format
+    g = KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=BLOCK, layout=KVLayout.CPU)
     return KVModel(MODEL_NAME, g)
 
 

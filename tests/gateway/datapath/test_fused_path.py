@@ -163,11 +163,10 @@ def test_open_segments_rejects_wrong_context_scratch_and_propagates_callback_err
 
 def _cache(g: KVGeometry, num_blocks: int, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    n = g.num_layers
+    *lead, last = g.layer_shape(num_blocks)
     return [
-        torch.randint(0, 256, (*g.layer_shape(num_blocks)[:-1], g.head_size * g.dtype.itemsize), generator=gen,
-                      dtype=torch.uint8).view(g.dtype)
-        for _ in range(n)
+        torch.randint(0, 256, (*lead, last * g.dtype.itemsize), generator=gen, dtype=torch.uint8).view(g.dtype)
+        for _ in range(g.num_layers)
     ]
 
 
@@ -212,11 +211,18 @@ def test_pieces_coalesce_runs(layout):
     g = KVGeometry(3, 2, 8, torch.float16, 4, layout)
     layers = _cache(g, 8, 1)
     one_block = chunk_pieces(layers, list(range(8, 12)), g)
-    assert len(one_block) == (3 if layout is KVLayout.BLOCK_FIRST else 6)  # K+V in one, or K and V
+    assert len(one_block) == (6 if layout is KVLayout.KV_FIRST else 3)  # K and V, or K+V in one
     two_blocks = chunk_pieces(layers, list(range(8, 16)), g)
-    assert len(two_blocks) == (12 if layout is KVLayout.BLOCK_FIRST else 6)
-    assert [p.nbytes for p in two_blocks[:2]] == ([4 * g.row_nbytes] * 2 if layout is KVLayout.BLOCK_FIRST
-                                                 else [8 * g.row_nbytes] * 2)
+    # block-first: K and V of each block apart; kv-first: all K, all V; cpu: the blocks' own bytes
+    assert len(two_blocks) == {KVLayout.BLOCK_FIRST: 12, KVLayout.KV_FIRST: 6, KVLayout.CPU: 3}[layout]
+    assert [p.nbytes for p in two_blocks[:2]] == {
+        KVLayout.BLOCK_FIRST: [4 * g.row_nbytes] * 2, KVLayout.KV_FIRST: [8 * g.row_nbytes] * 2,
+        KVLayout.CPU: [16 * g.row_nbytes] * 2,
+    }[layout]
+    if layout is KVLayout.CPU:  # a chunk of whole, consecutive blocks is those blocks, byte for byte
+        assert bytes(two_blocks[0]) == _raw(layers[0][2:4])
+        gap = chunk_pieces(layers, [*range(8, 12), *range(20, 24)], g)  # blocks 2 and 5: a run each
+        assert [p.nbytes for p in gap[:2]] == [8 * g.row_nbytes] * 2 and len(gap) == 6
 
 
 @pytest.mark.parametrize("seed", range(30))

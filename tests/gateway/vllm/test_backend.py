@@ -51,6 +51,50 @@ def test_a_late_answer_is_a_timeout_and_the_work_is_cancelled():
     assert not _loop_threads()
 
 
+def test_a_timed_out_call_returns_only_once_its_worker_threads_have_stopped_writing():
+    """A load that decrypts straight into the engine's cache runs its scatter on the data path's
+    threads; when the connector gives up on it (timeout), vLLM recomputes or reuses those blocks
+    at once, so nothing may still be writing there when ``call`` returns. Beside it, the control:
+    a plain executor job (not through ``DataPath.run``) is still writing when the timeout comes."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from crypto.envelope import ChunkCipher
+    from gateway.datapath import DataPath
+
+    dp = DataPath(ChunkCipher(), threads=1)
+    plain = ThreadPoolExecutor(1)
+    loop = LoopThread(timeout_s=5.0)
+    loop.start()
+    try:
+        def scatter(done: list[float]) -> None:
+            time.sleep(0.4)
+            done.append(time.monotonic())
+
+        for through_datapath in (True, False):
+            done: list[float] = []
+
+            async def load(done: list[float] = done, through_datapath: bool = through_datapath) -> None:
+                if through_datapath:
+                    await dp.run(scatter, done)
+                else:
+                    await asyncio.get_running_loop().run_in_executor(plain, scatter, done)
+
+            with pytest.raises(GatewayTimeout):
+                loop.call(load(), timeout=0.05)
+            returned = time.monotonic()
+            if through_datapath:
+                assert done and done[0] <= returned  # the write ended before call returned
+            else:
+                assert not done  # the control: still writing after the timeout
+                time.sleep(0.6)
+                assert done and done[0] > returned
+    finally:
+        loop.stop()
+        dp.close()
+        plain.shutdown()
+
+
 def test_a_backend_that_cannot_open_its_state_refuses_with_the_cause(tmp_path):
     kek = tmp_path / "kek.key"
     kek.write_bytes(b"not a key")  # a KEK file that is not one: open_runtime fails

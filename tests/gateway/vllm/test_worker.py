@@ -34,9 +34,23 @@ def _cpu_cache(seed: int) -> dict[str, torch.Tensor]:
     return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=gen) for i in range(LAYERS)}
 
 
-def _untouched(dst: dict[str, torch.Tensor], ids: list[int]) -> bool:
-    before = _cpu_cache(seed=2)
+def _block_first_cache(seed: int) -> dict[str, torch.Tensor]:
+    """A GPU layout (block-first, [num_blocks, 2, block_size, heads, head_size]) on the CPU: the
+    worker loads it through its compact buffer, as it does a GPU cache."""
+    return {name: t.view(NUM_BLOCKS, HEADS, 2, BLOCK, HEAD_SIZE).permute(0, 2, 3, 1, 4).contiguous()
+            for name, t in _cpu_cache(seed).items()}
+
+
+def _untouched(dst: dict[str, torch.Tensor], ids: list[int], before: dict[str, torch.Tensor] | None = None) -> bool:
+    before = _cpu_cache(seed=2) if before is None else before
     return all(torch.equal(t[ids], before[name][ids]) for name, t in dst.items())
+
+
+def _nothing_of_it(dst: dict[str, torch.Tensor], ids: list[int]) -> bool:
+    """Each of these blocks is as the engine had it, or zeroed: a chunk that failed
+    authentication on a load straight into the cache zeroes the segments it had scattered."""
+    before = _cpu_cache(seed=2)
+    return all(torch.equal(t[i], before[name][i]) or not t[i].any() for name, t in dst.items() for i in ids)
 
 
 @pytest.fixture
@@ -64,8 +78,8 @@ def _capability(b: Backend) -> str:
     return b.loop.call(setup())
 
 
-def _worker(b: Backend, cache: dict[str, torch.Tensor], tmp_path) -> WorkerSide:
-    w = WorkerSide(b, CHUNK, BLOCK, "tiny", layout="cpu", trace=Tracer(str(tmp_path / "trace.jsonl")))
+def _worker(b: Backend, cache: dict[str, torch.Tensor], tmp_path, layout: str = "cpu") -> WorkerSide:
+    w = WorkerSide(b, CHUNK, BLOCK, "tiny", layout=layout, trace=Tracer(str(tmp_path / "trace.jsonl")))
     w.register(cache)
     return w
 
@@ -125,7 +139,8 @@ def test_a_flipped_ciphertext_is_a_load_error_and_cuts_the_same_step_store(backe
     src, dst, src_ids, dst_ids, reader = _store_then_load(backend, tmp_path, flip_chunk=1)
     for a, b in zip(_blocks(src, src_ids[:4]), _blocks(dst, dst_ids[:4])):
         assert torch.equal(a, b)  # chunk 0 authenticated and loaded
-    assert _untouched(dst, dst_ids[4:])  # nothing of the tampered chunk (or after it) reached the cache
+    assert _nothing_of_it(dst, dst_ids[4:8]) and not _untouched(dst, dst_ids[4:8])  # loaded in place, then zeroed
+    assert _untouched(dst, dst_ids[8:])  # nothing after the tampered chunk reached the cache
     assert reader.take_load_errors() == set(dst_ids[4:8]) and reader.take_load_errors() == set()
     assert reader.stats == {"load_integrity": 1, "store_cut_after_failed_load": 1}
     events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
@@ -144,13 +159,14 @@ def test_a_reused_load_buffer_never_scatters_another_loads_bytes(backend, tmp_pa
     prompt whose chunk 1 fails authentication writes chunk 0 only; the stale (authentic, but
     not authenticated by this load) bytes of chunks 1-2 left in the buffer never reach the cache."""
     cap = _capability(backend)
-    src, dst = _cpu_cache(seed=1), _cpu_cache(seed=2)
-    writer = _worker(backend, src, tmp_path)
+    src, dst = _block_first_cache(seed=1), _block_first_cache(seed=2)  # a CPU cache loads in place, no buffer
+    writer = _worker(backend, src, tmp_path, "block_first")
     src_ids = list(range(3, 15))
     writer.load([])
     writer.save([StoreOp("w", cap, TOKENS, src_ids)])
     assert writer.wait_stores(30)
-    reader = _worker(backend, dst, tmp_path)
+    reader = _worker(backend, dst, tmp_path, "block_first")
+    assert reader.blocks is not None and not reader.blocks.native
     first, second = list(range(15, 27)), list(range(20, 32))[::-1]
     reader.load([LoadOp("r1", cap, TOKENS, first)])
     for a, b in zip(_blocks(src, src_ids), _blocks(dst, first)):
@@ -164,6 +180,27 @@ def test_a_reused_load_buffer_never_scatters_another_loads_bytes(backend, tmp_pa
         assert torch.equal(a, b)  # chunk 0 authenticated and loaded
     assert all(torch.equal(t[second[4:]], before[name][second[4:]]) for name, t in dst.items())
     assert reader.take_load_errors() == set(second[4:])
+
+
+def test_a_cpu_format_chunk_is_never_read_as_another_format(backend, tmp_path):
+    """A CPU cache stores chunks in its own byte order (the CPU chunk format, block size in the
+    fingerprint); a worker whose cache is block-first derives another model identity, so the same
+    prompt misses there (nothing written), while a CPU worker beside it hits (positive control)."""
+    cap = _capability(backend)
+    writer = _worker(backend, _cpu_cache(seed=1), tmp_path)
+    writer.load([])
+    writer.save([StoreOp("w", cap, TOKENS, list(range(3, 15)))])
+    assert writer.wait_stores(30)
+    other = _block_first_cache(seed=2)
+    before = {name: t.clone() for name, t in other.items()}
+    gpu = _worker(backend, other, tmp_path, "block_first")
+    assert writer.model is not None and gpu.model is not None
+    assert writer.model.fingerprint_digest != gpu.model.fingerprint_digest
+    gpu.load([LoadOp("g", cap, TOKENS, list(range(20, 32)))])
+    assert gpu.take_load_errors() == set(range(20, 32)) and _untouched(other, list(range(NUM_BLOCKS)), before)
+    cpu = _worker(backend, _cpu_cache(seed=2), tmp_path)
+    cpu.load([LoadOp("c", cap, TOKENS, list(range(20, 32)))])
+    assert cpu.take_load_errors() == set()
 
 
 def test_a_partial_last_chunk_is_stored_and_loads_up_to_the_limit(backend, tmp_path):
@@ -251,8 +288,8 @@ class GatedBackend:
     async def lookup(self, cap, model, tokens):
         return await self.inner.lookup(cap, model, tokens)
 
-    async def retrieve(self, cap, model, tokens, layers, block_ids, first_chunk=0):
-        return await self.inner.retrieve(cap, model, tokens, layers, block_ids, first_chunk)
+    async def retrieve(self, cap, model, tokens, layers, block_ids, first_chunk=0, write_upto=None):
+        return await self.inner.retrieve(cap, model, tokens, layers, block_ids, first_chunk, write_upto)
 
     async def store(self, cap, model, tokens, layers, block_ids):
         self.started += 1
