@@ -207,6 +207,25 @@ class TierManager:
                 present[i] = present[i] or f
         return present, errors
 
+    async def locate_many(self, keys: Sequence[ChunkKey]) -> tuple[list[list[str]], list[TierError]]:
+        """The tiers that hold each key, from one batched presence check per tier (the tiers
+        asked at once), and the errors of tiers that could not answer (their keys read as
+        absent there)."""
+        where: list[list[str]] = [[] for _ in keys]
+        errors: list[TierError] = []
+        answers = await asyncio.gather(*(t.contains_many(keys) for t in self.tiers), return_exceptions=True)
+        for t, found in zip(self.tiers, answers, strict=True):
+            if isinstance(found, TierError):
+                self.errors[t.name] += 1
+                errors.append(found)
+                continue
+            if isinstance(found, BaseException):
+                raise found
+            for w, f in zip(where, found, strict=True):
+                if f:
+                    w.append(t.name)
+        return where, errors
+
     async def locate(self, key: ChunkKey) -> list[str]:
         out = []
         for t in self.tiers:

@@ -135,3 +135,59 @@ async def test_write_back_tier_gets_its_copy_after_store_returns(tmp_path):
         assert torch.equal(gathered(src, G, blocks, 64), gathered(dst, G, blocks, 64))
     finally:
         await rt.aclose()
+
+
+class _Counted(MemoryTier):
+    """A real memory tier that counts the presence checks it is asked."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(16 << 20)
+        self.name = name
+        self.calls: list[int] = []
+
+    async def contains(self, key):
+        self.calls.append(1)
+        return await super().contains(key)
+
+    async def contains_many(self, keys):
+        self.calls.append(len(keys))
+        return await super().contains_many(keys)
+
+
+class _Down(MemoryTier):
+    name = "down"
+
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+
+    async def contains_many(self, keys):
+        from storage.types import TierUnavailable
+
+        raise TierUnavailable("down: connection refused")
+
+
+async def test_locate_many_asks_each_tier_once_for_every_key_and_names_a_tier_that_could_not_answer(tmp_path):
+    """A REST lookup of a 128-chunk prefix answers where each hit lies: one batched presence
+    check per tier (not one per chunk per tier), the same answer as asking key by key, and a tier
+    that cannot answer is reported (its keys read as absent there) without failing the rest."""
+    import secrets
+
+    from storage import ChunkKey
+    from storage.manager import TierManager
+
+    fast, slow = _Counted("fast"), _Counted("slow")
+    keys = [ChunkKey("a" * 32, "b" * 32, secrets.token_hex(32)) for _ in range(128)]
+    for i, k in enumerate(keys):
+        if i % 3 != 2:
+            await fast.put(k, memoryview(b"x" * 64))
+        if i % 2 == 0:
+            await slow.put(k, memoryview(b"y" * 64))
+    tiers = TierManager([fast, slow])
+    where, errors = await tiers.locate_many(keys)
+    assert errors == [] and fast.calls == [128] and slow.calls == [128]
+    assert where == [await tiers.locate(k) for k in keys]  # the per-key answer (the control)
+    assert where[0] == ["fast", "slow"] and where[1] == ["fast"] and where[5] == [] and where[2] == ["slow"]
+    down = TierManager([fast, _Down()])
+    where, errors = await down.locate_many(keys)
+    assert [str(e) for e in errors] == ["down: connection refused"] and down.errors["down"] == 1
+    assert where[0] == ["fast"] and where[2] == []

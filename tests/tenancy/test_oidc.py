@@ -533,3 +533,49 @@ def test_wycheproof_signature_vectors(alg: str):
             assert ok == (case["result"] == "valid"), (alg, case["tcId"], case["comment"])
             checked += 1
     assert checked >= 150 and skipped == 0
+
+
+# ---------------------------------------------------------------- verified-token cache
+
+
+async def test_a_verified_token_is_remembered_within_its_window_and_never_past_its_exp(issuer, clock):
+    """Verifying the same token again within the window skips the signature check (a worker sends
+    one token on every call); past the window it is checked anew (a removed key then refuses it),
+    a token that expires inside the window is refused at its exp, and a token altered in one byte
+    is never answered from the cache (the original beside it is: the positive control)."""
+    cfg = IssuerConfig(issuer.issuer, "kvgate", required_typ="at+jwt")
+    async with OidcVerifier([cfg], clock=clock, verified_cache_s=30) as verifier:
+        token = issuer.sign("rsa1", issuer.claims(exp=int(clock()) + 3600))
+        first = await verifier.verify(token)
+        calls: list[str] = []
+        real = verifier._verify
+
+        async def counted(t: str):
+            calls.append(t)
+            return await real(t)
+
+        verifier._verify = counted  # type: ignore[method-assign]
+        assert await verifier.verify(token) == first and calls == []  # from the cache
+        head, payload, sig = token.split(".")
+        forged = ".".join((head, payload, ("A" if sig[0] != "A" else "B") + sig[1:]))
+        with pytest.raises(AuthenticationFailed):
+            await verifier.verify(forged)
+        assert calls == [forged]  # verified, and refused
+        issuer.remove_key("rsa1")
+        clock.advance(29)
+        assert await verifier.verify(token) == first and calls == [forged]
+        clock.advance(2)  # past the window: checked anew (the key is still in the JWKS cache)
+        assert await verifier.verify(token) == first and calls == [forged, token]
+        short = issuer.sign("ec1", issuer.claims(exp=int(clock()) + 10))
+        await verifier.verify(short)
+        clock.advance(11)  # past its exp, inside the window: checked anew (accepted within the leeway)
+        await verifier.verify(short)
+        assert calls[-1] == short
+        clock.advance(cfg.leeway)
+        with pytest.raises(AuthenticationFailed) as refused:
+            await verifier.verify(short)
+        assert refused.value.reason == "token expired"
+    async with OidcVerifier([cfg], clock=clock, verified_cache_s=0) as off:
+        token = issuer.sign("ec1", issuer.claims(exp=int(clock()) + 3600))
+        await off.verify(token)
+        assert not off._verified
