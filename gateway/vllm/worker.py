@@ -2,9 +2,12 @@
 
     register(kv_caches, tp_rank, tp_size)   register_kv_caches: the paged tensors, seen as blocks
                                             (``kernels.layouts.BlockView``), and the model identity
-    load(loads)                             start_load_kv: retrieve into a compact buffer, scatter
-                                            back only what authenticated; the rest is a load
-                                            error, logged at WARNING with its reason and counted
+    load(loads)                             start_load_kv: a CPU cache (the CPU chunk format is
+                                            its blocks' bytes) is decrypted into in place, never
+                                            its last block; a GPU cache through a compact buffer,
+                                            scattered back only where it authenticated; the rest
+                                            is a load error, logged at WARNING with its reason
+                                            and counted
     save(stores)                            wait_for_save: cut before any block whose load
                                             failed, gather the blocks into a pooled buffer,
                                             submit the store (encrypt, put) and return; past
