@@ -143,8 +143,9 @@ class WorkerSide:
     ) -> RetrieveResult:
         """A load through a pooled compact buffer, scattered into the cache after (a GPU cache, or
         a load whose first chunk is partly the engine's own). Its stale bytes are never
-        scattered: only the prefix this retrieve authenticated and wrote is. After a timeout a
-        seal job may still write into it, so it is not given back then."""
+        scattered: only the prefix this retrieve authenticated and wrote is. After a timeout it is
+        not given back: a cancelled call that outlived ``LoopThread.settle_s`` may still write
+        into it."""
         compact = pool.take(want - base, room=self.in_flight.cap_bytes - self.in_flight.nbytes)
         try:
             result = self._backend.loop.call(
