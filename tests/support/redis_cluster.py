@@ -2,9 +2,9 @@
 masters, three replicas), made one cluster by ``redis-cli --cluster create``; stopped by process
 id, their directories removed.
 
-``cluster-node-timeout`` is short (1 s) so a killed master's replica is promoted within a few
-seconds. Persistence is off; a node restarted with :meth:`Cluster.restart` rejoins from its
-``nodes.conf`` (as a replica of whoever took over its slots).
+``cluster-node-timeout`` is short (1 s) for a cluster a test kills nodes of, so a killed master's
+replica is promoted within a few seconds; the shared session cluster uses 3 s, so a node starved of
+CPU on a loaded box is not failed over under the tests that assume a steady cluster. Persistence is off.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from storage.types import (
     ChunkKey,
 )
 
-__all__ = ["Cluster", "redis_cluster", "replication_caught_up", "start_cluster"]
+__all__ = ["Cluster", "own_redis_cluster", "redis_cluster", "replication_caught_up", "start_cluster"]
 
-NODE_TIMEOUT_MS = 1000
+NODE_TIMEOUT_MS = 1000  # a cluster of a test's own: failover within a few seconds
+SHARED_NODE_TIMEOUT_MS = 3000  # the shared cluster: steady on a loaded 2-core box
 
 
 def _bindable(port: int) -> bool:
@@ -68,6 +69,7 @@ class Cluster:
     ports: list[int]
     root: Path
     procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    node_timeout_ms: int = NODE_TIMEOUT_MS
 
     @property
     def url(self) -> str:
@@ -78,7 +80,7 @@ class Cluster:
         d.mkdir(exist_ok=True)
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+             "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", str(self.node_timeout_ms),
              "--save", "", "--appendonly", "no", "--dir", str(d), "--daemonize", "no",
              "--protected-mode", "no", "--logfile", str(d / "log")],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -102,10 +104,6 @@ class Cluster:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
 
-    def restart(self, port: int) -> None:
-        self._start(port)
-        _wait_ping(port)
-
     def wait_ok(self, timeout: float = 60.0) -> None:
         """Until every live node reports cluster_state:ok and agrees on three slot-owning masters."""
         deadline = time.monotonic() + timeout
@@ -115,10 +113,13 @@ class Cluster:
                 return
             time.sleep(0.2)
         # say what each node saw, so a failure here can be diagnosed from the CI log alone
-        seen = {p: (cli(p, "cluster", "info").split("\r\n")[0], cli(p, "cluster", "nodes").strip())
+        # (short: a CI log keeps the first lines of a long message only)
+        seen = {p: (cli(p, "cluster", "info").split("\r\n")[0],
+                    " ".join(f for line in cli(p, "cluster", "nodes").splitlines() if "myself" in line
+                             for f in line.split()[2:4] + line.split()[8:9]))
                 for p, proc in self.procs.items() if proc.poll() is None}
         raise RuntimeError(f"the cluster did not reach cluster_state:ok in {timeout:.0f} s; masters {self.masters()}; "
-                           f"nodes: {seen}")
+                           f"each live node's state, flags, master and first slots: {seen}")
 
     def reshard(self, src: int, dst: int, slots: int, timeout: float = 120.0) -> None:
         """Move ``slots`` slots from master ``src`` to master ``dst`` (redis-cli --cluster reshard)."""
@@ -148,11 +149,12 @@ def _wait_ping(port: int, timeout: float = 20.0) -> None:
     raise RuntimeError(f"redis-server on {port} did not answer")
 
 
-def start_cluster() -> Cluster:
+def start_cluster(node_timeout_ms: int = NODE_TIMEOUT_MS) -> Cluster:
     """Six nodes, three masters with one replica each, cluster_state:ok on every node."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise FileNotFoundError("redis-server and redis-cli are needed for a test cluster")
-    cluster = Cluster(_free_ports(6), Path(tempfile.mkdtemp(prefix="kvgate-cluster-")))
+    cluster = Cluster(_free_ports(6), Path(tempfile.mkdtemp(prefix="kvgate-cluster-")),
+                      node_timeout_ms=node_timeout_ms)
     try:
         for port in cluster.ports:
             cluster._start(port)
@@ -184,7 +186,7 @@ def redis_cluster() -> Iterator[Cluster]:
 
         missing("redis-server and redis-cli are needed for the Redis Cluster tests")
     if not _shared:
-        _shared.append(start_cluster())
+        _shared.append(start_cluster(SHARED_NODE_TIMEOUT_MS))
     _users[0] += 1
     try:
         yield _shared[0]
@@ -192,6 +194,21 @@ def redis_cluster() -> Iterator[Cluster]:
         _users[0] -= 1
         if _users[0] == 0:
             _shared.pop().stop()
+
+
+@pytest.fixture
+def own_redis_cluster() -> Iterator[Cluster]:
+    """A 6-node cluster of this test's own, for a test that kills nodes or moves slots: whatever
+    state it leaves the cluster in, the shared one (and every test that uses it) never sees it."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        from tests.support.services import missing
+
+        missing("redis-server and redis-cli are needed for the Redis Cluster tests")
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 def replication_caught_up(cluster: Cluster, timeout: float = 30.0) -> None:
