@@ -347,11 +347,17 @@ class _HttpSession:
         return [self._opening.get(i) for i, _ref in refs]
 
     async def presence(self) -> Presence:
-        body = {"hashes": [c.chained_hash.hex() for c in self.chunks]}
-        r = await self.client._retrying("POST", "/v1/lookup", json=body)
-        got = r.json()
-        hits = int(got["hit_chunks"])
-        return Presence([i < hits for i in range(len(self.chunks))], locations=got.get("locations", []))
+        """One ``POST /v1/lookup`` on the data plane's own client (a worker's every load asks it
+        first: httpx cost the client about 1.5 ms of CPU per call on the 2-core box, the wire
+        client 0.15 ms)."""
+        body = json.dumps({"hashes": [c.chained_hash.hex() for c in self.chunks]}).encode()
+        got = await self.client._wire_call("POST", "/v1/lookup", _post_json, "/v1/lookup", body)
+        try:
+            hits = min(int(got["hit_chunks"]), len(self.chunks))
+            locations = [list(map(str, where)) for where in got.get("locations", [])[:hits]]
+        except (TypeError, ValueError, KeyError):
+            raise RemoteUnavailable("lookup: a malformed answer") from None
+        return Presence([i < hits for i in range(len(self.chunks))], locations=locations)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """One streamed fetch of these chunks (per ``_FETCH_ITEMS``): the server sends the stored
@@ -546,6 +552,29 @@ def _put(ex: Exchange, headers: list[tuple[str, str]], parts: list[bytes | memor
     try:
         ex.start("PUT", "/v1/chunks", headers, parts)
         return ex.status, ex.read_rest().decode("utf-8", "replace")
+    finally:
+        ex.close()
+
+
+_JSON_ANSWER = 4 << 20  # the most of a JSON answer read (a 4,096-hash lookup's is about 100 KB)
+
+
+def _post_json(ex: Exchange, headers: list[tuple[str, str]], path: str, body: bytes) -> tuple[int, Any]:
+    """(In a thread of the data plane's client.) POST a JSON body to ``path``: ``(status, the
+    parsed answer)`` for a 2xx, ``(status, the answer's text)`` otherwise."""
+    try:
+        ex.start("POST", path, headers, [body])
+        raw = ex.read_rest(_JSON_ANSWER)
+        if not ex.at_end():
+            raise RemoteUnavailable(f"POST {path}: the answer was cut short")
+        if len(raw) >= _JSON_ANSWER:
+            raise RemoteUnavailable(f"POST {path}: an answer of over {_JSON_ANSWER} bytes")
+        if not 200 <= ex.status < 300:
+            return ex.status, raw.decode("utf-8", "replace")
+        try:
+            return ex.status, json.loads(raw)
+        except ValueError:
+            raise RemoteUnavailable(f"POST {path}: an answer that is not JSON") from None
     finally:
         ex.close()
 

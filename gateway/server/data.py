@@ -27,6 +27,7 @@ from gateway.server.deps import (
     Name,
     PrincipalDep,
     Scope,
+    ServerState,
     StateDep,
     Strict,
     actor_of,
@@ -189,15 +190,24 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
     )
 
 
-@router.post("/lookup", response_model=LookupResponse)
-async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> LookupResponse:
-    answer = await state.plane.lookup(_cap(scope), body.hashes)
+async def answer_lookup(state: ServerState, capability: str, body: LookupRequest) -> dict[str, Any]:
+    """The lookup's answer (a ``LookupResponse``'s fields), for the route below and for the
+    gatekeeper's own answer to it (``gateway.server.rawlookup``)."""
+    answer = await state.plane.lookup(capability, body.hashes)
     hit_tokens = None
     if body.chunk_tokens is not None:
         hit_tokens = answer.hit_chunks * body.chunk_tokens
         if answer.hit_chunks == len(body.hashes) and body.last_chunk_tokens is not None:
             hit_tokens += body.last_chunk_tokens - body.chunk_tokens
-    return LookupResponse(hit_chunks=answer.hit_chunks, hit_tokens=hit_tokens, locations=answer.locations)
+    return {"hit_chunks": answer.hit_chunks, "hit_tokens": hit_tokens, "locations": answer.locations}
+
+
+@router.post("/lookup", response_model=LookupResponse)
+async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> LookupResponse:
+    """How many leading chunks of ``hashes`` are stored, and in which tiers. The server answers
+    this route in its gatekeeper (``gateway.server.rawlookup``, the same checks in the same
+    order, without FastAPI's per-request cost); this route is its description, and its fallback."""
+    return LookupResponse(**await answer_lookup(state, _cap(scope), body))
 
 
 def _content_length(request: Request, limit: int) -> int:

@@ -110,7 +110,8 @@ class ServerState:
     limiter: FailureLimiter = field(default_factory=FailureLimiter)
 
 
-def get_state(request: Request) -> ServerState:
+async def get_state(request: Request) -> ServerState:
+    # async: FastAPI runs a plain ``def`` dependency in its thread pool, a thread hop per use
     state: ServerState = request.app.state.kvgate
     return state
 

@@ -9,7 +9,9 @@
 3. the body fits the route's limit (``body_limit``): a declared ``Content-Length`` over it is
    refused at once (413), a chunked body is counted as it arrives;
 4. the body arrives in time: each read waits at most ``body_timeout_s`` (408), so a
-   ``Content-Length`` larger than the body sent fails within that timeout.
+   ``Content-Length`` larger than the body sent fails within that timeout;
+5. ``POST /v1/lookup`` is then answered here (``gateway.server.rawlookup``: the route's own
+   checks and answers, without FastAPI's per-request cost); every other request goes on to the app.
 
 A refusal before the body is read is sent at once (a client that sent ``Expect: 100-continue``
 never sends the body); whatever body a client sends anyway is discarded as it arrives, never
@@ -36,6 +38,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway import frames
 from gateway.config import Settings
+from gateway.server import rawlookup
 from gateway.server.rawchunks import offer_raw_chunks
 
 __all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
@@ -130,10 +133,12 @@ class Gatekeeper:
             else:
                 await _refuse(send, 413, "Content Too Large", f"this route takes at most {limit} body bytes")
             return
-        if not chunked and not declared:
-            await self.app(scope, receive, send)
+        if chunked or declared:
+            receive = _Body(receive, limit, s.body_timeout_s).receive
+        if state is not None and method == "POST" and path == rawlookup.PATH:
+            await rawlookup.serve(state, scope["state"]["kvgate_principal"], scope, receive, send)
             return
-        await self.app(scope, _Body(receive, limit, s.body_timeout_s).receive, send)
+        await self.app(scope, receive, send)
 
 
 class _Body:

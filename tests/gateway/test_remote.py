@@ -875,7 +875,8 @@ async def test_remote_mode_over_https_with_the_servers_certificate_checked(live_
             got = await rt.retrieve(model, tokens, dst, block_ids=BLOCKS6)
             assert (got.loaded_tokens, got.integrity_failures) == (SIX, 0)
             assert torch.equal(gathered(src, g, BLOCKS6, SIX), gathered(dst, g, BLOCKS6, SIX))
-            assert rt._wire.requests == ["PUT /v1/chunks", "POST /v1/chunks/fetch"]
+            # the store's presence check, its upload, the load: all on the data plane's own client
+            assert rt._wire.requests == ["POST /v1/lookup", "PUT /v1/chunks", "POST /v1/chunks/fetch"]
         assert connections and all(v.startswith("TLS") for v in connections)
         # a certificate the worker does not trust (a man in the middle): refused, nothing stored
         seen = len(connections)

@@ -4,6 +4,7 @@ they apply, every error an RFC 9457 problem."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from dataclasses import dataclass
@@ -111,6 +112,102 @@ async def test_lookup(world: World, tmp_path):
     assert_problem(await w.http.post("/v1/lookup", json=body, headers=w.h(w.worker_a, "garbage")), 403)
     for bad in ({"hashes": []}, {"hashes": ["xyz"]}, {"hashes": [h1.upper()]}, {}):
         assert_problem(await w.http.post("/v1/lookup", json=bad, headers=w.h(w.worker_a, w.cap_a)), 422)
+
+
+async def test_the_gatekeepers_lookup_answers_as_the_fastapi_route_does(world: World, monkeypatch: pytest.MonkeyPatch):
+    """``POST /v1/lookup`` is answered by the gatekeeper (``gateway.server.rawlookup``), without
+    FastAPI's routing. Every request below, good and bad, gets the same status, content type and
+    body from it as from the FastAPI route (reached by taking the raw path's name away), and the
+    raw path really answered the first pass (a spy counts it) and not the second."""
+    from gateway.server import rawlookup
+
+    w = world
+    h1, h2 = random_hash(), random_hash()
+    assert (await put(w, h1)).status_code == 204
+    own, json_ct = w.h(w.worker_a, w.cap_a), {"Content-Type": "application/json"}
+    for _ in range(200):  # until the slower tiers' copies are written behind: the answers stay put
+        r = await w.http.post("/v1/lookup", json={"hashes": [h1]}, headers=own)
+        if r.json()["locations"] == [list(w.live.settings.tiers)]:
+            break
+        await asyncio.sleep(0.05)
+    assert r.json()["locations"] == [list(w.live.settings.tiers)]
+    cases: list[tuple[str, dict[str, str], bytes]] = [
+        ("hit, tokens", own, json.dumps({"hashes": [h1, h2], "chunk_tokens": 16}).encode()),
+        ("whole prefix, last chunk", own, json.dumps({"hashes": [h1], "chunk_tokens": 16, "last_chunk_tokens": 5}).encode()),
+        ("miss", own, json.dumps({"hashes": [h2, h1]}).encode()),
+        ("B's capability", w.h(w.worker_a, w.cap_b), json.dumps({"hashes": [h1]}).encode()),
+        ("role", w.h(w.admin_a, w.cap_a), json.dumps({"hashes": [h1]}).encode()),
+        ("no capability", w.h(w.worker_a), json.dumps({"hashes": [h1]}).encode()),
+        ("garbage capability", w.h(w.worker_a, "garbage"), json.dumps({"hashes": [h1]}).encode()),
+        ("no token", {"X-KV-Capability": w.cap_a}, json.dumps({"hashes": [h1]}).encode()),
+        ("empty list", own, b'{"hashes": []}'),
+        ("bad hash", own, b'{"hashes": ["xyz"]}'),
+        ("no hashes", own, b"{}"),
+        ("unknown field", own, json.dumps({"hashes": [h1], "chunk_token": 16}).encode()),
+        ("not JSON", own, b'{"hashes": ['),
+        ("a list", own, b"[1, 2]"),
+        ("too many", own, json.dumps({"hashes": [h1] * 4097}).encode()),
+        ("zero tokens", own, json.dumps({"hashes": [h1], "chunk_tokens": 0}).encode()),
+        ("no body", own, b""),
+        ("not UTF-8", own, b'{"hashes": ["\xeb"]}'),
+    ]
+    calls: list[str] = []
+    serve = rawlookup.serve
+
+    async def spy(*args, **kw):
+        calls.append("raw")
+        await serve(*args, **kw)
+
+    monkeypatch.setattr(rawlookup, "serve", spy)
+
+    async def answers(content_type: dict[str, str]) -> list[tuple[int, str, object, str]]:
+        out = []
+        for _name, headers, body in cases:
+            r = await w.http.post("/v1/lookup", content=body, headers={**headers, **content_type})
+            ct = r.headers.get("content-type", "")
+            out.append((r.status_code, ct, r.json() if "json" in ct else r.text, r.headers.get("www-authenticate", "")))
+        return out
+
+    raw = await answers(json_ct)
+    raw_text = await answers({"Content-Type": "text/plain"})
+    assert len(calls) == 2 * len(cases) - 2  # every request the gatekeeper let through (not the 401s)
+    monkeypatch.setattr(rawlookup, "PATH", "/not-answered-here")
+    calls.clear()
+    routed = await answers(json_ct)
+    routed_text = await answers({"Content-Type": "text/plain"})
+    assert calls == []
+    for (name, _h, _b), got, want in zip(cases, raw + raw_text, routed + routed_text, strict=False):
+        assert got == want, name
+    for (name, _h, _b), got, want in zip(cases, raw_text, routed_text, strict=True):
+        assert got == want, name
+    # and what they are: a hit, a miss, the refusals, the invalid bodies
+    statuses = dict(zip([c[0] for c in cases], [a[0] for a in raw], strict=True))
+    assert raw[0][2] == {"hit_chunks": 1, "hit_tokens": 16, "locations": [raw[0][2]["locations"][0]]}
+    assert raw[1][2]["hit_tokens"] == 5 and raw[2][2]["hit_chunks"] == 0
+    assert [statuses[n] for n in ("B's capability", "role", "no capability", "garbage capability")] == [403] * 4
+    assert statuses["no token"] == 401
+    assert {statuses[c[0]] for c in cases[8:-1]} == {422} and statuses["not UTF-8"] == 400
+    assert {a[0] for a in raw_text[:8] if a[0] not in (401, 403)} == {422}  # a text body is not JSON
+
+
+async def test_the_gatekeepers_lookup_bounds_its_body(world: World):
+    """The raw lookup reads its body under the gatekeeper's bounds: a declared length over the
+    lookup's limit is a 413 before the body is read, a chunked body over it a 413 as it arrives;
+    a lookup after them on the same client is answered (the server is fine)."""
+    w = world
+    own = {**w.h(w.worker_a, w.cap_a), "Content-Type": "application/json"}
+    huge = b'{"hashes": ["' + b"a" * (600 << 10) + b'"]}'
+    assert_problem(await w.http.post("/v1/lookup", content=huge, headers=own), 413)
+
+    async def stream():
+        for _ in range(10):
+            yield b" " * (100 << 10)
+
+    assert_problem(await w.http.post("/v1/lookup", content=stream(), headers=own), 413)
+    h = random_hash()
+    assert (await put(w, h)).status_code == 204
+    r = await w.http.post("/v1/lookup", json={"hashes": [h]}, headers=own)
+    assert r.status_code == 200 and r.json()["hit_chunks"] == 1
 
 
 # -- chunks ---------------------------------------------------------------------------------------
