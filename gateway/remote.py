@@ -378,9 +378,9 @@ class _HttpSession:
         except GatewayError:  # unreachable, refused, or a frame cut short: a miss
             self.client.stats["unavailable"] += 1
         finally:
-            for i in todo:  # past the end of the prefix (or of what arrived)
-                f = self._fetches[i]
-                if not f.done():
+            for i in todo:  # past the end of the prefix (or of what arrived); one handed over is gone
+                f = self._fetches.get(i)
+                if f is not None and not f.done():
                     f.set_result(None)
 
     async def _read_group(self, group: list[int]) -> bool:
@@ -465,6 +465,9 @@ class _HttpSession:
             f.set_result(got)
 
     async def fetch(self, i: int) -> Fetched:
+        """Chunk ``i``'s envelope, handed over once: the session keeps no reference to it after
+        (its receive buffer goes back to ``receive_buffers`` as soon as the plane has opened it,
+        for the next envelopes of this load; a second fetch of ``i`` fetches it again)."""
         if i not in self._fetches:
             self.prefetch([i])
         got = await self._fetches[i]
@@ -472,6 +475,7 @@ class _HttpSession:
             raise FetchFailed("miss")
         if isinstance(got, FetchFailed):
             raise got
+        del self._fetches[i]
         return got
 
     async def put(self, i: int, envelope: memoryview) -> None:

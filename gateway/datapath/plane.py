@@ -279,7 +279,7 @@ class DataPlane:
         stats = {"failures": 0, "unavailable": 0}
         ended: dict[int, str] = {}  # chunk index -> why the prefix ended there
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
-        fetched: dict[int, Fetched] = {}
+        tiers: dict[int, str] = {}  # chunk index -> the tier its envelope came from
 
         async def open_jobs(batch: list[int], jobs: list[OpenJob]) -> int:
             """How many leading chunks of the batch were loaded."""
@@ -292,8 +292,8 @@ class DataPlane:
                 stats["failures"] += 1
                 ended[bad] = "integrity"
                 self.stats["integrity_failures"] += 1
-                log.warning("integrity failure on a chunk in tier %s; treated as a miss", fetched[bad].tier)
-                await session.integrity_failure(bad, fetched[bad].tier)
+                log.warning("integrity failure on a chunk in tier %s; treated as a miss", tiers[bad])
+                await session.integrity_failure(bad, tiers[bad])
             self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
             return loaded
 
@@ -301,8 +301,12 @@ class DataPlane:
 
         async def run(batch: list[int]) -> int:
             got = await self._fetch_run(session, batch, stats, ended)
-            fetched.update(zip(batch, got, strict=False))
+            # only the tier is kept past this batch: an envelope's buffer is let go as soon as its
+            # batch is opened (a remote load's receive buffers then serve the next batches,
+            # instead of every envelope of the prompt being alive, and fresh memory, at once)
+            tiers.update((i, f.tier) for i, f in zip(batch, got, strict=False))
             jobs = await self._open_jobs(session, model, chunks, slots, batch[0], got, stats, ended)
+            del got
             if write_upto is not None:
                 for i, job in enumerate(jobs, start=batch[0]):
                     if chunks[i].end > write_upto:
