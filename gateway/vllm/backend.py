@@ -137,6 +137,14 @@ class Backend(Protocol):
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
     ) -> StoreResult: ...
 
+    def copies_behind(self) -> bool:
+        """Whether a store's copies in the slower tiers are written after it returns."""
+        ...
+
+    async def copies_written(self) -> None:
+        """Wait until the slower tiers hold what was stored so far (the write-behind copies)."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -176,6 +184,15 @@ class EmbeddedBackend:
     ) -> StoreResult:
         result: StoreResult = await self.runtime.gateway.store(cap, model, tokens, layers, block_ids=list(block_ids))
         return result
+
+    def copies_behind(self) -> bool:
+        """The scheduler's process looks up in the tiers it shares with the workers (Redis, a
+        disk), not in a worker's memory tier: a store is visible to it once these copies, written
+        behind (``KVGATE_TIER_WRITE_MODE=write_behind``), are in."""
+        return self.runtime is not None and bool(self.runtime.tiers.write_back)
+
+    async def copies_written(self) -> None:
+        await self.runtime.tiers.flush()
 
     async def aclose(self) -> None:
         if self.runtime is not None:
@@ -237,6 +254,12 @@ class RemoteBackend:
             write_upto=write_upto,
         )
         return result
+
+    def copies_behind(self) -> bool:
+        return False  # the server keeps the tiers: what it took, every worker and scheduler sees
+
+    async def copies_written(self) -> None:
+        return None
 
     async def store(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]

@@ -46,7 +46,10 @@ class Tracer:
 
 def wait_for_stores(path: str | None, timeout_s: float = 60.0) -> float:
     """Wait until the trace at ``path`` has an end (``store`` with tokens) for every
-    ``store_submit``; returns the seconds waited, raises TimeoutError past ``timeout_s``."""
+    ``store_submit``, and, for every store whose slower tiers' copies are written behind
+    (``copies_behind``), the line saying they are in (``store_copies``): only then does the
+    scheduler's lookup, which reads the shared tiers, see the whole store. Returns the seconds
+    waited, raises TimeoutError past ``timeout_s``."""
     t0 = time.monotonic()
     while path:
         try:
@@ -58,7 +61,9 @@ def wait_for_stores(path: str | None, timeout_s: float = 60.0) -> float:
             events = None
         if events is not None:
             submitted = sum(e["event"] == "store_submit" for e in events)
-            if sum(e["event"] == "store" and e["tokens"] > 0 for e in events) >= submitted:
+            behind = sum(e["event"] == "store" and bool(e.get("copies_behind")) for e in events)
+            copied = sum(e["event"] == "store_copies" for e in events)
+            if sum(e["event"] == "store" and e["tokens"] > 0 for e in events) >= submitted and copied >= behind:
                 break
         if time.monotonic() - t0 > timeout_s:
             raise TimeoutError(f"kvgate stores still in flight after {timeout_s} s")

@@ -66,6 +66,7 @@ class WorkerSide:
         self._layout = layout
         self.stats: Counter[str] = Counter() if stats is None else stats
         self._trace = trace or Tracer(None)
+        self._copies: set[asyncio.Future[None]] = set()  # traced waits for write-behind copies
         self.ledger = WorkerLedger(chunk_tokens, block_size)
         self.blocks: BlockView | None = None
         self.model: KVModel | None = None
@@ -226,8 +227,16 @@ class WorkerSide:
             reason = _reason(exc)
             raise
         finally:
+            behind = bool(stored) and self._trace.path is not None and self._backend.copies_behind()
             self._trace("store", req=req_id, tokens=tokens, stored_chunks=stored,
-                        ms=(time.perf_counter() - t0) * 1e3, reason=reason)
+                        ms=(time.perf_counter() - t0) * 1e3, reason=reason, copies_behind=behind)
+            if behind:  # traced only: when the shared tiers (the scheduler's lookups) hold it too
+                self._copies.add(task := asyncio.ensure_future(self._copies_traced(req_id, t0)))
+                task.add_done_callback(self._copies.discard)
+
+    async def _copies_traced(self, req_id: str, t0: float) -> None:
+        await self._backend.copies_written()
+        self._trace("store_copies", req=req_id, ms=(time.perf_counter() - t0) * 1e3)
 
     def _store_ended(self, req_id: str, buf: list[torch.Tensor], future: Future[StoreResult]) -> None:
         """On the engine's thread, at a hook after the store ended: count it, reuse its buffer

@@ -291,6 +291,12 @@ class GatedBackend:
     async def retrieve(self, cap, model, tokens, layers, block_ids, first_chunk=0, write_upto=None):
         return await self.inner.retrieve(cap, model, tokens, layers, block_ids, first_chunk, write_upto)
 
+    def copies_behind(self):
+        return self.inner.copies_behind()
+
+    async def copies_written(self):
+        await self.inner.copies_written()
+
     async def store(self, cap, model, tokens, layers, block_ids):
         self.started += 1
         await asyncio.to_thread(self.gate.wait, 30)
@@ -395,3 +401,48 @@ def test_a_timed_out_store_never_lends_its_buffer_again(backend, tmp_path):
     # positive control: a store that ends in time gives its buffer back
     writer.save([StoreOp("b", cap, TOKENS, list(range(3, 15)))])
     assert writer.wait_stores(30) and writer._pool.idle_bytes > 0
+
+
+def test_the_trace_says_when_write_behind_copies_are_in_and_wait_for_stores_waits_for_them(tmp_path):
+    """With a memory and a disk tier written behind (the default), a store ends when the memory
+    tier has it, but the scheduler's process sees it only in the shared tier. The trace marks the
+    store ``copies_behind`` and adds ``store_copies`` once the slower tiers hold it;
+    ``wait_for_stores`` (the engine tests' and bench-e2e's settle) waits for that line: held
+    back (the copies gated), it times out; let go, it returns. The memory-only worker's store
+    (the control, every other test here) has no such line to wait for."""
+    from gateway.vllm.logs import wait_for_stores
+
+    config = ConnectorConfig.from_extra({"kvgate_settings": {
+        "state_dir": str(tmp_path), "tiers": ["memory", "disk"], "memory_bytes": 64 << 20, "chunk_tokens": CHUNK,
+        "segment_bytes": 4096, "cpu_threads": 1,
+    }})
+    b = backend_for(config)
+    try:
+        cap = _capability(b)
+        gated = GatedBackend(b)
+        gated.gate.set()  # stores run at once; the copies wait below
+        copies = threading.Event()
+        inner = gated.copies_written
+
+        async def held() -> None:
+            await asyncio.to_thread(copies.wait, 30)
+            await inner()
+
+        gated.copies_written = held
+        w = _gated_worker(gated, _cpu_cache(seed=5), tmp_path)
+        w.save([StoreOp("w", cap, TOKENS, list(range(3, 15)))])
+        assert w.wait_stores(30)
+        trace = str(tmp_path / "trace.jsonl")
+        with pytest.raises(TimeoutError):
+            wait_for_stores(trace, timeout_s=0.5)
+        store = [e for e in _events(tmp_path) if e["event"] == "store"]
+        assert [(e["stored_chunks"], e["copies_behind"]) for e in store] == [(3, True)]
+        copies.set()
+        assert wait_for_stores(trace, timeout_s=30) < 30
+        assert [e["event"] for e in _events(tmp_path)] == ["store_submit", "store", "store_copies"]
+        async def on_disk() -> int:
+            return len(await b.runtime.tiers.tier("disk").list_keys())
+
+        assert b.loop.call(on_disk()) == 3  # the disk holds the three chunks when the line says so
+    finally:
+        release(b)
