@@ -51,7 +51,7 @@ sent.
 from __future__ import annotations
 
 import struct
-from collections.abc import AsyncIterable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.errors import BadFrame
@@ -204,9 +204,13 @@ class Reader:
     """A byte stream read into the caller's buffers as it arrives (no copy beyond the one out of
     the transport's own receive buffer); BadFrame where it ends early or runs on."""
 
-    def __init__(self, parts: AsyncIterable[bytes]) -> None:
+    def __init__(self, parts: AsyncIterable[bytes], direct: Callable[[memoryview], Awaitable[None]] | None = None) -> None:
+        """``direct(view)``, where given, fills a view straight from the connection with the
+        bytes that follow what ``parts`` has handed over (``gateway.server.rawbody``): ``into``
+        uses it once what it holds of ``parts`` is used up."""
         self._parts = parts.__aiter__()
         self._left = memoryview(b"")
+        self._direct = direct
 
     async def _next(self) -> memoryview:
         while not self._left:
@@ -220,6 +224,9 @@ class Reader:
         """Fill ``view`` (a writable byte buffer) from the stream."""
         filled = 0
         while filled < view.nbytes:
+            if self._direct is not None and not self._left:
+                await self._direct(view[filled:])
+                return
             part = await self._next()
             n = min(part.nbytes, view.nbytes - filled)
             view[filled : filled + n] = part[:n]

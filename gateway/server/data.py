@@ -21,7 +21,7 @@ from pydantic import BaseModel, Field
 
 from gateway import batches, frames
 from gateway.errors import BadFrame, InvalidRequest, TooLarge
-from gateway.server import rawchunks
+from gateway.server import rawbody, rawchunks
 from gateway.server.deps import (
     Authorize,
     Name,
@@ -234,12 +234,14 @@ async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Resp
 
     The index is read and checked first (count, sizes, the total against ``Content-Length``,
     the capability for every hash); then each envelope is read straight into the buffer that
-    keeps it; only a whole frame whose envelopes all have a valid header is stored. A bad frame
+    keeps it (by the kernel, where the server's protocol offers ``gateway.server.rawbody``);
+    only a whole frame whose envelopes all have a valid header is stored. A bad frame
     is a 400 and a torn body (a client gone mid-upload) stores nothing."""
     cap = _cap(scope)
     s = state.settings
     size = _content_length(request, max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM))
-    body = frames.Reader(request.stream())
+    raw = request.scope.get("extensions", {}).get(rawbody.EXTENSION)  # envelopes straight from the socket
+    body = frames.Reader(request.stream(), direct=raw.readinto if isinstance(raw, rawbody.RawBody) else None)
     if size < frames.HEAD:
         raise BadFrame("the body is shorter than a frame head")
     count = frames.parse_head(await body.read(frames.HEAD), s.max_batch_items)

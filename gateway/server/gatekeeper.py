@@ -23,7 +23,8 @@ from the connection's first byte (and after each response) the whole header bloc
 within ``header_timeout_s``, however slowly it trickles (uvicorn's keep-alive timer restarts on
 every byte, so it cannot cut a slow-header client). The header block size is bounded by h11's
 ``max_incomplete_event_size`` (``max_header_bytes``, 431 beyond). It also offers the fetch route
-its raw chunk writer (``gateway.server.rawchunks``) in the request's scope, before the app runs.
+its raw chunk writer (``gateway.server.rawchunks``) and the batched upload its raw body reader
+(``gateway.server.rawbody``) in the request's scope, before the app runs.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gateway import frames
 from gateway.config import Settings
 from gateway.server import rawlookup
+from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
 
 __all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
@@ -167,7 +169,7 @@ class _Body:
         return message
 
 
-def bounded_h11(header_timeout_s: float) -> type[H11Protocol]:
+def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H11Protocol]:
     """uvicorn's h11 protocol, with a deadline on each request head (see the module docstring)."""
 
     class BoundedH11Protocol(H11Protocol):
@@ -205,6 +207,7 @@ def bounded_h11(header_timeout_s: float) -> type[H11Protocol]:
             if self._active():
                 self._disarm()  # a request is being served: its body has its own timeout
                 offer_raw_chunks(self.cycle)
+                offer_raw_body(self, body_timeout_s)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -212,6 +215,7 @@ def bounded_h11(header_timeout_s: float) -> type[H11Protocol]:
                 self._arm()  # the next request's head (or the rest of a body nobody reads)
             elif self._active():
                 offer_raw_chunks(self.cycle)  # a pipelined request, its cycle made just now
+                offer_raw_body(self, body_timeout_s)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -223,7 +227,7 @@ def bounded_h11(header_timeout_s: float) -> type[H11Protocol]:
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn settings every kvgate server runs with (``kvgate serve`` and the tests)."""
     return {
-        "http": bounded_h11(settings.header_timeout_s),
+        "http": bounded_h11(settings.header_timeout_s, settings.body_timeout_s),
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "timeout_keep_alive": 5,
         "proxy_headers": False,

@@ -25,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from crypto.errors import KekError
 from gateway.errors import (
@@ -182,6 +183,8 @@ PROBLEMS: dict[type[Exception], Entry] = {
     DependencyUnavailable: _DEPENDENCY,
     KekError: _DEPENDENCY,
     StarletteHTTPException: _from_http_exception,
+    # the client went away inside its body: nobody reads the answer, and it is no server error
+    ClientDisconnect: ProblemType(400, "Bad Request", "the body ended before it was complete"),
     Exception: INTERNAL,
 }
 

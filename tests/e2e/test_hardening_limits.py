@@ -204,6 +204,40 @@ async def test_content_length_larger_than_the_body_times_out(live: LiveServer):
         assert r.status_code == 204
 
 
+async def test_a_batched_upload_that_stops_inside_an_envelope_times_out_and_stores_nothing(live: LiveServer):
+    """``PUT /v1/chunks`` reads its envelopes from the socket straight into the tier's buffers
+    (``gateway.server.rawbody``), outside the ASGI body path and its per-read timeout: a client
+    that sends the index and part of an envelope, then nothing, still gets a 408 within the body
+    timeout, its connection is closed, and no chunk and no reservation is left. Control: the same
+    frame sent whole is stored."""
+    from gateway import frames
+
+    a, tok, cap = await _tenant(live)
+    h, env = random_hash(), fake_envelope(300_000)
+    body = frames.encode_index([(bytes.fromhex(h), len(env))]) + env
+    head = _head("PUT", "/v1/chunks", {
+        "Authorization": f"Bearer {tok}", "X-KV-Capability": cap, "Content-Type": "application/octet-stream",
+        "Content-Length": str(len(body)),
+    })
+    memory = live.runtime.tiers.tiers[0]
+    with _connect(live) as s:
+        t0 = time.monotonic()
+        s.sendall(head + body[: len(body) // 2])
+        status, _ = _status_within(s, BODY_TIMEOUT + 4)
+        assert status == 408
+        assert time.monotonic() - t0 < BODY_TIMEOUT + 3
+        assert _closed_within(s, 2.0)
+    async with live.client() as http:
+        hdr = live.headers(tok, cap)
+        assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 404
+        assert memory.stats().reservations == 0
+        with _connect(live) as s:  # control: the whole frame
+            s.sendall(head + body)
+            status, _ = _status_within(s, 10)
+            assert status == 204
+        assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 200
+
+
 # -- headers ---------------------------------------------------------------------------------------
 def test_header_block_size_is_bounded(live: LiveServer):
     with _connect(live) as s:

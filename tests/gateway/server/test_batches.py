@@ -354,3 +354,66 @@ async def test_the_fetch_stream_goes_to_the_connection_raw_and_through_asgi_alik
         assert writes == []
         expected = frames.MAGIC + b"".join(frames.item_head(bytes.fromhex(h), frames.OK, len(e)) + e for h, e in items)
         assert body == expected
+
+
+async def test_an_upload_is_received_straight_into_the_tiers_buffers(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
+    """The envelopes of ``PUT /v1/chunks`` are read by the kernel straight into the memory tier's
+    extents (``gateway.server.rawbody``), not through h11 and ASGI: every envelope goes through
+    ``RawBody.readinto`` and most bytes arrive by ``recv_into`` (counted); they come back bit for
+    bit. A request pipelined behind the upload on the same connection (sent in the same write)
+    is answered after it, right: the raw reads never take a byte past the body."""
+    from gateway.server import rawbody
+
+    live = live_server
+    calls, direct = [0], [0]
+    readinto, updated = rawbody.RawBody.readinto, rawbody._Sink.buffer_updated
+
+    async def counted(self, view):
+        calls[0] += 1
+        await readinto(self, view)
+
+    def received(self, nbytes):
+        direct[0] += nbytes
+        updated(self, nbytes)
+
+    monkeypatch.setattr(rawbody.RawBody, "readinto", counted)
+    monkeypatch.setattr(rawbody._Sink, "buffer_updated", received)
+    u = urlsplit(live.base_url)
+    assert u.hostname is not None and u.port is not None
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        items = [(random_hash(), fake_envelope(n)) for n in (3 << 20, 100, 1 << 20)]
+        hashes = [h for h, _e in items]
+        body = frame(items)
+        assert (await put_batch(http, hdr, body)).status_code == 204
+        assert calls[0] == 5 and direct[0] > (3 << 20)  # the frame's head, its index, three envelopes
+        assert await fetch(http, hdr, hashes) == [(h, frames.OK, e) for h, e in items]
+        # pipelined: an upload and a lookup of what it stores, in one write on one connection
+        more = [(random_hash(), fake_envelope(2 << 20)) for _ in range(2)]
+        body = frame(more)
+        look = json.dumps({"hashes": [h for h, _e in more]}).encode()
+        rd, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(_request_head(live, "PUT", "/v1/chunks", hdr, len(body), BATCH) + body
+                + _request_head(live, "POST", "/v1/lookup", hdr, len(look), "application/json") + look)
+        await w.drain()
+        first = await asyncio.wait_for(rd.readuntil(b"\r\n\r\n"), 30)
+        assert first.startswith(b"HTTP/1.1 204"), first
+        second = await asyncio.wait_for(rd.readuntil(b"\r\n\r\n"), 30)
+        assert second.startswith(b"HTTP/1.1 200"), second
+        length = int(next(line.split(b":")[1] for line in second.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        assert json.loads(await rd.readexactly(length))["hit_chunks"] == 2
+        # a client that asks to be told to go on (Expect: 100-continue) is told, then sends
+        last = [(random_hash(), fake_envelope(1 << 20))]
+        body = frame(last)
+        head = _request_head(live, "PUT", "/v1/chunks", {**hdr, "Expect": "100-continue"}, len(body), BATCH)
+        w.write(head)
+        await w.drain()
+        go_on = await asyncio.wait_for(rd.readuntil(b"\r\n\r\n"), 10)
+        assert go_on.startswith(b"HTTP/1.1 100"), go_on
+        w.write(body)
+        await w.drain()
+        done = await asyncio.wait_for(rd.readuntil(b"\r\n\r\n"), 30)
+        assert done.startswith(b"HTTP/1.1 204"), done
+        w.close()
+        stored_now = more + last
+        assert await fetch(http, hdr, [h for h, _e in stored_now]) == [(h, frames.OK, e) for h, e in stored_now]
