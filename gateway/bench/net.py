@@ -31,6 +31,7 @@ import httpx
 
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 from gateway import frames, wire
+from gateway.bench.common import percentiles_ms
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
@@ -310,10 +311,6 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                 r = await http.post("/v1/lookup", content=body, headers={**capability, "Content-Type": "application/json"})
                 assert r.status_code == 200 and r.json()["hit_chunks"] == 128, r.text
 
-            def percentiles(lat: list[float]) -> dict[str, float]:
-                lat.sort()
-                return {"p50": round(lat[len(lat) // 2] * 1e3, 3), "p99": round(lat[int(len(lat) * 0.99)] * 1e3, 3)}
-
             async def via_wire() -> None:
                 await pool.run(lookup)
 
@@ -326,7 +323,7 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
                     t0 = time.perf_counter()
                     await call()
                     lat.append(time.perf_counter() - t0)
-                out[name] = percentiles(lat)
+                out[name] = percentiles_ms(lat)
     finally:
         pool.close()
         proc.terminate()

@@ -164,6 +164,8 @@ def offer_raw_body(protocol: Any, timeout_s: float) -> None:
     scope = getattr(cycle, "scope", None)
     if cycle is None or not isinstance(protocol, H11Protocol) or not isinstance(scope, dict):
         return
+    if EXTENSION in scope.get("extensions", ()):  # offered already (this is called per data_received)
+        return
     if scope.get("method") != "PUT" or scope.get("path") != "/v1/chunks" or cycle.response_started:
         return
     transport = getattr(protocol, "transport", None)

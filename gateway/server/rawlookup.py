@@ -33,6 +33,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from gateway.server import problems
+from gateway.server.data import LookupRequest, answer_lookup
 from gateway.server.deps import ServerState, authorize_action
 from tenancy.capabilities import read_unverified
 from tenancy.errors import CapabilityDenied, PermissionDenied
@@ -71,8 +72,6 @@ def _parse(body: bytes, content_type: str | None) -> Any:
     """The body as FastAPI hands it to a route's model: no body is a missing field; a JSON one
     is parsed with ``json`` (a decode error names its position); any other is the bytes as they
     are (which the model refuses)."""
-    from gateway.server.data import LookupRequest
-
     if not body:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     value: Any = body
@@ -93,8 +92,6 @@ def _parse(body: bytes, content_type: str | None) -> Any:
 
 async def serve(state: ServerState, principal: Principal, scope: dict[str, Any], receive: Any, send: Any) -> None:
     """Answer one ``POST /v1/lookup`` (see the module docstring)."""
-    from gateway.server.data import answer_lookup
-
     scope["route"] = _ROUTE
     request = Request(scope, receive, send)
     try:
