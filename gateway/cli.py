@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -177,6 +178,9 @@ def bench(
 def serve(
     host: Annotated[Optional[str], typer.Option(help="bind address (default from settings: 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option(help="port (default from settings: 8420)")] = None,
+    uds: Annotated[
+        Optional[Path], typer.Option(help="also serve on this Unix socket, for workers on this host (default from settings: none)")
+    ] = None,
 ) -> None:
     """Run the REST server under uvicorn (graceful shutdown drains requests and flushes the audit queue)."""
     import uvicorn
@@ -203,13 +207,41 @@ def serve(
     # uvicorn re-raises SIGTERM after its graceful shutdown; exit normally instead, so the
     # finally below runs (and the published URL of this server is withdrawn)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uds_path = uds or settings.uds
     try:
-        uvicorn.run(
-            create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
-            **uvicorn_options(settings),
-        )
+        if uds_path is None:
+            uvicorn.run(
+                create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
+                **uvicorn_options(settings),
+            )
+        else:
+            _serve_with_uds(create_app(settings), h, p, uds_path, settings.uds_mode, uvicorn_options(settings))
     finally:
         unpublish_server(settings)
+
+
+def _serve_with_uds(app: Any, host: str, port: int, path: Path, mode: int, options: dict[str, Any]) -> None:
+    """uvicorn on host:port and on the Unix socket ``path`` at once (one server, two listeners)."""
+    import uvicorn
+
+    from gateway.clierrors import CliError
+    from gateway.errors import InvalidRequest
+    from gateway.server.listen import remove_listener, unix_listener
+
+    try:
+        listener = unix_listener(path, mode)
+    except InvalidRequest as exc:
+        raise CliError(f"--uds: {exc}") from None
+    try:
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30, **options)
+        tcp = config.bind_socket()
+        try:
+            logging.getLogger("kvgate").info("also serving on the Unix socket %s", path)
+            uvicorn.Server(config).run(sockets=[tcp, listener])
+        finally:
+            tcp.close()
+    finally:
+        remove_listener(listener, path)
 
 
 @app.command()

@@ -128,6 +128,11 @@ class Settings(BaseSettings):
     # server
     host: str = "127.0.0.1"
     port: int = 8420
+    # a Unix socket served beside host:port, for workers on the same host (remote mode's
+    # ``remote_uds``): same API, same authentication; about 1.7x the loopback TCP data plane
+    # here. Created with ``uds_mode`` (connecting needs write permission on it), removed on exit.
+    uds: Path | None = None
+    uds_mode: int = Field(default=0o660, ge=0, le=0o777)
     max_chunk_bytes: int = 64 << 20
     # the batched data plane (issue 18): the most bytes and items one PUT /v1/chunks frame carries
     max_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)

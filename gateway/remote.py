@@ -66,7 +66,7 @@ from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from gateway.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 
-__all__ = ["RemoteGateway", "RemoteUnavailable"]
+__all__ = ["RemoteGateway", "RemoteUnavailable", "http_client"]
 
 _MARGIN_S = 15.0  # renew a capability this long before it expires
 _KEYS_PER_CALL = 4096  # the server's bound per key request
@@ -87,6 +87,15 @@ class _Cap:
     expires_at: float
 
 
+def http_client(timeout_s: float, *, ssl_context: ssl.SSLContext | None = None, uds: str | None = None) -> httpx.AsyncClient:
+    """The httpx client of a worker's control calls (capabilities, keys, admin); ``uds``: through
+    the server's Unix socket at that path."""
+    verify: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
+    limits = httpx.Limits(max_connections=_CONNECTIONS, max_keepalive_connections=_CONNECTIONS)
+    transport = httpx.AsyncHTTPTransport(uds=uds, verify=verify, limits=limits) if uds else None
+    return httpx.AsyncClient(timeout=timeout_s, limits=limits, verify=verify, transport=transport)
+
+
 class RemoteGateway:
     """A worker's client of a kvgate server. ``http`` may be shared (then it is not closed here)."""
 
@@ -105,7 +114,12 @@ class RemoteGateway:
         device_cipher: str = "auto",
         device_aes: str = "auto",
         ssl_context: ssl.SSLContext | None = None,
+        uds: str | None = None,
     ) -> None:
+        """``uds``: reach the server through its Unix socket at that path (a server on this host,
+        ``kvgate serve --uds``), every call: the control calls over httpx and the data plane
+        alike; ``base_url`` still names it. A shared ``http`` client must already be one that
+        goes there (``RemoteBackend`` builds it so)."""
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
         self.base_url = base_url.rstrip("/")
@@ -115,19 +129,17 @@ class RemoteGateway:
         self.capability_ttl = capability_ttl
         self._bearer = bearer_token
         self._own_http = http is None
-        self._http = http or httpx.AsyncClient(
-            timeout=30.0, limits=httpx.Limits(max_connections=_CONNECTIONS, max_keepalive_connections=_CONNECTIONS),
-            verify=ssl_context if ssl_context is not None else True,
-        )
+        self._http = http or http_client(30.0, ssl_context=ssl_context, uds=uds)
         # the data plane's own client (gateway.wire says why): the same timeout as the httpx client
         timeout_s = self._http.timeout.read or 30.0
         if self._own_http:
-            self._wire = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context)
+            self._wire = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
         else:
             pools = _SHARED_POOLS.setdefault(self._http, {})
-            if self.base_url not in pools:
-                pools[self.base_url] = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context)
-            self._wire = pools[self.base_url]
+            where = f"{self.base_url} {uds or ''}"
+            if where not in pools:
+                pools[where] = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
+            self._wire = pools[where]
         self._plane = DataPlane(
             DataPath(ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes),
             chunk_tokens, Counter(),

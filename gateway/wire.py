@@ -51,7 +51,10 @@ import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
 
-__all__ = ["Exchange", "ReceiveBuffers", "RemoteUnavailable", "TornResponse", "WirePool", "receive_buffers"]
+__all__ = [
+    "SOCKET_BUFFER_BYTES", "Exchange", "ReceiveBuffers", "RemoteUnavailable", "TornResponse", "WirePool", "receive_buffers",
+    "tune_unix_socket",
+]
 
 _SMALL = 256 << 10  # the connection's own receive buffer: heads, chunk-size lines, small reads
 _DIRECT = 64 << 10  # a read of at least this much (with the buffer empty) goes straight into the caller's buffer
@@ -60,6 +63,21 @@ _MAX_HEADERS = 100
 _ERROR_BODY = 64 << 10  # the most of an error response's body kept (for the message)
 _SEND_SLICE = 8 << 20  # sendall's timeout bounds a whole call: a body goes out in slices of this size
 T = TypeVar("T")
+
+
+# a Unix stream socket's send and receive buffers (gateway.server.listen says why)
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune_unix_socket(sock: socket.socket | None) -> None:
+    """Large send and receive buffers on a Unix stream socket (nothing on any other socket)."""
+    if sock is None or sock.family != socket.AF_UNIX:
+        return
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+        except OSError:  # a kernel that refuses keeps its default: slower, still right
+            pass
 
 
 class RemoteUnavailable(GatewayError):
@@ -143,11 +161,15 @@ class _Conn:
 
 class WirePool:
     """Keep-alive connections to one server (``base_url``: ``http://`` or ``https://``), at most
-    ``connections`` at a time. Thread-safe; every method blocks."""
+    ``connections`` at a time. Thread-safe; every method blocks.
+
+    ``uds``: connect to the server's Unix socket at that path instead of the URL's host and port
+    (a server on the same host, ``kvgate serve --uds``; ``gateway.server.listen`` says why); the
+    URL still names the server (its ``Host`` header, and the name TLS checks where it is https)."""
 
     def __init__(
         self, base_url: str, *, timeout_s: float = 30.0, connections: int = 8, idle_s: float = 4.0,
-        ssl_context: ssl.SSLContext | None = None,
+        ssl_context: ssl.SSLContext | None = None, uds: str | None = None,
     ) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -163,6 +185,7 @@ class WirePool:
         self.authority = host if default_port else f"{host}:{self.port}"
         self.timeout_s = timeout_s
         self.idle_s = idle_s
+        self.uds = uds
         self._ssl = (ssl_context or ssl.create_default_context()) if self.tls else None
         self._slots = threading.BoundedSemaphore(connections)
         self._idle: list[_Conn] = []
@@ -188,17 +211,31 @@ class WirePool:
 
     def _connect(self) -> _Conn:
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
+            sock = self._unix_socket() if self.uds is not None else socket.create_connection((self.host, self.port), timeout=self.timeout_s)
         except OSError as exc:
-            raise RemoteUnavailable(f"connecting to {self.authority}: {type(exc).__name__}") from None
+            where = self.authority if self.uds is None else f"{self.authority} at {self.uds}"
+            raise RemoteUnavailable(f"connecting to {where}: {type(exc).__name__}") from None
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_hostname=self.host)
         except (OSError, ssl.SSLError) as exc:
             sock.close()
             raise RemoteUnavailable(f"TLS with {self.authority}: {type(exc).__name__}: {exc}") from None
         return _Conn(sock)
+
+    def _unix_socket(self) -> socket.socket:
+        assert self.uds is not None  # only called where there is one
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            tune_unix_socket(sock)
+            sock.settimeout(self.timeout_s)
+            sock.connect(self.uds)
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     def _take(self) -> _Conn:
         """A live idle connection, else a new one (the caller holds a slot)."""

@@ -42,6 +42,7 @@ from gateway.config import Settings
 from gateway.server import rawlookup
 from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
+from gateway.wire import tune_unix_socket
 
 __all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
 
@@ -199,6 +200,7 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H
             self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio types it BaseTransport; a server connection is a Transport
+            tune_unix_socket(transport.get_extra_info("socket"))  # the Unix socket's buffers (listen.py)
             super().connection_made(transport)
             self._arm()
 

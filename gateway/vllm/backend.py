@@ -205,19 +205,21 @@ class RemoteBackend:
     tenant, or ``kv.operator`` for a worker shared by tenants); the request's capability decides
     the tenant and namespace of every call."""
 
-    def __init__(self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256) -> None:
+    def __init__(
+        self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None
+    ) -> None:
         if not url or not token:
             raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")
-        self.url, self._token, self.chunk_tokens = url, token, chunk_tokens
+        self.url, self._token, self.chunk_tokens, self.uds = url, token, chunk_tokens, uds
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
         self._http: Any = None
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
-        import httpx
+        from gateway.remote import http_client
 
-        self._http = httpx.AsyncClient(timeout=self.loop.timeout_s)
+        self._http = http_client(self.loop.timeout_s, uds=self.uds)
 
     def _client(self, cap: str) -> Any:
         from gateway.remote import RemoteGateway
@@ -234,7 +236,7 @@ class RemoteBackend:
 
         client = _Fixed(
             self.url, self._token, http=self._http, namespace=read_unverified(cap).namespace,
-            chunk_tokens=self.chunk_tokens,
+            chunk_tokens=self.chunk_tokens, uds=self.uds,
         )
         self._clients[cap] = client
         while len(self._clients) > self._cache:
@@ -304,7 +306,9 @@ def close(backend: Backend) -> None:
 def _build(config: ConnectorConfig) -> Backend:
     if config.mode == "embedded":
         return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s)
-    return RemoteBackend(config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s)
+    return RemoteBackend(
+        config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds
+    )
 
 
 def backend_for(config: ConnectorConfig) -> Backend:

@@ -83,6 +83,9 @@ class ConnectorConfig(BaseModel):
     # validated when the embedded backend opens (``embedded_settings``)
     kvgate_settings: dict[str, Any] = Field(default_factory=dict)
     remote_url: str = ""
+    # the server's Unix socket, where it runs on this host (``kvgate serve --uds``): every call
+    # goes there; remote_url still names the server
+    remote_uds: str | None = None
     remote_token_file: str | None = None
     chunk_tokens: int = Field(256, gt=0)  # remote mode (embedded: kvgate_settings.chunk_tokens)
     model_name: str | None = None
@@ -106,7 +109,7 @@ class ConnectorConfig(BaseModel):
     def backend_key(self) -> tuple[Any, ...]:
         """What makes two connectors of a process share one backend."""
         settings = tuple(sorted((k, repr(v)) for k, v in self.kvgate_settings.items()))
-        return (self.mode, settings, self.remote_url, self.chunk_tokens)
+        return (self.mode, settings, self.remote_url, self.remote_uds, self.chunk_tokens)
 
     def remote_token(self, env: Mapping[str, str] | None = None) -> str:
         """The worker's service token: ``KVGATE_REMOTE_TOKEN``, else ``remote_token_file``."""

@@ -1,0 +1,225 @@
+"""Remote mode through the server's Unix socket (``kvgate serve --uds``, ``RemoteGateway(uds=)``).
+
+The server is the real CLI in its own process. The workers' base URL names a host nothing
+listens on, so every call of theirs that works went through the socket. Tenant isolation and
+authentication are checked there as an attacker on the same host would try them, each beside
+its positive control."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from gateway.errors import InvalidRequest
+from gateway.remote import RemoteGateway
+from gateway.server.listen import remove_listener, unix_listener
+from gateway.wire import SOCKET_BUFFER_BYTES, tune_unix_socket
+from tenancy.devissuer import DevIssuer
+from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
+from tests.support.services import free_port
+
+NOWHERE = "http://kvgate.invalid"  # no TCP connection can be made there: only the socket works
+NUM_BLOCKS = 32
+N = 16 * 3 + 5  # three full chunks of 16 tokens and a partial one
+BLOCKS = list(range(14))
+
+
+@dataclass
+class Served:
+    url: str
+    path: Path
+    proc: subprocess.Popen[bytes]
+    issuer: DevIssuer
+    log: Path
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(base_url=NOWHERE, transport=httpx.HTTPTransport(uds=str(self.path)), timeout=10.0)
+
+    def bearer(self, tenant: str, roles: list[str]) -> dict[str, str]:
+        return {"Authorization": "Bearer " + self.issuer.mint(tenant, roles)}
+
+
+def _serve(tmp_path: Path, path: Path, name: str = "serve") -> tuple[subprocess.Popen[bytes], str, Path]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True, mode=0o700)
+    env = {
+        **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url, "KVGATE_TIERS": '["memory"]',
+        "KVGATE_CHUNK_TOKENS": "16", "KVGATE_MEMORY_BYTES": str(256 << 20),
+    }
+    env.pop("KVGATE_DATABASE_URL", None)
+    log = tmp_path / f"{name}.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--uds", str(path)],
+            env=env, stdout=out, stderr=subprocess.STDOUT,
+        )
+    return proc, url, log
+
+
+def _wait_up(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=NOWHERE, transport=httpx.HTTPTransport(uds=str(path)), timeout=1.0) as http:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"kvgate serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            try:
+                if http.get("/healthz").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+    raise AssertionError(f"kvgate serve did not answer on {path}: {log.read_text()[-2000:]}")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    path = tmp_path / "kvgate.sock"
+    proc, url, log = _serve(tmp_path, path)
+    try:
+        _wait_up(path, proc, log)
+        yield Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
+    finally:
+        _stop(proc)
+
+
+def _tenant(s: Served, http: httpx.Client, name: str) -> str:
+    r = http.post("/v1/admin/tenants", json={"tenant": name}, headers=s.bearer("platform", ["kv.operator"]))
+    assert r.status_code == 201, r.text
+    return name
+
+
+def _worker(s: Served, tenant: str) -> RemoteGateway:
+    return RemoteGateway(NOWHERE, s.issuer.mint(tenant, ["kv.worker"]), chunk_tokens=16, uds=str(s.path))
+
+
+async def test_remote_mode_through_the_socket_keeps_tenants_apart(served: Served) -> None:
+    with served.http() as http:
+        a, b = _tenant(served, http, "acme"), _tenant(served, http, "globex")
+    g = small_geometry()
+    model = model_for(g)
+    src = random_cache(g, NUM_BLOCKS, seed=1)
+    tokens = list(range(500, 500 + N))
+    async with _worker(served, a) as wa, _worker(served, b) as wb:
+        stored = await wa.store(model, tokens, src, block_ids=BLOCKS)
+        assert (stored.chunks, stored.stored) == (4, 4)
+        # the positive control: the same tenant hits and loads every byte back
+        assert (await wa.lookup(model, tokens)).hit_tokens == N
+        dst = zero_cache(g, NUM_BLOCKS)
+        got = await wa.retrieve(model, tokens, dst, block_ids=BLOCKS)
+        assert got.loaded_tokens == N and got.integrity_failures == 0
+        assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        # the other tenant, on the same socket, with the same tokens: nothing
+        assert (await wb.lookup(model, tokens)).hit_tokens == 0
+        dst_b = zero_cache(g, NUM_BLOCKS)
+        assert (await wb.retrieve(model, tokens, dst_b, block_ids=BLOCKS)).loaded_tokens == 0
+        assert all(not t.any() for t in dst_b)
+        # the data plane (gateway.wire) went through the socket too, not only the control calls
+        assert any(r.startswith("PUT /v1/chunks") for r in wa._wire.requests)
+        assert any(r.startswith("POST /v1/chunks/fetch") for r in wa._wire.requests)
+
+
+def test_the_socket_asks_for_tokens_as_the_port_does(served: Served) -> None:
+    lookup = {"hashes": ["ab" * 32], "chunk_tokens": 16}
+    with served.http() as http:
+        tenant = _tenant(served, http, "acme")
+        user = served.bearer(tenant, ["kv.worker", "kv.admin"])
+        assert http.post("/v1/lookup", json=lookup).status_code == 401  # no token
+        forged = {"Authorization": user["Authorization"][:-3] + "AAA"}
+        assert http.post("/v1/lookup", json=lookup, headers=forged).status_code == 401
+        assert http.post("/v1/lookup", json=lookup, headers=user).status_code == 403  # no capability
+        assert http.post("/v1/admin/tenants", json={"tenant": "x"}, headers=user).status_code == 403
+        r = http.post("/v1/capabilities", json={"namespace": "default", "ops": ["lookup"]}, headers=user)
+        assert r.status_code == 201, r.text
+        ok = http.post("/v1/lookup", json=lookup, headers={**user, "X-KV-Capability": r.json()["capability"]})
+        assert ok.status_code == 200 and ok.json()["hit_chunks"] == 0  # the control: the same call, let in
+
+
+def test_socket_file_mode_and_removal_on_exit(served: Served) -> None:
+    st = served.path.lstat()
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    with httpx.Client(timeout=5.0) as tcp:  # the TCP port serves as before, beside the socket
+        assert tcp.get(served.url + "/healthz").status_code == 200
+    assert _stop(served.proc) == 0
+    assert not served.path.exists()
+
+
+def test_a_second_server_on_a_live_socket_is_refused(served: Served, tmp_path: Path) -> None:
+    proc, _url, log = _serve(tmp_path, served.path, name="second")
+    assert proc.wait(60) != 0
+    assert "another server listens on" in log.read_text()
+    _wait_up(served.path, served.proc, served.log)  # the first one still answers there
+
+
+def test_listener_replaces_only_a_stale_socket(tmp_path: Path) -> None:
+    path = tmp_path / "s.sock"
+    # a regular file is not replaced
+    path.write_text("keep me")
+    with pytest.raises(InvalidRequest, match="not a socket"):
+        unix_listener(path)
+    assert path.read_text() == "keep me"
+    path.unlink()
+    # a socket nobody accepts on any more (a server that died) is replaced
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(path))
+    dead.close()
+    live = unix_listener(path, 0o600)
+    try:
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o600
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))
+        # one that is accepting is refused, and left to its server
+        with pytest.raises(InvalidRequest, match="another server"):
+            unix_listener(path)
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))
+    finally:
+        remove_listener(live, path)
+    assert not path.exists()
+    with pytest.raises(InvalidRequest, match="longer than"):
+        unix_listener(tmp_path / ("x" * 120))
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        unix_listener(tmp_path / "no" / "s.sock")
+
+
+def test_unix_sockets_get_large_buffers_and_tcp_is_untouched() -> None:
+    cap = min(int(Path(f"/proc/sys/net/core/{k}_max").read_text()) for k in ("wmem", "rmem"))
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        before = tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        tune_unix_socket(a)
+        tune_unix_socket(tcp)
+        tune_unix_socket(None)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            # Linux reports twice what was set (its bookkeeping), capped by *mem_max
+            assert a.getsockopt(socket.SOL_SOCKET, opt) >= min(SOCKET_BUFFER_BYTES, cap)
+        assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before
+    finally:
+        a.close()
+        b.close()
+        tcp.close()
