@@ -53,7 +53,7 @@ class Config:
     context: int = 2048
     questions: int = 4
     question_tokens: int = 64
-    systems: list[str] = field(default_factory=lambda: ["none", "kvgate-embedded", "kvgate-remote", "example", "lmcache"])
+    systems: list[str] = field(default_factory=lambda: ["none", "kvgate-embedded", "kvgate-remote", "kvgate-remote-uds", "example", "lmcache"])
     chunk_tokens: int = 256
     block_size: int = 32
     dtype: str = "float32"

@@ -8,6 +8,8 @@
   port, a temporary state directory, memory tier): an operator token from ``kvgate token mint``,
   tenants from ``POST /v1/admin/tenants`` and capabilities from ``POST /v1/capabilities`` with it,
   the worker holding that operator token in ``KVGATE_REMOTE_TOKEN``.
+- ``kvgate-remote-uds``: the same, with the server also on a Unix socket (``kvgate serve --uds``)
+  and the connector going there (``remote_uds``): a kvgate server on the workers' host.
 - ``example``: vLLM's in-tree ExampleConnector (plaintext safetensors files per request and layer
   in a directory), tenants told apart only by ``cache_salt``, which it does not read.
 - ``lmcache``: LMCache's vLLM connector (``LMCacheConnectorV1``, its in-process adapter, CPU tier
@@ -44,6 +46,7 @@ __all__ = ["LABELS", "NotRun", "System", "open_system", "stop_process"]
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "none": "no connector", "kvgate-embedded": "kvgate embedded", "kvgate-remote": "kvgate remote",
+    "kvgate-remote-uds": "kvgate remote (Unix socket)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
 }
 OPS = ["lookup", "get", "put"]
@@ -165,10 +168,13 @@ def _kvgate(args: list[str], env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
-def _remote(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
+def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False) -> System:
+    """``uds``: the server also listens on a Unix socket and the connector goes there (a kvgate
+    server on the workers' host), else over loopback TCP."""
     import httpx
 
     port = free_port()
+    sock = work / "kvgate.sock" if uds else None
     env = {
         **os.environ, "PYTHONPATH": str(ROOT), "KVGATE_STATE_DIR": str(work / "state"), "KVGATE_TIERS": '["memory"]',
         "KVGATE_MEMORY_BYTES": str(cfg["memory_bytes"]), "KVGATE_CHUNK_TOKENS": str(cfg["chunk_tokens"]),
@@ -176,10 +182,10 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
     }
     with open(work / "serve.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env, cwd=ROOT,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            [sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", str(sock)] if sock else [])],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    system = System("kvgate-remote", None, procs=[proc])
+    system = System("kvgate-remote-uds" if uds else "kvgate-remote", None, procs=[proc])
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -206,7 +212,7 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
                 system.caps[t] = r.json()["capability"]
         trace = work / "trace.jsonl"
         extra = {"mode": "remote", "remote_url": url, "chunk_tokens": cfg["chunk_tokens"], "trace_path": str(trace),
-                 "model_name": "bench-llama"}
+                 "model_name": "bench-llama", **({"remote_uds": str(sock)} if sock else {})}
         system.ktc, system.trace, system.env = _connector(extra), trace, {"KVGATE_REMOTE_TOKEN": operator}
         return system
     except BaseException:
@@ -264,6 +270,8 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _embedded(work, tenants, cfg)
     if key == "kvgate-remote":
         return _remote(work, tenants, cfg)
+    if key == "kvgate-remote-uds":
+        return _remote(work, tenants, cfg, uds=True)
     if key == "example":
         return _example(work, tenants)
     if key == "lmcache":
