@@ -18,10 +18,12 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,10 +39,16 @@ __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
 _SINK = r"""
 import socket, sys
-size = int(sys.argv[1]); mode = sys.argv[2]
-srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", 0)); srv.listen(1); print(srv.getsockname()[1], flush=True)
+size = int(sys.argv[1]); mode = sys.argv[2]; path = sys.argv[3] if len(sys.argv) > 3 else ""
+if path:  # a Unix socket, with the buffers kvgate's own ends ask for (gateway.wire.tune_unix_socket)
+    srv = socket.socket(socket.AF_UNIX); srv.bind(path); srv.listen(1); print(path, flush=True)
+else:
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0)); srv.listen(1); print(srv.getsockname()[1], flush=True)
 conn, _ = srv.accept(); buf = bytearray(size); view = memoryview(buf)
+if path:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        conn.setsockopt(socket.SOL_SOCKET, opt, int(sys.argv[4]))
 while True:
     if mode == "recv":
         got = 0
@@ -70,15 +78,23 @@ def _median_gbps(fn: Callable[[], object], nbytes: int, reps: int) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def socket_ceiling(size: int, count: int, reps: int) -> tuple[float, float]:
-    """GB/s sending ``count`` bodies of ``size`` bytes to another process, and receiving them."""
+def socket_ceiling(size: int, count: int, reps: int, uds: bool = False) -> tuple[float, float]:
+    """GB/s sending ``count`` bodies of ``size`` bytes to another process, and receiving them
+    (``uds``: over a Unix socket, else loopback TCP)."""
     out = []
     for mode in ("recv", "send"):
-        proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode], stdout=subprocess.PIPE, text=True)
+        tmp = tempfile.mkdtemp(prefix="kvgate-sink-") if uds else ""
+        args = [os.path.join(tmp, "s.sock"), str(wire.SOCKET_BUFFER_BYTES)] if uds else []
+        proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode, *args], stdout=subprocess.PIPE, text=True)
         try:
             assert proc.stdout is not None  # stdout=PIPE
-            port = int(proc.stdout.readline())
-            sock = socket.create_connection(("127.0.0.1", port))
+            where = proc.stdout.readline().strip()
+            if uds:
+                sock = socket.socket(socket.AF_UNIX)
+                wire.tune_unix_socket(sock)
+                sock.connect(where)
+            else:
+                sock = socket.create_connection(("127.0.0.1", int(where)))
             payload = memoryview(os.urandom(size))
             buf = memoryview(bytearray(size))
 
@@ -99,6 +115,8 @@ def socket_ceiling(size: int, count: int, reps: int) -> tuple[float, float]:
         finally:
             proc.terminate()
             proc.wait(5)
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
     return out[0], out[1]
 
 
@@ -163,17 +181,20 @@ def _free_port() -> int:
         return port
 
 
-async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], reps: int) -> dict[str, Any]:
+async def rest_figures(
+    base: Path, sizes: list[int], counts: dict[int, int], reps: int, uds: bool = False
+) -> dict[str, Any]:
     """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
     batched (``put``, ``get``; ``get_keyed``: the fetch with each envelope's opening key, as a
     remote worker loads) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
     the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
     latency for 128 chained hashes: ``lookup_ms`` as a remote worker asks (the data plane's own
-    client, ``gateway.wire``), ``lookup_ms_httpx`` through a general-purpose client."""
+    client, ``gateway.wire``), ``lookup_ms_httpx`` through a general-purpose client. ``uds``: the
+    server also listens on a Unix socket and every call goes there (``kvgate serve --uds``)."""
     from gateway import dbschema
     from tenancy.devissuer import DevIssuer
 
-    state = base / "rest"
+    state = base / ("rest-uds" if uds else "rest")
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -185,12 +206,14 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
     }
     env.pop("KVGATE_DATABASE_URL", None)
     await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
-    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sock = str(state / "kvgate.sock") if uds else None
+    proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", sock] if sock else [])],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict[str, Any] = {"put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
-    pool = wire.WirePool(url, timeout_s=120.0, connections=2)
+    pool = wire.WirePool(url, timeout_s=120.0, connections=2, uds=sock)
     try:
-        async with httpx.AsyncClient(base_url=url, timeout=120.0) as http:
+        transport = httpx.AsyncHTTPTransport(uds=sock) if sock else None
+        async with httpx.AsyncClient(base_url=url, timeout=120.0, transport=transport) as http:
             for _ in range(150):
                 try:
                     if (await http.get("/healthz")).status_code == 200:
@@ -335,38 +358,41 @@ async def rest_figures(base: Path, sizes: list[int], counts: dict[int, int], rep
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Only the REST rows of ``kvgate bench`` (and the socket ceiling of the same run), as
-    ratios: ``python -m gateway.bench.net --sizes-mib 2 32 --reps 5``."""
+    """Only the REST rows of ``kvgate bench`` (and the socket ceiling of the same run, of the same
+    transport), as ratios: ``python -m gateway.bench.net --sizes-mib 2 32 --reps 5``; loopback
+    TCP and the server's Unix socket (``--transports tcp uds``)."""
     import argparse
-    import shutil
-    import tempfile
 
     p = argparse.ArgumentParser(prog="python -m gateway.bench.net", description=main.__doc__)
     p.add_argument("--sizes-mib", type=int, nargs="+", default=[2, 32])
     p.add_argument("--total-mib", type=int, default=64, help="bytes per measured transfer (kvgate bench: 64)")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--transports", nargs="+", choices=["tcp", "uds"], default=["tcp", "uds"])
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     sizes = [m << 20 for m in args.sizes_mib]
     counts = {b: max(2, (args.total_mib << 20) // b) for b in sizes}
-    base = Path(tempfile.mkdtemp(prefix="kvgate-bench-net-"))
-    try:
-        rest = asyncio.run(rest_figures(base, sizes, counts, args.reps))
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    rows = []
-    for b in sizes:
-        send, recv = socket_ceiling(rest["bytes"][b], counts[b], args.reps)
-        for name, sock in (("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv)):
-            gbps = rest[name][b]
-            rows.append({"op": name, "mib": b >> 20, "count": counts[b], "gbps": round(gbps, 3), "socket_gbps": round(sock, 3),
-                         "ratio": round(gbps / sock, 3), "cpu_s_per_gb": rest["cpu_s_per_gb"][name][b]})
-            print(f"{name:14s} {b >> 20:3d} MiB x{counts[b]:<3d} {gbps:7.3f} GB/s  socket {sock:7.3f}  ratio {gbps / sock:5.2f}"
-                  f"  cpu/GB client {rest['cpu_s_per_gb'][name][b]['client']:.3f} server {rest['cpu_s_per_gb'][name][b]['server']:.3f}")
-    print(f"lookup 32K tokens: {rest['lookup_ms']} (httpx: {rest['lookup_ms_httpx']})")
+    rows: list[dict[str, Any]] = []
+    lookups: dict[str, Any] = {}
+    for transport in args.transports:
+        uds = transport == "uds"
+        base = Path(tempfile.mkdtemp(prefix="kvgate-bench-net-"))
+        try:
+            rest = asyncio.run(rest_figures(base, sizes, counts, args.reps, uds=uds))
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        for b in sizes:
+            send, recv = socket_ceiling(rest["bytes"][b], counts[b], args.reps, uds=uds)
+            for name, sock in (("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv)):
+                gbps, cpu = rest[name][b], rest["cpu_s_per_gb"][name][b]
+                rows.append({"transport": transport, "op": name, "mib": b >> 20, "count": counts[b], "gbps": round(gbps, 3),
+                             "socket_gbps": round(sock, 3), "ratio": round(gbps / sock, 3), "cpu_s_per_gb": cpu})
+                print(f"{transport} {name:14s} {b >> 20:3d} MiB x{counts[b]:<3d} {gbps:7.3f} GB/s  socket {sock:7.3f}  "
+                      f"ratio {gbps / sock:5.2f}  cpu/GB client {cpu['client']:.3f} server {cpu['server']:.3f}")
+        lookups[transport] = {"lookup_ms": rest["lookup_ms"], "lookup_ms_httpx": rest["lookup_ms_httpx"]}
+        print(f"{transport} lookup 32K tokens: {rest['lookup_ms']} (httpx: {rest['lookup_ms_httpx']})")
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "lookup_ms": rest["lookup_ms"],
-                                         "lookup_ms_httpx": rest["lookup_ms_httpx"]}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "lookups": lookups}, indent=1))
 
 
 if __name__ == "__main__":

@@ -214,20 +214,27 @@ async def run_bench(
                 progress.update(task, description="REST data plane")
                 byte_sizes = [GEOMETRY.chunk_nbytes(c) for c in sizes]
                 counts = {b: max(2, (target_bytes // 4) // b) for b in byte_sizes}
-                rest = await bench_net.rest_figures(base, byte_sizes, counts, reps)
-                latency["lookup_32k_tokens_rest_ms"] = rest["lookup_ms"]  # as a remote worker asks
-                latency["lookup_32k_tokens_rest_httpx_ms"] = rest["lookup_ms_httpx"]
-                for b in byte_sizes:
-                    send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps)
-                    rows = [("rest", "store", "put", send), ("rest", "load", "get", recv),  # batched
-                            ("rest_keyed", "load", "get_keyed", recv),  # the worker's load: keys in the stream
-                            ("rest_per_chunk", "store", "put_per_chunk", send), ("rest_per_chunk", "load", "get_per_chunk", recv)]
-                    for tier, op, name, sock in rows:
-                        results.append({
-                            "op": op, "tier": tier, "encrypted": True, "chunk_bytes": b, "threads": 1,
-                            "gbps": round(rest[name][b], 3), "ceiling": {"name": "socket", "gbps": round(sock, 3)},
-                            "cpu_s_per_gb": rest["cpu_s_per_gb"][name][b],
-                        })
+                # loopback TCP, then the server's Unix socket (a server on the workers' host),
+                # each against a raw socket of its own transport
+                for uds in (False, True):
+                    rest = await bench_net.rest_figures(base, byte_sizes, counts, reps, uds=uds)
+                    sfx = "_uds" if uds else ""
+                    latency[f"lookup_32k_tokens_rest{sfx}_ms"] = rest["lookup_ms"]  # as a remote worker asks
+                    if not uds:
+                        latency["lookup_32k_tokens_rest_httpx_ms"] = rest["lookup_ms_httpx"]
+                    for b in byte_sizes:
+                        send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps, uds=uds)
+                        rows = [("rest", "store", "put", send), ("rest", "load", "get", recv),  # batched
+                                ("rest_keyed", "load", "get_keyed", recv)]  # the worker's load: keys in the stream
+                        if not uds:
+                            rows += [("rest_per_chunk", "store", "put_per_chunk", send),
+                                     ("rest_per_chunk", "load", "get_per_chunk", recv)]
+                        for tier, op, name, sock in rows:
+                            results.append({
+                                "op": op, "tier": tier + sfx, "encrypted": True, "chunk_bytes": b, "threads": 1,
+                                "gbps": round(rest[name][b], 3), "ceiling": {"name": "socket" + sfx, "gbps": round(sock, 3)},
+                                "cpu_s_per_gb": rest["cpu_s_per_gb"][name][b],
+                            })
     finally:
         shutil.rmtree(base, ignore_errors=True)
     # issue 9: tenants, lookups per tier, LMCache side by side, workloads, the timing attack
@@ -235,6 +242,8 @@ async def run_bench(
     latency["lookup_ms_by_tier"] = suite.pop("lookup_ms_by_tier")
     if "lookup_32k_tokens_rest_ms" in latency:
         latency["lookup_ms_by_tier"]["rest"] = latency["lookup_32k_tokens_rest_ms"]
+    if "lookup_32k_tokens_rest_uds_ms" in latency:
+        latency["lookup_ms_by_tier"]["rest_uds"] = latency["lookup_32k_tokens_rest_uds_ms"]
     out = {
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
                     "torch": torch.__version__},
