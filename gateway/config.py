@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     chunk_tokens: int = 256
     segment_bytes: int = 2 << 20
     cpu_threads: int = 2
+    # the nice value of the threads that seal stores (Linux; gateway.datapath.path says why): > 0
+    # lets a process's other work (an engine's forward steps) go first while stores are in flight
+    store_nice: int = Field(default=0, ge=0, le=19)
     # auto: KV on a GPU is encrypted there (only ciphertext reaches the host); host: the explicit
     # switch that lets plaintext KV cross to the host to be encrypted there (logged at start)
     device_cipher: Literal["auto", "host"] = "auto"

@@ -115,11 +115,13 @@ class RemoteGateway:
         device_aes: str = "auto",
         ssl_context: ssl.SSLContext | None = None,
         uds: str | None = None,
+        store_nice: int = 0,
     ) -> None:
         """``uds``: reach the server through its Unix socket at that path (a server on this host,
         ``kvgate serve --uds``), every call: the control calls over httpx and the data plane
         alike; ``base_url`` still names it. A shared ``http`` client must already be one that
-        goes there (``RemoteBackend`` builds it so)."""
+        goes there (``RemoteBackend`` builds it so). ``store_nice``: the nice value of the threads
+        that seal stores (``gateway.datapath.path``)."""
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
         self.base_url = base_url.rstrip("/")
@@ -141,7 +143,10 @@ class RemoteGateway:
                 pools[where] = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
             self._wire = pools[where]
         self._plane = DataPlane(
-            DataPath(ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes),
+            DataPath(
+                ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes,
+                store_nice=store_nice,
+            ),
             chunk_tokens, Counter(),
         )
         self._cap: _Cap | None = None

@@ -56,7 +56,7 @@ def make_datapath(settings: Settings) -> DataPath:
 
     return DataPath(
         ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads,
-        device_cipher=settings.device_cipher, device_aes=settings.device_aes,
+        device_cipher=settings.device_cipher, device_aes=settings.device_aes, store_nice=settings.store_nice,
     )
 
 

@@ -171,7 +171,7 @@ class DataPlane:
                     job.out = slot.view
             try:
                 async with gate:
-                    envelopes = await self.datapath.run(self.datapath.seal_batch, kv, [jobs[k] for k in batch])
+                    envelopes = await self.datapath.run(self.datapath.seal_batch, kv, [jobs[k] for k in batch], store=True)
             except BaseException:
                 for slot in reserved.values():
                     session.abort(slot)

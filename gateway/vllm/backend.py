@@ -149,11 +149,13 @@ class Backend(Protocol):
 
 
 class EmbeddedBackend:
-    def __init__(self, settings: dict[str, Any], timeout_s: float = 30.0) -> None:
+    def __init__(self, settings: dict[str, Any], timeout_s: float = 30.0, store_nice: int = 0) -> None:
+        """``store_nice``: the connector's (``ConnectorConfig.store_nice``), unless ``settings``
+        names one."""
         from gateway.config import Settings
 
         try:
-            self.settings: Settings = Settings(**settings)
+            self.settings: Settings = Settings(**{"store_nice": store_nice, **settings})
         except ValidationError as exc:  # every bad field named
             raise ConnectorConfigError(explain_validation(exc, "kvgate_settings")) from None
         self.chunk_tokens = self.settings.chunk_tokens
@@ -206,11 +208,13 @@ class RemoteBackend:
     the tenant and namespace of every call."""
 
     def __init__(
-        self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None
+        self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None,
+        store_nice: int = 0,
     ) -> None:
         if not url or not token:
             raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")
         self.url, self._token, self.chunk_tokens, self.uds = url, token, chunk_tokens, uds
+        self.store_nice = store_nice
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
         self._http: Any = None
@@ -236,7 +240,7 @@ class RemoteBackend:
 
         client = _Fixed(
             self.url, self._token, http=self._http, namespace=read_unverified(cap).namespace,
-            chunk_tokens=self.chunk_tokens, uds=self.uds,
+            chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice,
         )
         self._clients[cap] = client
         while len(self._clients) > self._cache:
@@ -305,9 +309,10 @@ def close(backend: Backend) -> None:
 
 def _build(config: ConnectorConfig) -> Backend:
     if config.mode == "embedded":
-        return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s)
+        return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s, config.store_nice)
     return RemoteBackend(
-        config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds
+        config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds,
+        store_nice=config.store_nice,
     )
 
 

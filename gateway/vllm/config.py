@@ -93,6 +93,9 @@ class ConnectorConfig(BaseModel):
     timeout_s: float = Field(30.0, gt=0)
     # stores sealing and putting in the background, per worker: past it a new store is dropped
     store_in_flight_bytes: int = Field(1 << 30, gt=0)
+    # the nice value of the threads that seal stores (Linux), so that decoding goes first while a
+    # store is in flight (gateway.datapath.path); 0: stores at the engine's own priority
+    store_nice: int = Field(10, ge=0, le=19)
     trace_path: str | None = None
 
     @classmethod
@@ -109,7 +112,7 @@ class ConnectorConfig(BaseModel):
     def backend_key(self) -> tuple[Any, ...]:
         """What makes two connectors of a process share one backend."""
         settings = tuple(sorted((k, repr(v)) for k, v in self.kvgate_settings.items()))
-        return (self.mode, settings, self.remote_url, self.remote_uds, self.chunk_tokens)
+        return (self.mode, settings, self.remote_url, self.remote_uds, self.chunk_tokens, self.store_nice)
 
     def remote_token(self, env: Mapping[str, str] | None = None) -> str:
         """The worker's service token: ``KVGATE_REMOTE_TOKEN``, else ``remote_token_file``."""
