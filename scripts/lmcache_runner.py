@@ -21,6 +21,19 @@ Path measured (label ``lmcache-mp-storage-manager``): LMCache 0.5.x's multiproce
   cache: that is what LMCache's fs path does on this machine, not disk speed.
 - ``redis``: L2 adapter ``resp`` (its native RESP client), plaintext, and with ``aesgcm``.
 
+Remote path (label ``lmcache-server/lm``, tier ``rest``: beside kvgate's REST data plane): LMCache's
+own cache server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``, its ``lmcache_server``) in a
+process of its own, and the exchange its remote connector makes with it (``LMCServerConnector``,
+``lm://``, ``storage_backend/connector/lm_connector.py``), built from LMCache's own protocol classes
+(``ClientMetaMessage`` / ``ServerMetaMessage``, ``CacheEngineKey``) on one TCP connection: a put
+is the meta message then the bytes (``sendall``), a get the meta message, the reply's meta, then
+``recv_into`` a preallocated buffer of the chunk's size, as the connector receives into its memory
+object. The connector itself is not instantiated: it needs a whole ``LocalCPUBackend`` and engine
+configuration around it, for nothing these calls do. A put is not acknowledged in that protocol,
+so the store time runs until an ``EXIST`` of the last key has been answered (the server handles a
+connection's commands in order). Plaintext only: the ``aesgcm`` serde belongs to the L2 adapters of
+the storage manager, not to this connector.
+
 Bytes are random (incompressible) fp16 tensors of the chunk size, as many distinct sources and
 destinations as there are chunks (the same bytes kvgate's figures stream, never one buffer that
 stays hot in the CPU cache); median of ``reps``.
@@ -129,6 +142,96 @@ def measure(tier: str, adapter: dict | None, chunk_bytes: int, n: int, reps: int
         sm.close()
 
 
+SERVER_PATH = "lmcache-server/lm"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def measure_server(chunk_bytes: int, n: int, reps: int) -> tuple[float, float]:
+    """(store GB/s, load GB/s) through LMCache's cache server (the module says how)."""
+    import socket
+    import subprocess
+
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-I", "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"lmcache server did not start (exit {proc.poll()})") from None
+                time.sleep(0.2)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        elems = chunk_bytes // 2
+        shape = torch.Size([elems])
+        src = [torch.randn(elems).half() for _ in range(n)]
+        dst = [torch.empty(elems, dtype=torch.float16) for _ in range(n)]
+        reply_len = ServerMetaMessage.packlength()
+
+        def recv_exact(view: memoryview) -> None:
+            got = 0
+            while got < view.nbytes:
+                k = sock.recv_into(view[got:], view.nbytes - got)
+                if not k:
+                    raise RuntimeError("lmcache server closed the connection")
+                got += k
+
+        def reply() -> ServerMetaMessage:
+            buf = bytearray(reply_len)
+            recv_exact(memoryview(buf))
+            return ServerMetaMessage.deserialize(bytes(buf))
+
+        def meta(command, key, length: int = 0, shp=torch.Size([0, 0, 0, 0])) -> bytes:
+            return ClientMetaMessage(command, key, length, MemoryFormat(1), torch.float16, shp).serialize()
+
+        store_t, load_t = [], []
+        for rep in range(reps + 1):  # the first is a warm-up
+            keys = [CacheEngineKey("bench", 1, 0, rep * 1_000_000 + i, torch.float16) for i in range(n)]
+            t0 = time.perf_counter()
+            for i, k in enumerate(keys):
+                sock.sendall(meta(ClientCommand.PUT, k, chunk_bytes, shape))
+                sock.sendall(src[i].view(torch.uint8).numpy().data)
+            sock.sendall(meta(ClientCommand.EXIST, keys[-1]))
+            if reply().code != ServerReturnCode.SUCCESS:
+                raise RuntimeError("lmcache server lost a put")
+            t1 = time.perf_counter()
+            for i, k in enumerate(keys):
+                sock.sendall(meta(ClientCommand.GET, k))
+                m = reply()
+                if m.code != ServerReturnCode.SUCCESS or m.length != chunk_bytes:
+                    raise RuntimeError(f"lmcache server missed a get ({m.code}, {m.length} bytes)")
+                recv_exact(dst[i].view(torch.uint8).numpy().data)
+            t2 = time.perf_counter()
+            if not torch.equal(dst[-1], src[-1]):
+                raise RuntimeError("lmcache server returned other bytes")
+            if rep:
+                store_t.append(t1 - t0)
+                load_t.append(t2 - t1)
+        sock.close()
+        total = chunk_bytes * n
+        return total / statistics.median(store_t) / 1e9, total / statistics.median(load_t) / 1e9
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chunk-bytes", type=int, nargs="+", required=True)
@@ -163,6 +266,20 @@ def main(argv: list[str] | None = None) -> int:
         ]
     out: dict = {"lmcache_version": getattr(lmcache, "__version__", "?"), "path": PATH, "results": [], "errors": []}
     try:
+        if "rest" in args.tiers:  # the remote path: beside kvgate's REST rows
+            for chunk_bytes in args.chunk_bytes:
+                n = max(2, (args.total_bytes // 4) // chunk_bytes)
+                try:
+                    store, load = measure_server(chunk_bytes, n, args.reps)
+                except Exception as exc:
+                    out["errors"].append({"variant": SERVER_PATH, "chunk_bytes": chunk_bytes, "error": repr(exc),
+                                          "trace": traceback.format_exc(limit=3)})
+                    continue
+                for op, gbps in (("store", store), ("load", load)):
+                    out["results"].append({
+                        "path": SERVER_PATH, "op": op, "tier": "rest", "encrypted": False,
+                        "chunk_bytes": chunk_bytes, "chunks": n, "gbps": round(gbps, 3),
+                    })
         for chunk_bytes in args.chunk_bytes:
             for tier, variant, encrypted, adapter in configs:
                 n = max(2, (args.total_bytes if tier == "memory" else args.total_bytes // 4) // chunk_bytes)

@@ -159,7 +159,7 @@ async def run_bench(
     console.print("bench: LMCache side by side" if peers.enabled else "bench: peers skipped (--no-peers)")
     lm = await asyncio.to_thread(
         run_lmcache, peers, [GEOMETRY.chunk_nbytes(c) for c in sizes], target_bytes, reps, redis_url,
-        ["memory"] if quick else ["memory", "disk"] + (["redis"] if redis_url else []),
+        ["memory"] if quick else ["memory", "disk"] + (["redis"] if redis_url else []) + ["rest"],
     )
     if lm.get("skipped") and peers.enabled:
         console.print(f"[yellow]bench: LMCache skipped: {lm['skipped']}[/yellow]")

@@ -102,3 +102,18 @@ def test_the_runner_is_not_shadowed_by_modules_beside_it(tmp_path):
     with pytest.raises(PeerFailed) as err:
         _run(PeerConfig(lmcache_python=Path(sys.executable), lmcache_runner=d / "lmcache_runner.py"))
     assert "No module named 'lmcache'" in str(err.value) and "shadowed" not in str(err.value)
+
+
+def test_the_remote_path_stands_beside_kvgates_rest_rows():
+    """LMCache's cache server (plaintext, tier ``rest``) is compared with kvgate's REST data plane,
+    which only ever moves ciphertext; a kvgate row of another tier or size is never its match."""
+    peer = [{"path": "lmcache-server/lm", "op": "load", "tier": "rest", "encrypted": False, "chunk_bytes": 2 << 20, "gbps": 2.0}]
+    ours = [
+        {"op": "load", "tier": "rest", "encrypted": True, "chunk_bytes": 2 << 20, "threads": 1, "gbps": 3.0},
+        {"op": "load", "tier": "rest_uds", "encrypted": True, "chunk_bytes": 2 << 20, "threads": 1, "gbps": 9.0},
+        {"op": "load", "tier": "rest", "encrypted": True, "chunk_bytes": 32 << 20, "threads": 1, "gbps": 9.0},
+    ]
+    (comp,) = comparisons(ours, peer)
+    assert comp["ratio"] == 1.5 and comp["kvgate_encrypted"] and not comp["peer_encrypted"]
+    assert comp["figure"] == "load rest encrypted vs plaintext 2 MiB [LMCache path: lmcache-server/lm]"
+    assert comparisons([], peer) == []  # the control: nothing of kvgate's, nothing compared
