@@ -60,7 +60,10 @@ def unix_listener(path: Path, mode: int = 0o660, backlog: int = 2048) -> socket.
             raise InvalidRequest(f"another server listens on {path}")
         path.unlink()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o777 & ~mode)  # the file is born with ``mode``: no window with wider rights
+    # bind creates the file with 0777 & ~umask: with this umask it is born with exactly ``mode``,
+    # so there is no window with wider rights and no chmod by path afterwards (which would follow
+    # a symlink put in the socket's place)
+    old = os.umask(0o777 & ~mode)
     try:
         sock.bind(str(path))
     except OSError as exc:
@@ -68,7 +71,6 @@ def unix_listener(path: Path, mode: int = 0o660, backlog: int = 2048) -> socket.
         raise InvalidRequest(f"cannot listen on {path} ({exc.strerror})") from None
     finally:
         os.umask(old)
-    os.chmod(path, mode)  # umask only narrows: set exactly what was asked
     tune_unix_socket(sock)
     sock.listen(backlog)
     sock.setblocking(False)
