@@ -234,4 +234,5 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "timeout_keep_alive": 5,
         "proxy_headers": False,
         "server_header": False,
+        "access_log": settings.access_log,
     }
