@@ -226,7 +226,7 @@ def _serve_with_uds(app: Any, host: str, port: int, path: Path, mode: int, optio
 
     from gateway.clierrors import CliError
     from gateway.errors import InvalidRequest
-    from gateway.server.listen import remove_listener, unix_listener
+    from gateway.server.listen import unix_listener
 
     try:
         listener = unix_listener(path, mode)
@@ -237,11 +237,11 @@ def _serve_with_uds(app: Any, host: str, port: int, path: Path, mode: int, optio
         tcp = config.bind_socket()
         try:
             logging.getLogger("kvgate").info("also serving on the Unix socket %s", path)
-            uvicorn.Server(config).run(sockets=[tcp, listener])
+            uvicorn.Server(config).run(sockets=[tcp, listener.sock])
         finally:
             tcp.close()
     finally:
-        remove_listener(listener, path)
+        listener.close()
 
 
 @app.command()

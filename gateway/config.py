@@ -135,7 +135,7 @@ class Settings(BaseSettings):
     # ``remote_uds``): same API, same authentication; about 1.7x the loopback TCP data plane
     # here. Created with ``uds_mode`` (connecting needs write permission on it), removed on exit.
     uds: Path | None = None
-    uds_mode: int = Field(default=0o660, ge=0, le=0o777)
+    uds_mode: int = 0o660  # octal in the environment: KVGATE_UDS_MODE=660 (or 0660, 0o660)
     # uvicorn's access log, a line per request (about 0.14 ms of the server's CPU per request
     # here): off leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True
@@ -156,6 +156,28 @@ class Settings(BaseSettings):
     def _positive(cls, v: int) -> int:
         if v <= 0:
             raise ValueError("must be positive")
+        return v
+
+    @field_validator("uds_mode", mode="before")
+    @classmethod
+    def _octal_mode(cls, v: Any) -> Any:
+        if isinstance(v, str):  # a file mode is written in octal, as chmod takes it
+            text = v.strip().lower().removeprefix("0o")
+            try:
+                return int(text, 8)
+            except ValueError:
+                raise ValueError(f"must be an octal file mode such as 660, got {v!r}") from None
+        return v
+
+    @field_validator("uds_mode")
+    @classmethod
+    def _sane_mode(cls, v: int) -> int:
+        if isinstance(v, bool) or not 0 <= v <= 0o777:
+            raise ValueError("must be a file mode between 0 and 0o777")
+        if v & 0o600 != 0o600:
+            raise ValueError("must let the server's own user read and write the socket (0o600 at least)")
+        if v & 0o002:
+            raise ValueError("must not let every local user connect (no o+w); use a group instead")
         return v
 
     @field_validator("cpu_threads")

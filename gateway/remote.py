@@ -124,6 +124,8 @@ class RemoteGateway:
         that seal stores (``gateway.datapath.path``)."""
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
+        if uds is not None and not uds:
+            raise InvalidRequest("uds must be the path of the server's Unix socket (or None)")
         self.base_url = base_url.rstrip("/")
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens

@@ -158,10 +158,6 @@ def measure_server(chunk_bytes: int, n: int, reps: int) -> tuple[float, float]:
     import socket
     import subprocess
 
-    from lmcache.utils import CacheEngineKey
-    from lmcache.v1.memory_management import MemoryFormat
-    from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
-
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-I", "-m", "lmcache.v1.server", "127.0.0.1", str(port), "cpu"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -175,61 +171,72 @@ def measure_server(chunk_bytes: int, n: int, reps: int) -> tuple[float, float]:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"lmcache server did not start (exit {proc.poll()})") from None
                 time.sleep(0.2)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        elems = chunk_bytes // 2
-        shape = torch.Size([elems])
-        src = [torch.randn(elems).half() for _ in range(n)]
-        dst = [torch.empty(elems, dtype=torch.float16) for _ in range(n)]
-        reply_len = ServerMetaMessage.packlength()
-
-        def recv_exact(view: memoryview) -> None:
-            got = 0
-            while got < view.nbytes:
-                k = sock.recv_into(view[got:], view.nbytes - got)
-                if not k:
-                    raise RuntimeError("lmcache server closed the connection")
-                got += k
-
-        def reply() -> ServerMetaMessage:
-            buf = bytearray(reply_len)
-            recv_exact(memoryview(buf))
-            return ServerMetaMessage.deserialize(bytes(buf))
-
-        def meta(command, key, length: int = 0, shp=torch.Size([0, 0, 0, 0])) -> bytes:
-            return ClientMetaMessage(command, key, length, MemoryFormat(1), torch.float16, shp).serialize()
-
-        store_t, load_t = [], []
-        for rep in range(reps + 1):  # the first is a warm-up
-            keys = [CacheEngineKey("bench", 1, 0, rep * 1_000_000 + i, torch.float16) for i in range(n)]
-            t0 = time.perf_counter()
-            for i, k in enumerate(keys):
-                sock.sendall(meta(ClientCommand.PUT, k, chunk_bytes, shape))
-                sock.sendall(src[i].view(torch.uint8).numpy().data)
-            sock.sendall(meta(ClientCommand.EXIST, keys[-1]))
-            if reply().code != ServerReturnCode.SUCCESS:
-                raise RuntimeError("lmcache server lost a put")
-            t1 = time.perf_counter()
-            for i, k in enumerate(keys):
-                sock.sendall(meta(ClientCommand.GET, k))
-                m = reply()
-                if m.code != ServerReturnCode.SUCCESS or m.length != chunk_bytes:
-                    raise RuntimeError(f"lmcache server missed a get ({m.code}, {m.length} bytes)")
-                recv_exact(dst[i].view(torch.uint8).numpy().data)
-            t2 = time.perf_counter()
-            if not torch.equal(dst[-1], src[-1]):
-                raise RuntimeError("lmcache server returned other bytes")
-            if rep:
-                store_t.append(t1 - t0)
-                load_t.append(t2 - t1)
-        sock.close()
-        total = chunk_bytes * n
-        return total / statistics.median(store_t) / 1e9, total / statistics.median(load_t) / 1e9
+        with sock:
+            return _exchange(sock, chunk_bytes, n, reps)
     finally:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _exchange(sock, chunk_bytes: int, n: int, reps: int) -> tuple[float, float]:
+    """The puts and gets of ``measure_server`` on a connection to LMCache's server."""
+    import socket
+
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.protocol import ClientCommand, ClientMetaMessage, ServerMetaMessage, ServerReturnCode
+
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    elems = chunk_bytes // 2
+    shape = torch.Size([elems])
+    src = [torch.randn(elems).half() for _ in range(n)]
+    dst = [torch.empty(elems, dtype=torch.float16) for _ in range(n)]
+    reply_len = ServerMetaMessage.packlength()
+
+    def recv_exact(view: memoryview) -> None:
+        got = 0
+        while got < view.nbytes:
+            k = sock.recv_into(view[got:], view.nbytes - got)
+            if not k:
+                raise RuntimeError("lmcache server closed the connection")
+            got += k
+
+    def reply() -> ServerMetaMessage:
+        buf = bytearray(reply_len)
+        recv_exact(memoryview(buf))
+        return ServerMetaMessage.deserialize(bytes(buf))
+
+    def meta(command, key, length: int = 0, shp=torch.Size([0, 0, 0, 0])) -> bytes:
+        return ClientMetaMessage(command, key, length, MemoryFormat(1), torch.float16, shp).serialize()
+
+    store_t, load_t = [], []
+    for rep in range(reps + 1):  # the first is a warm-up
+        keys = [CacheEngineKey("bench", 1, 0, rep * 1_000_000 + i, torch.float16) for i in range(n)]
+        t0 = time.perf_counter()
+        for i, k in enumerate(keys):
+            sock.sendall(meta(ClientCommand.PUT, k, chunk_bytes, shape))
+            sock.sendall(src[i].view(torch.uint8).numpy().data)
+        sock.sendall(meta(ClientCommand.EXIST, keys[-1]))
+        if reply().code != ServerReturnCode.SUCCESS:
+            raise RuntimeError("lmcache server lost a put")
+        t1 = time.perf_counter()
+        for i, k in enumerate(keys):
+            sock.sendall(meta(ClientCommand.GET, k))
+            m = reply()
+            if m.code != ServerReturnCode.SUCCESS or m.length != chunk_bytes:
+                raise RuntimeError(f"lmcache server missed a get ({m.code}, {m.length} bytes)")
+            recv_exact(dst[i].view(torch.uint8).numpy().data)
+        t2 = time.perf_counter()
+        if not torch.equal(dst[-1], src[-1]):
+            raise RuntimeError("lmcache server returned other bytes")
+        if rep:
+            store_t.append(t1 - t0)
+            load_t.append(t2 - t1)
+    total = chunk_bytes * n
+    return total / statistics.median(store_t) / 1e9, total / statistics.median(load_t) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:

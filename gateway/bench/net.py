@@ -85,7 +85,11 @@ def socket_ceiling(size: int, count: int, reps: int, uds: bool = False) -> tuple
     for mode in ("recv", "send"):
         tmp = tempfile.mkdtemp(prefix="kvgate-sink-") if uds else ""
         args = [os.path.join(tmp, "s.sock"), str(wire.SOCKET_BUFFER_BYTES)] if uds else []
-        proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode, *args], stdout=subprocess.PIPE, text=True)
+        try:
+            proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode, *args], stdout=subprocess.PIPE, text=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True) if tmp else None
+            raise
         try:
             assert proc.stdout is not None  # stdout=PIPE
             where = proc.stdout.readline().strip()

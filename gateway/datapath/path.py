@@ -92,9 +92,9 @@ class DataPath:
         self._device_cipher = device_cipher
         if device_cipher == "host":
             log.warning("device_cipher=host: plaintext KV of CUDA caches is copied to the host and encrypted there")
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvgate-cpu") if threads else None
         if not 0 <= store_nice <= 19:
             raise ValueError("store_nice must lie in [0, 19]")
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="kvgate-cpu") if threads else None
         self.store_nice = store_nice if sys.platform == "linux" else 0  # elsewhere a nice value is the whole process's
         self._store_executor = (
             ThreadPoolExecutor(threads, thread_name_prefix="kvgate-store", initializer=_be_nice, initargs=(self.store_nice,))

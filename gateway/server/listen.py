@@ -17,8 +17,11 @@ ask for ``gateway.wire.SOCKET_BUFFER_BYTES`` (the kernel caps it at ``wmem_max``
 
 The file. ``unix_listener`` replaces a stale socket at the path (a server that died leaves one)
 and refuses anything else there; the socket is created with ``uds_mode`` (0660: the server's
-user and group may connect; a worker of another user needs the group). It is unlinked on exit.
-File permissions are defence in depth only: every request still needs its token.
+user and group may connect; a worker of another user needs the group). It is unlinked on exit,
+unless a new server has taken the path over meanwhile. Put it in a directory only the server's
+user can write (``/run/kvgate``, 0750): in a world-writable one another user could bind the path
+first, and workers would hand their tokens to that process. File permissions are defence in
+depth only: every request still needs its token.
 """
 
 from __future__ import annotations
@@ -27,38 +30,66 @@ import contextlib
 import os
 import socket
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import InvalidRequest
 from gateway.wire import tune_unix_socket
 
-__all__ = ["remove_listener", "unix_listener"]
+__all__ = ["UnixListener", "unix_listener"]
 
 # sun_path is 108 bytes on Linux, 104 on the BSDs, with the terminating NUL
 _MAX_PATH_BYTES = 103
 
 
-def unix_listener(path: Path, mode: int = 0o660, backlog: int = 2048) -> socket.socket:
+@dataclass(frozen=True)
+class UnixListener:
+    """A listening Unix socket and the file it was bound to (``close`` removes that file only)."""
+
+    sock: socket.socket
+    path: Path
+    # (st_dev, st_ino, st_ctime_ns) of the file bind made: an inode number alone is reused once
+    # the file is gone, the change time of the new file differs
+    inode: tuple[int, int, int]
+
+    def close(self) -> None:
+        """Close the socket and unlink its file, if the file at the path is still the one this
+        listener made: a server shutting down (no longer accepting) may already have been
+        replaced there by a new one, whose socket must stay."""
+        self.sock.close()
+        with contextlib.suppress(OSError):
+            st = os.lstat(self.path)
+            if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino, st.st_ctime_ns) == self.inode:
+                os.unlink(self.path)
+
+
+def unix_listener(path: Path, mode: int = 0o660, backlog: int = 2048) -> UnixListener:
     """A listening Unix stream socket at ``path``, created with permissions ``mode``.
 
     A socket file left at ``path`` by a server that is gone is replaced; one that a live server
     still accepts on, or anything that is not a socket, is refused (``InvalidRequest``) and left
-    as it is."""
+    as it is. Call it before the process starts threads: the file's mode is set through the
+    process's umask for the instant of ``bind``."""
     path = Path(path)
     if len(os.fsencode(path)) > _MAX_PATH_BYTES:
         raise InvalidRequest(f"the socket path is longer than {_MAX_PATH_BYTES} bytes: {path}")
     if not path.parent.is_dir():
         raise InvalidRequest(f"the socket's directory does not exist: {path.parent}")
     try:
-        st = path.lstat()
+        st: os.stat_result | None = path.lstat()
     except FileNotFoundError:
         st = None
+    except OSError as exc:
+        raise InvalidRequest(f"cannot look at {path} ({exc.strerror})") from None
     if st is not None:
         if not stat.S_ISSOCK(st.st_mode):
             raise InvalidRequest(f"{path} exists and is not a socket: not replaced")
         if _accepting(path):
             raise InvalidRequest(f"another server listens on {path}")
-        path.unlink()
+        try:
+            path.unlink()
+        except OSError as exc:  # a stale socket of another user in a sticky directory, say
+            raise InvalidRequest(f"cannot replace the stale socket {path} ({exc.strerror})") from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     # bind creates the file with 0777 & ~umask: with this umask it is born with exactly ``mode``,
     # so there is no window with wider rights and no chmod by path afterwards (which would follow
@@ -66,6 +97,7 @@ def unix_listener(path: Path, mode: int = 0o660, backlog: int = 2048) -> socket.
     old = os.umask(0o777 & ~mode)
     try:
         sock.bind(str(path))
+        made = os.lstat(path)
     except OSError as exc:
         sock.close()
         raise InvalidRequest(f"cannot listen on {path} ({exc.strerror})") from None
@@ -74,15 +106,7 @@ def unix_listener(path: Path, mode: int = 0o660, backlog: int = 2048) -> socket.
     tune_unix_socket(sock)
     sock.listen(backlog)
     sock.setblocking(False)
-    return sock
-
-
-def remove_listener(sock: socket.socket, path: Path) -> None:
-    """Close the listener and unlink its socket file (nothing else at that path is removed)."""
-    sock.close()
-    with contextlib.suppress(OSError):
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
+    return UnixListener(sock, path, (made.st_dev, made.st_ino, made.st_ctime_ns))
 
 
 def _accepting(path: Path) -> bool:

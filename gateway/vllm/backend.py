@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Coroutine, Sequence
@@ -150,12 +151,14 @@ class Backend(Protocol):
 
 class EmbeddedBackend:
     def __init__(self, settings: dict[str, Any], timeout_s: float = 30.0, store_nice: int = 0) -> None:
-        """``store_nice``: the connector's (``ConnectorConfig.store_nice``), unless ``settings``
-        names one."""
+        """``store_nice``: the connector's (``ConnectorConfig.store_nice``), unless ``settings`` or
+        ``KVGATE_STORE_NICE`` names one (as every other setting, the variable fills what is left out)."""
         from gateway.config import Settings
 
+        if "store_nice" not in settings and "KVGATE_STORE_NICE" not in os.environ:
+            settings = {**settings, "store_nice": store_nice}
         try:
-            self.settings: Settings = Settings(**{"store_nice": store_nice, **settings})
+            self.settings: Settings = Settings(**settings)
         except ValidationError as exc:  # every bad field named
             raise ConnectorConfigError(explain_validation(exc, "kvgate_settings")) from None
         self.chunk_tokens = self.settings.chunk_tokens

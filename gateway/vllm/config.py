@@ -85,7 +85,7 @@ class ConnectorConfig(BaseModel):
     remote_url: str = ""
     # the server's Unix socket, where it runs on this host (``kvgate serve --uds``): every call
     # goes there; remote_url still names the server
-    remote_uds: str | None = None
+    remote_uds: str | None = Field(None, min_length=1)
     remote_token_file: str | None = None
     chunk_tokens: int = Field(256, gt=0)  # remote mode (embedded: kvgate_settings.chunk_tokens)
     model_name: str | None = None

@@ -24,7 +24,7 @@ import torch
 
 from gateway.errors import InvalidRequest
 from gateway.remote import RemoteGateway
-from gateway.server.listen import remove_listener, unix_listener
+from gateway.server.listen import unix_listener
 from gateway.wire import SOCKET_BUFFER_BYTES, tune_unix_socket
 from tenancy.devissuer import DevIssuer
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -198,7 +198,20 @@ def test_listener_replaces_only_a_stale_socket(tmp_path: Path) -> None:
         with socket.socket(socket.AF_UNIX) as c:
             c.connect(str(path))
     finally:
-        remove_listener(live, path)
+        live.close()
+    assert not path.exists()
+    # a server shutting down (no longer accepting) replaced by a new one: its close leaves the
+    # new server's socket in place
+    old = unix_listener(path)
+    old.sock.close()  # stops accepting, as a server draining its last requests does
+    time.sleep(0.05)  # a server is replaced long after it started: the new file's change time differs
+    new = unix_listener(path)
+    try:
+        old.close()
+        with socket.socket(socket.AF_UNIX) as c:
+            c.connect(str(path))  # the new one still answers there
+    finally:
+        new.close()
     assert not path.exists()
     with pytest.raises(InvalidRequest, match="longer than"):
         unix_listener(tmp_path / ("x" * 120))
@@ -211,15 +224,43 @@ def test_unix_sockets_get_large_buffers_and_tcp_is_untouched() -> None:
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
+        untuned = {opt: b.getsockopt(socket.SOL_SOCKET, opt) for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF)}
+        if cap * 2 <= max(untuned.values()):
+            pytest.skip(f"the kernel caps socket buffers at {cap} bytes: no larger size can be asked for")
         before = tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         tune_unix_socket(a)
         tune_unix_socket(tcp)
         tune_unix_socket(None)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        for opt, size in untuned.items():
             # Linux reports twice what was set (its bookkeeping), capped by *mem_max
-            assert a.getsockopt(socket.SOL_SOCKET, opt) >= min(SOCKET_BUFFER_BYTES, cap)
+            got = a.getsockopt(socket.SOL_SOCKET, opt)
+            assert got > size and got >= 2 * min(SOCKET_BUFFER_BYTES, cap)
         assert tcp.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == before
     finally:
         a.close()
         b.close()
         tcp.close()
+
+
+def test_the_socket_settings_are_validated(monkeypatch, tmp_path) -> None:
+    from pydantic import ValidationError
+
+    from gateway.config import Settings
+    from gateway.vllm.config import ConnectorConfig
+    from gateway.vllm.errors import ConnectorConfigError
+
+    for text in ("660", "0660", "0o660"):  # octal, as chmod takes it
+        monkeypatch.setenv("KVGATE_UDS_MODE", text)
+        assert Settings(state_dir=tmp_path).uds_mode == 0o660
+    monkeypatch.setenv("KVGATE_UDS_MODE", "600")
+    assert Settings(state_dir=tmp_path).uds_mode == 0o600
+    for bad, why in (("9", "octal"), ("440", "read and write"), ("666", "o\\+w"), ("1777", "between")):
+        monkeypatch.setenv("KVGATE_UDS_MODE", bad)
+        with pytest.raises(ValidationError, match=why):
+            Settings(state_dir=tmp_path)
+    monkeypatch.delenv("KVGATE_UDS_MODE")
+    assert Settings(state_dir=tmp_path).uds_mode == 0o660
+    with pytest.raises(ConnectorConfigError, match="remote_uds"):
+        ConnectorConfig.from_extra({"mode": "remote", "remote_uds": ""})
+    with pytest.raises(InvalidRequest, match="uds"):
+        RemoteGateway(NOWHERE, "token", uds="")

@@ -84,3 +84,10 @@ def test_the_connector_stores_niced_by_default_and_kvgate_settings_may_say_other
     backend = EmbeddedBackend({"state_dir": str(tmp_path), "store_nice": 0}, store_nice=config.store_nice)
     assert backend.settings.store_nice == 0
     assert ConnectorConfig.from_extra({"store_nice": 0}).store_nice == 0
+
+
+def test_kvgate_store_nice_in_the_environment_is_honoured_by_the_connector(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVGATE_STORE_NICE", "3")
+    assert EmbeddedBackend({"state_dir": str(tmp_path)}, store_nice=10).settings.store_nice == 3
+    monkeypatch.delenv("KVGATE_STORE_NICE")  # the control: without it, the connector's value
+    assert EmbeddedBackend({"state_dir": str(tmp_path)}, store_nice=10).settings.store_nice == 10
