@@ -66,7 +66,7 @@ T = TypeVar("T")
 
 
 # a Unix stream socket's send and receive buffers (gateway.server.listen says why)
-SOCKET_BUFFER_BYTES = 4 << 20
+SOCKET_BUFFER_BYTES = 1 << 20
 
 
 def tune_unix_socket(sock: socket.socket | None) -> None:

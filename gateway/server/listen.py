@@ -12,8 +12,11 @@ does not have.
 Socket buffers. A Unix stream socket is created with ``net.core.wmem_default`` (208 KiB here),
 and an accepted one does not inherit the listener's size; with envelopes of 2-32 MiB each
 write then goes out in many small rounds. Measured: fetching 32 MiB envelopes ran at 1.6 GB/s
-and 0.6 CPU s/GB on the server with the default, 7.4 GB/s and 0.14 s/GB with 4 MiB. Both ends
-ask for ``gateway.wire.SOCKET_BUFFER_BYTES`` (the kernel caps it at ``wmem_max``/``rmem_max``).
+and 0.6 CPU s/GB on the server with the default, 7.4-7.7 GB/s and 0.12-0.15 s/GB with 1 or
+4 MiB. 4 MiB also stalled about half of the small loads by about 100 ms (a 1K-token load of
+50 MB: 100-117 ms instead of 16-17; the kernel allocates a send buffer's data in pieces of up
+to half its size), 1 MiB never did in the same runs. Both ends ask for
+``gateway.wire.SOCKET_BUFFER_BYTES`` (the kernel caps it at ``wmem_max``/``rmem_max``).
 
 The file. ``unix_listener`` replaces a stale socket at the path (a server that died leaves one)
 and refuses anything else there; the socket is created with ``uds_mode`` (0660: the server's
