@@ -52,6 +52,20 @@ __all__ = ["DataPath"]
 T = TypeVar("T")
 
 
+def _call_and_forget(held: list[Any]) -> Any:
+    """``fn(*args)`` of ``held = [fn, args]``, keeping no reference to them once it returns. The
+    pool's work item holds what it was given until its thread moves on, which can be after the
+    awaiting coroutine has resumed: a load's envelopes (receive buffers) would then stay alive
+    past their open, and the next chunk would get a fresh buffer instead of the one just freed
+    (seen as a flaky ``test_a_loads_envelopes_are_let_go_as_they_are_opened``)."""
+    fn, args = held
+    held.clear()
+    try:
+        return fn(*args)
+    finally:
+        del fn, args
+
+
 def _be_nice(nice: int) -> None:
     """A store thread's start: its own nice value (Linux: a thread's, not the process's), never
     below what it inherited (a process already niced stays as nice)."""
@@ -131,7 +145,7 @@ class DataPath:
         executor = self._store_executor if store and self._store_executor is not None else self._executor
         if executor is None:
             return fn(*args)
-        fut = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(executor, _call_and_forget, [fn, args])
         try:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
