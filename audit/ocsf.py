@@ -14,7 +14,9 @@ module turns a record into an OCSF event for a SIEM, with the chain fields kept 
 | actor.issuer            | actor.idp.uid                                            |
 | actor.client_id         | actor.app_uid                                            |
 | actor.token_id          | actor.user.credential_uid                                |
-| actor.source            | src_endpoint.ip                                          |
+| actor.source            | src_endpoint.ip; a Unix-socket peer (``unix:uid=U:pid=P``, |
+|                         | no address): src_endpoint.name, actor.process.pid and    |
+|                         | actor.process.user.uid                                   |
 | action                  | api.operation (activity_id from ACTIVITY)                |
 | outcome                 | status_id / status (denied: Failure, status_detail)      |
 | target.*                | resources[0] (uid = tenant/namespace, data = the rest)   |
@@ -31,6 +33,17 @@ from typing import Any
 from audit.record import parse_time
 
 __all__ = ["ACTIVITY", "CLASS_UID", "to_ocsf"]
+
+
+def _source(source: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``src_endpoint`` and the actor's extra fields (a Unix-socket peer's process) of
+    ``actor.source``."""
+    if source and source.startswith("unix:"):
+        fields = dict(part.split("=", 1) for part in source[5:].split(":") if "=" in part)
+        pid = fields.get("pid", "")
+        process = {"process": {"pid": int(pid), "user": {"uid": fields.get("uid")}}} if pid.isdigit() else {}
+        return {"name": source}, process
+    return {"ip": source}, {}
 
 CLASS_UID = 6003
 CATEGORY_UID = 6
@@ -63,6 +76,7 @@ def to_ocsf(doc: Mapping[str, Any], hash_: str) -> dict[str, Any]:
     details = doc["details"]
     activity = ACTIVITY.get(doc["action"], 99)
     outcome = doc["outcome"]
+    endpoint, process = _source(actor["source"])
     event: dict[str, Any] = {
         "class_uid": CLASS_UID,
         "category_uid": CATEGORY_UID,
@@ -83,8 +97,9 @@ def to_ocsf(doc: Mapping[str, Any], hash_: str) -> dict[str, Any]:
             "user": {"uid": actor["subject"], "org": {"uid": actor["tenant"]}, "credential_uid": actor["token_id"]},
             "idp": {"uid": actor["issuer"]},
             "app_uid": actor["client_id"],
+            **process,
         },
-        "src_endpoint": {"ip": actor["source"]},
+        "src_endpoint": endpoint,
         "api": {
             "operation": doc["action"],
             "request": {"data": json.loads(details) if isinstance(details, str) else details},

@@ -26,6 +26,7 @@ from gateway.config import Settings
 from gateway.envelopes import EnvelopePlane
 from gateway.errors import RateLimited, Unauthenticated
 from gateway.runtime import Runtime
+from gateway.server.listen import failure_key
 from gateway.server.telemetry import Telemetry
 from tenancy.capabilities import read_unverified
 from tenancy.errors import AuthenticationFailed, CapabilityDenied, PermissionDenied
@@ -136,7 +137,7 @@ async def authenticate(state: ServerState, authorization: str | None, client: st
     except AuthenticationFailed as exc:
         # the operator's answer to "why 401?" (the reason names the check, never the token)
         log.info("401 from %s: %s", client, exc.reason[:200])
-        key = f"a:{client}"
+        key = f"a:{failure_key(client)}"
         state.telemetry.auth_denials.add(1, {"kind": "authentication"})
         if state.limiter.blocked(key):
             raise RateLimited() from None  # counted above; not one audit row per flooded request

@@ -40,6 +40,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from gateway import frames
 from gateway.config import Settings
 from gateway.server import rawlookup
+from gateway.server.listen import peer_source
 from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
 from gateway.wire import tune_unix_socket
@@ -200,8 +201,13 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H
             self.transport.close()
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio types it BaseTransport; a server connection is a Transport
-            tune_unix_socket(transport.get_extra_info("socket"))  # the Unix socket's buffers (listen.py)
+            sock = transport.get_extra_info("socket")
+            tune_unix_socket(sock)  # the Unix socket's buffers (listen.py)
             super().connection_made(transport)
+            if self.client is None:  # a Unix socket has no address: its peer's uid and pid (listen.py)
+                source = peer_source(sock)
+                if source is not None:
+                    self.client = (source, 0)
             self._arm()
 
         def data_received(self, data: bytes) -> None:

@@ -25,6 +25,14 @@ unless a new server has taken the path over meanwhile. Put it in a directory onl
 user can write (``/run/kvgate``, 0750): in a world-writable one another user could bind the path
 first, and workers would hand their tokens to that process. File permissions are defence in
 depth only: every request still needs its token.
+
+Who connected. A Unix socket has no peer address, so uvicorn gives such a request no client and
+the audit log had no source for it. ``peer_source`` reads the peer's credentials from the kernel
+(``SO_PEERCRED``: the uid and pid of the process that connected, as of ``connect``; nothing the
+peer sends), and the server uses ``unix:uid=U:pid=P`` as the request's client: the audit rows'
+``actor.source``, the access log. The failed-authentication limit counts per uid there
+(``failure_key``): every process of one user shares one bucket, as every connection from one IP
+address does over TCP.
 """
 
 from __future__ import annotations
@@ -33,13 +41,14 @@ import contextlib
 import os
 import socket
 import stat
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import InvalidRequest
 from gateway.wire import tune_unix_socket
 
-__all__ = ["UnixListener", "unix_listener"]
+__all__ = ["UnixListener", "failure_key", "peer_source", "unix_listener"]
 
 # sun_path is 108 bytes on Linux, 104 on the BSDs, with the terminating NUL
 _MAX_PATH_BYTES = 103
@@ -122,3 +131,26 @@ def _accepting(path: Path) -> bool:
     finally:
         probe.close()
     return True
+
+
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_source(sock: socket.socket | None) -> str | None:
+    """``unix:uid=U:pid=P`` for a connected Unix socket, from the kernel's record of its peer
+    (``SO_PEERCRED``); None for any other socket, or where the platform has no such option."""
+    if sock is None or sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        pid, uid, _gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    except OSError:
+        return None
+    return f"unix:uid={uid}:pid={pid}"
+
+
+def failure_key(client: str) -> str:
+    """What the failed-authentication limit counts by: the address, or for a Unix-socket peer its
+    uid (a new process per attempt must not get a new bucket)."""
+    if client.startswith("unix:uid="):
+        return client.split(":pid=", 1)[0]
+    return client

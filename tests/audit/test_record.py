@@ -201,3 +201,16 @@ def test_parse_time_is_strict() -> None:
     assert parse_time("2025-01-02T03:04:05.678901Z") == T0
     with pytest.raises(ValueError):
         parse_time("2025-01-02 03:04:05")
+
+
+def test_ocsf_maps_a_socket_peer_to_its_process_and_an_address_to_an_ip() -> None:
+    peer = Actor(subject="alice", tenant="t1", source="unix:uid=1000:pid=4242")
+    rec = AuditRecord.chain(make(actor=peer), seq=1, recorded_at=T0, prev_hash=GENESIS_HASH)
+    ocsf = to_ocsf(rec.hashed_fields(), rec.hash)
+    assert ocsf["src_endpoint"] == {"name": "unix:uid=1000:pid=4242"}
+    assert ocsf["actor"]["process"] == {"pid": 4242, "user": {"uid": "1000"}}
+    assert ocsf["actor"]["user"]["uid"] == "alice"
+    # the control: a TCP peer's address stays an IP, with no process
+    rec = AuditRecord.chain(make(), seq=1, recorded_at=T0, prev_hash=GENESIS_HASH)
+    ocsf = to_ocsf(rec.hashed_fields(), rec.hash)
+    assert ocsf["src_endpoint"] == {"ip": "10.0.0.1"} and "process" not in ocsf["actor"]

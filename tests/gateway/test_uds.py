@@ -7,6 +7,7 @@ its positive control."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -157,6 +158,71 @@ def test_the_socket_asks_for_tokens_as_the_port_does(served: Served) -> None:
         assert r.status_code == 201, r.text
         ok = http.post("/v1/lookup", json=lookup, headers={**user, "X-KV-Capability": r.json()["capability"]})
         assert ok.status_code == 200 and ok.json()["hit_chunks"] == 0  # the control: the same call, let in
+
+
+def _audit_rows(s: Served, http: httpx.Client, action: str, want: int) -> list[dict]:
+    """The audit rows of ``action`` (the operator's export: nothing pseudonymized), once at least
+    ``want`` of them are there."""
+    headers = s.bearer("platform", ["kv.operator"])
+    deadline = time.monotonic() + 20
+    while True:
+        r = http.get("/v1/admin/audit/export", params={"until": "2999-01-01T00:00:00+00:00"}, headers=headers)
+        assert r.status_code == 200, r.text
+        rows = [row for row in map(json.loads, r.text.splitlines()) if row.get("action") == action]
+        if len(rows) >= want or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.2)
+
+
+_CHILD = """
+import httpx, os, sys
+print(os.getpid())
+with httpx.Client(base_url="http://kvgate.invalid", transport=httpx.HTTPTransport(uds=sys.argv[1])) as h:
+    print(h.post("/v1/lookup", json={"hashes": [], "chunk_tokens": 16}, headers={"Authorization": sys.argv[2]}).status_code)
+"""
+
+
+def child_pid(done: subprocess.CompletedProcess[str]) -> int:
+    return int(done.stdout.split()[0])
+
+
+def child_status(done: subprocess.CompletedProcess[str]) -> str:
+    return done.stdout.split()[-1]
+
+
+def test_audit_rows_name_the_socket_peer_and_failures_count_per_user(served: Served) -> None:
+    me = f"unix:uid={os.getuid()}:pid={os.getpid()}"
+    with served.http() as http, httpx.Client(base_url=served.url, timeout=10.0) as tcp:
+        tenant = _tenant(served, http, "acme")
+        admin = served.bearer(tenant, ["kv.admin"])
+        assert http.post(f"/v1/admin/tenants/{tenant}/keys/rotate", headers=admin).status_code == 200
+        assert tcp.post(f"/v1/admin/tenants/{tenant}/keys/rotate", headers=admin).status_code == 200  # the control
+        sources = [row["actor"]["source"] for row in _audit_rows(served, http, "key.rotate", 2)]
+        # the socket's row names this process by the kernel's record of the peer; TCP's, the address
+        assert sorted(sources) == sorted([me, "127.0.0.1"])
+        # another process of the same user: its own pid in the row of its failed attempt
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(served.path), "Bearer forged"], capture_output=True, text=True, timeout=60
+        )
+        assert child_status(child) == "401", child.stderr
+        failed = [row["actor"]["source"] for row in _audit_rows(served, http, "authn.failed", 1)]
+        assert failed == [f"unix:uid={os.getuid()}:pid={child_pid(child)}"]
+        # failures count per uid on the socket: a fresh process gets no fresh bucket
+        for _ in range(40):
+            if http.post("/v1/lookup", json={"hashes": []}, headers={"Authorization": "Bearer forged"}).status_code == 429:
+                break
+        else:
+            raise AssertionError("the socket's failures were never limited")
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(served.path), "Bearer forged"], capture_output=True, text=True, timeout=60
+        )
+        assert child_status(child) == "429", child.stderr
+        # the control: another address's bucket is its own, and a valid token is served on the socket
+        assert tcp.post("/v1/lookup", json={"hashes": []}, headers={"Authorization": "Bearer forged"}).status_code == 401
+        child = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(served.path), admin["Authorization"]], capture_output=True, text=True, timeout=60
+        )
+        assert child_status(child) in ("403", "200"), child.stdout + child.stderr  # authenticated: past the limit
 
 
 def test_socket_file_mode_and_removal_on_exit(served: Served) -> None:
