@@ -4,7 +4,8 @@ TTFT is vLLM's own ``first_token_latency`` of each request (arrival to first tok
 engine's request metrics); decode rate is (generated - 1) / (last token - first token). Output
 identity compares a request's greedy tokens with the no-connector run of the same prompt. Load
 GB/s is the kvgate connector's trace: bytes of KV loaded (tokens x bytes per token) over the
-load's own time, for the loads of that prompt length's hits.
+load's own time, for the loads of that prompt length's hits; store GB/s the same for the stores of
+its misses (a store runs after the forward step that computed the KV, beside decoding).
 """
 
 from __future__ import annotations

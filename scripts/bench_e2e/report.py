@@ -62,16 +62,16 @@ def _absent(result: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def ttft_table(result: dict[str, Any]) -> str:
-    lines = ["| system | prompt | TTFT median ms | p90 ms | speedup vs no connector | cached tokens | load GB/s | decode tok/s | outputs = no connector |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| system | prompt | TTFT median ms | p90 ms | speedup vs no connector | cached tokens | load GB/s | store GB/s | decode tok/s | outputs = no connector |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["ttft"]:
         t = r["ttft_ms"]
         lines.append(
             f"| {r['label']}{KIND[r['kind']]} | {_k(r['length'])} | {_f(t['median'])} | {_f(t['p90'])} | "
             f"{_f(r['speedup_vs_none'], 2) + 'x' if r['speedup_vs_none'] else '-'} | {_f(r['cached_tokens'])} | "
-            f"{_f(r['load_gbps'], 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
+            f"{_f(r['load_gbps'], 2)} | {_f(r.get('store_gbps'), 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
         )
-    lines += [f"| {label} | - | {reason} | - | - | - | - | - | - |" for label, reason in _absent(result)]
+    lines += [f"| {label} | - | {reason} | - | - | - | - | - | - | - |" for label, reason in _absent(result)]
     return "\n".join(lines)
 
 

@@ -53,7 +53,12 @@ def test_analysis_speedup_identity_load_rate_and_isolation():
     assert miss["store_gbps"] == pytest.approx(1024 * 49152 / 0.020 / 1e9, abs=0.01)
     iso = res["isolation"][0]
     assert iso["b_on_a_cached"] == 0 and iso["a_on_a_cached"] == 992 and iso["b_speedup_vs_own_miss"] < 1
-    assert "| kvgate embedded hit | 1K | 500 |" in markdown(res)
+    md = markdown(res)
+    assert "| kvgate embedded hit | 1K | 500 |" in md
+    # the table shows the store rate on the miss's row, the load rate on the hit's
+    assert "| store GB/s |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| kvgate embedded miss | 1K |"))
+    assert row.split(" | ")[6:8] == ["-", f"{miss['store_gbps']:.2f}"]
 
 
 def test_readme_table_goes_between_the_markers_only(tmp_path: Path):
