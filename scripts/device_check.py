@@ -7,8 +7,11 @@
 Prints exactly one JSON object on stdout (progress goes to stderr); exits 1 if a test failed or a
 section raised, 0 otherwise. Sections:
 
-- ``tests``: ``pytest -m cuda tests/kernels/test_aes_gcm.py tests/kernels/test_kernels.py`` in a subprocess
-  (on a CPU-only host they are all skipped; the counts say so).
+- ``tests``: ``pytest -m cuda tests/kernels/test_aes_gcm.py tests/kernels/test_kernels.py
+  tests/gateway/test_remote_device.py`` in a subprocess (on a CPU-only host they are all skipped;
+  the counts say so). The last is remote mode with the cache on the GPU: a live server (SQLite,
+  in process), the wire recorded, no run of the plaintext on it, CPU-path workers opening what the
+  device worker stored and back.
 - ``pack_unpack``: ``gateway.bench.pack.measure`` for a 256-token Llama-3-8B chunk (32 layers, 8 KV
   heads, head size 128, fp16: 33.5 MB), both paged layouts, beside a plain contiguous device copy.
 - ``aes_gcm``: ``TorchAesGcm.encrypt_`` / ``decrypt_`` in place on a 2 MiB and the 33.5 MB buffer.
@@ -83,7 +86,7 @@ def _timer(dev: torch.device) -> Callable[..., float]:
 
 def run_tests(timeout: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider",
-           "tests/kernels/test_aes_gcm.py", "tests/kernels/test_kernels.py"]
+           "tests/kernels/test_aes_gcm.py", "tests/kernels/test_kernels.py", "tests/gateway/test_remote_device.py"]
     _log("running " + " ".join(cmd[1:]))
     t0 = time.perf_counter()
     try:
