@@ -46,6 +46,11 @@ destroyed: it ends the prefix, no key, length 0; the worker reads it as ``key_un
 4 (an envelope whose header does not parse: sent without a key, so it fails to open and the
 worker counts an integrity failure; nothing follows it). Key fields are zero where no key is
 sent.
+
+Status 5 (``IN_REGION``, keyed downloads with a shared-memory window only: ``gateway.server.shm``)
+is status 0 whose envelope is not in the stream: it is in the worker's region, at the window's
+running offset (the window's start, then each in-region item's end rounded up to 64 bytes), and
+``length`` long. Items that do not fit in what is left of the window come in the stream.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from gateway.errors import BadFrame
 __all__ = [
     "HEAD",
     "INDEX_ITEM",
+    "IN_REGION",
     "KEYED_HEAD",
     "ITEM_HEAD",
     "KEYED_ITEM_HEAD",
@@ -87,7 +93,7 @@ __all__ = [
 
 MAGIC = b"KVB1"
 KEYED_MAGIC = b"KVK1"
-OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED = 0, 1, 2, 3, 4
+OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION = 0, 1, 2, 3, 4, 5
 _HEAD = struct.Struct("<4sI")
 _INDEX = struct.Struct("<32sQ")
 _ITEM = struct.Struct("<32sBQ")

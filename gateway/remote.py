@@ -38,6 +38,12 @@ engine (an inauthentic one is also deleted, so a recompute stores a good copy).
 
 A 403 on any call (the tenant was cleared, its capabilities revoked, or the capability's key
 budget is spent) drops the cached capability and retries once with a fresh one.
+
+Through the server's Unix socket with ``shm_bytes``, a load lends the server a window of a
+shared-memory region (``gateway.shmclient``, ``gateway.server.shm``): the envelopes that fit are
+copied there by the server and read there by the worker, and only their item heads cross the
+socket. Where the region cannot be had (an old server, none left, ``shm_max_bytes = 0``), loads
+go through the socket as before, and the region is asked for again after ``_SHM_RETRY_S``.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import ssl
 import time
 import weakref
@@ -63,12 +70,16 @@ from gateway.datapath.path import DataPath
 from gateway.datapath.plane import DataPlane
 from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
+from gateway.shmclient import ShmRegion, Window, attach
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from gateway.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 
 __all__ = ["RemoteGateway", "RemoteUnavailable", "http_client"]
 
 _MARGIN_S = 15.0  # renew a capability this long before it expires
+_SHM_RETRY_S = 30.0  # after a region was refused, ask again this much later
+_SHM_WAIT_S = 0.05  # how long a load waits for the region to come back from the one before
+log = logging.getLogger("kvgate.remote")
 _KEYS_PER_CALL = 4096  # the server's bound per key request
 _CONNECTIONS = 8  # the connection pool's bound (keep-alive connections included)
 _BATCH_BYTES = 64 << 20  # an upload batch is sent once this many envelope bytes are buffered
@@ -116,16 +127,20 @@ class RemoteGateway:
         ssl_context: ssl.SSLContext | None = None,
         uds: str | None = None,
         store_nice: int = 0,
+        shm_bytes: int = 0,
     ) -> None:
         """``uds``: reach the server through its Unix socket at that path (a server on this host,
         ``kvgate serve --uds``), every call: the control calls over httpx and the data plane
         alike; ``base_url`` still names it. A shared ``http`` client must already be one that
         goes there (``RemoteBackend`` builds it so). ``store_nice``: the nice value of the threads
-        that seal stores (``gateway.datapath.path``)."""
+        that seal stores (``gateway.datapath.path``). ``shm_bytes`` (with ``uds``): the size of
+        the shared-memory region loads borrow (0: none; the module docstring says how)."""
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
         if uds is not None and not uds:
             raise InvalidRequest("uds must be the path of the server's Unix socket (or None)")
+        if shm_bytes < 0 or (shm_bytes and uds is None):
+            raise InvalidRequest("shm_bytes is a size (>= 0), and needs uds: shared memory is for a server on this host")
         self.base_url = base_url.rstrip("/")
         self.namespace = namespace
         self.chunk_tokens = chunk_tokens
@@ -153,6 +168,10 @@ class RemoteGateway:
         )
         self._cap: _Cap | None = None
         self.stats: Counter[str] = self._plane.stats
+        self.shm_bytes = shm_bytes
+        self._region: ShmRegion | None = None
+        self._region_lock = asyncio.Lock()
+        self._region_retry_at = 0.0
 
     async def __aenter__(self) -> Self:
         return self
@@ -221,6 +240,41 @@ class RemoteGateway:
     def _forget(self) -> None:
         """Drop the capability (after a revocation); keys are held only by a request's session."""
         self._cap = None
+
+    async def _window(self) -> Window | None:
+        """A window of this worker's shared-memory region for one load, or None (no region
+        configured, none to be had now, or another load holds it: the load uses the stream)."""
+        if not self.shm_bytes:
+            return None
+        async with self._region_lock:
+            region = self._region
+            if region is None or region.tainted:
+                self._region = region = None
+                if time.monotonic() < self._region_retry_at:
+                    return None
+                try:
+                    headers = self._data_headers(await self.capability(), "application/json")
+                    status, got = await asyncio.to_thread(attach, self._wire, headers, self.shm_bytes)
+                except GatewayError as exc:
+                    status, got = 0, str(exc)
+                if status != 200:
+                    self._region_retry_at = time.monotonic() + _SHM_RETRY_S
+                    self.stats["shm_unavailable"] += 1
+                    log.info("kvgate: no shared-memory region from the server (%s %s): loads go through the socket", status, str(got)[:200])
+                    return None
+                self._region = region = got
+        window = region.lend()
+        if window is None:  # the last load's last views may be going right now: wait for them a moment
+            window = await asyncio.to_thread(region.lend, _SHM_WAIT_S)
+            if window is None:
+                self.stats["shm_region_busy"] += 1  # another load has it: this one uses the stream
+        return window
+
+    def _region_gone(self) -> None:
+        """The server no longer knows the region (evicted, restarted): ask for a new one."""
+        region = self._region
+        if region is not None:
+            region.tainted = True
 
     async def capability(self) -> str:
         """The current capability token for this worker's namespace (minted when needed)."""
@@ -407,17 +461,29 @@ class _HttpSession:
         its opening key and storage key (frame ``KVK1``), kept for ``opening_keys`` and ``context``;
         the stream is received in a thread of the data plane's client, straight into each
         envelope's own buffer, and each chunk is handed over (``fetch`` returns) as soon as it is in."""
-        body = json.dumps({"hashes": [self.chunks[i].chained_hash.hex() for i in group], "keys": True}).encode()
+        request: dict[str, Any] = {"hashes": [self.chunks[i].chained_hash.hex() for i in group], "keys": True}
+        window = await self.client._window()
+        if window is not None:
+            request["shm"] = window.request()
+        body = json.dumps(request).encode()
         loop = asyncio.get_running_loop()
-        complete: bool = await self.client._wire_call("POST", "/v1/chunks/fetch", self._receive, body, group, loop)
+        clean = False
+        try:
+            complete: bool = await self.client._wire_call("POST", "/v1/chunks/fetch", self._receive, body, group, loop, window)
+            clean = True
+        finally:
+            if window is not None:
+                window.end(clean)
         return complete
 
     def _receive(
         self, ex: Exchange, headers: list[tuple[str, str]], body: bytes, group: list[int], loop: asyncio.AbstractEventLoop,
+        window: Window | None = None,
     ) -> tuple[int, Any]:
         """(In a thread of the data plane's client.) The fetch of ``group``: ``(status, whether
         every chunk arrived)``, or ``(status, the error body)``. What arrives is handed to the
-        event loop (``_arrived``, ``_ended``) as it comes."""
+        event loop (``_arrived``, ``_ended``) as it comes; an item in the shared-memory
+        ``window`` is a view of it."""
 
         def post(fn: Callable[..., None], *args: Any) -> None:
             try:
@@ -429,6 +495,9 @@ class _HttpSession:
             ex.start("POST", "/v1/chunks/fetch", headers, [body])
             if ex.status != 200:
                 return ex.status, ex.read_rest().decode("utf-8", "replace")
+            if window is not None and ex.headers.get("x-kv-shm") == "gone":
+                post(self.client._region_gone)
+                window = None  # nothing of this load is in it
             chunk_tokens, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
             scope = frames.decode_name(ex.read(t_len)), frames.decode_name(ex.read(n_len))
             if chunk_tokens != self.client.chunk_tokens:
@@ -438,22 +507,30 @@ class _HttpSession:
                 item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
                 if item.chained_hash != self.chunks[i].chained_hash or item.length > _MAX_ENVELOPE:
                     raise BadFrame("the response does not answer the hashes asked")
+                if window is not None and (item.status != frames.IN_REGION or i == group[-1]):
+                    window.settled = True  # the server put all it will put there (it ends here, or streams)
                 if item.status == frames.KEY_UNAVAILABLE:  # its key version is destroyed: a miss
                     post(self._ended, i, FetchFailed("key_unavailable", unavailable=True), ("unavailable", "key_unavailable"))
                     ex.at_end()  # the end of the prefix is the end of the body: the connection is kept
                     return 200, False
-                if item.status not in (frames.OK, frames.UNKEYED):
+                if item.status not in (frames.OK, frames.UNKEYED, frames.IN_REGION):
                     post(self._ended, i, None, () if item.status == frames.MISSING else ("unavailable",))
                     ex.at_end()
                     return 200, False
                 key: IssuedKey | None = None
-                if item.status == frames.OK:
+                if item.status in (frames.OK, frames.IN_REGION):
                     try:
                         key = IssuedKey(item.salt, item.key)
                     except ValueError:
                         raise BadFrame("a malformed key") from None
-                buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)
-                ex.readinto(buf)
+                if item.status == frames.IN_REGION:
+                    if window is None:
+                        raise BadFrame("an item in a shared-memory region this load did not lend")
+                    buf = window.take(item.length)  # the server copied it there: nothing to receive
+                    post(self._count, "shm_envelopes")
+                else:
+                    buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)
+                    ex.readinto(buf)
                 post(self._arrived, i, buf, key, item.storage_key.hex())
                 if item.status == frames.UNKEYED:  # it fails to open (an integrity failure): the end
                     ex.at_end()
@@ -465,6 +542,9 @@ class _HttpSession:
 
     def _set_scope(self, scope: tuple[str, str]) -> None:
         self._scope = scope
+
+    def _count(self, name: str) -> None:
+        self.client.stats[name] += 1
 
     def _arrived(self, i: int, buf: memoryview, key: IssuedKey | None, storage_key: str) -> None:
         if self._closed:  # arrived after the session closed: its key is not kept

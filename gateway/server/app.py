@@ -21,6 +21,7 @@ from gateway.server import admin_routes, data
 from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
 from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
+from gateway.server.shm import Regions
 from gateway.server.telemetry import Telemetry
 from storage.base import Tier
 from storage.manager import TierManager
@@ -87,13 +88,15 @@ def create_app(settings: Settings) -> FastAPI:
             dev = dev_issuer_for(settings) if settings.dev_issuer else None
             verifier = OidcVerifier(_issuers(settings, dev))
             plane = runtime.envelope_plane(max_chunk_bytes=settings.max_chunk_bytes)
-            state = ServerState(settings, runtime, plane, verifier, telemetry, dev)
+            state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes))
             _observe(state)
             app.state.kvgate = state
             yield
         finally:
             with contextlib.suppress(Exception):
                 await app.state.kvgate.verifier.aclose()
+            with contextlib.suppress(Exception):
+                app.state.kvgate.regions.close()
             await runtime.aclose()
             telemetry.shutdown()
 

@@ -10,8 +10,11 @@ issues the keys a remote worker seals and opens envelopes with (``gateway.envelo
 
 from __future__ import annotations
 
+import asyncio
 import base64
-from collections.abc import AsyncIterator
+import json
+import os
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -21,7 +24,7 @@ from pydantic import BaseModel, Field
 
 from gateway import batches, frames
 from gateway.errors import BadFrame, InvalidRequest, TooLarge
-from gateway.server import rawbody, rawchunks
+from gateway.server import rawbody, rawchunks, shm
 from gateway.server.deps import (
     Authorize,
     Name,
@@ -101,6 +104,12 @@ class LookupRequest(Strict):
     last_chunk_tokens: int | None = Field(default=None, ge=1, le=1 << 20)
 
 
+class ShmWindow(Strict):
+    region: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    offset: int = Field(ge=0, le=1 << 40)
+    length: int = Field(ge=1, le=1 << 40)
+
+
 class FetchRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
     keys: bool = Field(
@@ -108,6 +117,16 @@ class FetchRequest(Strict):
         description="send each envelope's opening key in its item (frame KVK1; the caller's roles must "
         "also allow envelope_keys): a remote worker's load in one request",
     )
+    shm: ShmWindow | None = Field(
+        default=None,
+        description="with keys, on the Unix socket: a window of the caller's shared-memory region "
+        "(POST /v1/shm/regions) the envelopes that fit are copied into (item status 5) instead of "
+        "being streamed (gateway.server.shm)",
+    )
+
+
+class RegionRequest(Strict):
+    bytes: int = Field(ge=64, le=1 << 40, description="the region's size")
 
 
 class LookupResponse(BaseModel):
@@ -277,6 +296,7 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
     cap = _cap(scope)
     if body.keys:
         authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
+    region, shm_headers = _window(body, scope, state, request)
     walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
     first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
     if body.keys:
@@ -301,23 +321,41 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
         )
 
     async def items() -> AsyncIterator[list[bytes | memoryview]]:
-        """Each item of the frame: its head, and the envelope (a view of the tier's buffer)."""
+        """Each item of the frame: its head, and the envelope (a view of the tier's buffer), or
+        only its head where the envelope was copied into the caller's region."""
         got: batches.PrefixItem | None = first
+        at, end = (body.shm.offset, body.shm.offset + body.shm.length) if region is not None and body.shm else (0, 0)
+        lending = region is not None
+        if region is not None:
+            region.busy += 1
         try:
             while got is not None:
                 if got.found is None:
                     yield [item(got)]
                     return
                 data = got.found.data
-                state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
-                yield [item(got), data]
+                k = got.key
+                if lending and region is not None and at + data.nbytes <= end and k is not None and k.key is not None:
+                    await asyncio.to_thread(_copy_into, region.view[at : at + data.nbytes], data)
+                    state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier, "via": "shm"})
+                    yield [frames.keyed_item_head(
+                        got.chained_hash, frames.IN_REGION, data.nbytes, key_version=k.key_version, salt=k.salt, key=k.key,
+                        storage_key=bytes.fromhex(k.storage_key),
+                    )]
+                    at = shm.aligned(at + data.nbytes)
+                else:  # and every later one: the worker knows then that nothing more lands there
+                    lending = False
+                    state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
+                    yield [item(got), data]
                 got = await anext(walk, None)
         finally:
+            if region is not None:
+                region.busy -= 1
             await walk.aclose()
 
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     if isinstance(raw, rawchunks.RawChunks):
-        return _RawFrame(raw, head, items())
+        return _RawFrame(raw, head, items(), shm_headers)
 
     async def frame() -> AsyncIterator[bytes | memoryview]:
         yield head
@@ -326,7 +364,67 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
                 for off in range(0, len(part), _PIECE):  # views of the tier's buffer (see _PIECE)
                     yield part[off : off + _PIECE]
 
-    return StreamingResponse(frame(), media_type=_BATCH_MEDIA)
+    return StreamingResponse(frame(), media_type=_BATCH_MEDIA, headers=dict(shm_headers))
+
+
+def _copy_into(dst: np.ndarray, src: memoryview) -> None:
+    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))  # numpy lets go of the GIL for the copy
+
+
+def _window(
+    body: FetchRequest, scope: Scope, state: ServerState, request: Request
+) -> tuple[shm.Region | None, list[tuple[str, str]]]:
+    """The caller's region where its fetch lends a window of one (checked before anything is
+    read): ``(region, [])``; ``(None, [("x-kv-shm", "gone")])`` where the region is not known
+    (or not the caller's); a window outside the region is a 400."""
+    if body.shm is None:
+        return None, []
+    if not body.keys:
+        raise InvalidRequest("a shared-memory window goes with keys: true (a remote worker's load)")
+    client = request.client.host if request.client else "-"
+    region = state.regions.get(body.shm.region, scope.tenant, client)
+    if region is None:
+        return None, [("x-kv-shm", "gone")]
+    if body.shm.offset + body.shm.length > region.size:
+        raise InvalidRequest(f"the window ends past the region's {region.size} bytes")
+    return region, []
+
+
+@router.post("/shm/regions", response_class=Response, responses=problem_responses(400, 503))
+async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
+    """A shared-memory region for this worker's loads (``gateway.server.shm``), on the Unix socket
+    only: the answer's body is JSON ``{"region", "bytes"}``, sent with the region's file
+    descriptor attached (``SCM_RIGHTS``). 503 where the server has none to give."""
+    raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
+    if not isinstance(raw, rawchunks.RawChunks):
+        raise InvalidRequest("shared memory is for workers on the server's Unix socket")
+    region, fd = state.regions.create(scope.tenant, request.client.host if request.client else "-", body.bytes)
+    return _FdResponse(raw, json.dumps({"region": region.id, "bytes": region.size}).encode(), fd, lambda: state.regions.drop(region.id))
+
+
+class _FdResponse(Response):
+    """A JSON body sent as one chunk with a descriptor attached (``RawChunks.send_fd``); the
+    descriptor is closed here whatever happens (the worker holds its own copy)."""
+
+    media_type = "application/json"
+
+    def __init__(self, raw: rawchunks.RawChunks, data: bytes, fd: int, on_failure: Callable[[], None]) -> None:
+        self.status_code, self.background, self.body = 200, None, b""
+        self.raw_headers = [(b"content-type", b"application/json")]
+        self._raw, self._data, self._fd, self._on_failure = raw, data, fd, on_failure
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if not self._raw.usable():
+                raise shm.ShmUnavailable("the response is not chunked: no descriptor can go with it")
+            await self._raw.send_fd(self._data, self._fd)
+        except BaseException:
+            self._on_failure()
+            raise
+        finally:
+            os.close(self._fd)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 class _RawFrame(Response):
@@ -336,10 +434,13 @@ class _RawFrame(Response):
 
     media_type = _BATCH_MEDIA
 
-    def __init__(self, raw: rawchunks.RawChunks, head: bytes, items: AsyncIterator[list[bytes | memoryview]]) -> None:
+    def __init__(
+        self, raw: rawchunks.RawChunks, head: bytes, items: AsyncIterator[list[bytes | memoryview]],
+        headers: list[tuple[str, str]] = [],  # noqa: B006  # never mutated
+    ) -> None:
         # no Response.__init__: it would declare Content-Length 0; h11 frames this one chunked
         self.status_code, self.background, self.body = 200, None, b""
-        self.raw_headers = [(b"content-type", _BATCH_MEDIA.encode())]
+        self.raw_headers = [(b"content-type", _BATCH_MEDIA.encode()), *((k.encode(), v.encode()) for k, v in headers)]
         self._raw, self._head, self._items = raw, head, items
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

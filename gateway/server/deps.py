@@ -27,6 +27,7 @@ from gateway.envelopes import EnvelopePlane
 from gateway.errors import RateLimited, Unauthenticated
 from gateway.runtime import Runtime
 from gateway.server.listen import failure_key
+from gateway.server.shm import Regions
 from gateway.server.telemetry import Telemetry
 from tenancy.capabilities import read_unverified
 from tenancy.errors import AuthenticationFailed, CapabilityDenied, PermissionDenied
@@ -109,6 +110,7 @@ class ServerState:
     telemetry: Telemetry
     dev_issuer: Any = None
     limiter: FailureLimiter = field(default_factory=FailureLimiter)
+    regions: Regions = field(default_factory=lambda: Regions(0))  # shared-memory loads (shm.py)
 
 
 async def get_state(request: Request) -> ServerState:

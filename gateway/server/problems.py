@@ -42,6 +42,7 @@ from gateway.errors import (
     TooLarge,
     Unauthenticated,
 )
+from gateway.server.shm import ShmUnavailable
 from storage.types import TierError
 from tenancy.errors import (
     AuthenticationFailed,
@@ -179,6 +180,7 @@ PROBLEMS: dict[type[Exception], Entry] = {
     TooLarge: ProblemType(413, "Content Too Large", "the body is larger than the configured limit"),
     RateLimited: ProblemType(429, "Too Many Requests", "too many failed authentications", {"Retry-After": "10"}),
     NotReady: ProblemType(503, "Service Unavailable", "not ready"),
+    ShmUnavailable: ProblemType(503, "Service Unavailable", _echo),  # the worker loads through the socket
     TierError: ProblemType(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"}),
     DependencyUnavailable: _DEPENDENCY,
     KekError: _DEPENDENCY,

@@ -12,9 +12,11 @@ count a chunked body's bytes, so its state stays right and the connection is kep
 
 It is used only where it is known to be right: the request runs under uvicorn's h11 protocol
 (the server's protocol, ``gatekeeper.bounded_h11``, offers it in the scope's extensions,
-``kvgate.raw_chunks``, for ``POST /v1/chunks/fetch`` only) and h11 chose chunked framing for the
-response. Anywhere else the route
-streams through ASGI as before.
+``kvgate.raw_chunks``, for ``POST /v1/chunks/fetch`` and ``POST /v1/shm/regions``) and h11 chose
+chunked framing for the response. Anywhere else the route streams through ASGI as before.
+
+``send_fd`` writes one chunk with a file descriptor attached (``SCM_RIGHTS``): how a
+shared-memory region reaches a worker on the Unix socket (``gateway.server.shm``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from typing import Any
 
 import h11
 
+from gateway.server.shm import ShmUnavailable, send_with_fd
+
 __all__ = ["EXTENSION", "RawChunks", "offer_raw_chunks"]
 
 EXTENSION = "kvgate.raw_chunks"
 _CYCLE_MODULE = "uvicorn.protocols.http.h11_impl"
+_PATHS = ("/v1/chunks/fetch", "/v1/shm/regions")
 
 
 class RawChunks:
@@ -59,15 +64,33 @@ class RawChunks:
         transport.write(b"\r\n")
         return True
 
+    async def send_fd(self, data: bytes, fd: int) -> None:
+        """``data`` as one chunk, ``fd`` passed with it: on the connection's own socket, once
+        everything written before has left (the descriptor must travel with these bytes).
+        ``ShmUnavailable`` where it cannot be sent; the connection is then closed (its
+        response is cut, and the client sees it so)."""
+        c = self._cycle
+        if c.flow.write_paused and not c.disconnected:
+            await c.flow.drain()
+        transport = c.transport
+        sock = transport.get_extra_info("socket")
+        try:
+            if c.disconnected or sock is None or transport.get_write_buffer_size():
+                raise ShmUnavailable("the connection is not ready for a descriptor")
+            send_with_fd(sock.fileno(), b"%x\r\n" % len(data) + data + b"\r\n", fd)
+        except ShmUnavailable:
+            transport.close()
+            raise
+
 
 def offer_raw_chunks(cycle: Any) -> None:
     """Put a ``RawChunks`` in the scope's extensions of ``cycle`` (uvicorn's h11
     ``RequestResponseCycle``, just made: its app has not started) where it serves ``POST
-    /v1/chunks/fetch``. Called by the server's protocol (``gatekeeper.bounded_h11``)."""
+    /v1/chunks/fetch`` or ``POST /v1/shm/regions``. Called by the server's protocol (``gatekeeper.bounded_h11``)."""
     scope = getattr(cycle, "scope", None)
     if type(cycle).__module__ != _CYCLE_MODULE or not isinstance(scope, dict):
         return
-    if scope.get("method") != "POST" or scope.get("path") != "/v1/chunks/fetch" or cycle.response_started:
+    if scope.get("method") != "POST" or scope.get("path") not in _PATHS or cycle.response_started:
         return
     if not all(hasattr(cycle, a) for a in ("conn", "transport", "flow", "disconnected", "response_complete")):
         return

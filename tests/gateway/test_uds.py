@@ -52,14 +52,16 @@ class Served:
         return {"Authorization": "Bearer " + self.issuer.mint(tenant, roles)}
 
 
-def _serve(tmp_path: Path, path: Path, name: str = "serve") -> tuple[subprocess.Popen[bytes], str, Path]:
+def _serve(
+    tmp_path: Path, path: Path, name: str = "serve", extra_env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str, Path]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     state = tmp_path / "state"
     state.mkdir(exist_ok=True, mode=0o700)
     env = {
         **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url, "KVGATE_TIERS": '["memory"]',
-        "KVGATE_CHUNK_TOKENS": "16", "KVGATE_MEMORY_BYTES": str(256 << 20),
+        "KVGATE_CHUNK_TOKENS": "16", "KVGATE_MEMORY_BYTES": str(256 << 20), **(extra_env or {}),
     }
     env.pop("KVGATE_DATABASE_URL", None)
     log = tmp_path / f"{name}.log"
@@ -330,3 +332,4 @@ def test_the_socket_settings_are_validated(monkeypatch, tmp_path) -> None:
         ConnectorConfig.from_extra({"mode": "remote", "remote_uds": ""})
     with pytest.raises(InvalidRequest, match="uds"):
         RemoteGateway(NOWHERE, "token", uds="")
+

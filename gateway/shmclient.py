@@ -1,0 +1,183 @@
+"""A remote worker's side of shared-memory loads (``gateway.server.shm`` says why and how).
+
+``attach`` asks the server, on a connection of its own to the Unix socket, for a region of
+``nbytes`` and receives its file descriptor with the answer (``recvmsg``, ``SCM_RIGHTS``). The
+worker maps it read-only: it only ever reads envelopes there, exactly as it reads those that
+arrive in the stream (each is authenticated when opened).
+
+``ShmRegion.lend`` hands the whole region to one load at a time as a ``Window``; ``Window.take``
+gives the view of each envelope the server put there, in order. The region is lent again only
+once the load has ended and every view of it is gone (an envelope is opened, then let go), so
+the server never writes where the worker still reads. A load that did not end cleanly (cut off,
+cancelled, a broken frame) taints the region: it is never lent again (the server may still be
+copying into it), and the client asks for a new one.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import json
+import mmap
+import os
+import socket
+import threading
+import weakref
+from typing import Any
+
+import h11
+import numpy as np
+
+from gateway.errors import BadFrame
+from gateway.wire import RemoteUnavailable, TornResponse, WirePool
+
+__all__ = ["ShmRegion", "Window", "attach"]
+
+_ALIGN = 64  # as gateway.server.shm.ALIGN: each envelope starts on a cache line
+_MAX_ANSWER = 64 << 10
+
+
+def _aligned(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple[int, Any]:
+    """``POST /v1/shm/regions`` on a fresh connection to ``pool``'s Unix socket: ``(200,
+    ShmRegion)``, or ``(status, the error body)``. Blocks (run it in a thread)."""
+    if pool.uds is None:
+        raise RemoteUnavailable("shared memory needs the server's Unix socket")
+    body = json.dumps({"bytes": nbytes}).encode()
+    try:
+        sock = pool._unix_socket()
+    except OSError as exc:
+        raise RemoteUnavailable(f"connecting to {pool.uds}: {type(exc).__name__}") from None
+    fds: list[int] = []
+    try:
+        conn = h11.Connection(h11.CLIENT)
+        request = h11.Request(
+            method="POST", target=f"{pool.prefix}/v1/shm/regions",
+            headers=[("Host", pool.authority), ("Content-Length", str(len(body))), ("Connection", "close"), *headers],
+        )
+        sock.sendall(conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+        status, answer = 0, bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data, ancdata, _flags, _addr = sock.recvmsg(65536, socket.CMSG_SPACE(4 * 4))
+                for level, kind, cdata in ancdata:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds += array.array("i", cdata[: len(cdata) - len(cdata) % 4])
+                conn.receive_data(data)
+            elif isinstance(event, h11.Response):
+                status = event.status_code
+            elif isinstance(event, h11.Data):
+                answer += event.data
+                if len(answer) > _MAX_ANSWER:
+                    raise TornResponse("the region's answer is too long")
+            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                break
+        if status != 200:
+            return status, answer.decode("utf-8", "replace")
+        if len(fds) != 1:
+            raise TornResponse(f"the region's answer came with {len(fds)} descriptors, not 1")
+        got = json.loads(answer)
+        region = ShmRegion(str(got["region"]), fds.pop(), int(got["bytes"]))
+        return 200, region
+    except h11.RemoteProtocolError as exc:
+        raise TornResponse(f"the region's answer: {exc}") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RemoteUnavailable(f"attaching a shared-memory region: {type(exc).__name__}: {exc}") from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+        sock.close()
+
+
+class ShmRegion:
+    """A region the server writes envelopes into and this worker reads them from (read-only)."""
+
+    def __init__(self, rid: str, fd: int, size: int) -> None:
+        """Maps ``fd`` (and closes it); ``ValueError`` where it is not a sealed region of that size."""
+        try:
+            st = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
+                raise ValueError(f"not a sealed region of {size} bytes")
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.id = rid
+        self.size = size
+        self._array = np.frombuffer(self._mm, dtype=np.uint8)
+        self._lock = threading.Lock()
+        self._free = threading.Event()
+        self._free.set()
+        self.tainted = False
+
+    def lend(self, wait_s: float = 0.0) -> Window | None:
+        """The whole region for one load, or None while another load (or its views) still has
+        it after ``wait_s`` (the last views of a load that just ended go within moments)."""
+        while True:
+            with self._lock:
+                if self.tainted:
+                    return None
+                if self._free.is_set():
+                    self._free.clear()
+                    return Window(self)
+            if wait_s <= 0 or not self._free.wait(wait_s):
+                return None
+            wait_s = 0.0
+
+    def _returned(self) -> None:
+        self._free.set()
+
+    def view(self, offset: int, n: int) -> tuple[np.ndarray[Any, Any], memoryview]:
+        holder = self._array[offset : offset + n]
+        return holder, holder.data.cast("B")
+
+
+class Window:
+    """One load's use of a region: the views of the envelopes in it, in the server's order."""
+
+    def __init__(self, region: ShmRegion) -> None:
+        self.region = region
+        self.offset, self.length = 0, region.size
+        self._cursor = 0
+        self._out = 0  # views handed out and still alive
+        self._ended = False
+        self.settled = False  # the server has answered every item: it writes nothing more here
+        self._lock = threading.Lock()
+
+    def request(self) -> dict[str, Any]:
+        return {"region": self.region.id, "offset": self.offset, "length": self.length}
+
+    def take(self, n: int) -> memoryview:
+        """The next envelope's bytes (``n`` of them); BadFrame past the window."""
+        at = self._cursor
+        if n <= 0 or at + n > self.length:
+            raise BadFrame("an item's envelope lies past the shared-memory window")
+        self._cursor = _aligned(at + n)
+        holder, view = self.region.view(self.offset + at, n)
+        with self._lock:
+            self._out += 1
+        weakref.finalize(holder, self._released)
+        return view
+
+    def _released(self) -> None:
+        with self._lock:
+            self._out -= 1
+            back = self._ended and self._out == 0
+        if back:
+            self.region._returned()
+
+    def end(self, clean: bool) -> None:
+        """The load is over: the region is lent again once its views are gone, unless the load
+        ended neither ``clean`` nor ``settled`` (then it is tainted: the server may still be
+        writing into it)."""
+        if not (clean or self.settled):
+            self.region.tainted = True
+        with self._lock:
+            self._ended = True
+            back = self._out == 0
+        if back:
+            self.region._returned()

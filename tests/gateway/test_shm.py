@@ -1,0 +1,244 @@
+"""Shared-memory loads on the server's Unix socket (``gateway.server.shm``, ``gateway.shmclient``).
+
+The server is the real CLI in its own process (``test_uds``'s fixture). Each property is tried as
+a worker on the same host would try it, beside its positive control: a region lends its bytes
+to its own tenant's loads only, a window never reaches past the region, an envelope in the region
+is authenticated like one from the stream, a load cut off or a region the server forgot costs
+one load's speed and nothing else, and a server without shared memory still serves every load."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from gateway.remote import RemoteGateway
+from gateway.server.shm import Regions
+from gateway.shmclient import ShmRegion
+from tenancy.devissuer import DevIssuer
+from tests.gateway import test_uds
+from tests.gateway.test_uds import (
+    BLOCKS,
+    NOWHERE,
+    NUM_BLOCKS,
+    N,
+    Served,
+    _serve,
+    _stop,
+    _tenant,
+    _wait_up,
+)
+from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
+
+served = test_uds.served  # a fixture, registered in this module
+
+REGION = 8 << 20
+
+
+def _worker(s: Served, tenant: str, shm_bytes: int = REGION) -> RemoteGateway:
+    return RemoteGateway(NOWHERE, s.issuer.mint(tenant, ["kv.worker"]), chunk_tokens=16, uds=str(s.path), shm_bytes=shm_bytes)
+
+
+def _setup(seed: int = 3) -> tuple[object, object, list[torch.Tensor], list[int]]:
+    g = small_geometry()
+    return g, model_for(g), random_cache(g, NUM_BLOCKS, seed=seed), list(range(800, 800 + N))
+
+
+async def _load(w: RemoteGateway, g, model, tokens: list[int]) -> tuple[object, list[torch.Tensor]]:
+    dst = zero_cache(g, NUM_BLOCKS)
+    return await w.retrieve(model, tokens, dst, block_ids=BLOCKS), dst
+
+
+async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(served: Served) -> None:
+    with served.http() as http:
+        a, b = _tenant(served, http, "acme"), _tenant(served, http, "globex")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa, _worker(served, b) as wb:
+        assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
+        for rep in range(3):  # the region is lent again once a load is over, and used again
+            got, dst = await _load(wa, g, model, tokens)
+            assert got.loaded_tokens == N and got.integrity_failures == 0
+            assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+            assert wa.stats["shm_envelopes"] == 4 * (rep + 1)
+        assert wa._region is not None and not wa._region.tainted
+        # every envelope came through the region: the stream carried item heads only
+        assert not any(r.startswith("GET /v1/chunks/") for r in wa._wire.requests)
+        # the other tenant on the same socket, with a region of its own: nothing of A's
+        got_b, dst_b = await _load(wb, g, model, tokens)
+        assert got_b.loaded_tokens == 0 and all(not t.any() for t in dst_b) and wb.stats["shm_envelopes"] == 0
+
+
+def _fetch(http: httpx.Client, s: Served, tenant: str, hashes: list[str], shm: dict | None, keys: bool = True) -> httpx.Response:
+    token = s.issuer.mint(tenant, ["kv.worker"])
+    r = http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get", "lookup"]}, headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 201, r.text
+    body: dict = {"hashes": hashes, "keys": keys}
+    if shm is not None:
+        body["shm"] = shm
+    return http.post("/v1/chunks/fetch", json=body, headers={"Authorization": f"Bearer {token}", "X-KV-Capability": r.json()["capability"]})
+
+
+async def test_a_region_id_of_another_tenant_lends_nothing_and_a_window_never_passes_the_region(served: Served) -> None:
+    with served.http() as http:
+        a, b = _tenant(served, http, "acme"), _tenant(served, http, "globex")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa, _worker(served, b) as wb:
+        await wa.store(model, tokens, src, block_ids=BLOCKS)
+        await wb.store(model, tokens, random_cache(g, NUM_BLOCKS, seed=4), block_ids=BLOCKS)  # B's own copy
+        await _load(wa, g, model, tokens)  # A's region exists and holds A's envelopes
+        region = wa._region
+        assert region is not None
+        before = region._array.copy()
+        hashes = [c.chained_hash.hex() for c in wb._chunks(model, tokens)]
+        window = {"region": region.id, "offset": 0, "length": region.size}
+        with served.http() as http:
+            # B names A's region: answered as an unknown one, every item in the stream, A's bytes untouched
+            r = _fetch(http, served, b, hashes, window)
+            assert r.status_code == 200 and r.headers.get("x-kv-shm") == "gone"
+            assert r.content[:4] == b"KVK1" and len(r.content) > 4 * 2000  # B's four envelopes, in the stream
+            assert np.array_equal(region._array, before)
+            # the control: A's own fetch of the same window lends it (items in the region, heads only)
+            r = _fetch(http, served, a, hashes, {**window, "offset": 4096, "length": region.size - 4096})
+            assert r.status_code == 200 and "x-kv-shm" not in r.headers
+            assert len(r.content) < 2000 and not np.array_equal(region._array, before)
+            # a window past the region's end, or one without keys: a clear 422, nothing written
+            snapshot = region._array.copy()
+            for shm, keys in (({**window, "length": region.size + 64}, True), ({**window, "offset": region.size}, True), (window, False)):
+                r = _fetch(http, served, a, hashes, shm, keys=keys)
+                assert r.status_code == 422 and "window" in r.json()["detail"], r.text
+            assert np.array_equal(region._array, snapshot)
+            # a region is asked for on the Unix socket only
+            token = served.issuer.mint(a, ["kv.worker"])
+            cap = http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers={"Authorization": f"Bearer {token}"}).json()["capability"]
+            headers = {"Authorization": f"Bearer {token}", "X-KV-Capability": cap}
+            with httpx.Client(base_url=served.url, timeout=10.0) as tcp:
+                r = tcp.post("/v1/shm/regions", json={"bytes": 4096}, headers=headers)
+                assert r.status_code == 422 and "Unix socket" in r.json()["detail"]
+                assert tcp.post("/v1/shm/regions", json={"bytes": 4096}, headers={"Authorization": f"Bearer {token}"}).status_code in (401, 403)
+
+
+async def test_a_tampered_envelope_in_the_region_ends_the_prefix_and_nothing_of_it_lands(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    with served.http() as http:
+        a = _tenant(served, http, "acme")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa:
+        await wa.store(model, tokens, src, block_ids=BLOCKS)
+        view = ShmRegion.view
+        seen = [0]
+
+        def flipped(self: ShmRegion, offset: int, n: int):  # the second envelope, one bit flipped in its body
+            holder, out = view(self, offset, n)
+            seen[0] += 1
+            if seen[0] != 2:
+                return holder, out
+            bad = holder.copy()
+            bad[n // 2] ^= 1
+            return bad, bad.data.cast("B")
+
+        monkeypatch.setattr(ShmRegion, "view", flipped)
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == 16 and got.integrity_failures == 1  # the first chunk only
+        assert torch.equal(gathered(src, g, BLOCKS, 16), gathered(dst, g, BLOCKS, 16))
+        assert not gathered(dst, g, BLOCKS[4:8], 16).any()  # the tampered chunk (tokens 16-31): nothing of it
+        for k, n in ((8, 16), (12, N - 48)):  # chunks opened beside it (another batch): authentic bytes, or none
+            chunk = gathered(dst, g, BLOCKS[k:], n)
+            assert not chunk.any() or torch.equal(chunk, gathered(src, g, BLOCKS[k:], n))
+        monkeypatch.setattr(ShmRegion, "view", view)
+        # the next load, with nothing tampered: the prefix is whole again (the bad copy was dropped
+        # by the failure, so it is stored again first)
+        await wa.store(model, tokens, src, block_ids=BLOCKS)
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == N and got.integrity_failures == 0
+        assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+
+
+async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_replaced(served: Served) -> None:
+    with served.http() as http:
+        a = _tenant(served, http, "acme")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa:
+        await wa.store(model, tokens, src, block_ids=BLOCKS)
+        await _load(wa, g, model, tokens)
+        first = wa._region
+        assert first is not None and wa.stats["shm_envelopes"] == 4
+        first.id = "0" * 32  # as if the server had been restarted (or had evicted it)
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        assert wa.stats["shm_envelopes"] == 4 and first.tainted  # through the stream; the region is dropped
+        for _ in range(2):  # the loads after: a new region, used
+            got, dst = await _load(wa, g, model, tokens)
+            assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        assert wa._region is not None and wa._region is not first and wa.stats["shm_envelopes"] == 12
+        # a load cut off (cancelled) taints the region it had: the next ones get a new one and are whole
+        second = wa._region
+        window = await wa._window()
+        assert window is not None
+        window.end(clean=False)
+        assert second.tainted
+        for _ in range(2):
+            got, dst = await _load(wa, g, model, tokens)
+            assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        assert wa._region is not second and wa.stats["shm_envelopes"] == 20
+
+
+async def test_a_server_without_shared_memory_serves_every_load_through_the_socket(tmp_path: Path) -> None:
+    path = tmp_path / "k.sock"
+    proc, url, log = _serve(tmp_path, path, extra_env={"KVGATE_SHM_MAX_BYTES": "0"})
+    try:
+        _wait_up(path, proc, log)
+        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
+        with s.http() as http:
+            a = _tenant(s, http, "acme")
+        g, model, src, tokens = _setup()
+        async with _worker(s, a) as wa:
+            await wa.store(model, tokens, src, block_ids=BLOCKS)
+            for _ in range(2):
+                got, dst = await _load(wa, g, model, tokens)
+                assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+            assert wa.stats["shm_envelopes"] == 0 and wa.stats["shm_unavailable"] == 1  # asked once, then left alone
+    finally:
+        _stop(proc)
+
+
+def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None:
+    regions = Regions(max_bytes=1 << 20, max_regions=2)
+    peer = f"unix:uid={os.getuid()}:pid=1"
+    region, fd = regions.create("acme", peer, 256 << 10)
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        with pytest.raises(PermissionError):
+            os.ftruncate(fd, 0)  # a worker cannot pull the pages from under the server
+        mapped = ShmRegion(region.id, os.dup(fd), region.size)  # what a worker maps: read-only
+        with pytest.raises(TypeError):
+            mapped.view(0, 16)[1][0] = 1
+    finally:
+        os.close(fd)
+    assert regions.get(region.id, "acme", peer) is region  # the control
+    assert regions.get(region.id, "globex", peer) is None
+    assert regions.get(region.id, "acme", "unix:uid=99999:pid=1") is None
+    assert regions.get(region.id, "acme", "127.0.0.1") is None
+    with pytest.raises(Exception, match="Unix socket"):
+        regions.create("acme", "127.0.0.1", 4096)
+    with pytest.raises(Exception, match="bytes"):
+        regions.create("acme", peer, 2 << 20)
+    # past the limits the least recently used idle region goes; one being written into stays
+    r2, fd2 = regions.create("acme", peer, 256 << 10)
+    os.close(fd2)
+    r2.busy = 1
+    r3, fd3 = regions.create("acme", peer, 256 << 10)
+    os.close(fd3)
+    assert regions.get(region.id, "acme", peer) is None and regions.get(r2.id, "acme", peer) is r2
+    with pytest.raises(Exception, match="in use"):
+        regions.create("acme", peer, 1 << 20)
+    regions.close()
+    assert regions.bytes == 0
+    unsealed = os.memfd_create("plain")
+    os.ftruncate(unsealed, 4096)
+    with pytest.raises(ValueError, match="sealed"):
+        ShmRegion("x" * 32, unsealed, 4096)  # a worker maps only a region it cannot be made to fault on
