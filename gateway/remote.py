@@ -70,9 +70,10 @@ from gateway.datapath.path import DataPath
 from gateway.datapath.plane import DataPlane
 from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
-from gateway.shmclient import ShmRegion, Window, attach
+from gateway.shmclient import RegionCache, ShmRegion, Window, attach
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from gateway.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
+from tenancy.capabilities import read_unverified
 
 __all__ = ["RemoteGateway", "RemoteUnavailable", "http_client"]
 
@@ -128,13 +129,15 @@ class RemoteGateway:
         uds: str | None = None,
         store_nice: int = 0,
         shm_bytes: int = 0,
+        shm_cache: RegionCache | None = None,
     ) -> None:
         """``uds``: reach the server through its Unix socket at that path (a server on this host,
         ``kvgate serve --uds``), every call: the control calls over httpx and the data plane
         alike; ``base_url`` still names it. A shared ``http`` client must already be one that
         goes there (``RemoteBackend`` builds it so). ``store_nice``: the nice value of the threads
         that seal stores (``gateway.datapath.path``). ``shm_bytes`` (with ``uds``): the size of
-        the shared-memory region loads borrow (0: none; the module docstring says how)."""
+        the shared-memory region loads borrow (0: none; the module docstring says how); clients of
+        one process share their regions (one per tenant) through ``shm_cache``."""
         if chunk_tokens <= 0:
             raise InvalidRequest("chunk_tokens must be positive")
         if uds is not None and not uds:
@@ -168,10 +171,8 @@ class RemoteGateway:
         )
         self._cap: _Cap | None = None
         self.stats: Counter[str] = self._plane.stats
-        self.shm_bytes = shm_bytes
-        self._region: ShmRegion | None = None
-        self._region_lock = asyncio.Lock()
-        self._region_retry_at = 0.0
+        self._shm = (shm_cache or RegionCache(shm_bytes, _SHM_RETRY_S)) if shm_bytes else None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -180,6 +181,8 @@ class RemoteGateway:
         await self.aclose()
 
     async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         self._forget()
         self._plane.datapath.close()
         if self._own_http:
@@ -241,28 +244,43 @@ class RemoteGateway:
         """Drop the capability (after a revocation); keys are held only by a request's session."""
         self._cap = None
 
-    async def _window(self) -> Window | None:
-        """A window of this worker's shared-memory region for one load, or None (no region
-        configured, none to be had now, or another load holds it: the load uses the stream)."""
-        if not self.shm_bytes:
+    async def _region(self) -> ShmRegion | None:
+        """This tenant's shared-memory region (asked for where there is none), or None."""
+        if self._shm is None:
             return None
-        async with self._region_lock:
-            region = self._region
-            if region is None or region.tainted:
-                self._region = region = None
-                if time.monotonic() < self._region_retry_at:
-                    return None
-                try:
-                    headers = self._data_headers(await self.capability(), "application/json")
-                    status, got = await asyncio.to_thread(attach, self._wire, headers, self.shm_bytes)
-                except GatewayError as exc:
-                    status, got = 0, str(exc)
-                if status != 200:
-                    self._region_retry_at = time.monotonic() + _SHM_RETRY_S
-                    self.stats["shm_unavailable"] += 1
-                    log.info("kvgate: no shared-memory region from the server (%s %s): loads go through the socket", status, str(got)[:200])
-                    return None
-                self._region = region = got
+        cap = await self.capability()
+        tenant = read_unverified(cap).tenant
+        region = self._shm.cached(tenant)
+        if region is not None:
+            return region
+        headers = self._data_headers(cap, "application/json")
+        shm = self._shm
+        region, why = await asyncio.to_thread(shm.get, tenant, lambda: attach(self._wire, headers, shm.nbytes), time.monotonic())
+        if region is None and why is not None:
+            self.stats["shm_unavailable"] += 1
+            log.info("kvgate: no shared-memory region from the server (%s): loads go through the socket", why)
+        return region
+
+    def _prepare_region(self) -> None:
+        """Ask for the region in the background (a store comes before the loads of its prefix),
+        so that the first load finds it mapped."""
+        if self._shm is None or self._tasks:
+            return
+        task = asyncio.ensure_future(self._region())
+        self._tasks.add(task)
+        task.add_done_callback(self._region_asked)
+
+    def _region_asked(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("kvgate: asking for a shared-memory region: %s", task.exception())
+
+    async def _window(self) -> Window | None:
+        """A window of this tenant's shared-memory region for one load, or None (no region
+        configured, none to be had now, or another load holds it: the load uses the stream)."""
+        region = await self._region()
+        if region is None:
+            return None
         window = region.lend()
         if window is None:  # the last load's last views may be going right now: wait for them a moment
             window = await asyncio.to_thread(region.lend, _SHM_WAIT_S)
@@ -270,11 +288,6 @@ class RemoteGateway:
                 self.stats["shm_region_busy"] += 1  # another load has it: this one uses the stream
         return window
 
-    def _region_gone(self) -> None:
-        """The server no longer knows the region (evicted, restarted): ask for a new one."""
-        region = self._region
-        if region is not None:
-            region.tainted = True
 
     async def capability(self) -> str:
         """The current capability token for this worker's namespace (minted when needed)."""
@@ -326,6 +339,7 @@ class RemoteGateway:
     ) -> StoreResult:
         """Seal every chunk of ``tokens`` on this worker (its device, as embedded mode does) and
         PUT the envelopes in batches."""
+        self._prepare_region()
         return await self._plane.store(
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping,
             skip_existing=skip_existing,
@@ -496,7 +510,7 @@ class _HttpSession:
             if ex.status != 200:
                 return ex.status, ex.read_rest().decode("utf-8", "replace")
             if window is not None and ex.headers.get("x-kv-shm") == "gone":
-                post(self.client._region_gone)
+                window.region.tainted = True  # the server forgot it (evicted, restarted): a new one next time
                 window = None  # nothing of this load is in it
             chunk_tokens, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
             scope = frames.decode_name(ex.read(t_len)), frames.decode_name(ex.read(n_len))

@@ -28,10 +28,10 @@ from typing import Any
 import h11
 import numpy as np
 
-from gateway.errors import BadFrame
+from gateway.errors import BadFrame, GatewayError
 from gateway.wire import RemoteUnavailable, TornResponse, WirePool
 
-__all__ = ["ShmRegion", "Window", "attach"]
+__all__ = ["RegionCache", "ShmRegion", "Window", "attach"]
 
 _ALIGN = 64  # as gateway.server.shm.ALIGN: each envelope starts on a cache line
 _MAX_ANSWER = 64 << 10
@@ -47,6 +47,8 @@ def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple
     if pool.uds is None:
         raise RemoteUnavailable("shared memory needs the server's Unix socket")
     body = json.dumps({"bytes": nbytes}).encode()
+    if len(pool.requests) < 10_000:
+        pool.requests.append("POST /v1/shm/regions")
     try:
         sock = pool._unix_socket()
     except OSError as exc:
@@ -103,7 +105,9 @@ class ShmRegion:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
                 raise ValueError(f"not a sealed region of {size} bytes")
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # populated now (the server's copy made the pages; this maps them), not fault by fault
+            # inside the first load
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
         finally:
             os.close(fd)
         self.id = rid
@@ -134,6 +138,49 @@ class ShmRegion:
     def view(self, offset: int, n: int) -> tuple[np.ndarray[Any, Any], memoryview]:
         holder = self._array[offset : offset + n]
         return holder, holder.data.cast("B")
+
+
+class RegionCache:
+    """The regions of one worker process, one per tenant, shared by its clients (a connector makes
+    a client per capability; they all lend the same region). ``get`` attaches where there is
+    none (through ``attach_fn``), and after a refusal waits ``retry_s`` before asking again."""
+
+    def __init__(self, nbytes: int, retry_s: float = 30.0) -> None:
+        self.nbytes = nbytes
+        self.retry_s = retry_s
+        self._regions: dict[str, ShmRegion] = {}
+        self._retry_at: dict[str, float] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def _lock(self, tenant: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(tenant, threading.Lock())
+
+    def get(self, tenant: str, attach_fn: Any, now: float) -> tuple[ShmRegion | None, str | None]:
+        """(Blocking, in a thread.) ``(region, None)``; ``(None, why)`` where the server refused
+        one just now; ``(None, None)`` while a refusal is recent (nothing asked). ``attach_fn()``
+        returns ``(status, region or error body)``."""
+        with self._lock(tenant):
+            region = self._regions.get(tenant)
+            if region is not None and not region.tainted:
+                return region, None
+            self._regions.pop(tenant, None)
+            if now < self._retry_at.get(tenant, 0.0):
+                return None, None
+            try:
+                status, got = attach_fn()
+            except GatewayError as exc:
+                status, got = 0, str(exc)
+            if status != 200:
+                self._retry_at[tenant] = now + self.retry_s
+                return None, f"{status} {str(got)[:200]}"
+            self._regions[tenant] = got
+            return got, None
+
+    def cached(self, tenant: str) -> ShmRegion | None:
+        region = self._regions.get(tenant)
+        return region if region is not None and not region.tainted else None
 
 
 class Window:

@@ -398,7 +398,7 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     if not isinstance(raw, rawchunks.RawChunks):
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
-    region, fd = state.regions.create(scope.tenant, request.client.host if request.client else "-", body.bytes)
+    region, fd = await state.regions.acreate(scope.tenant, request.client.host if request.client else "-", body.bytes)
     return _FdResponse(raw, json.dumps({"region": region.id, "bytes": region.size}).encode(), fd, lambda: state.regions.drop(region.id))
 
 

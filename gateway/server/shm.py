@@ -37,6 +37,7 @@ and key version). The server never reads the region. Regions are bounded in numb
 from __future__ import annotations
 
 import array
+import asyncio
 import contextlib
 import fcntl
 import logging
@@ -52,7 +53,7 @@ import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
 
-__all__ = ["ALIGN", "Region", "Regions", "ShmUnavailable", "aligned", "send_with_fd"]
+__all__ = ["ALIGN", "Region", "Regions", "ShmUnavailable", "aligned", "make_region", "send_with_fd"]
 
 log = logging.getLogger("kvgate.shm")
 
@@ -101,6 +102,7 @@ class Regions:
         self.max_region_bytes = max_region_bytes
         self._regions: OrderedDict[str, Region] = OrderedDict()
         self.bytes = 0
+        self._pending = 0  # bytes of regions being made (in a thread) now
 
     @property
     def enabled(self) -> bool:
@@ -110,6 +112,21 @@ class Regions:
         """A new region for ``tenant``'s worker at ``client`` (its source); ``(region, fd)``: the
         caller sends ``fd`` to the worker and closes it. ``InvalidRequest`` for a size out of
         range or a peer that is not on the Unix socket; ``ShmUnavailable`` where none can be had."""
+        size, owner = self.admit(tenant, client, size)
+        return self.register(tenant, owner, size, *make_region(size))
+
+    async def acreate(self, tenant: str, client: str, size: int) -> tuple[Region, int]:
+        """``create``, with the memory made (and its pages allocated) in a thread, off the loop."""
+        size, owner = self.admit(tenant, client, size)
+        self._pending += size
+        try:
+            made = await asyncio.to_thread(make_region, size)
+        finally:
+            self._pending -= size
+        return self.register(tenant, owner, size, *made)
+
+    def admit(self, tenant: str, client: str, size: int) -> tuple[int, str]:
+        """The size (aligned) and owner of a region that may be made now (room is made for it)."""
         if not self.enabled:
             raise ShmUnavailable("shared memory is off on this server (shm_max_bytes = 0, or not Linux)")
         owner = _owner(client)
@@ -118,17 +135,12 @@ class Regions:
         if not ALIGN <= size <= min(self.max_region_bytes, self.max_bytes):
             raise InvalidRequest(f"a region is {ALIGN} to {min(self.max_region_bytes, self.max_bytes)} bytes, not {size}")
         size = aligned(size)
-        self._make_room(size)
-        if self.bytes + size > self.max_bytes or len(self._regions) >= self.max_regions:
+        self._make_room(size + self._pending)
+        if self.bytes + self._pending + size > self.max_bytes or len(self._regions) >= self.max_regions:
             raise ShmUnavailable("the server's shared memory is all in use")
-        fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            raise
+        return size, owner
+
+    def register(self, tenant: str, owner: str, size: int, mm: mmap.mmap, fd: int) -> tuple[Region, int]:
         region = Region(secrets.token_hex(16), tenant, owner, size, mm, np.frombuffer(mm, dtype=np.uint8), last_used=time.monotonic())
         self._regions[region.id] = region
         self.bytes += size
@@ -161,6 +173,20 @@ class Regions:
     def close(self) -> None:
         for rid in list(self._regions):
             self.drop(rid)
+
+
+def make_region(size: int) -> tuple[mmap.mmap, int]:
+    """A sealed memfd of ``size`` bytes and its read-write mapping, every page allocated now (the
+    first load would otherwise fault them in one by one): ``(mapping, fd)``."""
+    fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE), fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def send_with_fd(sock_fd: int, data: bytes, fd: int) -> None:

@@ -212,12 +212,16 @@ class RemoteBackend:
 
     def __init__(
         self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None,
-        store_nice: int = 0,
+        store_nice: int = 0, shm_bytes: int = 0,
     ) -> None:
         if not url or not token:
             raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")
+        if shm_bytes and not uds:
+            raise ConnectorConfigError("remote_shm_mb needs remote_uds: shared memory is for a server on this host")
         self.url, self._token, self.chunk_tokens, self.uds = url, token, chunk_tokens, uds
         self.store_nice = store_nice
+        self.shm_bytes = shm_bytes
+        self._shm: Any = None  # the regions every client of this worker shares (gateway.shmclient)
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
         self._http: Any = None
@@ -241,9 +245,14 @@ class RemoteBackend:
             async def capability(self) -> str:  # the request's own capability, never a minted one
                 return cap
 
+        if self.shm_bytes and self._shm is None:
+            from gateway.shmclient import RegionCache
+
+            self._shm = RegionCache(self.shm_bytes)
         client = _Fixed(
             self.url, self._token, http=self._http, namespace=read_unverified(cap).namespace,
-            chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice,
+            chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice, shm_bytes=self.shm_bytes,
+            shm_cache=self._shm,
         )
         self._clients[cap] = client
         while len(self._clients) > self._cache:
@@ -315,7 +324,7 @@ def _build(config: ConnectorConfig) -> Backend:
         return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s, config.store_nice)
     return RemoteBackend(
         config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds,
-        store_nice=config.store_nice,
+        store_nice=config.store_nice, shm_bytes=config.remote_shm_mb << 20,
     )
 
 

@@ -86,6 +86,9 @@ class ConnectorConfig(BaseModel):
     # the server's Unix socket, where it runs on this host (``kvgate serve --uds``): every call
     # goes there; remote_url still names the server
     remote_uds: str | None = Field(None, min_length=1)
+    # with remote_uds: loads borrow a shared-memory region of this many MiB per tenant from the
+    # server (gateway/server/shm.py): the envelopes that fit skip the socket; 0: none
+    remote_shm_mb: int = Field(0, ge=0, le=1 << 16)
     remote_token_file: str | None = None
     chunk_tokens: int = Field(256, gt=0)  # remote mode (embedded: kvgate_settings.chunk_tokens)
     model_name: str | None = None
@@ -112,7 +115,7 @@ class ConnectorConfig(BaseModel):
     def backend_key(self) -> tuple[Any, ...]:
         """What makes two connectors of a process share one backend."""
         settings = tuple(sorted((k, repr(v)) for k, v in self.kvgate_settings.items()))
-        return (self.mode, settings, self.remote_url, self.remote_uds, self.chunk_tokens, self.store_nice)
+        return (self.mode, settings, self.remote_url, self.remote_uds, self.remote_shm_mb, self.chunk_tokens, self.store_nice)
 
     def remote_token(self, env: Mapping[str, str] | None = None) -> str:
         """The worker's service token: ``KVGATE_REMOTE_TOKEN``, else ``remote_token_file``."""

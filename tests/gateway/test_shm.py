@@ -44,6 +44,13 @@ def _worker(s: Served, tenant: str, shm_bytes: int = REGION) -> RemoteGateway:
     return RemoteGateway(NOWHERE, s.issuer.mint(tenant, ["kv.worker"]), chunk_tokens=16, uds=str(s.path), shm_bytes=shm_bytes)
 
 
+def _region(w: RemoteGateway) -> ShmRegion | None:
+    """The worker's region (of its one tenant), as its clients share it."""
+    assert w._shm is not None
+    regions = list(w._shm._regions.values())
+    return regions[0] if regions else None
+
+
 def _setup(seed: int = 3) -> tuple[object, object, list[torch.Tensor], list[int]]:
     g = small_geometry()
     return g, model_for(g), random_cache(g, NUM_BLOCKS, seed=seed), list(range(800, 800 + N))
@@ -65,9 +72,19 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
             assert got.loaded_tokens == N and got.integrity_failures == 0
             assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa.stats["shm_envelopes"] == 4 * (rep + 1)
-        assert wa._region is not None and not wa._region.tainted
-        # every envelope came through the region: the stream carried item heads only
-        assert not any(r.startswith("GET /v1/chunks/") for r in wa._wire.requests)
+        assert _region(wa) is not None and not _region(wa).tainted
+        # another client of the same process and tenant (a connector makes one per capability)
+        # borrows the same region: no second one is asked for
+        shared = _region(wa)
+        assert wa._wire.requests.count("POST /v1/shm/regions") == 1
+        async with RemoteGateway(
+            NOWHERE, served.issuer.mint(a, ["kv.worker"]), chunk_tokens=16, uds=str(served.path), shm_bytes=REGION,
+            shm_cache=wa._shm,
+        ) as wa2:
+            got, dst = await _load(wa2, g, model, tokens)
+            assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+            assert wa2.stats["shm_envelopes"] == 4 and _region(wa2) is shared
+            assert not any(r.startswith("POST /v1/shm") for r in wa2._wire.requests)
         # the other tenant on the same socket, with a region of its own: nothing of A's
         got_b, dst_b = await _load(wb, g, model, tokens)
         assert got_b.loaded_tokens == 0 and all(not t.any() for t in dst_b) and wb.stats["shm_envelopes"] == 0
@@ -91,7 +108,7 @@ async def test_a_region_id_of_another_tenant_lends_nothing_and_a_window_never_pa
         await wa.store(model, tokens, src, block_ids=BLOCKS)
         await wb.store(model, tokens, random_cache(g, NUM_BLOCKS, seed=4), block_ids=BLOCKS)  # B's own copy
         await _load(wa, g, model, tokens)  # A's region exists and holds A's envelopes
-        region = wa._region
+        region = _region(wa)
         assert region is not None
         before = region._array.copy()
         hashes = [c.chained_hash.hex() for c in wb._chunks(model, tokens)]
@@ -164,7 +181,7 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
     async with _worker(served, a) as wa:
         await wa.store(model, tokens, src, block_ids=BLOCKS)
         await _load(wa, g, model, tokens)
-        first = wa._region
+        first = _region(wa)
         assert first is not None and wa.stats["shm_envelopes"] == 4
         first.id = "0" * 32  # as if the server had been restarted (or had evicted it)
         got, dst = await _load(wa, g, model, tokens)
@@ -173,9 +190,9 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
         for _ in range(2):  # the loads after: a new region, used
             got, dst = await _load(wa, g, model, tokens)
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        assert wa._region is not None and wa._region is not first and wa.stats["shm_envelopes"] == 12
+        assert _region(wa) is not None and _region(wa) is not first and wa.stats["shm_envelopes"] == 12
         # a load cut off (cancelled) taints the region it had: the next ones get a new one and are whole
-        second = wa._region
+        second = _region(wa)
         window = await wa._window()
         assert window is not None
         window.end(clean=False)
@@ -183,7 +200,7 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
         for _ in range(2):
             got, dst = await _load(wa, g, model, tokens)
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        assert wa._region is not second and wa.stats["shm_envelopes"] == 20
+        assert _region(wa) is not second and wa.stats["shm_envelopes"] == 20
 
 
 async def test_a_server_without_shared_memory_serves_every_load_through_the_socket(tmp_path: Path) -> None:

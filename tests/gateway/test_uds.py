@@ -332,4 +332,14 @@ def test_the_socket_settings_are_validated(monkeypatch, tmp_path) -> None:
         ConnectorConfig.from_extra({"mode": "remote", "remote_uds": ""})
     with pytest.raises(InvalidRequest, match="uds"):
         RemoteGateway(NOWHERE, "token", uds="")
+    # shared memory is for a server on this host: only with the socket
+    from gateway.vllm.backend import RemoteBackend
+
+    with pytest.raises(InvalidRequest, match="needs uds"):
+        RemoteGateway(NOWHERE, "token", shm_bytes=1 << 20)
+    with pytest.raises(ConnectorConfigError, match="remote_uds"):
+        RemoteBackend(NOWHERE, "token", 16, shm_bytes=1 << 20)
+    assert ConnectorConfig.from_extra({"mode": "remote", "remote_uds": "/run/k.sock", "remote_shm_mb": 512}).remote_shm_mb == 512
+    with pytest.raises(ConnectorConfigError, match="remote_shm_mb"):
+        ConnectorConfig.from_extra({"mode": "remote", "remote_shm_mb": -1})
 
