@@ -112,6 +112,8 @@ def setup_line(result: dict[str, Any]) -> str:
         f"vLLM {meta.get('vllm', '?')} on CPU ({meta.get('cpus', '?')} cores, all of them for every system), prefix cache off, "
         f"block {e['block_size']}, kvgate chunks of {c['chunk_tokens']} tokens; {c['reps']} prompts per length, "
         f"{c['out_tokens']} greedy tokens each; load average at start {load}."
+        + (f" The systems come from {meta['merged_runs']} runs of the same benchmark on this machine, one after the other "
+           "(`--from-raw` of each run's e2e-raw.json)." if meta.get("merged_runs") else "")
     )
 
 

@@ -53,11 +53,13 @@ class Config:
     context: int = 2048
     questions: int = 4
     question_tokens: int = 64
-    systems: list[str] = field(default_factory=lambda: ["none", "kvgate-embedded", "kvgate-remote", "kvgate-remote-uds", "example", "lmcache"])
+    systems: list[str] = field(default_factory=lambda: [
+        "none", "kvgate-embedded", "kvgate-remote", "kvgate-remote-uds", "kvgate-remote-shm", "example", "lmcache"])
     chunk_tokens: int = 256
     block_size: int = 32
     dtype: str = "float32"
     memory_bytes: int = 3 << 30
+    shm_mb: int = 512  # kvgate-remote-shm: each tenant's region (an 8K-token load of the model is 393 MB)
     kv_cache_gb: int = 3
     redis_url: str = "redis://127.0.0.1:6379/0"
     engine_timeout_s: int = 1500
@@ -268,6 +270,35 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
     return {"meta": {**meta(), "failed": failed, "not_run": not_run}, "runs": runs}
 
 
+_SAME = ("size", "lengths", "reps", "iso_length", "tenants", "context", "questions", "chunk_tokens", "dtype", "out_tokens")
+
+
+def merge_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
+    """One raw run from several of the same benchmark (``_SAME`` equal): the first one's machine
+    and engine, every system's run (a later one replaces an earlier one of the same system), the
+    systems in the first one's order then the others'. ``SystemExit`` where they differ."""
+    first = raws[0]
+    cfg = first["meta"]["config"]
+    meta = {**first["meta"], "failed": dict(first["meta"].get("failed", {})), "not_run": dict(first["meta"].get("not_run", {}))}
+    runs = dict(first["runs"])
+    for other in raws[1:]:
+        theirs = other["meta"]["config"]
+        differ = [k for k in _SAME if theirs.get(k) != cfg.get(k)]
+        if differ:
+            raise SystemExit(f"the runs differ in {', '.join(differ)}: they cannot be reported together")
+        for key, run_ in other["runs"].items():
+            runs[key] = {**run_, "merged_from_run_at": other["meta"].get("started_at") or other["meta"].get("uptime_end")}
+            meta["failed"].pop(key, None)
+            meta["not_run"].pop(key, None)
+        meta["failed"].update({k: v for k, v in other["meta"].get("failed", {}).items() if k not in runs})
+        meta["not_run"].update({k: v for k, v in other["meta"].get("not_run", {}).items() if k not in runs})
+    order = [*cfg.get("systems", first["runs"]), *(k for r in raws[1:] for k in r["meta"]["config"].get("systems", r["runs"]))]
+    meta["config"] = {**cfg, "systems": list(dict.fromkeys(order))}
+    if len(raws) > 1:
+        meta["merged_runs"] = len(raws)
+    return {"meta": meta, "runs": runs}
+
+
 def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p = argparse.ArgumentParser(prog="bench-e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny model, short prompts (develops the harness)")
@@ -285,7 +316,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
                    help="python of an environment with vLLM and LMCache (default: $KVGATE_E2E_LMCACHE_PYTHON or .venv-lmcache-vllm)")
     p.add_argument("--json", type=Path, default=ROOT / "bench-results" / "e2e.json")
     p.add_argument("--docs", action="store_true", help="also refresh docs/e2e.*, docs/img/e2e_ttft.png and the README table")
-    p.add_argument("--from-raw", type=Path, help="no engines: analyze and report an earlier run's e2e-raw.json")
+    p.add_argument("--from-raw", type=Path, nargs="+",
+                   help="no engines: analyze and report an earlier run's e2e-raw.json; several: their systems merged "
+                        "(runs of the same model, lengths and repetitions; a later file's system replaces an earlier one's)")
     p.add_argument("--workdir", type=Path, help="keep engine logs, plans and traces here (default: a temporary directory)")
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
@@ -304,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, a = parse(argv)
     t0 = time.monotonic()
     if a.from_raw:
-        raw = json.loads(a.from_raw.read_text())
+        raw = merge_raw([json.loads(p.read_text()) for p in a.from_raw])
     else:
         with tempfile.TemporaryDirectory(prefix="kvgate-e2e-") as tmp:
             raw = run(cfg, a.workdir or Path(tmp))

@@ -10,6 +10,9 @@
   the worker holding that operator token in ``KVGATE_REMOTE_TOKEN``.
 - ``kvgate-remote-uds``: the same, with the server also on a Unix socket (``kvgate serve --uds``)
   and the connector going there (``remote_uds``): a kvgate server on the workers' host.
+- ``kvgate-remote-shm``: the same, and loads borrow a shared-memory region of ``shm_mb`` per
+  tenant from the server (``remote_shm_mb``, ``gateway/server/shm.py``): the envelopes that fit
+  are copied once by the server and read in place by the worker, none through the socket.
 - ``example``: vLLM's in-tree ExampleConnector (plaintext safetensors files per request and layer
   in a directory), tenants told apart only by ``cache_salt``, which it does not read.
 - ``lmcache``: LMCache's vLLM connector (``LMCacheConnectorV1``, its in-process adapter, CPU tier
@@ -46,7 +49,7 @@ __all__ = ["LABELS", "NotRun", "System", "open_system", "stop_process"]
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "none": "no connector", "kvgate-embedded": "kvgate embedded", "kvgate-remote": "kvgate remote",
-    "kvgate-remote-uds": "kvgate remote (Unix socket)",
+    "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
 }
 OPS = ["lookup", "get", "put"]
@@ -168,9 +171,10 @@ def _kvgate(args: list[str], env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
-def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False) -> System:
+def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0) -> System:
     """``uds``: the server also listens on a Unix socket and the connector goes there (a kvgate
-    server on the workers' host), else over loopback TCP."""
+    server on the workers' host), else over loopback TCP; ``shm_mb``: and loads borrow a
+    shared-memory region of that size."""
     import httpx
 
     port = free_port()
@@ -185,7 +189,7 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = Fal
             [sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", str(sock)] if sock else [])],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    system = System("kvgate-remote-uds" if uds else "kvgate-remote", None, procs=[proc])
+    system = System("kvgate-remote-shm" if shm_mb else "kvgate-remote-uds" if uds else "kvgate-remote", None, procs=[proc])
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -212,7 +216,8 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = Fal
                 system.caps[t] = r.json()["capability"]
         trace = work / "trace.jsonl"
         extra = {"mode": "remote", "remote_url": url, "chunk_tokens": cfg["chunk_tokens"], "trace_path": str(trace),
-                 "model_name": "bench-llama", **({"remote_uds": str(sock)} if sock else {})}
+                 "model_name": "bench-llama", **({"remote_uds": str(sock)} if sock else {}),
+                 **({"remote_shm_mb": shm_mb} if shm_mb else {})}
         system.ktc, system.trace, system.env = _connector(extra), trace, {"KVGATE_REMOTE_TOKEN": operator}
         return system
     except BaseException:
@@ -272,6 +277,8 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg)
     if key == "kvgate-remote-uds":
         return _remote(work, tenants, cfg, uds=True)
+    if key == "kvgate-remote-shm":
+        return _remote(work, tenants, cfg, uds=True, shm_mb=cfg.get("shm_mb", 512))
     if key == "example":
         return _example(work, tenants)
     if key == "lmcache":

@@ -189,3 +189,19 @@ def test_settle_waits_for_every_submitted_store_to_end(tmp_path: Path):
     waited = _settle(plan, timeout_s=10)
     t.join()
     assert waited >= 0.25
+
+
+def test_runs_of_the_same_benchmark_merge_and_others_are_refused():
+    from scripts.bench_e2e.run import merge_raw
+
+    a, b = _raw(), _raw()
+    b["meta"]["config"] = {**b["meta"]["config"], "systems": ["kvgate-remote-shm"]}
+    b["runs"] = {"kvgate-remote-shm": b["runs"]["kvgate-embedded"]}
+    merged = merge_raw([a, b])
+    assert list(merged["runs"]) == [*a["runs"], "kvgate-remote-shm"]
+    assert merged["meta"]["config"]["systems"][-1] == "kvgate-remote-shm" and merged["meta"]["merged_runs"] == 2
+    assert any(r["system"] == "kvgate-remote-shm" for r in analyze(merged)["ttft"])
+    c = _raw()
+    c["meta"]["config"] = {**c["meta"]["config"], "reps": 99}
+    with pytest.raises(SystemExit, match="reps"):
+        merge_raw([a, c])
