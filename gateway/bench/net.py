@@ -34,6 +34,7 @@ import httpx
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
 from gateway import frames, wire
 from gateway.bench.common import percentiles_ms
+from gateway.shmclient import attach
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
@@ -194,7 +195,9 @@ async def rest_figures(
     the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
     latency for 128 chained hashes: ``lookup_ms`` as a remote worker asks (the data plane's own
     client, ``gateway.wire``), ``lookup_ms_httpx`` through a general-purpose client. ``uds``: the
-    server also listens on a Unix socket and every call goes there (``kvgate serve --uds``)."""
+    server also listens on a Unix socket and every call goes there (``kvgate serve --uds``), and
+    ``get_keyed_shm`` is the keyed fetch with a shared-memory region lent (``gateway.server.shm``:
+    the envelopes are copied into it by the server and read there, only their heads cross)."""
     from gateway import dbschema
     from tenancy.devissuer import DevIssuer
 
@@ -278,10 +281,15 @@ async def rest_figures(
                 async def put_batch() -> None:
                     await pool.run(put_frame, _wire_headers(capability, "application/octet-stream"))
 
-                def fetch(ex: wire.Exchange, headers: list[tuple[str, str]], keyed: bool) -> None:
-                    """As ``gateway.remote`` loads: each envelope received into a buffer of its own."""
+                def fetch(ex: wire.Exchange, headers: list[tuple[str, str]], keyed: bool, region: Any = None) -> None:
+                    """As ``gateway.remote`` loads: each envelope received into a buffer of its own
+                    (or, in ``region``'s window, read where the server put it)."""
+                    window = region.lend() if region is not None else None
+                    request: dict[str, Any] = {"hashes": hashes, "keys": keyed}
+                    if window is not None:
+                        request["shm"] = window.request()
                     try:
-                        ex.start("POST", "/v1/chunks/fetch", headers, [json.dumps({"hashes": hashes, "keys": keyed}).encode()])
+                        ex.start("POST", "/v1/chunks/fetch", headers, [json.dumps(request).encode()])
                         assert ex.status == 200, (ex.status, ex.read_rest())
                         if keyed:
                             _ct, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
@@ -294,11 +302,16 @@ async def rest_figures(
                                 status, length = item.status, item.length
                             else:
                                 _h, status, length = frames.parse_item_head(ex.read(frames.ITEM_HEAD))
+                            if window is not None and status == frames.IN_REGION:
+                                window.take(length)  # as gateway.remote takes it: a view, nothing received
+                                continue
                             assert status == frames.OK, status
                             ex.readinto(wire.receive_buffers.take(length))  # as gateway.remote receives
                         ex.at_end()
                     finally:
                         ex.close()
+                        if window is not None:
+                            window.end(True)
 
                 async def get_batch() -> None:
                     await pool.run(fetch, _wire_headers(capability, "application/json"), False)
@@ -316,6 +329,16 @@ async def rest_figures(
                 out["put"][size] = await timed(put_batch, "put")
                 out["get"][size] = await timed(get_batch, "get")
                 out["get_keyed"][size] = await timed(get_keyed, "get_keyed")
+                if sock is not None:
+                    status, region = await asyncio.to_thread(
+                        attach, pool, _wire_headers(keyed, "application/json"), len(body) * len(hashes) + (1 << 20)
+                    )
+                    assert status == 200, (status, region)
+
+                    async def get_keyed_shm() -> None:
+                        await pool.run(fetch, _wire_headers(keyed, "application/json"), True, region)
+
+                    out.setdefault("get_keyed_shm", {})[size] = await timed(get_keyed_shm, "get_keyed_shm")
                 out.setdefault("bytes", {})[size] = len(body)
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)
@@ -387,7 +410,8 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(base, ignore_errors=True)
         for b in sizes:
             send, recv = socket_ceiling(rest["bytes"][b], counts[b], args.reps, uds=uds)
-            for name, sock in (("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv)):
+            names = [("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv)]
+            for name, sock in names + ([("get_keyed_shm", recv)] if uds else []):
                 gbps, cpu = rest[name][b], rest["cpu_s_per_gb"][name][b]
                 rows.append({"transport": transport, "op": name, "mib": b >> 20, "count": counts[b], "gbps": round(gbps, 3),
                              "socket_gbps": round(sock, 3), "ratio": round(gbps / sock, 3), "cpu_s_per_gb": cpu})

@@ -229,6 +229,8 @@ async def run_bench(
                         if not uds:
                             rows += [("rest_per_chunk", "store", "put_per_chunk", send),
                                      ("rest_per_chunk", "load", "get_per_chunk", recv)]
+                        else:  # the worker's load with a shared-memory region lent (rest_keyed_shm_uds)
+                            rows += [("rest_keyed_shm", "load", "get_keyed_shm", recv)]
                         for tier, op, name, sock in rows:
                             results.append({
                                 "op": op, "tier": tier + sfx, "encrypted": True, "chunk_bytes": b, "threads": 1,
