@@ -135,7 +135,7 @@ class Regions:
         if not ALIGN <= size <= min(self.max_region_bytes, self.max_bytes):
             raise InvalidRequest(f"a region is {ALIGN} to {min(self.max_region_bytes, self.max_bytes)} bytes, not {size}")
         size = aligned(size)
-        self._make_room(size + self._pending)
+        self._make_room(size + self._pending, tenant)
         if self.bytes + self._pending + size > self.max_bytes or len(self._regions) >= self.max_regions:
             raise ShmUnavailable("the server's shared memory is all in use")
         return size, owner
@@ -147,8 +147,11 @@ class Regions:
         log.info("shared-memory region %s… of %d bytes for tenant %s (%s)", region.id[:8], size, tenant, owner)
         return region, fd
 
-    def _make_room(self, size: int) -> None:
-        for rid in list(self._regions):
+    def _make_room(self, size: int, tenant: str) -> None:
+        """Drop idle regions, least recently used first, the asking tenant's own before anyone
+        else's (a tenant asking again and again mostly replaces its own)."""
+        order = sorted(self._regions, key=lambda rid: self._regions[rid].tenant != tenant)  # stable: LRU within each
+        for rid in order:
             if self.bytes + size <= self.max_bytes and len(self._regions) < self.max_regions:
                 return
             if not self._regions[rid].busy:

@@ -253,6 +253,14 @@ def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None
     assert regions.get(region.id, "acme", peer) is None and regions.get(r2.id, "acme", peer) is r2
     with pytest.raises(Exception, match="in use"):
         regions.create("acme", peer, 1 << 20)
+    # another tenant asking makes room from acme's idle region; acme asking again replaces its own
+    g1, fd = regions.create("globex", peer, 256 << 10)
+    os.close(fd)
+    assert regions.get(r3.id, "acme", peer) is None and regions.get(r2.id, "acme", peer) is r2
+    r2.busy = 0
+    a4, fd = regions.create("acme", peer, 256 << 10)
+    os.close(fd)
+    assert regions.get(g1.id, "globex", peer) is g1 and regions.get(r2.id, "acme", peer) is None
     regions.close()
     assert regions.bytes == 0
     unsealed = os.memfd_create("plain")
