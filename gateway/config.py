@@ -137,8 +137,9 @@ class Settings(BaseSettings):
     uds: Path | None = None
     uds_mode: int = 0o660  # octal in the environment: KVGATE_UDS_MODE=660 (or 0660, 0o660)
     # shared-memory loads for workers on the Unix socket (gateway/server/shm.py): the most bytes
-    # of regions the server maps for them at once (0: off, every load goes through the socket)
-    shm_max_bytes: int = Field(default=4 << 30, ge=0)
+    # of regions the server makes for them at once, a quarter of it per tenant (0, the default:
+    # off, every load goes through the socket; the server allocates what it hands out)
+    shm_max_bytes: int = Field(default=0, ge=0)
     # uvicorn's access log, a line per request (about 0.14 ms of the server's CPU per request
     # here): off leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True

@@ -207,7 +207,7 @@ async def rest_figures(
     url = f"http://127.0.0.1:{port}"
     env = {
         **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url,
-        "KVGATE_TIERS": '["memory"]', "KVGATE_MEMORY_BYTES": str(4 << 30),
+        "KVGATE_TIERS": '["memory"]', "KVGATE_MEMORY_BYTES": str(4 << 30), "KVGATE_SHM_MAX_BYTES": str(4 << 30),
         "KVGATE_MAX_CHUNK_BYTES": str(max(sizes) + (1 << 20)),
         "KVGATE_MAX_BATCH_BYTES": str(max(max(sizes) + (1 << 20), max(s * counts[s] for s in sizes) + (1 << 20))),
     }

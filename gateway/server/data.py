@@ -14,6 +14,7 @@ import asyncio
 import base64
 import json
 import os
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
@@ -296,9 +297,15 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
     cap = _cap(scope)
     if body.keys:
         authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
-    region, shm_headers = _window(body, scope, state, request)
-    walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
-    first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
+    region, shm_headers = _window(body, cap, state, request)
+    release = _Once(state.regions.release, region) if region is not None else None
+    try:
+        walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
+        first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
+    except BaseException:
+        if release is not None:
+            release()
+        raise
     if body.keys:
         verified = read_unverified(cap)  # verified by the walk just now
         head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
@@ -326,8 +333,6 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
         got: batches.PrefixItem | None = first
         at, end = (body.shm.offset, body.shm.offset + body.shm.length) if region is not None and body.shm else (0, 0)
         lending = region is not None
-        if region is not None:
-            region.busy += 1
         try:
             while got is not None:
                 if got.found is None:
@@ -335,7 +340,7 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
                     return
                 data = got.found.data
                 k = got.key
-                if lending and region is not None and at + data.nbytes <= end and k is not None and k.key is not None:
+                if lending and region is not None and not region.closed and at + data.nbytes <= end and k is not None and k.key is not None:
                     await asyncio.to_thread(_copy_into, region.view[at : at + data.nbytes], data)
                     state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier, "via": "shm"})
                     yield [frames.keyed_item_head(
@@ -349,22 +354,37 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
                     yield [item(got), data]
                 got = await anext(walk, None)
         finally:
-            if region is not None:
-                region.busy -= 1
+            if release is not None:
+                release()
             await walk.aclose()
 
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
+    stream = items()
+    if release is not None:  # a stream never started (a client gone first) lets the region go too
+        weakref.finalize(stream, release)
     if isinstance(raw, rawchunks.RawChunks):
-        return _RawFrame(raw, head, items(), shm_headers)
+        return _RawFrame(raw, head, stream, shm_headers)
 
-    async def frame() -> AsyncIterator[bytes | memoryview]:
+    async def frame(parts_of: AsyncIterator[list[bytes | memoryview]]) -> AsyncIterator[bytes | memoryview]:
         yield head
-        async for parts in items():
+        async for parts in parts_of:
             for part in parts:
                 for off in range(0, len(part), _PIECE):  # views of the tier's buffer (see _PIECE)
                     yield part[off : off + _PIECE]
 
-    return StreamingResponse(frame(), media_type=_BATCH_MEDIA, headers=dict(shm_headers))
+    return StreamingResponse(frame(stream), media_type=_BATCH_MEDIA, headers=dict(shm_headers))
+
+
+class _Once:
+    """``fn(*args)`` the first time it is called, nothing after."""
+
+    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
+        self._call: tuple[Callable[..., None], tuple[Any, ...]] | None = (fn, args)
+
+    def __call__(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call[0](*call[1])
 
 
 def _copy_into(dst: np.ndarray, src: memoryview) -> None:
@@ -372,22 +392,24 @@ def _copy_into(dst: np.ndarray, src: memoryview) -> None:
 
 
 def _window(
-    body: FetchRequest, scope: Scope, state: ServerState, request: Request
+    body: FetchRequest, cap: str, state: ServerState, request: Request
 ) -> tuple[shm.Region | None, list[tuple[str, str]]]:
     """The caller's region where its fetch lends a window of one (checked before anything is
-    read): ``(region, [])``; ``(None, [("x-kv-shm", "gone")])`` where the region is not known
-    (or not the caller's); a window outside the region is a 400."""
+    read, for the tenant of the verified capability): ``(region, [])``, held until the fetch
+    ends; ``(None, [("x-kv-shm", "gone")])`` where the region is not known (or not the
+    caller's); a window outside the region is a 422."""
     if body.shm is None:
         return None, []
     if not body.keys:
         raise InvalidRequest("a shared-memory window goes with keys: true (a remote worker's load)")
+    tenant = state.runtime.access.authorize(cap, "get").tenant
     client = request.client.host if request.client else "-"
-    region = state.regions.get(body.shm.region, scope.tenant, client)
+    region = state.regions.get(body.shm.region, tenant, client)
     if region is None:
         return None, [("x-kv-shm", "gone")]
     if body.shm.offset + body.shm.length > region.size:
         raise InvalidRequest(f"the window ends past the region's {region.size} bytes")
-    return region, []
+    return state.regions.hold(body.shm.region, tenant, client), []
 
 
 @router.post("/shm/regions", response_class=Response, responses=problem_responses(400, 503))
@@ -398,7 +420,8 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     if not isinstance(raw, rawchunks.RawChunks):
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
-    region, fd = await state.regions.acreate(scope.tenant, request.client.host if request.client else "-", body.bytes)
+    tenant = state.runtime.access.authorize(_cap(scope), "get").tenant  # verified: expired, revoked, forged: 403
+    region, fd = await state.regions.acreate(tenant, request.client.host if request.client else "-", body.bytes)
     return _FdResponse(raw, json.dumps({"region": region.id, "bytes": region.size}).encode(), fd, lambda: state.regions.drop(region.id))
 
 

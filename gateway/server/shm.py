@@ -20,7 +20,7 @@ How.
   the window ``[offset, offset + length)`` of the region is the worker's to lend. Each envelope
   that fits in what is left of the window is copied there (64-byte aligned, in order) and its
   item says so (status ``IN_REGION``, length, no body bytes); one that does not fit is sent in
-  the stream as before. A window outside the region is a 400. A region that is unknown (evicted,
+  the stream as before. A window outside the region is a 422. A region that is unknown (evicted,
   a restarted server) or not the caller's (another tenant, another uid) is used for nothing: every
   item comes in the stream and the response says ``x-kv-shm: gone`` (the worker asks for a new one).
 - The worker lends a window only while nothing of it is in use (one load at a time), so the
@@ -30,8 +30,16 @@ How.
 
 What the region holds is what the stream would have carried: ciphertext of the caller's tenant,
 checked by the worker exactly as a received envelope is (its AAD binds tenant, namespace, chunk
-and key version). The server never reads the region. Regions are bounded in number and bytes
-(``shm_max_bytes``, ``shm_max_regions``); past that the least recently used idle one is dropped.
+and key version). The server never reads the region.
+
+Memory. The server allocates a region's pages when it makes it (they are charged to the server),
+so everything about them is bounded: ``shm_max_bytes`` in all (off by default: an operator turns
+it on for a node-local server), a quarter of that per tenant (at least one region's worth), at
+most ``max_regions``, and a tenant and uid may ask for ``_CREATES_PER_MINUTE`` regions a minute.
+Past a limit the asking tenant's own idle regions go first, least recently used first, and only
+when that makes enough room; nothing is dropped for a request that is refused anyway. A region
+dropped has its pages punched out (``MADV_REMOVE``) as it is unmapped: a worker keeping the
+descriptor keeps a mapping of holes, and any page it faults in again is its own.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ __all__ = ["ALIGN", "Region", "Regions", "ShmUnavailable", "aligned", "make_regi
 log = logging.getLogger("kvgate.shm")
 
 ALIGN = 64  # each envelope starts on a cache line of the region
+_CREATES_PER_MINUTE = 8
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
@@ -77,12 +86,17 @@ class Region:
     size: int
     mm: mmap.mmap = field(repr=False)
     view: np.ndarray = field(repr=False)
-    busy: int = 0  # fetches writing into it now
+    busy: int = 0  # fetches writing into it now (or about to)
     last_used: float = 0.0
+    closed: bool = False
 
     def close(self) -> None:
+        """Free its pages (whoever still maps them: the worker's descriptor keeps holes) and unmap."""
+        self.closed = True
         self.view = np.empty(0, dtype=np.uint8)
-        with contextlib.suppress(BufferError):  # a view still held: unmapped when it goes
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            self.mm.madvise(mmap.MADV_REMOVE)
+        with contextlib.suppress(BufferError):  # a copy still holds a view: unmapped when it goes
             self.mm.close()
 
 
@@ -103,7 +117,12 @@ class Regions:
         self._regions: OrderedDict[str, Region] = OrderedDict()
         self.bytes = 0
         self._pending = 0  # bytes of regions being made (in a thread) now
+        self._pending_n = 0
+        self._creates: dict[tuple[str, str], list[float]] = {}
 
+    @property
+    def tenant_max_bytes(self) -> int:
+        return max(self.max_bytes // 4, min(self.max_region_bytes, self.max_bytes))
     @property
     def enabled(self) -> bool:
         return self.max_bytes > 0 and hasattr(os, "memfd_create") and bool(_SEALS)
@@ -119,10 +138,16 @@ class Regions:
         """``create``, with the memory made (and its pages allocated) in a thread, off the loop."""
         size, owner = self.admit(tenant, client, size)
         self._pending += size
+        self._pending_n += 1
+        making = asyncio.ensure_future(asyncio.to_thread(make_region, size))
         try:
-            made = await asyncio.to_thread(make_region, size)
+            made = await asyncio.shield(making)
+        except asyncio.CancelledError:  # the request went away: what the thread makes is let go
+            making.add_done_callback(_discard)
+            raise
         finally:
             self._pending -= size
+            self._pending_n -= 1
         return self.register(tenant, owner, size, *made)
 
     def admit(self, tenant: str, client: str, size: int) -> tuple[int, str]:
@@ -135,9 +160,15 @@ class Regions:
         if not ALIGN <= size <= min(self.max_region_bytes, self.max_bytes):
             raise InvalidRequest(f"a region is {ALIGN} to {min(self.max_region_bytes, self.max_bytes)} bytes, not {size}")
         size = aligned(size)
-        self._make_room(size + self._pending, tenant)
-        if self.bytes + self._pending + size > self.max_bytes or len(self._regions) >= self.max_regions:
-            raise ShmUnavailable("the server's shared memory is all in use")
+        now = time.monotonic()
+        recent = [t for t in self._creates.get((tenant, owner), []) if now - t < 60.0]
+        if len(recent) >= _CREATES_PER_MINUTE:
+            raise ShmUnavailable("too many regions asked for in the last minute")
+        self._make_room(size, tenant)
+        recent.append(now)
+        self._creates[(tenant, owner)] = recent
+        if len(self._creates) > 4096:  # old entries of peers gone
+            self._creates = {k: v for k, v in self._creates.items() if now - v[-1] < 60.0}
         return size, owner
 
     def register(self, tenant: str, owner: str, size: int, mm: mmap.mmap, fd: int) -> tuple[Region, int]:
@@ -148,14 +179,34 @@ class Regions:
         return region, fd
 
     def _make_room(self, size: int, tenant: str) -> None:
-        """Drop idle regions, least recently used first, the asking tenant's own before anyone
-        else's (a tenant asking again and again mostly replaces its own)."""
-        order = sorted(self._regions, key=lambda rid: self._regions[rid].tenant != tenant)  # stable: LRU within each
-        for rid in order:
-            if self.bytes + size <= self.max_bytes and len(self._regions) < self.max_regions:
-                return
-            if not self._regions[rid].busy:
-                self.drop(rid)
+        """Room for a region of ``size`` for ``tenant``, or ``ShmUnavailable`` with nothing
+        dropped: idle regions go least recently used first, the tenant's own before anyone
+        else's, and another tenant's only for the server's limits, never for this tenant's."""
+        regions = self._regions
+        own = [rid for rid in regions if regions[rid].tenant == tenant]
+        own_bytes = sum(regions[rid].size for rid in own)
+        drop: list[str] = []
+        for rid in own:  # the tenant's quota: only its own regions can make room in it
+            if own_bytes + size <= self.tenant_max_bytes:
+                break
+            if not regions[rid].busy:
+                drop.append(rid)
+                own_bytes -= regions[rid].size
+        if own_bytes + size > self.tenant_max_bytes:
+            raise ShmUnavailable("this tenant's shared memory is all in use")
+        total = self.bytes + self._pending - sum(regions[rid].size for rid in drop)
+        count = len(regions) + self._pending_n - len(drop)
+        for rid in [*own, *(r for r in regions if regions[r].tenant != tenant)]:
+            if total + size <= self.max_bytes and count < self.max_regions:
+                break
+            if rid not in drop and not regions[rid].busy:
+                drop.append(rid)
+                total -= regions[rid].size
+                count -= 1
+        if total + size > self.max_bytes or count >= self.max_regions:
+            raise ShmUnavailable("the server's shared memory is all in use")
+        for rid in drop:
+            self.drop(rid)
 
     def get(self, rid: str, tenant: str, client: str) -> Region | None:
         """The region ``rid`` where it is this tenant's and this peer's, else None (never says
@@ -166,6 +217,18 @@ class Regions:
         region.last_used = time.monotonic()
         self._regions.move_to_end(rid)
         return region
+
+    def hold(self, rid: str, tenant: str, client: str) -> Region | None:
+        """``get``, for a fetch that copies into it: held (``busy``) until ``release``, so it is
+        not dropped under the copies."""
+        region = self.get(rid, tenant, client)
+        if region is not None:
+            region.busy += 1
+        return region
+
+    @staticmethod
+    def release(region: Region) -> None:
+        region.busy = max(0, region.busy - 1)
 
     def drop(self, rid: str) -> None:
         region = self._regions.pop(rid, None)
@@ -178,15 +241,31 @@ class Regions:
             self.drop(rid)
 
 
+def _discard(fut: asyncio.Future[tuple[mmap.mmap, int]]) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        mm, fd = fut.result()
+        os.close(fd)
+        with contextlib.suppress(OSError, ValueError):
+            mm.madvise(mmap.MADV_REMOVE)
+        mm.close()
+
+
 def make_region(size: int) -> tuple[mmap.mmap, int]:
     """A sealed memfd of ``size`` bytes and its read-write mapping, every page allocated now (the
-    first load would otherwise fault them in one by one): ``(mapping, fd)``."""
-    fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    first load would otherwise fault them in one by one): ``(mapping, fd)``. ``ShmUnavailable``
+    where the system refuses one (no descriptors or memory left)."""
+    try:
+        fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        raise ShmUnavailable(f"no shared memory from the system: {exc.strerror}") from None
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE), fd
+    except OSError as exc:
+        os.close(fd)
+        raise ShmUnavailable(f"no shared memory from the system: {exc.strerror}") from None
     except BaseException:
         os.close(fd)
         raise

@@ -183,6 +183,8 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = Fal
         **os.environ, "PYTHONPATH": str(ROOT), "KVGATE_STATE_DIR": str(work / "state"), "KVGATE_TIERS": '["memory"]',
         "KVGATE_MEMORY_BYTES": str(cfg["memory_bytes"]), "KVGATE_CHUNK_TOKENS": str(cfg["chunk_tokens"]),
         "KVGATE_CAPABILITY_MAX_TTL_S": str(CAP_TTL), "KVGATE_LOG_LEVEL": "warning",
+        # a region per tenant (a quarter of the server's shared memory each)
+        **({"KVGATE_SHM_MAX_BYTES": str(max(4 * shm_mb, shm_mb * len(tenants)) << 20)} if shm_mb else {}),
     }
     with open(work / "serve.log", "wb") as log:  # the child keeps its own descriptor
         proc = subprocess.Popen(

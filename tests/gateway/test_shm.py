@@ -8,8 +8,10 @@ one load's speed and nothing else, and a server without shared memory still serv
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import os
+import threading
 from pathlib import Path
 
 import httpx
@@ -19,7 +21,7 @@ import torch
 
 from gateway.remote import RemoteGateway
 from gateway.server.shm import Regions
-from gateway.shmclient import ShmRegion
+from gateway.shmclient import ShmRegion, Window
 from tenancy.devissuer import DevIssuer
 from tests.gateway import test_uds
 from tests.gateway.test_uds import (
@@ -85,9 +87,17 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa2.stats["shm_envelopes"] == 4 and _region(wa2) is shared
             assert not any(r.startswith("POST /v1/shm") for r in wa2._wire.requests)
-        # the other tenant on the same socket, with a region of its own: nothing of A's
+        # the other tenant on the same socket, with a region of its own: nothing of A's, and its own
+        # copy of the same tokens (the positive control) comes back through its region
         got_b, dst_b = await _load(wb, g, model, tokens)
         assert got_b.loaded_tokens == 0 and all(not t.any() for t in dst_b) and wb.stats["shm_envelopes"] == 0
+        src_b = random_cache(g, NUM_BLOCKS, seed=9)
+        assert (await wb.store(model, tokens, src_b, block_ids=BLOCKS)).stored == 4
+        got_b, dst_b = await _load(wb, g, model, tokens)
+        assert got_b.loaded_tokens == N and torch.equal(gathered(src_b, g, BLOCKS, N), gathered(dst_b, g, BLOCKS, N))
+        assert wb.stats["shm_envelopes"] == 4 and _region(wb) is not _region(wa)
+        got, dst = await _load(wa, g, model, tokens)  # and A still gets A's
+        assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
 
 
 def _fetch(http: httpx.Client, s: Served, tenant: str, hashes: list[str], shm: dict | None, keys: bool = True) -> httpx.Response:
@@ -123,12 +133,23 @@ async def test_a_region_id_of_another_tenant_lends_nothing_and_a_window_never_pa
             r = _fetch(http, served, a, hashes, {**window, "offset": 4096, "length": region.size - 4096})
             assert r.status_code == 200 and "x-kv-shm" not in r.headers
             assert len(r.content) < 2000 and not np.array_equal(region._array, before)
-            # a window past the region's end, or one without keys: a clear 422, nothing written
-            snapshot = region._array.copy()
-            for shm, keys in (({**window, "length": region.size + 64}, True), ({**window, "offset": region.size}, True), (window, False)):
+            # a window past the region's end, or one without keys: a clear 422, nothing written (in
+            # the region's tail, where no load has put anything: still zero)
+            tail = region.size - (1 << 20)
+            assert not region._array[tail:].any()
+            bad = {**window, "offset": tail, "length": 1 << 20}
+            for shm, keys in (({**bad, "length": (1 << 20) + 64}, True), ({**bad, "offset": region.size}, True), (bad, False)):
                 r = _fetch(http, served, a, hashes, shm, keys=keys)
                 assert r.status_code == 422 and "window" in r.json()["detail"], r.text
-            assert np.array_equal(region._array, snapshot)
+            assert not region._array[tail:].any()
+            # the control: the same window within the region, with keys, is written into
+            assert _fetch(http, served, a, hashes, bad).status_code == 200 and region._array[tail:].any()
+            # a region is asked for with a capability that verifies: a forged one gets none
+            token = served.issuer.mint(a, ["kv.worker"])
+            good = http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers={"Authorization": f"Bearer {token}"}).json()["capability"]
+            for cap in (good[:-4] + ("AAAA" if not good.endswith("AAAA") else "BBBB"), good.replace(".", ".x", 1)):
+                r = http.post("/v1/shm/regions", json={"bytes": 4096}, headers={"Authorization": f"Bearer {token}", "X-KV-Capability": cap})
+                assert r.status_code in (401, 403), (r.status_code, r.text)
             # a region is asked for on the Unix socket only
             token = served.issuer.mint(a, ["kv.worker"])
             cap = http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers={"Authorization": f"Bearer {token}"}).json()["capability"]
@@ -174,7 +195,9 @@ async def test_a_tampered_envelope_in_the_region_ends_the_prefix_and_nothing_of_
         assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
 
 
-async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_replaced(served: Served) -> None:
+async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_replaced(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with served.http() as http:
         a = _tenant(served, http, "acme")
     g, model, src, tokens = _setup()
@@ -191,16 +214,32 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
             got, dst = await _load(wa, g, model, tokens)
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
         assert _region(wa) is not None and _region(wa) is not first and wa.stats["shm_envelopes"] == 12
-        # a load cut off (cancelled) taints the region it had: the next ones get a new one and are whole
+        # a load cut off (cancelled) mid-stream taints the region it had (the server may still be
+        # copying into it): the next ones get a new one and are whole
         second = _region(wa)
-        window = await wa._window()
-        assert window is not None
-        window.end(clean=False)
+        entered, go_on = threading.Event(), threading.Event()
+        take = Window.take
+
+        def stalled(self: Window, n: int) -> memoryview:
+            entered.set()
+            go_on.wait(10)
+            return take(self, n)
+
+        monkeypatch.setattr(Window, "take", stalled)
+        load = asyncio.ensure_future(_load(wa, g, model, tokens))
+        assert await asyncio.to_thread(entered.wait, 10)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        go_on.set()
+        monkeypatch.setattr(Window, "take", take)
         assert second.tainted
+        before = wa.stats["shm_envelopes"]
         for _ in range(2):
             got, dst = await _load(wa, g, model, tokens)
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        assert _region(wa) is not second and wa.stats["shm_envelopes"] == 20
+        # both through the new region (the cut load's stalled envelope may be counted as it ends)
+        assert _region(wa) is not second and wa.stats["shm_envelopes"] - before in (8, 9)
 
 
 async def test_a_server_without_shared_memory_serves_every_load_through_the_socket(tmp_path: Path) -> None:
@@ -223,7 +262,7 @@ async def test_a_server_without_shared_memory_serves_every_load_through_the_sock
 
 
 def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None:
-    regions = Regions(max_bytes=1 << 20, max_regions=2)
+    regions = Regions(max_bytes=1 << 20, max_regions=3)
     peer = f"unix:uid={os.getuid()}:pid=1"
     region, fd = regions.create("acme", peer, 256 << 10)
     try:
@@ -234,33 +273,52 @@ def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None
         mapped = ShmRegion(region.id, os.dup(fd), region.size)  # what a worker maps: read-only
         with pytest.raises(TypeError):
             mapped.view(0, 16)[1][0] = 1
+        assert os.fstat(fd).st_blocks * 512 >= region.size  # allocated when made (the server's)
+        assert regions.get(region.id, "acme", peer) is region  # the control
+        assert regions.get(region.id, "globex", peer) is None
+        assert regions.get(region.id, "acme", "unix:uid=99999:pid=1") is None
+        assert regions.get(region.id, "acme", "127.0.0.1") is None
+        # dropped while the worker still holds the descriptor: its pages are freed all the same
+        regions.drop(region.id)
+        assert os.fstat(fd).st_blocks == 0 and regions.bytes == 0
     finally:
         os.close(fd)
-    assert regions.get(region.id, "acme", peer) is region  # the control
-    assert regions.get(region.id, "globex", peer) is None
-    assert regions.get(region.id, "acme", "unix:uid=99999:pid=1") is None
-    assert regions.get(region.id, "acme", "127.0.0.1") is None
     with pytest.raises(Exception, match="Unix socket"):
         regions.create("acme", "127.0.0.1", 4096)
     with pytest.raises(Exception, match="bytes"):
         regions.create("acme", peer, 2 << 20)
-    # past the limits the least recently used idle region goes; one being written into stays
-    r2, fd2 = regions.create("acme", peer, 256 << 10)
-    os.close(fd2)
-    r2.busy = 1
-    r3, fd3 = regions.create("acme", peer, 256 << 10)
-    os.close(fd3)
-    assert regions.get(region.id, "acme", peer) is None and regions.get(r2.id, "acme", peer) is r2
-    with pytest.raises(Exception, match="in use"):
-        regions.create("acme", peer, 1 << 20)
-    # another tenant asking makes room from acme's idle region; acme asking again replaces its own
-    g1, fd = regions.create("globex", peer, 256 << 10)
-    os.close(fd)
-    assert regions.get(r3.id, "acme", peer) is None and regions.get(r2.id, "acme", peer) is r2
-    r2.busy = 0
-    a4, fd = regions.create("acme", peer, 256 << 10)
-    os.close(fd)
-    assert regions.get(g1.id, "globex", peer) is g1 and regions.get(r2.id, "acme", peer) is None
+
+    def made(tenant: str, size: int = 256 << 10):
+        r, fd = regions.create(tenant, peer, size)
+        os.close(fd)
+        return r
+
+    # a tenant holds at most a quarter (here: one region's worth, 1 MiB); past it, its own idle
+    # regions make room, least recently used first, never another tenant's
+    a1, a2 = made("acme"), made("acme")
+    g1 = made("globex")
+    a1.busy = 1  # a fetch is copying into it
+    a3 = made("acme", 512 << 10)  # 1 MiB quota: a2 (idle) goes, a1 (busy) stays
+    assert regions.get(a2.id, "acme", peer) is None and regions.get(a1.id, "acme", peer) is a1
+    assert regions.get(g1.id, "globex", peer) is g1
+    # a request refused anyway drops nothing
+    a3.busy = 1
+    with pytest.raises(Exception, match="all in use"):
+        made("acme", 512 << 10)
+    assert {r.id for r in regions._regions.values()} == {a1.id, a3.id, g1.id}
+    # another tenant's request past the server's limits takes idle regions of others, not busy ones
+    with pytest.raises(Exception, match="all in use"):
+        made("initech", 1 << 20)
+    assert {r.id for r in regions._regions.values()} == {a1.id, a3.id, g1.id}
+    a1.busy = a3.busy = 0
+    i1 = made("initech", 256 << 10)
+    assert regions.get(i1.id, "initech", peer) is i1 and len(regions._regions) == 3
+    # 8 regions a minute per tenant and user, then a refusal (the worker backs off)
+    for _ in range(2):
+        made("umbrella", 64 << 10)
+    with pytest.raises(Exception, match="last minute"):
+        for _ in range(8):
+            made("acme", 64 << 10)
     regions.close()
     assert regions.bytes == 0
     unsealed = os.memfd_create("plain")

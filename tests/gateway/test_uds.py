@@ -61,7 +61,8 @@ def _serve(
     state.mkdir(exist_ok=True, mode=0o700)
     env = {
         **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url, "KVGATE_TIERS": '["memory"]',
-        "KVGATE_CHUNK_TOKENS": "16", "KVGATE_MEMORY_BYTES": str(256 << 20), **(extra_env or {}),
+        "KVGATE_CHUNK_TOKENS": "16", "KVGATE_MEMORY_BYTES": str(256 << 20), "KVGATE_SHM_MAX_BYTES": str(1 << 30),
+        **(extra_env or {}),
     }
     env.pop("KVGATE_DATABASE_URL", None)
     log = tmp_path / f"{name}.log"
