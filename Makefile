@@ -114,7 +114,8 @@ test-vllm: vllm-setup
 #   kvgate embedded and remote beside no connector, vLLM's ExampleConnector and LMCache's connector
 #   (from .venv-lmcache-vllm, make lmcache-vllm-setup, or E2E_ARGS="--lmcache-vllm-python P"; without
 #   one, or where it cannot load KV, its row gives the reason), with a random-weight Llama built
-#   locally (about 25 minutes here). Writes bench-results/e2e.json, e2e.md, e2e_ttft.png;
+#   locally: 5 prompts of 1K, 4K, 8K and 16K tokens per system, about 80 minutes on this 2-core box
+#   (E2E_ARGS="--lengths 1024,4096,8192 --reps 3": about 20). Writes bench-results/e2e.json, e2e.md, e2e_ttft.png;
 #   E2E_ARGS="--docs" also refreshes docs/e2e.*, docs/img/e2e_ttft.png and the README table,
 #   E2E_ARGS="--quick" runs a tiny model on short prompts (checks the harness in minutes).
 .PHONY: bench-e2e
