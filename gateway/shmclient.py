@@ -105,9 +105,9 @@ class ShmRegion:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
                 raise ValueError(f"not a sealed region of {size} bytes")
-            # populated now (the server's copy made the pages; this maps them), not fault by fault
-            # inside the first load
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ)
+            # not populated: that would allocate every page of the region (a read of a hole in a
+            # memfd allocates one); each is mapped as a load first reads what the server put there
+            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
         self.id = rid

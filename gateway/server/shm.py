@@ -32,8 +32,8 @@ What the region holds is what the stream would have carried: ciphertext of the c
 checked by the worker exactly as a received envelope is (its AAD binds tenant, namespace, chunk
 and key version). The server never reads the region.
 
-Memory. The server allocates a region's pages when it makes it (they are charged to the server),
-so everything about them is bounded: ``shm_max_bytes`` in all (off by default: an operator turns
+Memory. A region's pages are allocated as the server copies into them (charged to the server), so
+everything about them is bounded: ``shm_max_bytes`` in all (off by default: an operator turns
 it on for a node-local server), a quarter of that per tenant (at least one region's worth), at
 most ``max_regions``, and a tenant and uid may ask for ``_CREATES_PER_MINUTE`` regions a minute.
 Past a limit the asking tenant's own idle regions go first, least recently used first, and only
@@ -135,7 +135,7 @@ class Regions:
         return self.register(tenant, owner, size, *make_region(size))
 
     async def acreate(self, tenant: str, client: str, size: int) -> tuple[Region, int]:
-        """``create``, with the memory made (and its pages allocated) in a thread, off the loop."""
+        """``create``, with the memory made in a thread, off the loop."""
         size, owner = self.admit(tenant, client, size)
         self._pending += size
         self._pending_n += 1
@@ -251,9 +251,14 @@ def _discard(fut: asyncio.Future[tuple[mmap.mmap, int]]) -> None:
 
 
 def make_region(size: int) -> tuple[mmap.mmap, int]:
-    """A sealed memfd of ``size`` bytes and its read-write mapping, every page allocated now (the
-    first load would otherwise fault them in one by one): ``(mapping, fd)``. ``ShmUnavailable``
-    where the system refuses one (no descriptors or memory left)."""
+    """A sealed memfd of ``size`` bytes and its read-write mapping: ``(mapping, fd)``.
+    ``ShmUnavailable`` where the system refuses one (no descriptors or memory left).
+
+    Pages are allocated as the server first copies into them, not up front: populating a 512 MiB
+    region when a tenant's worker first stored took about a second of both cores here, and in
+    bench-e2e's multi-tenant workload it held four new tenants' first stores back by seconds
+    (a round of their questions then missed); faulting in only what loads use costs the first
+    load that uses a page about a microsecond per 4 KiB."""
     try:
         fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
@@ -261,8 +266,7 @@ def make_region(size: int) -> tuple[mmap.mmap, int]:
     try:
         os.ftruncate(fd, size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return mmap.mmap(fd, size, flags, mmap.PROT_READ | mmap.PROT_WRITE), fd
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE), fd
     except OSError as exc:
         os.close(fd)
         raise ShmUnavailable(f"no shared memory from the system: {exc.strerror}") from None
