@@ -152,11 +152,11 @@ class Regions:
 
     def admit(self, tenant: str, client: str, size: int) -> tuple[int, str]:
         """The size (aligned) and owner of a region that may be made now (room is made for it)."""
+        owner = _owner(client)
+        if owner is None:  # the caller's mistake (422) before the server's state (503)
+            raise InvalidRequest("shared memory is for workers on the server's Unix socket")
         if not self.enabled:
             raise ShmUnavailable("shared memory is off on this server (shm_max_bytes = 0, or not Linux)")
-        owner = _owner(client)
-        if owner is None:
-            raise InvalidRequest("shared memory is for workers on the server's Unix socket")
         if not ALIGN <= size <= min(self.max_region_bytes, self.max_bytes):
             raise InvalidRequest(f"a region is {ALIGN} to {min(self.max_region_bytes, self.max_bytes)} bytes, not {size}")
         size = aligned(size)
