@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     # of regions the server makes for them at once, a quarter of it per tenant (0, the default:
     # off, every load goes through the socket; the server allocates what it hands out)
     shm_max_bytes: int = Field(default=0, ge=0)
+    # fault a region's pages in on a nice-19 thread as it is made, on both sides, so a worker's
+    # first load through it does not pay for them (gateway/shmpages.py); off: as loads touch them
+    shm_populate: bool = True
     # uvicorn's access log, a line per request (about 0.14 ms of the server's CPU per request
     # here): off leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True

@@ -29,16 +29,12 @@ import h11
 import numpy as np
 
 from gateway.errors import BadFrame, GatewayError
+from gateway.shmpages import POPULATE_READ, aligned, populate_behind
 from gateway.wire import RemoteUnavailable, TornResponse, WirePool
 
 __all__ = ["RegionCache", "ShmRegion", "Window", "attach"]
 
-_ALIGN = 64  # as gateway.server.shm.ALIGN: each envelope starts on a cache line
 _MAX_ANSWER = 64 << 10
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
 def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple[int, Any]:
@@ -84,6 +80,8 @@ def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple
             raise TornResponse(f"the region's answer came with {len(fds)} descriptors, not 1")
         got = json.loads(answer)
         region = ShmRegion(str(got["region"]), fds.pop(), int(got["bytes"]))
+        if got.get("populate") is True:  # the server faults its side in: map ours ahead of the loads too
+            region.populate_behind()
         return 200, region
     except h11.RemoteProtocolError as exc:
         raise TornResponse(f"the region's answer: {exc}") from None
@@ -105,8 +103,7 @@ class ShmRegion:
             seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
             if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
                 raise ValueError(f"not a sealed region of {size} bytes")
-            # not populated: that would allocate every page of the region (a read of a hole in a
-            # memfd allocates one); each is mapped as a load first reads what the server put there
+            # not populated here: that would hold the first store back (``populate_behind``)
             self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
@@ -117,6 +114,16 @@ class ShmRegion:
         self._free = threading.Event()
         self._free.set()
         self.tainted = False
+        self.populated = -1  # bytes mapped ahead of the loads once populating ended; -1 before
+
+    def populate_behind(self) -> None:
+        """Map the region's pages on a nice-19 thread (``gateway.shmpages``), stopping if it is
+        tainted (dropped)."""
+
+        def done(n: int) -> None:
+            self.populated = n
+
+        populate_behind(self._array, POPULATE_READ, lambda: self.tainted, done)
 
     def lend(self, wait_s: float = 0.0) -> Window | None:
         """The whole region for one load, or None while another load (or its views) still has
@@ -203,7 +210,7 @@ class Window:
         at = self._cursor
         if n <= 0 or at + n > self.length:
             raise BadFrame("an item's envelope lies past the shared-memory window")
-        self._cursor = _aligned(at + n)
+        self._cursor = aligned(at + n)
         holder, view = self.region.view(self.offset + at, n)
         with self._lock:
             self._out += 1

@@ -88,7 +88,7 @@ def create_app(settings: Settings) -> FastAPI:
             dev = dev_issuer_for(settings) if settings.dev_issuer else None
             verifier = OidcVerifier(_issuers(settings, dev))
             plane = runtime.envelope_plane(max_chunk_bytes=settings.max_chunk_bytes)
-            state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes))
+            state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes, populate=settings.shm_populate))
             _observe(state)
             app.state.kvgate = state
             yield

@@ -415,14 +415,15 @@ def _window(
 @router.post("/shm/regions", response_class=Response, responses=problem_responses(400, 503))
 async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
     """A shared-memory region for this worker's loads (``gateway.server.shm``), on the Unix socket
-    only: the answer's body is JSON ``{"region", "bytes"}``, sent with the region's file
+    only: the answer's body is JSON ``{"region", "bytes", "populate"}`` (``populate``: the server
+    faults the region's pages in ahead of the loads, and the worker should map them too), sent with the region's file
     descriptor attached (``SCM_RIGHTS``). 503 where the server has none to give."""
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     if not isinstance(raw, rawchunks.RawChunks):
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
     tenant = state.runtime.access.authorize(_cap(scope), "get").tenant  # verified: expired, revoked, forged: 403
     region, fd = await state.regions.acreate(tenant, request.client.host if request.client else "-", body.bytes)
-    return _FdResponse(raw, json.dumps({"region": region.id, "bytes": region.size}).encode(), fd, lambda: state.regions.drop(region.id))
+    return _FdResponse(raw, json.dumps({"region": region.id, "bytes": region.size, "populate": state.regions.populate}).encode(), fd, lambda: state.regions.drop(region.id))
 
 
 class _FdResponse(Response):

@@ -32,8 +32,10 @@ What the region holds is what the stream would have carried: ciphertext of the c
 checked by the worker exactly as a received envelope is (its AAD binds tenant, namespace, chunk
 and key version). The server never reads the region.
 
-Memory. A region's pages are allocated as the server copies into them (charged to the server), so
-everything about them is bounded: ``shm_max_bytes`` in all (off by default: an operator turns
+Memory. A region's pages are allocated as the server copies into them (charged to the server), or
+before, by a nice-19 thread that faults them in while cores are idle (``gateway.shmpages``;
+``shm_populate``, on by default; the answer tells the worker to map them the same way). Everything
+about them is bounded: ``shm_max_bytes`` in all (off by default: an operator turns
 it on for a node-local server), a quarter of that per tenant (at least one region's worth), at
 most ``max_regions``, and a tenant and uid may ask for ``_CREATES_PER_MINUTE`` regions a minute.
 Past a limit the asking tenant's own idle regions go first, least recently used first, and only
@@ -60,22 +62,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
 __all__ = ["ALIGN", "Region", "Regions", "ShmUnavailable", "aligned", "make_region", "send_with_fd"]
 
 log = logging.getLogger("kvgate.shm")
 
-ALIGN = 64  # each envelope starts on a cache line of the region
 _CREATES_PER_MINUTE = 8
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 
 
 class ShmUnavailable(GatewayError):
     """Shared memory cannot be had here (not Linux, not a Unix socket, or over the limits)."""
-
-
-def aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 @dataclass(eq=False)
@@ -89,6 +87,7 @@ class Region:
     busy: int = 0  # fetches writing into it now (or about to)
     last_used: float = 0.0
     closed: bool = False
+    populated: int = -1  # bytes faulted in ahead of the copies once that ended (gateway.shmpages); -1 before
 
     def close(self) -> None:
         """Free its pages (whoever still maps them: the worker's descriptor keeps holes) and unmap."""
@@ -110,8 +109,9 @@ def _owner(client: str) -> str | None:
 class Regions:
     """The server's regions: created, looked up for a fetch, dropped (LRU past the limits)."""
 
-    def __init__(self, max_bytes: int, max_regions: int = 64, max_region_bytes: int = 4 << 30) -> None:
+    def __init__(self, max_bytes: int, max_regions: int = 64, max_region_bytes: int = 4 << 30, *, populate: bool = True) -> None:
         self.max_bytes = max_bytes
+        self.populate = populate
         self.max_regions = max_regions
         self.max_region_bytes = max_region_bytes
         self._regions: OrderedDict[str, Region] = OrderedDict()
@@ -175,6 +175,8 @@ class Regions:
         region = Region(secrets.token_hex(16), tenant, owner, size, mm, np.frombuffer(mm, dtype=np.uint8), last_used=time.monotonic())
         self._regions[region.id] = region
         self.bytes += size
+        if self.populate:
+            populate_behind(region.view, POPULATE_WRITE, lambda: region.closed, lambda n: _populated(region, n))
         log.info("shared-memory region %s… of %d bytes for tenant %s (%s)", region.id[:8], size, tenant, owner)
         return region, fd
 
@@ -241,6 +243,14 @@ class Regions:
             self.drop(rid)
 
 
+def _populated(region: Region, n: int) -> None:
+    """The end of a region's populating thread (which still holds a view: the mapping is there)."""
+    region.populated = n
+    if region.closed:  # dropped while it ran: punch out what its last step faulted in again
+        with contextlib.suppress(OSError, ValueError):
+            region.mm.madvise(mmap.MADV_REMOVE)
+
+
 def _discard(fut: asyncio.Future[tuple[mmap.mmap, int]]) -> None:
     if not fut.cancelled() and fut.exception() is None:
         mm, fd = fut.result()
@@ -254,11 +264,8 @@ def make_region(size: int) -> tuple[mmap.mmap, int]:
     """A sealed memfd of ``size`` bytes and its read-write mapping: ``(mapping, fd)``.
     ``ShmUnavailable`` where the system refuses one (no descriptors or memory left).
 
-    Pages are allocated as the server first copies into them, not up front: populating a 512 MiB
-    region when a tenant's worker first stored took about a second of both cores here, and in
-    bench-e2e's multi-tenant workload it held four new tenants' first stores back by seconds
-    (a round of their questions then missed); faulting in only what loads use costs the first
-    load that uses a page about a microsecond per 4 KiB."""
+    Not populated here (``gateway.shmpages`` says why): populating a 512 MiB region when a
+    tenant's worker first stored held that store back by about a second here."""
     try:
         fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import mmap
 import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from gateway import shmpages
 from gateway.remote import RemoteGateway
 from gateway.server.shm import Regions
 from gateway.shmclient import ShmRegion, Window
@@ -75,6 +78,8 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
             assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa.stats["shm_envelopes"] == 4 * (rep + 1)
         assert _region(wa) is not None and not _region(wa).tainted
+        # the server said it populates its side: the worker mapped the whole region ahead too
+        _wait(lambda: _region(wa).populated == _region(wa).size)
         # another client of the same process and tenant (a connector makes one per capability)
         # borrows the same region: no second one is asked for
         shared = _region(wa)
@@ -268,7 +273,7 @@ async def test_a_server_without_shared_memory_serves_every_load_through_the_sock
 
 
 def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None:
-    regions = Regions(max_bytes=1 << 20, max_regions=3)
+    regions = Regions(max_bytes=1 << 20, max_regions=3, populate=False)  # lazy: pages as copies touch them
     peer = f"unix:uid={os.getuid()}:pid=1"
     region, fd = regions.create("acme", peer, 256 << 10)
     try:
@@ -332,3 +337,74 @@ def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None
     os.ftruncate(unsealed, 4096)
     with pytest.raises(ValueError, match="sealed"):
         ShmRegion("x" * 32, unsealed, 4096)  # a worker maps only a region it cannot be made to fault on
+
+
+def _wait(cond, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_a_region_is_populated_behind_on_both_sides_and_a_dropped_one_keeps_no_pages() -> None:
+    size = 24 << 20
+    lazy = Regions(max_bytes=64 << 20, populate=False)
+    r0, fd0 = lazy.create("acme", f"unix:uid={os.getuid()}:pid=1", size)
+    try:  # the control: a region nobody populates has no pages
+        time.sleep(0.2)
+        assert os.fstat(fd0).st_blocks == 0 and r0.populated == -1
+    finally:
+        os.close(fd0)
+        lazy.close()
+    regions = Regions(max_bytes=64 << 20)
+    region, fd = regions.create("acme", f"unix:uid={os.getuid()}:pid=1", size)
+    try:
+        _wait(lambda: region.populated == size)  # the server's side: every page allocated, mapped writable
+        assert os.fstat(fd).st_blocks * 512 == size
+        mapped = ShmRegion(region.id, os.dup(fd), size)  # the worker's side maps them (read-only)
+        assert mapped.populated == -1
+        mapped.populate_behind()
+        _wait(lambda: mapped.populated == size)
+        # dropped: its pages are punched out, and a populating thread that is stopped by the drop
+        # leaves none behind either
+        regions.drop(region.id)
+        assert os.fstat(fd).st_blocks == 0
+    finally:
+        os.close(fd)
+    big, fd = regions.create("acme", f"unix:uid={os.getuid()}:pid=1", 48 << 20)
+    try:
+        regions.drop(big.id)  # at once: its thread stops within a step
+        _wait(lambda: big.populated >= 0)
+        assert os.fstat(fd).st_blocks == 0
+    finally:
+        os.close(fd)
+    regions.close()
+
+
+def test_populating_runs_at_nice_19_a_step_at_a_time_and_stops_when_asked(tmp_path: Path) -> None:
+    fd = os.memfd_create("t")
+    try:
+        os.ftruncate(fd, 16 << 20)
+        mm = mmap.mmap(fd, 16 << 20)
+        view = np.frombuffer(mm, dtype=np.uint8)
+        seen: dict[str, int] = {}
+        calls = [0]
+
+        def stop() -> bool:
+            calls[0] += 1
+            return calls[0] > 2  # two steps, then stop
+
+        def done(n: int) -> None:
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            seen["n"] = n
+
+        shmpages.populate_behind(view, shmpages.POPULATE_WRITE, stop, done).join(10)
+        assert seen == {"nice": 19, "n": 2 * shmpages._STEP}
+        assert os.fstat(fd).st_blocks * 512 == 2 * shmpages._STEP
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0  # only that thread
+        # a refusal (here: an advice the kernel does not know) ends it quietly: nothing populated
+        assert shmpages.populate(view, 999) == 0
+        del view
+        mm.close()
+    finally:
+        os.close(fd)
