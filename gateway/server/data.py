@@ -14,7 +14,6 @@ import asyncio
 import base64
 import json
 import os
-import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
@@ -297,14 +296,14 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
     cap = _cap(scope)
     if body.keys:
         authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
-    region, shm_headers = _window(body, cap, state, request)
-    release = _Once(state.regions.release, region) if region is not None else None
+    hold, shm_headers = _window(body, cap, state, request)
+    region = hold.region if hold is not None else None
     try:
         walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
         first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
     except BaseException:
-        if release is not None:
-            release()
+        if hold is not None:
+            hold.release()
         raise
     if body.keys:
         verified = read_unverified(cap)  # verified by the walk just now
@@ -354,14 +353,14 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
                     yield [item(got), data]
                 got = await anext(walk, None)
         finally:
-            if release is not None:
-                release()
+            if hold is not None:
+                hold.release()
             await walk.aclose()
 
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     stream = items()
-    if release is not None:  # a stream never started (a client gone first) lets the region go too
-        weakref.finalize(stream, release)
+    if hold is not None:  # a stream never started (a client gone first) lets the region go too
+        hold.tie(stream)
     if isinstance(raw, rawchunks.RawChunks):
         return _RawFrame(raw, head, stream, shm_headers)
 
@@ -375,28 +374,16 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
     return StreamingResponse(frame(stream), media_type=_BATCH_MEDIA, headers=dict(shm_headers))
 
 
-class _Once:
-    """``fn(*args)`` the first time it is called, nothing after."""
-
-    def __init__(self, fn: Callable[..., None], *args: Any) -> None:
-        self._call: tuple[Callable[..., None], tuple[Any, ...]] | None = (fn, args)
-
-    def __call__(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call[0](*call[1])
-
-
 def _copy_into(dst: np.ndarray, src: memoryview) -> None:
     np.copyto(dst, np.frombuffer(src, dtype=np.uint8))  # numpy lets go of the GIL for the copy
 
 
 def _window(
     body: FetchRequest, cap: str, state: ServerState, request: Request
-) -> tuple[shm.Region | None, list[tuple[str, str]]]:
+) -> tuple[shm.Hold | None, list[tuple[str, str]]]:
     """The caller's region where its fetch lends a window of one (checked before anything is
-    read, for the tenant of the verified capability): ``(region, [])``, held until the fetch
-    ends; ``(None, [("x-kv-shm", "gone")])`` where the region is not known (or not the
+    read, for the tenant of the verified capability): ``(hold, [])``, the region held until the
+    fetch ends; ``(None, [("x-kv-shm", "gone")])`` where the region is not known (or not the
     caller's); a window outside the region is a 422."""
     if body.shm is None:
         return None, []

@@ -56,6 +56,7 @@ import os
 import secrets
 import socket
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -64,7 +65,7 @@ import numpy as np
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
-__all__ = ["ALIGN", "Region", "Regions", "ShmUnavailable", "aligned", "make_region", "send_with_fd"]
+__all__ = ["ALIGN", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "make_region", "send_with_fd"]
 
 log = logging.getLogger("kvgate.shm")
 
@@ -104,6 +105,28 @@ def _owner(client: str) -> str | None:
     if not client.startswith("unix:uid="):
         return None
     return client.split(":pid=", 1)[0]
+
+
+class Hold:
+    """A fetch's use of a region: the region stays ``busy`` (never dropped) until ``release``,
+    which counts once whoever calls it first (the stream's end, an error before the stream
+    starts, or ``tie``: the stream collected without ever starting)."""
+
+    __slots__ = ("__weakref__", "_held", "region")
+
+    def __init__(self, region: Region) -> None:
+        self.region = region
+        self._held = True
+        region.busy += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self.region.busy = max(0, self.region.busy - 1)
+
+    def tie(self, owner: object) -> None:
+        """Release when ``owner`` is collected (if nothing released it before)."""
+        weakref.finalize(owner, self.release)
 
 
 class Regions:
@@ -220,17 +243,11 @@ class Regions:
         self._regions.move_to_end(rid)
         return region
 
-    def hold(self, rid: str, tenant: str, client: str) -> Region | None:
-        """``get``, for a fetch that copies into it: held (``busy``) until ``release``, so it is
-        not dropped under the copies."""
+    def hold(self, rid: str, tenant: str, client: str) -> Hold | None:
+        """``get``, for a fetch that copies into it: held (``busy``) until the ``Hold`` is
+        released, so it is not dropped under the copies."""
         region = self.get(rid, tenant, client)
-        if region is not None:
-            region.busy += 1
-        return region
-
-    @staticmethod
-    def release(region: Region) -> None:
-        region.busy = max(0, region.busy - 1)
+        return Hold(region) if region is not None else None
 
     def drop(self, rid: str) -> None:
         region = self._regions.pop(rid, None)

@@ -26,21 +26,11 @@ from gateway.remote import RemoteGateway
 from gateway.server.shm import Regions
 from gateway.shmclient import ShmRegion, Window
 from tenancy.devissuer import DevIssuer
-from tests.gateway import test_uds
-from tests.gateway.test_uds import (
-    BLOCKS,
-    NOWHERE,
-    NUM_BLOCKS,
-    N,
-    Served,
-    _serve,
-    _stop,
-    _tenant,
-    _wait_up,
-)
+from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
+from tests.support.uds_server import BLOCKS, NOWHERE, NUM_BLOCKS, N, Served, create_tenant, serve, stop, wait_up
 
-served = test_uds.served  # a fixture, registered in this module
+served = uds_server.served  # a fixture, registered in this module
 
 REGION = 8 << 20
 
@@ -68,7 +58,7 @@ async def _load(w: RemoteGateway, g, model, tokens: list[int]) -> tuple[object, 
 
 async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(served: Served) -> None:
     with served.http() as http:
-        a, b = _tenant(served, http, "acme"), _tenant(served, http, "globex")
+        a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
     g, model, src, tokens = _setup()
     async with _worker(served, a) as wa, _worker(served, b) as wb:
         assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
@@ -117,7 +107,7 @@ def _fetch(http: httpx.Client, s: Served, tenant: str, hashes: list[str], shm: d
 
 async def test_a_region_id_of_another_tenant_lends_nothing_and_a_window_never_passes_the_region(served: Served) -> None:
     with served.http() as http:
-        a, b = _tenant(served, http, "acme"), _tenant(served, http, "globex")
+        a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
     g, model, src, tokens = _setup()
     async with _worker(served, a) as wa, _worker(served, b) as wb:
         await wa.store(model, tokens, src, block_ids=BLOCKS)
@@ -167,7 +157,7 @@ async def test_a_region_id_of_another_tenant_lends_nothing_and_a_window_never_pa
 
 async def test_a_tampered_envelope_in_the_region_ends_the_prefix_and_nothing_of_it_lands(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     with served.http() as http:
-        a = _tenant(served, http, "acme")
+        a = create_tenant(served, http, "acme")
     g, model, src, tokens = _setup()
     async with _worker(served, a) as wa:
         await wa.store(model, tokens, src, block_ids=BLOCKS)
@@ -204,7 +194,7 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with served.http() as http:
-        a = _tenant(served, http, "acme")
+        a = create_tenant(served, http, "acme")
     g, model, src, tokens = _setup()
     async with _worker(served, a) as wa:
         await wa.store(model, tokens, src, block_ids=BLOCKS)
@@ -255,12 +245,12 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
 
 async def test_a_server_without_shared_memory_serves_every_load_through_the_socket(tmp_path: Path) -> None:
     path = tmp_path / "k.sock"
-    proc, url, log = _serve(tmp_path, path, extra_env={"KVGATE_SHM_MAX_BYTES": "0"})
+    proc, url, log = serve(tmp_path, path, extra_env={"KVGATE_SHM_MAX_BYTES": "0"})
     try:
-        _wait_up(path, proc, log)
+        wait_up(path, proc, log)
         s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
         with s.http() as http:
-            a = _tenant(s, http, "acme")
+            a = create_tenant(s, http, "acme")
         g, model, src, tokens = _setup()
         async with _worker(s, a) as wa:
             await wa.store(model, tokens, src, block_ids=BLOCKS)
@@ -269,7 +259,7 @@ async def test_a_server_without_shared_memory_serves_every_load_through_the_sock
                 assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa.stats["shm_envelopes"] == 0 and wa.stats["shm_unavailable"] == 1  # asked once, then left alone
     finally:
-        _stop(proc)
+        stop(proc)
 
 
 def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None:
@@ -408,3 +398,30 @@ def test_populating_runs_at_nice_19_a_step_at_a_time_and_stops_when_asked(tmp_pa
         mm.close()
     finally:
         os.close(fd)
+
+
+def test_a_hold_keeps_its_region_from_being_dropped_and_counts_once() -> None:
+    regions = Regions(max_bytes=1 << 20, populate=False)
+    peer = f"unix:uid={os.getuid()}:pid=1"
+    region, fd = regions.create("acme", peer, 512 << 10)
+    os.close(fd)
+    assert regions.hold(region.id, "globex", peer) is None  # another tenant's id holds nothing
+    first, second = regions.hold(region.id, "acme", peer), regions.hold(region.id, "acme", peer)
+    assert first is not None and second is not None and region.busy == 2
+    with pytest.raises(Exception, match="all in use"):  # held: not dropped to make room
+        regions.create("acme", peer, 1 << 20)
+    first.release()
+    first.release()  # the stream's end and an error path both release: it counts once
+    assert region.busy == 1
+
+    class Stream:  # a response stream that never started
+        pass
+
+    stream = Stream()
+    second.tie(stream)
+    del stream
+    assert region.busy == 0  # collected unstarted: the region is let go
+    made, fd = regions.create("acme", peer, 1 << 20)  # the control: idle, it makes room now
+    os.close(fd)
+    assert regions.get(region.id, "acme", peer) is None and made.size == 1 << 20
+    regions.close()

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -27,94 +24,11 @@ from gateway.errors import InvalidRequest
 from gateway.remote import RemoteGateway
 from gateway.server.listen import unix_listener
 from gateway.wire import SOCKET_BUFFER_BYTES, tune_unix_socket
-from tenancy.devissuer import DevIssuer
+from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
-from tests.support.services import free_port
+from tests.support.uds_server import BLOCKS, NOWHERE, NUM_BLOCKS, N, Served, create_tenant, serve, stop, wait_up
 
-NOWHERE = "http://kvgate.invalid"  # no TCP connection can be made there: only the socket works
-NUM_BLOCKS = 32
-N = 16 * 3 + 5  # three full chunks of 16 tokens and a partial one
-BLOCKS = list(range(14))
-
-
-@dataclass
-class Served:
-    url: str
-    path: Path
-    proc: subprocess.Popen[bytes]
-    issuer: DevIssuer
-    log: Path
-
-    def http(self) -> httpx.Client:
-        return httpx.Client(base_url=NOWHERE, transport=httpx.HTTPTransport(uds=str(self.path)), timeout=10.0)
-
-    def bearer(self, tenant: str, roles: list[str]) -> dict[str, str]:
-        return {"Authorization": "Bearer " + self.issuer.mint(tenant, roles)}
-
-
-def _serve(
-    tmp_path: Path, path: Path, name: str = "serve", extra_env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[bytes], str, Path]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    state = tmp_path / "state"
-    state.mkdir(exist_ok=True, mode=0o700)
-    env = {
-        **os.environ, "KVGATE_STATE_DIR": str(state), "KVGATE_PUBLIC_URL": url, "KVGATE_TIERS": '["memory"]',
-        "KVGATE_CHUNK_TOKENS": "16", "KVGATE_MEMORY_BYTES": str(256 << 20), "KVGATE_SHM_MAX_BYTES": str(1 << 30),
-        **(extra_env or {}),
-    }
-    env.pop("KVGATE_DATABASE_URL", None)
-    log = tmp_path / f"{name}.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port), "--uds", str(path)],
-            env=env, stdout=out, stderr=subprocess.STDOUT,
-        )
-    return proc, url, log
-
-
-def _wait_up(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(base_url=NOWHERE, transport=httpx.HTTPTransport(uds=str(path)), timeout=1.0) as http:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"kvgate serve exited with {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if http.get("/healthz").status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-    raise AssertionError(f"kvgate serve did not answer on {path}: {log.read_text()[-2000:]}")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            return proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    return proc.returncode
-
-
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    path = tmp_path / "kvgate.sock"
-    proc, url, log = _serve(tmp_path, path)
-    try:
-        _wait_up(path, proc, log)
-        yield Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
-    finally:
-        _stop(proc)
-
-
-def _tenant(s: Served, http: httpx.Client, name: str) -> str:
-    r = http.post("/v1/admin/tenants", json={"tenant": name}, headers=s.bearer("platform", ["kv.operator"]))
-    assert r.status_code == 201, r.text
-    return name
+served = uds_server.served  # a fixture, registered in this module
 
 
 def _worker(s: Served, tenant: str) -> RemoteGateway:
@@ -123,7 +37,7 @@ def _worker(s: Served, tenant: str) -> RemoteGateway:
 
 async def test_remote_mode_through_the_socket_keeps_tenants_apart(served: Served) -> None:
     with served.http() as http:
-        a, b = _tenant(served, http, "acme"), _tenant(served, http, "globex")
+        a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
     g = small_geometry()
     model = model_for(g)
     src = random_cache(g, NUM_BLOCKS, seed=1)
@@ -150,7 +64,7 @@ async def test_remote_mode_through_the_socket_keeps_tenants_apart(served: Served
 def test_the_socket_asks_for_tokens_as_the_port_does(served: Served) -> None:
     lookup = {"hashes": ["ab" * 32], "chunk_tokens": 16}
     with served.http() as http:
-        tenant = _tenant(served, http, "acme")
+        tenant = create_tenant(served, http, "acme")
         user = served.bearer(tenant, ["kv.worker", "kv.admin"])
         assert http.post("/v1/lookup", json=lookup).status_code == 401  # no token
         forged = {"Authorization": user["Authorization"][:-3] + "AAA"}
@@ -196,7 +110,7 @@ def child_status(done: subprocess.CompletedProcess[str]) -> str:
 def test_audit_rows_name_the_socket_peer_and_failures_count_per_user(served: Served) -> None:
     me = f"unix:uid={os.getuid()}:pid={os.getpid()}"
     with served.http() as http, httpx.Client(base_url=served.url, timeout=10.0) as tcp:
-        tenant = _tenant(served, http, "acme")
+        tenant = create_tenant(served, http, "acme")
         admin = served.bearer(tenant, ["kv.admin"])
         assert http.post(f"/v1/admin/tenants/{tenant}/keys/rotate", headers=admin).status_code == 200
         assert tcp.post(f"/v1/admin/tenants/{tenant}/keys/rotate", headers=admin).status_code == 200  # the control
@@ -233,15 +147,15 @@ def test_socket_file_mode_and_removal_on_exit(served: Served) -> None:
     assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
     with httpx.Client(timeout=5.0) as tcp:  # the TCP port serves as before, beside the socket
         assert tcp.get(served.url + "/healthz").status_code == 200
-    assert _stop(served.proc) == 0
+    assert stop(served.proc) == 0
     assert not served.path.exists()
 
 
 def test_a_second_server_on_a_live_socket_is_refused(served: Served, tmp_path: Path) -> None:
-    proc, _url, log = _serve(tmp_path, served.path, name="second")
+    proc, _url, log = serve(tmp_path, served.path, name="second")
     assert proc.wait(60) != 0
     assert "another server listens on" in log.read_text()
-    _wait_up(served.path, served.proc, served.log)  # the first one still answers there
+    wait_up(served.path, served.proc, served.log)  # the first one still answers there
 
 
 def test_listener_replaces_only_a_stale_socket(tmp_path: Path) -> None:

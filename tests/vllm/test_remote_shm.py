@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.gateway.test_uds import NOWHERE, _serve, _stop, _wait_up
+from tests.support.uds_server import NOWHERE, serve, stop, wait_up
 from tests.vllm.engine_env import require_vllm
 from tests.vllm.engine_steps import _ids, _run, _trace
 from tests.vllm.tiny_model import build_tiny_llama
@@ -39,9 +39,9 @@ def test_remote_hits_through_shared_memory_match_the_engine_and_stay_with_their_
     from tenancy.devissuer import DevIssuer
 
     sock = tmp_path / "kvgate.sock"
-    proc, url, log = _serve(tmp_path, sock, extra_env={"KVGATE_CHUNK_TOKENS": str(CHUNK)})
+    proc, url, log = serve(tmp_path, sock, extra_env={"KVGATE_CHUNK_TOKENS": str(CHUNK)})
     try:
-        _wait_up(sock, proc, log)
+        wait_up(sock, proc, log)
         issuer = DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer")
         operator = issuer.mint("platform", ["kv.operator"])
         caps = {}
@@ -75,7 +75,7 @@ def test_remote_hits_through_shared_memory_match_the_engine_and_stay_with_their_
         with httpx.Client(base_url=url, timeout=30, headers={"Authorization": f"Bearer {operator}"}) as tcp:
             metrics = tcp.get("/metrics").text
     finally:
-        _stop(proc)
+        stop(proc)
     full = (300 - 1) // BLOCK * BLOCK  # 288: every full block before the last token
     for name in ("A_P2", "A_P3"):  # hits, and the one after it (the region lent again)
         assert r[name]["kv"]["kvgate"]["hit_tokens"] == full and r[name]["cached"] == full
