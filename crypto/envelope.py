@@ -31,6 +31,8 @@ Fused data path (same format, same bytes):
   buffer and hands each verified segment to a callback. Every segment is authenticated on its own
   and bound to its index and the segment count, so the segments delivered before a failure are
   authentic.
+- ``iter_segments`` is ``open_segments`` as a generator, for a caller that interleaves envelopes
+  (a layer-wise load opens the first layers of every chunk before the next layers of any).
 - ``seal_device_*`` / ``open_device_*``: plaintext on a device, see ``crypto._device``.
 - ``seal_into``/``seal_pieces_into`` take an optional per-envelope ``segment_bytes`` (the header
   carries it, so opening needs nothing new).
@@ -39,7 +41,7 @@ Fused data path (same format, same bytes):
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from crypto import _device
@@ -227,6 +229,46 @@ class ChunkCipher(_device.DeviceSealing):
         if not self._open_all(sched, envelope, scratch, on_segment):
             raise DecryptionFailed  # raised outside any handler: no buffer view survives in a traceback
         return sched.plan.plaintext_length
+
+    def iter_segments(
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: Buffer, scratch: WritableBuffer
+    ) -> Iterator[tuple[int, int, memoryview]]:
+        """``open_segments`` as a generator: each ``(start, end, view)`` comes once segment ``i``'s
+        tag checked, ``view`` (of ``scratch``) valid until the next step. A bad tag raises
+        ``DecryptionFailed`` from the step that would have yielded that segment, with ``scratch``
+        wiped; closing the generator before its end wipes ``scratch`` too. The header is read
+        (and the key derived) at this call: a malformed header or another key version fails
+        here; another context (tenant, namespace, chunk, model) fails at the first step's tag."""
+        return self._iter_open(open_schedule(keys, ctx, envelope), envelope, scratch)
+
+    def _iter_open(self, sched: KeySchedule, envelope: Buffer, scratch: WritableBuffer) -> Iterator[tuple[int, int, memoryview]]:
+        plan = sched.plan
+        need = plan.scratch_bytes
+        authentic = True
+        with (
+            flat_view(envelope, writable=False, what="envelope") as src,
+            flat_view(scratch, writable=True, what="scratch") as dst,
+        ):
+            if dst.nbytes < need:
+                raise InvalidParameter(f"scratch must hold {need} bytes, has {dst.nbytes}")
+            aead = self._aead_factory(sched.key)
+            ended = False
+            try:
+                for s in plan.segments():
+                    part = dst[: s.length]
+                    try:
+                        aead.open_into(s.nonce, src[s.offset : s.sealed_end], s.aad, part)
+                    except DecryptionFailed:
+                        authentic = False
+                        break
+                    yield s.start, s.end, part
+                    del part
+                ended = authentic
+            finally:
+                if not ended:  # a bad tag, or closed early: no plaintext is left behind
+                    wipe(dst[:need])
+        if not authentic:
+            raise DecryptionFailed  # raised outside any handler: no buffer view survives in a traceback
 
     def _open_all(
         self,

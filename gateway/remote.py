@@ -355,12 +355,13 @@ class RemoteGateway:
         slot_mapping: Sequence[int] | torch.Tensor | None = None,
         first_chunk: int = 0,
         write_upto: int | None = None,
+        on_layers: Callable[[int], None] | None = None,
     ) -> RetrieveResult:
         """Load the longest stored prefix of ``tokens`` into ``kv_layers`` (one streamed fetch, each envelope with its key; open, scatter);
-        from chunk ``first_chunk`` on (``DataPlane.retrieve``)."""
+        from chunk ``first_chunk`` on; ``on_layers``: layer by layer (``DataPlane.retrieve``)."""
         return await self._plane.retrieve(
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping, first_chunk=first_chunk,
-            write_upto=write_upto,
+            write_upto=write_upto, on_layers=on_layers,
         )
 
 

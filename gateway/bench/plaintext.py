@@ -7,7 +7,7 @@ is a fair ratio. It exists only here; the product has no switch that turns encry
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from crypto.envelope import ChunkCipher
@@ -62,6 +62,14 @@ class PlaintextCodec:
             part[:] = envelope[a:b]
             on_segment(a, b, part)
         return n
+
+    def iter_segments(self, keys: Any, ctx: Any, envelope: memoryview, scratch: memoryview) -> Iterator[tuple[int, int, memoryview]]:
+        n, seg = envelope.nbytes, scratch.nbytes
+        for a in range(0, n, seg):
+            b = min(a + seg, n)
+            part = scratch[: b - a]
+            part[:] = envelope[a:b]
+            yield a, b, part
 
     def seal_into(self, keys: Any, ctx: Any, plain: memoryview, out: memoryview) -> int:
         out[: plain.nbytes] = plain

@@ -14,7 +14,7 @@ under (key version and salt) from its header, so the keys to open it can be aske
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from crypto.envelope import (
@@ -60,6 +60,10 @@ class EnvelopeCodec(Protocol):
         self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview,
         on_segment: OnSegment,
     ) -> int: ...
+    def iter_segments(
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview
+    ) -> Iterator[tuple[int, int, memoryview]]:
+        """``open_segments`` as a generator (a layer-wise load interleaves envelopes)."""
     def seal_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int: ...
     def open_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int: ...
 
@@ -100,6 +104,11 @@ class CipherCodec:
         on_segment: OnSegment,
     ) -> int:
         return self.cipher.open_segments(keys, ctx, envelope, scratch, on_segment)
+
+    def iter_segments(
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview
+    ) -> Iterator[tuple[int, int, memoryview]]:
+        return self.cipher.iter_segments(keys, ctx, envelope, scratch)
 
     def seal_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int:
         return self.cipher.seal_into(keys, ctx, plain, out)

@@ -38,6 +38,7 @@ from gateway.datapath.sealers import (
     CpuSealer,
     DeviceSealer,
     HostSealer,
+    OnLayers,
     OpenJob,
     Sealer,
     SealJob,
@@ -208,10 +209,11 @@ class DataPath:
         """Seal each chunk's KV into a new envelope (the tier keeps it), with its job's keys."""
         return self.sealer_for(kv).seal(kv, jobs)
 
-    def open_batch(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open_batch(self, kv: PagedKV, jobs: Sequence[OpenJob], on_layers: OnLayers | None = None) -> tuple[int, bool]:
         """Authenticate, decrypt and scatter each chunk into the paged KV, segment by segment.
 
         Returns (chunks loaded, whether the next one failed authentication); it stops at the
         first failure. Nothing of a segment reaches ``kv`` before its tag was checked, and the
-        slots of a chunk that failed are left zeroed where earlier segments had landed."""
-        return self.sealer_for(kv).open(kv, jobs)
+        slots of a chunk that failed are left zeroed where earlier segments had landed.
+        ``on_layers``: layer by layer across the batch (``Sealer.open``), where the sealer can."""
+        return self.sealer_for(kv).open(kv, jobs, on_layers)

@@ -16,7 +16,9 @@ counted, never handed to the engine.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -28,7 +30,7 @@ from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from gateway.chunking import Chunk
 from gateway.datapath.path import DataPath
 from gateway.datapath.plan import TokensLike, chunks_of, request_slots
-from gateway.datapath.sealers import OpenJob, SealJob
+from gateway.datapath.sealers import OnLayers, OpenJob, SealJob
 from gateway.datapath.stores import (
     ChunkSession,
     ChunkStore,
@@ -51,6 +53,28 @@ log = logging.getLogger("kvgate.core")
 BlockIds = Sequence[int] | torch.Tensor | None
 
 
+class _LayerProgress:
+    """How far a layer-wise load is: the least of its batches (each says how many layers of its
+    chunks are in place; one that ended counts them all), passed on as it grows, from whatever
+    thread moved it."""
+
+    def __init__(self, n: int, on_layers: OnLayers | None) -> None:
+        self._at = [0] * n
+        self._said = 0
+        self._on_layers = on_layers
+        self._lock = threading.Lock()
+
+    def batch_at(self, b: int, layers: int) -> None:
+        if self._on_layers is None:
+            return
+        with self._lock:
+            self._at[b] = max(self._at[b], layers)
+            low = min(self._at)
+            if low > self._said:
+                self._said = low
+                self._on_layers(low)  # under the lock: in order (it only notes the number)
+
+
 class DataPlane:
     def __init__(self, datapath: DataPath, chunk_tokens: int, stats: Counter[str]) -> None:
         self.datapath = datapath
@@ -60,13 +84,16 @@ class DataPlane:
     def chunks(self, model: KVModel, tokens: TokensLike) -> list[Chunk]:
         return chunks_of(model, tokens, self.chunk_tokens)
 
-    def _batches(self, n: int, model: KVModel, chunks: Sequence[Chunk]) -> list[list[int]]:
+    def _batches(self, n: int, model: KVModel, chunks: Sequence[Chunk], *, layered: bool = False) -> list[list[int]]:
         """Split n chunks into batches for the CPU pool: at most ~16 MiB each (so tier I/O
-        overlaps the next batch's CPU work) and at least one per thread when there is enough."""
+        overlaps the next batch's CPU work) and at least one per thread when there is enough.
+        ``layered`` (a layer-wise load): one batch per thread, all opened at once, layer by layer
+        (smaller batches would run one after another, and the first layer of the last one would
+        be in place only near the end)."""
         chunk_bytes = model.geometry.chunk_nbytes(chunks[0].num_tokens)
         by_size = max(1, (16 << 20) // chunk_bytes)
         by_threads = max(1, -(-n // max(1, self.datapath.threads)))
-        size = min(by_size, by_threads)
+        size = by_threads if layered else min(by_size, by_threads)
         return [list(range(k, min(k + size, n))) for k in range(0, n, size)]
 
     # -- lookup ------------------------------------------------------------------------------
@@ -215,6 +242,7 @@ class DataPlane:
         slot_mapping: BlockIds = None,
         first_chunk: int = 0,
         write_upto: int | None = None,
+        on_layers: OnLayers | None = None,
     ) -> RetrieveResult:
         """Load the longest stored prefix of ``tokens`` into ``kv_layers``.
 
@@ -230,7 +258,14 @@ class DataPlane:
         ``write_upto``: no token from that position on (counted from the prompt's start) is
         written into ``kv_layers``: its chunk is fetched and authenticated whole, and only its
         earlier tokens are scattered (an engine computes the rest itself and wants its slots
-        untouched)."""
+        untouched).
+
+        ``on_layers`` (a layer-wise load, for an engine whose forward can start on the first
+        layers while the rest load): the chunks are opened layer by layer, one batch per thread,
+        and ``on_layers(n)`` says (from any thread) that layers ``[0, n)`` of every chunk still
+        loading are in place; it is called with the model's layer count before this returns, however it
+        ends. Where it ends short (a miss, a failed tag), the chunks past the prefix are not in
+        place at any layer: the caller treats them as not loaded, as without ``on_layers``."""
         every = self.chunks(model, tokens)
         if not 0 <= first_chunk < len(every):
             raise InvalidRequest(f"first_chunk must lie in [0, {len(every)}), got {first_chunk}")
@@ -251,7 +286,7 @@ class DataPlane:
             )
         try:
             upto = None if write_upto is None else write_upto - base
-            loaded, failures, unavailable, ended = await self._load(session, model, chunks, kv, slots, upto)
+            loaded, failures, unavailable, ended = await self._load(session, model, chunks, kv, slots, upto, on_layers)
         finally:
             await session.aclose()
         reason = ""
@@ -272,6 +307,7 @@ class DataPlane:
     async def _load(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor,
         write_upto: int | None = None,
+        on_layers: OnLayers | None = None,
     ) -> tuple[int, int, int, dict[int, str]]:
         """Fetch, authenticate, decrypt and scatter the stored prefix in batches: every fetch is
         started at once (one streamed request in remote mode), and each batch keys and opens its
@@ -281,12 +317,17 @@ class DataPlane:
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
         tiers: dict[int, str] = {}  # chunk index -> the tier its envelope came from
 
-        async def open_jobs(batch: list[int], jobs: list[OpenJob]) -> int:
+        batches = self._batches(len(chunks), model, chunks, layered=on_layers is not None)
+        layers = kv.geometry.num_layers
+        progress = _LayerProgress(len(batches), on_layers)
+
+        async def open_jobs(batch: list[int], jobs: list[OpenJob], b: int) -> int:
             """How many leading chunks of the batch were loaded."""
             if not jobs:
                 return 0
             async with gate:
-                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, jobs)
+                said = functools.partial(progress.batch_at, b) if on_layers is not None else None
+                loaded, failed = await self.datapath.run(self.datapath.open_batch, kv, jobs, said)
             if failed:
                 bad = batch[loaded]
                 stats["failures"] += 1
@@ -299,7 +340,13 @@ class DataPlane:
 
         session.prefetch(range(len(chunks)))
 
-        async def run(batch: list[int]) -> int:
+        async def run(batch: list[int], b: int) -> int:
+            try:
+                return await fetch_and_open(batch, b)
+            finally:
+                progress.batch_at(b, layers)
+
+        async def fetch_and_open(batch: list[int], b: int) -> int:
             got = await self._fetch_run(session, batch, stats, ended)
             # only the tier is kept past this batch: an envelope's buffer is let go as soon as its
             # batch is opened (a remote load's receive buffers then serve the next batches,
@@ -311,10 +358,9 @@ class DataPlane:
                 for i, job in enumerate(jobs, start=batch[0]):
                     if chunks[i].end > write_upto:
                         job.write_tokens = max(0, write_upto - chunks[i].start)
-            return await open_jobs(batch, jobs)
+            return await open_jobs(batch, jobs, b)
 
-        batches = self._batches(len(chunks), model, chunks)
-        results = await asyncio.gather(*(run(b) for b in batches))
+        results = await asyncio.gather(*(run(batch, b) for b, batch in enumerate(batches)))
 
         # Batches run concurrently; the prefix ends at the first chunk that did not load. A chunk
         # past that point may have been unpacked already: authentic KV in slots the engine

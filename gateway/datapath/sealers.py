@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from crypto.aead import wipe
 from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, plaintext_length
 from crypto.errors import DecryptionFailed
 from gateway.datapath.buffers import BufferPool, empty
@@ -37,7 +38,7 @@ from kernels.pack import chunk_rows, pack, unpack
 from kernels.paged import PagedKV
 from kernels.pieces import ChunkPieces, FlatKV
 
-__all__ = ["CpuSealer", "DeviceSealer", "HostSealer", "OpenJob", "SealJob", "Sealer"]
+__all__ = ["CpuSealer", "DeviceSealer", "HostSealer", "OnLayers", "OpenJob", "SealJob", "Sealer"]
 
 
 @dataclass(slots=True)
@@ -65,16 +66,23 @@ class OpenJob:
     write_tokens: int | None = None  # scatter only the chunk's first that many tokens (all are authenticated)
 
 
+OnLayers = Callable[[int], None]
+"""``on_layers(n)``: layers ``[0, n)`` of every chunk of the batch that is still loading are in
+the cache (authenticated); a layer-wise load lets the engine's forward go that far."""
+
+
 class Sealer(Protocol):
     name: str
 
     def seal(self, kv: PagedKV, jobs: Sequence[SealJob]) -> list[memoryview]:
         """Seal each chunk's KV into a new envelope (the tier keeps it)."""
 
-    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob], on_layers: OnLayers | None = None) -> tuple[int, bool]:
         """Authenticate, decrypt and scatter each chunk into the paged KV. Returns (chunks loaded,
         whether the next one failed authentication); it stops at the first failure, and a chunk
-        that failed leaves nothing of itself in the cache."""
+        that failed leaves nothing of itself in the cache. ``on_layers``: open layer by layer
+        across the chunks and say how far it got (a sealer that cannot says nothing: its caller
+        counts every layer in once it returns)."""
 
 
 def _to_host(part: torch.Tensor, dst: memoryview) -> None:
@@ -113,8 +121,10 @@ class CpuSealer:
             out.append(env)
         return out
 
-    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob], on_layers: OnLayers | None = None) -> tuple[int, bool]:
         flat = FlatKV(kv)
+        if on_layers is not None:
+            return self._open_layers(flat, jobs, on_layers)
         for i, job in enumerate(jobs):
             chunk = ChunkPieces(flat, job.slots, unique=True, write_tokens=job.write_tokens)
             try:
@@ -122,6 +132,54 @@ class CpuSealer:
             except DecryptionFailed:
                 return i, True
         return len(jobs), False
+
+    def _open_layers(self, flat: FlatKV, jobs: Sequence[OpenJob], on_layers: OnLayers) -> tuple[int, bool]:
+        """``open``, layer-major: the segments of every chunk up to layer 1, then up to layer 2,
+        and so on (a chunk's plaintext is layer after layer, and its segments are whole layer
+        ranges), saying after each layer how far the batch is. A chunk that fails ends the prefix
+        there: it and every chunk after it (their first layers were scattered already) are
+        zeroed where anything of them landed, and the chunks before it are opened to the end."""
+        chunks = [ChunkPieces(flat, job.slots, unique=True, write_tokens=job.write_tokens) for job in jobs]
+        live = len(jobs)  # chunks [0, live) are still the prefix
+        for i, (chunk, job) in enumerate(zip(chunks, jobs, strict=True)):
+            if self.codec.plaintext_length(job.envelope) != chunk.nbytes:  # also bounds the scratch below
+                live = i
+                break
+        failed = live < len(jobs)
+        if live == 0:
+            return 0, failed
+        scratch = self.pool.scratch(max(self.codec.scratch_bytes(job.envelope) for job in jobs[:live]))
+        delivered = [0] * live
+        steps: list[Any] = []
+        try:
+            for i in range(live):
+                try:
+                    steps.append(self.codec.iter_segments(jobs[i].keys, jobs[i].ctx, jobs[i].envelope, scratch))
+                except DecryptionFailed:
+                    live, failed = i, True
+                    break
+            for layer in range(1, flat.kv.geometry.num_layers + 1):
+                i = 0
+                while i < live:
+                    chunk, want = chunks[i], layer * chunks[i].layer_nbytes
+                    try:
+                        while delivered[i] < want:
+                            start, end, view = next(steps[i])
+                            chunk.scatter(view, start, end)
+                            delivered[i] = end
+                            del view
+                    except DecryptionFailed:
+                        live, failed = i, True
+                    i += 1
+                on_layers(layer)
+        finally:
+            for step in steps:
+                step.close()
+        if live < len(delivered):  # the failed chunk and those after it: nothing of them stays
+            wipe(scratch)  # an earlier chunk's last segment may be in it: the zeros come from here
+            for i in range(live, len(delivered)):
+                self._zero(chunks[i], delivered[i], scratch)
+        return live, failed
 
     def _open_one(self, chunk: ChunkPieces, job: OpenJob) -> None:
         if self.codec.plaintext_length(job.envelope) != chunk.nbytes:  # also bounds the scratch below
@@ -171,7 +229,7 @@ class HostSealer:
             out.append(env)
         return out
 
-    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob], on_layers: OnLayers | None = None) -> tuple[int, bool]:
         geometry = kv.geometry
         for i, job in enumerate(jobs):
             staging = self.pool.staging(geometry, job.slots.numel())
@@ -248,7 +306,7 @@ class DeviceSealer:
             out.append(env)
         return out
 
-    def open(self, kv: PagedKV, jobs: Sequence[OpenJob]) -> tuple[int, bool]:
+    def open(self, kv: PagedKV, jobs: Sequence[OpenJob], on_layers: OnLayers | None = None) -> tuple[int, bool]:
         if self._fused_for(kv):
             return self._open_fused(kv, jobs)
         for i, job in enumerate(jobs):

@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -131,8 +131,10 @@ class Backend(Protocol):
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
-        first_chunk: int = 0, write_upto: int | None = None,
-    ) -> RetrieveResult: ...
+        first_chunk: int = 0, write_upto: int | None = None, on_layers: Callable[[int], None] | None = None,
+    ) -> RetrieveResult:
+        """``on_layers``: a layer-wise load (``DataPlane.retrieve``), told from any thread."""
+        ...
 
     async def store(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
@@ -176,11 +178,11 @@ class EmbeddedBackend:
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
-        first_chunk: int = 0, write_upto: int | None = None,
+        first_chunk: int = 0, write_upto: int | None = None, on_layers: Callable[[int], None] | None = None,
     ) -> RetrieveResult:
         result: RetrieveResult = await self.runtime.gateway.retrieve(
             cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk,
-            write_upto=write_upto,
+            write_upto=write_upto, on_layers=on_layers,
         )
         return result
 
@@ -265,11 +267,11 @@ class RemoteBackend:
 
     async def retrieve(
         self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
-        first_chunk: int = 0, write_upto: int | None = None,
+        first_chunk: int = 0, write_upto: int | None = None, on_layers: Callable[[int], None] | None = None,
     ) -> RetrieveResult:
         result: RetrieveResult = await self._client(cap).retrieve(
             model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk,
-            write_upto=write_upto,
+            write_upto=write_upto, on_layers=on_layers,
         )
         return result
 

@@ -99,6 +99,9 @@ class ConnectorConfig(BaseModel):
     # the nice value of the threads that seal stores (Linux), so that decoding goes first while a
     # store is in flight (gateway.datapath.path); 0: stores at the engine's own priority
     store_nice: int = Field(10, ge=0, le=19)
+    # loads into a CPU cache go layer by layer: the forward starts on the first layers while the
+    # rest load (gateway/vllm/layers.py); false: every layer is in before the forward starts
+    layerwise_loads: bool = True
     trace_path: str | None = None
 
     @classmethod

@@ -20,18 +20,20 @@ Hooks, by side:
         register_kv_caches              the paged tensors, seen as blocks (``kernels.layouts``)
         start_load_kv                   retrieve into a compact buffer, scatter back only what
                                         authenticated; the rest is a load error, logged at
-                                        WARNING with its reason and counted
-        wait_for_layer_load             nothing left to wait for: loads are synchronous, all
-                                        layers in ``start_load_kv`` (an envelope seals every
-                                        layer of a chunk at once; layer-wise loads would need
-                                        another envelope format)
+                                        WARNING with its reason and counted. A CPU cache: the
+                                        load is submitted and runs layer by layer across its
+                                        chunks while the forward starts (``layers.py``)
+        wait_for_layer_load             a layer-wise load: until this layer of every chunk is in
+                                        place, authenticated (each envelope segment is a whole
+                                        layer range with its own tag)
         save_kv_layer                   nothing (the core seals every layer of a chunk at once)
         wait_for_save                   cut before any block whose load failed, gather the
                                         request's blocks into a pooled buffer, submit the
                                         store (encrypt, put) and return: the step never waits
                                         for it; past ``store_in_flight_bytes`` a store is
                                         dropped (counted), never waited for
-        get_block_ids_with_load_errors  failed blocks; vLLM recomputes them with
+        get_block_ids_with_load_errors  (after the step's layer-wise loads ended)
+                                        failed blocks; vLLM recomputes them with
                                         ``kv_load_failure_policy: "recompute"``
         get_finished                    forget finished requests' failed-load marks; reports
                                         none (see below)
@@ -161,7 +163,7 @@ class KvgateConnector(KVConnectorBase_V1):
         else:
             self._worker = WorkerSide(
                 self._backend, chunk, block_size, model_name, layout=config.layout, stats=self.stats, trace=trace,
-                max_in_flight_bytes=config.store_in_flight_bytes,
+                max_in_flight_bytes=config.store_in_flight_bytes, layerwise=config.layerwise_loads,
             )
 
     @property
@@ -220,7 +222,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self.worker.load(self._metadata().loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        self.worker.wait_for_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None
@@ -238,6 +240,7 @@ class KvgateConnector(KVConnectorBase_V1):
     # -- both ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
         if self._worker is not None and self._backend is not None:
+            self._worker.finish_loads()
             self._worker.wait_stores(self._drain_s)  # bounded: a store has this timeout too
         backend, self._backend = self._backend, None
         if backend is not None:

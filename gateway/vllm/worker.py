@@ -45,6 +45,7 @@ from gateway.types import KVModel, RetrieveResult, StoreResult
 from gateway.vllm.backend import Backend
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 from gateway.vllm.inflight import InFlight, StagingPool
+from gateway.vllm.layers import LayerLoads
 from gateway.vllm.ledger import LoadOp, StoreOp, WorkerLedger
 from gateway.vllm.logs import Tracer, miss_reason
 from kernels.errors import KVLayoutError
@@ -59,6 +60,7 @@ class WorkerSide:
     def __init__(
         self, backend: Backend, chunk_tokens: int, block_size: int, model_name: str, *, layout: str = "auto",
         stats: Counter[str] | None = None, trace: Tracer | None = None, max_in_flight_bytes: int = 1 << 30,
+        layerwise: bool = True,
     ) -> None:
         self._backend = backend
         self.block = block_size
@@ -73,8 +75,10 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self.in_flight: InFlight[StoreResult] = InFlight(max_in_flight_bytes)
         self._pool: StagingPool | None = None
+        self._layers = LayerLoads(layerwise, wait_s=backend.loop.timeout_s + backend.loop.settle_s + 5.0)
 
     def register(self, kv_caches: Mapping[str, torch.Tensor], tp_rank: int = 0, tp_size: int = 1) -> None:
+        self._layers.register(list(kv_caches))
         try:
             self.blocks = BlockView.of(kv_caches, self.block, self._layout)
         except KVLayoutError as exc:
@@ -88,6 +92,8 @@ class WorkerSide:
 
     def load(self, loads: Sequence[LoadOp]) -> None:
         """One step's loads (every step starts here, with or without loads)."""
+        self.finish_loads()  # a step that ended without the hooks that finish them (never, in vLLM 0.32)
+        self._layers.new_step()
         self.ledger.new_step()
         self.in_flight.reap()
         if not loads:
@@ -95,6 +101,7 @@ class WorkerSide:
         blocks, model = self._registered()
         pool = self._staging(blocks)
         bs = self.block
+        layerwise = self._layers.ready()
         for op in loads:
             want = -(-len(op.tokens) // bs)  # blocks retrieved (and authenticated)
             upto = op.load_tokens // bs  # blocks the engine expects loaded (whole, a prefix of them)
@@ -105,8 +112,20 @@ class WorkerSide:
             t0 = time.perf_counter()
             loaded = failures = 0
             reason = ""
+            native = blocks.native and op.skip_blocks == base and len(op.block_ids) >= want
+            if native and layerwise:
+                # a layer-wise load: it runs on the backend's loop while the forward starts;
+                # wait_for_layer_load holds each layer back until it is in place, and the step's
+                # last hooks (finish_loads) take its outcome
+                load = self._layers.start(op, upto, t0)
+                load.future = self._backend.loop.submit(self._backend.retrieve(
+                    op.capability, model, op.tokens, list(blocks.views), op.block_ids[base:want], first,
+                    write_upto=upto * bs, on_layers=load.at,
+                ))
+                load.future.add_done_callback(load.ended)
+                continue
             try:
-                if blocks.native and op.skip_blocks == base and len(op.block_ids) >= want:
+                if native:
                     # a CPU cache is in the chunk format's own layout: decrypt straight into
                     # the request's blocks, no compact buffer and no second pass. Only blocks
                     # before ``upto`` are written (the last one is the engine's to compute);
@@ -122,21 +141,62 @@ class WorkerSide:
                 loaded, reason = 0, miss_reason(exc)
             except (GatewayError, ValueError) as exc:
                 loaded, reason = 0, miss_reason(exc)
-            first_failed = max(loaded, op.skip_blocks)
-            failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, upto)
-            self._load_errors |= failed
-            if failed:
-                reason = reason or "miss"
-                self.stats[f"load_{reason}"] += 1
-                log.warning(
-                    "kvgate load for %s: %d of %d tokens loaded (%s); vLLM recomputes %d blocks, none of them "
-                    "is stored by this request", op.req_id, min(loaded, upto) * bs, upto * bs, reason, len(failed),
-                )
-            self._trace(
-                "load", req=op.req_id, tokens=op.load_tokens, loaded_tokens=min(loaded, upto) * bs,
-                failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
-                ms=(time.perf_counter() - t0) * 1e3,
+            self._loaded(op, upto, t0, loaded, failures, reason)
+
+    def _loaded(
+        self, op: LoadOp, upto: int, t0: float, loaded: int, failures: int, reason: str, ms: float | None = None,
+        **trace: Any,
+    ) -> None:
+        """A load's outcome (``loaded`` blocks): its failed blocks to vLLM, its trace line
+        (``ms``: how long the load ran; by default, until now)."""
+        bs = self.block
+        first_failed = max(loaded, op.skip_blocks)
+        failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, upto)
+        self._load_errors |= failed
+        if failed:
+            reason = reason or "miss"
+            self.stats[f"load_{reason}"] += 1
+            log.warning(
+                "kvgate load for %s: %d of %d tokens loaded (%s); vLLM recomputes %d blocks, none of them "
+                "is stored by this request", op.req_id, min(loaded, upto) * bs, upto * bs, reason, len(failed),
             )
+        self._trace(
+            "load", req=op.req_id, tokens=op.load_tokens, loaded_tokens=min(loaded, upto) * bs,
+            failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
+            ms=(time.perf_counter() - t0) * 1e3 if ms is None else ms, **trace,
+        )
+
+    # -- layer-wise loads ---------------------------------------------------------------------
+    def wait_for_layer(self, layer_name: str) -> None:
+        """wait_for_layer_load: until this layer of every load of the step is in place."""
+        self._layers.wait(layer_name)
+
+    def finish_loads(self) -> None:
+        """The step's layer-wise loads, waited for to their end: their outcomes as a synchronous
+        load's. Where the forward did not ask for every layer through wait_for_layer_load this
+        step, it may have read a layer before it was in place: every block those loads wrote is
+        then a load error (vLLM recomputes them and drops what the step computed from them)."""
+        loads, complete, waited = self._layers.take()
+        for load in loads:
+            loaded, failures, reason = 0, 0, ""
+            try:
+                result = load.future.result(self._layers.wait_s) if load.future is not None else None
+                if result is not None:
+                    loaded, failures, reason = result.loaded_tokens // self.block, result.integrity_failures, result.reason
+            except GatewayTimeout as exc:
+                reason = miss_reason(exc)
+            except TimeoutError:
+                reason = "gateway_timeout"
+                log.error("a layer-wise kvgate load for %s had not ended; its blocks are recomputed", load.op.req_id)
+            except (GatewayError, ValueError) as exc:
+                reason = miss_reason(exc)
+            if not complete and loaded:
+                self.stats["load_layer_hooks_missed"] += 1
+                loaded, reason = 0, "layer_hooks_missed"
+            self._loaded(load.op, load.upto, load.t0, loaded, failures, reason,
+                         ms=((load.t_end or time.perf_counter()) - load.t0) * 1e3, layerwise=True)
+        if loads:
+            self._trace("layer_wait", loads=len(loads), ms=waited * 1e3, hooks_complete=complete)
 
     def _load_compact(
         self, pool: StagingPool, op: LoadOp, blocks: BlockView, model: KVModel, want: int, upto: int, first: int,
@@ -166,6 +226,7 @@ class WorkerSide:
         """One step's stores, each cut before the first block whose load failed, gathered now
         into a pooled compact buffer and submitted (sealed and put on the backend's loop, not
         waited for). A store past the in-flight cap is dropped, never waited for."""
+        self.finish_loads()  # a store is cut before blocks whose load failed: know them first
         self.in_flight.reap()
         if not stores:
             return
@@ -262,10 +323,12 @@ class WorkerSide:
         return self.in_flight.wait(timeout_s)
 
     def take_load_errors(self) -> set[int]:
+        self.finish_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def finished(self, req_ids: Iterable[str]) -> None:
+        self.finish_loads()
         self.in_flight.reap()
         self.ledger.finished(req_ids)
 

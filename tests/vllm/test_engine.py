@@ -161,6 +161,11 @@ def test_second_request_hits_kvgate_with_identical_output(scenario):
     assert r["A_P1"]["tokens"] == r["A_P2"]["tokens"] == r["base_P"]["tokens"]
     loads = [e for e in scenario["trace"] if e["event"] == "load"]
     assert loads and loads[0]["loaded_tokens"] == 288 and loads[0]["failed_blocks"] == 0
+    # it loaded layer by layer while the forward ran (the miss's steps showed vLLM calls
+    # wait_for_layer_load for every layer), and that step's forward asked for every layer
+    assert loads[0].get("layerwise") is True
+    waits = [e for e in scenario["trace"] if e["event"] == "layer_wait"]
+    assert waits and all(e["hooks_complete"] for e in waits)
 
 
 def test_other_tenant_gets_zero_hits_beside_the_positive_control(scenario):
@@ -195,6 +200,7 @@ def test_tampered_chunk_is_recomputed_and_audited(scenario):
     assert r["A_P_tampered"]["kv"]["kvgate"]["hit_tokens"] == 288  # the lookup saw it ...
     load = [e for e in scenario["trace"] if e["event"] == "load"][-1]
     assert load["integrity_failures"] == 1 and load["loaded_tokens"] == CHUNK  # ... the tag stopped it
+    assert load.get("layerwise") is True  # layer by layer: the chunks after it left nothing either
     assert load["failed_blocks"] == (288 - CHUNK) // BLOCK
     assert r["A_P_tampered"]["tokens"] == r["base_P"]["tokens"]  # vLLM recomputed
     assert "integrity.failure" in scenario["audit"]
