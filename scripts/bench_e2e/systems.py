@@ -4,6 +4,8 @@
 - ``kvgate-embedded``: the kvgate connector with the core in the worker, tiers memory + Redis
   (the scheduler process looks up in Redis; the worker loads from its own memory tier), a
   SQLite state directory of its own, capabilities minted in that state.
+- ``kvgate-embedded-whole``: the same with ``layerwise_loads: false`` (every layer of a hit is in
+  before the forward starts): the control for layer-wise loads.
 - ``kvgate-remote``: the connector in remote mode against a ``kvgate serve`` of its own (a free
   port, a temporary state directory, memory tier): an operator token from ``kvgate token mint``,
   tenants from ``POST /v1/admin/tenants`` and capabilities from ``POST /v1/capabilities`` with it,
@@ -48,7 +50,8 @@ __all__ = ["LABELS", "NotRun", "System", "open_system", "stop_process"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
-    "none": "no connector", "kvgate-embedded": "kvgate embedded", "kvgate-remote": "kvgate remote",
+    "none": "no connector", "kvgate-embedded": "kvgate embedded",
+    "kvgate-embedded-whole": "kvgate embedded (whole-chunk loads)", "kvgate-remote": "kvgate remote",
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
 }
@@ -145,7 +148,7 @@ async def _embedded_caps(settings: dict[str, Any], tenants: list[str]) -> dict[s
         await rt.aclose()
 
 
-def _embedded(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
+def _embedded(work: Path, tenants: list[str], cfg: dict[str, Any], layerwise: bool = True) -> System:
     prefix = f"kvgate-e2e-{secrets.token_hex(4)}:"
     settings = {
         "state_dir": str(work / "state"), "tiers": ["memory", "redis"], "redis_url": cfg["redis_url"],
@@ -154,8 +157,8 @@ def _embedded(work: Path, tenants: list[str], cfg: dict[str, Any]) -> System:
     }
     trace = work / "trace.jsonl"
     caps = asyncio.run(_embedded_caps(settings, tenants))
-    extra = {"kvgate_settings": settings, "trace_path": str(trace), "model_name": "bench-llama"}
-    return System("kvgate-embedded", _connector(extra), caps, flush={"redis_url": cfg["redis_url"], "redis_prefix": prefix}, trace=trace)
+    extra = {"kvgate_settings": settings, "trace_path": str(trace), "model_name": "bench-llama", "layerwise_loads": layerwise}
+    return System("kvgate-embedded" if layerwise else "kvgate-embedded-whole", _connector(extra), caps, flush={"redis_url": cfg["redis_url"], "redis_prefix": prefix}, trace=trace)
 
 
 def free_port() -> int:
@@ -275,6 +278,8 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return System("none", None)
     if key == "kvgate-embedded":
         return _embedded(work, tenants, cfg)
+    if key == "kvgate-embedded-whole":
+        return _embedded(work, tenants, cfg, layerwise=False)
     if key == "kvgate-remote":
         return _remote(work, tenants, cfg)
     if key == "kvgate-remote-uds":
