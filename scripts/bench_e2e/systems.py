@@ -6,6 +6,7 @@
   SQLite state directory of its own, capabilities minted in that state.
 - ``kvgate-embedded-whole``: the same with ``layerwise_loads: false`` (every layer of a hit is in
   before the forward starts): the control for layer-wise loads.
+- ``kvgate-remote-shm-whole``: ``kvgate-remote-shm`` with ``layerwise_loads: false`` (its control).
 - ``kvgate-remote``: the connector in remote mode against a ``kvgate serve`` of its own (a free
   port, a temporary state directory, memory tier): an operator token from ``kvgate token mint``,
   tenants from ``POST /v1/admin/tenants`` and capabilities from ``POST /v1/capabilities`` with it,
@@ -53,6 +54,7 @@ LABELS = {
     "none": "no connector", "kvgate-embedded": "kvgate embedded",
     "kvgate-embedded-whole": "kvgate embedded (whole-chunk loads)", "kvgate-remote": "kvgate remote",
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
+    "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
 }
 OPS = ["lookup", "get", "put"]
@@ -174,7 +176,9 @@ def _kvgate(args: list[str], env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
-def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0) -> System:
+def _remote(
+    work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0, layerwise: bool = True
+) -> System:
     """``uds``: the server also listens on a Unix socket and the connector goes there (a kvgate
     server on the workers' host), else over loopback TCP; ``shm_mb``: and loads borrow a
     shared-memory region of that size."""
@@ -194,7 +198,8 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = Fal
             [sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", str(sock)] if sock else [])],
             env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )
-    system = System("kvgate-remote-shm" if shm_mb else "kvgate-remote-uds" if uds else "kvgate-remote", None, procs=[proc])
+    key = "kvgate-remote-shm" if shm_mb else "kvgate-remote-uds" if uds else "kvgate-remote"
+    system = System(key if layerwise else key + "-whole", None, procs=[proc])
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 180
@@ -222,7 +227,7 @@ def _remote(work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = Fal
         trace = work / "trace.jsonl"
         extra = {"mode": "remote", "remote_url": url, "chunk_tokens": cfg["chunk_tokens"], "trace_path": str(trace),
                  "model_name": "bench-llama", **({"remote_uds": str(sock)} if sock else {}),
-                 **({"remote_shm_mb": shm_mb} if shm_mb else {})}
+                 **({"remote_shm_mb": shm_mb} if shm_mb else {}), "layerwise_loads": layerwise}
         system.ktc, system.trace, system.env = _connector(extra), trace, {"KVGATE_REMOTE_TOKEN": operator}
         return system
     except BaseException:
@@ -286,6 +291,8 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg, uds=True)
     if key == "kvgate-remote-shm":
         return _remote(work, tenants, cfg, uds=True, shm_mb=cfg.get("shm_mb", 512))
+    if key == "kvgate-remote-shm-whole":
+        return _remote(work, tenants, cfg, uds=True, shm_mb=cfg.get("shm_mb", 512), layerwise=False)
     if key == "example":
         return _example(work, tenants)
     if key == "lmcache":
