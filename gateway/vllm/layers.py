@@ -23,7 +23,8 @@ not call it at all). And every step checks again: where a step's forward did not
 layer, it may have read one before it was in place, so ``finish_loads`` reports every block of
 that step's layer-wise loads as a load error (vLLM recomputes them, and drops what the step
 computed from them). A GPU cache never goes layer-wise here (its loads go through a compact
-buffer, and a CUDA graph replay skips the hook).
+buffer, and a CUDA graph replay skips the hook), and neither does remote mode (``RemoteBackend``
+says why: measured slower).
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ class WorkerSide:
         blocks, model = self._registered()
         pool = self._staging(blocks)
         bs = self.block
-        layerwise = self._layers.ready()
+        layerwise = self._layers.ready() and bool(getattr(self._backend, "layerwise", False))
         for op in loads:
             want = -(-len(op.tokens) // bs)  # blocks retrieved (and authenticated)
             upto = op.load_tokens // bs  # blocks the engine expects loaded (whole, a prefix of them)
@@ -190,8 +190,7 @@ class WorkerSide:
                 log.error("a layer-wise kvgate load for %s had not ended; its blocks are recomputed", load.op.req_id)
             except (GatewayError, ValueError) as exc:
                 reason = miss_reason(exc)
-            if not complete and loaded:
-                self.stats["load_layer_hooks_missed"] += 1
+            if not complete and loaded:  # counted as load_layer_hooks_missed, logged at WARNING
                 loaded, reason = 0, "layer_hooks_missed"
             self._loaded(load.op, load.upto, load.t0, loaded, failures, reason,
                          ms=((load.t_end or time.perf_counter()) - load.t0) * 1e3, layerwise=True)

@@ -265,7 +265,7 @@ class _GatedLoop:
 
     def __init__(self, loop, store_timeout_s: float | None) -> None:
         self._loop, self._timeout = loop, store_timeout_s
-        self.timeout_s = loop.timeout_s
+        self.timeout_s, self.settle_s = loop.timeout_s, loop.settle_s
 
     def call(self, coro, timeout=None):
         return self._loop.call(coro, timeout)
@@ -281,6 +281,7 @@ class GatedBackend:
     def __init__(self, inner: Backend, fail: Exception | None = None, store_timeout_s: float | None = None) -> None:
         self.inner, self.fail = inner, fail
         self.chunk_tokens = inner.chunk_tokens
+        self.layerwise = False  # these tests hold stores up; loads go whole, as a synchronous call
         self.loop = _GatedLoop(inner.loop, store_timeout_s)
         self.gate = threading.Event()
         self.started = 0
@@ -446,3 +447,85 @@ def test_the_trace_says_when_write_behind_copies_are_in_and_wait_for_stores_wait
         assert b.loop.call(on_disk()) == 3  # the disk holds the three chunks when the line says so
     finally:
         release(b)
+
+
+# -- layer-wise loads -------------------------------------------------------------------------
+
+
+def _stored(backend: Backend, tmp_path) -> tuple[str, dict[str, torch.Tensor], list[int]]:
+    cap = _capability(backend)
+    src = _cpu_cache(seed=1)
+    writer = _worker(backend, src, tmp_path)
+    src_ids = list(range(3, 15))
+    writer.load([])
+    writer.save([StoreOp("w", cap, TOKENS, src_ids)])
+    assert writer.wait_stores(30)
+    return cap, src, src_ids
+
+
+def _step(worker: WorkerSide, loads: list[LoadOp], layers: list[str], forward=None) -> set[int]:
+    """One engine step: start_load_kv, the forward asking for ``layers`` in order (``forward``
+    runs at each, as the attention would), then the step's last hooks."""
+    worker.load(loads)
+    for name in layers:
+        worker.wait_for_layer(name)
+        if forward is not None:
+            forward(name)
+    worker.save([])
+    worker.finished([])
+    return worker.take_load_errors()
+
+
+def test_a_layer_wise_load_is_in_place_at_each_layer_the_forward_reaches(backend, tmp_path):
+    cap, src, src_ids = _stored(backend, tmp_path)
+    dst = _cpu_cache(seed=2)
+    reader = _worker(backend, dst, tmp_path)
+    names = list(dst)
+    dst_ids = list(range(20, 32))
+    assert _step(reader, [], names) == set()  # a step without loads: the hook shows it is called
+    seen: list[str] = []
+
+    def attention(name: str) -> None:  # the layer the forward reads now holds the stored KV
+        assert torch.equal(dst[name][dst_ids[:8]], src[name][src_ids[:8]])
+        seen.append(name)
+
+    assert _step(reader, [LoadOp("r", cap, TOKENS[:32], dst_ids[:8])], names, attention) == set()
+    assert seen == names and _untouched(dst, dst_ids[8:])
+    loads = [e for e in _events(tmp_path) if e["event"] == "load"]
+    assert loads[-1]["layerwise"] is True and loads[-1]["loaded_tokens"] == 32
+    waits = [e for e in _events(tmp_path) if e["event"] == "layer_wait"]
+    assert waits[-1]["hooks_complete"] is True and waits[-1]["loads"] == 1
+
+
+def test_the_first_load_is_whole_and_a_step_that_skips_a_layer_loses_its_layer_wise_blocks(backend, tmp_path):
+    cap, src, src_ids = _stored(backend, tmp_path)
+    dst = _cpu_cache(seed=2)
+    reader = _worker(backend, dst, tmp_path)
+    names = list(dst)
+    dst_ids = list(range(20, 32))
+    # no step has shown the hook yet: the load is whole, in start_load_kv (the control)
+    assert _step(reader, [LoadOp("r0", cap, TOKENS[:32], dst_ids[:8])], names) == set()
+    assert "layerwise" not in [e for e in _events(tmp_path) if e["event"] == "load"][-1]
+    # now layer-wise; a forward that skips the last layer's hook may have read it before it was
+    # in place: every block of the load is a load error (vLLM recomputes them)
+    errors = _step(reader, [LoadOp("r1", cap, TOKENS[:32], dst_ids[:8])], names[:-1])
+    assert errors == set(dst_ids[:8]) and reader.stats["load_layer_hooks_missed"] == 1
+    last = [e for e in _events(tmp_path) if e["event"] == "load"][-1]
+    assert last["layerwise"] is True and last["reason"] == "layer_hooks_missed" and last["loaded_tokens"] == 0
+
+
+def test_a_tampered_chunk_in_a_layer_wise_load_ends_the_prefix_there(backend, tmp_path):
+    cap, src, src_ids = _stored(backend, tmp_path)
+    dst = _cpu_cache(seed=2)
+    reader = _worker(backend, dst, tmp_path)
+    assert reader.model is not None
+    _flip(backend, reader.model, 1)
+    names, dst_ids = list(dst), list(range(20, 32))
+    _step(reader, [], names)
+    errors = _step(reader, [LoadOp("r", cap, TOKENS, dst_ids)], names)
+    assert errors == set(dst_ids[4:])  # chunk 1 on
+    for a, b in zip(_blocks(src, src_ids[:4]), _blocks(dst, dst_ids[:4])):
+        assert torch.equal(a, b)  # chunk 0 loaded
+    assert _nothing_of_it(dst, dst_ids[4:])  # chunk 1 and chunk 2 (whose first layers had landed) left nothing
+    last = [e for e in _events(tmp_path) if e["event"] == "load"][-1]
+    assert last["layerwise"] is True and last["integrity_failures"] == 1 and last["loaded_tokens"] == 16
