@@ -415,15 +415,15 @@ async def test_a_loads_envelopes_are_let_go_as_they_are_opened(live_server: Live
         give_back(self, raw)
 
     monkeypatch.setattr(wire.ReceiveBuffers, "_give_back", counted)
-    monkeypatch.setattr(DataPlane, "_batches", lambda self, n, model, chunks: [[k] for k in range(n)])
+    monkeypatch.setattr(DataPlane, "_batches", lambda self, n, model, chunks, layered=False: [[k] for k in range(n)])
     async with _remote(live, a) as ra:
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
         seen: list[int] = []
         open_batch = ra._plane.datapath.open_batch
 
-        def opening(kv, jobs):
+        def opening(kv, jobs, on_layers=None):
             seen.append(len(back))
-            return open_batch(kv, jobs)
+            return open_batch(kv, jobs, on_layers)
 
         monkeypatch.setattr(ra._plane.datapath, "open_batch", opening)
         monkeypatch.setattr(ra._plane.datapath, "threads", 1)  # one open at a time
