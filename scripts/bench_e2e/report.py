@@ -1,7 +1,8 @@
 """Writers of the end-to-end benchmark: the JSON, the PNG (TTFT vs prompt length per system) and
 the Markdown tables (bench-results/), and with ``docs=True`` their copies in docs/ plus the
-README's table between ``<!-- bench-e2e:begin -->`` and ``<!-- bench-e2e:end -->``. A system that
-was not run or failed keeps a row in the TTFT and isolation tables, with its reason."""
+README's summary (hit TTFT per system and length, from the same run) between
+``<!-- bench-e2e:begin -->`` and ``<!-- bench-e2e:end -->``. A system that was not run or failed
+keeps a row in the TTFT and isolation tables, with its reason."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 from scripts.bench_e2e.systems import LABELS, ROOT
 
-__all__ = ["markdown", "plot", "write_all"]
+__all__ = ["markdown", "plot", "summary", "write_all"]
 
 BEGIN, END = "<!-- bench-e2e:begin -->", "<!-- bench-e2e:end -->"
 KIND = {"base": "", "miss": " miss", "hit": " hit"}
@@ -130,6 +131,36 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def summary(result: dict[str, Any]) -> str:
+    """The README's short table: each system's hit TTFT per prompt length, with its speedup over
+    no connector and its ratio to ExampleConnector's hit, all from this one result."""
+    lengths = sorted({r["length"] for r in result["ttft"]})
+    rows: dict[str, dict[int, dict[str, Any]]] = {}
+    for r in result["ttft"]:
+        if r["kind"] in ("hit", "base"):
+            rows.setdefault(r["label"] + KIND[r["kind"]], {})[r["length"]] = r
+    example = {n: r["ttft_ms"]["median"] for n, r in rows.get(LABELS["example"] + " hit", {}).items()}
+    lines = ["| system | " + " | ".join(f"{_k(n)} TTFT ms (vs none, vs ExampleConnector)" for n in lengths) + " |",
+             "| --- |" + " --- |" * len(lengths)]
+    for name, by_len in rows.items():
+        cells = []
+        for n in lengths:
+            r = by_len.get(n)
+            if r is None:
+                cells.append("-")
+                continue
+            med = r["ttft_ms"]["median"]
+            speed = f"{r['speedup_vs_none']:.1f}x" if r["speedup_vs_none"] else "1.0x"
+            vs_ex = f", {med / example[n]:.2f}x" if name.endswith(" hit") and example.get(n) else ""
+            cells.append(f"{_f(med)} ({speed}{vs_ex})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    iso = [r for r in result["isolation"] if r["label"] != LABELS["example"]]
+    leak = sum(1 for r in iso if r["b_on_a_cached"])
+    note = (f"Tenant B on tenant A's prompt: {'0 cached tokens' if not leak else f'{leak} systems LEAKED'} "
+            f"through {len(iso)} kvgate systems (A's own hit as the control). Full tables: [docs/e2e.md](docs/e2e.md).")
+    return setup_line(result) + "\n\n" + "\n".join(lines) + "\n\n" + note + "\n"
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -179,5 +210,5 @@ def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, d
         (ROOT / "docs" / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
         (ROOT / "docs" / "e2e.md").write_text(DOC_HEAD + md + "\n![TTFT](img/e2e_ttft.png)\n")
         plot(result, ROOT / "docs" / "img" / "e2e_ttft.png")
-        _readme(md, ROOT / "README.md")
+        _readme(summary(result), ROOT / "README.md")
     print(f"wrote {json_path}, {json_path.parent / 'e2e.md'}, {json_path.parent / 'e2e_ttft.png'}" + (", docs/ and README.md" if docs else ""))

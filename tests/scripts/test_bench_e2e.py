@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench_e2e.analyze import analyze, quantile
-from scripts.bench_e2e.report import BEGIN, END, _readme, markdown
+from scripts.bench_e2e.report import BEGIN, END, _readme, markdown, summary
 
 
 def _row(kind: str, length: int, i: int, ttft_s: float, tokens: list[int], cached: int = 0, **tag: object) -> dict:
@@ -69,6 +69,22 @@ def test_readme_table_goes_between_the_markers_only(tmp_path: Path):
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit):
         _readme("x\n", readme)
+
+
+def test_the_readme_summary_gives_each_hit_beside_no_connector_and_example_from_one_result():
+    raw = _raw()
+    ex = [_row("miss", 1024, i, 2.1, [i, 1]) for i in range(3)] + [_row("hit", 1024, i, 0.25, [i, 1], 992) for i in range(3)]
+    ex.append(_row("b_on_a", 1024, 0, 0.25, [0, 1], 992))  # the isolation-free baseline hits A's cache
+    raw["runs"]["example"] = {"label": "ExampleConnector", "rows": ex, "trace": []}
+    md = summary(analyze(raw))
+    # the embedded hit (median 500 ms) is 2.00x ExampleConnector's (250 ms) and 6.0x faster than none (3,000 ms)
+    assert "| kvgate embedded hit | 500 (6.0x, 2.00x) |" in md
+    assert "| ExampleConnector hit | 250 (12.0x, 1.00x) |" in md and "| no connector | 3,000 (1.0x) |" in md
+    assert "miss" not in md.split("\n\n")[1]  # misses stay in docs/e2e.md
+    # kvgate's isolation holds here; ExampleConnector's hit of A's cache is not counted as kvgate's
+    assert "0 cached tokens through 1 kvgate systems" in md
+    raw["runs"]["kvgate-embedded"]["rows"][-1]["cached"] = 992  # a kvgate system that leaks says so
+    assert "1 systems LEAKED" in summary(analyze(raw))
 
 
 def test_a_system_not_run_or_failed_keeps_a_row_with_its_reason():
