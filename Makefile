@@ -27,11 +27,11 @@ demo: setup
 test: test-core test-vllm
 
 test-core: setup
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/engine $(PYTEST_ARGS)
 
 # every NIST/Wycheproof vector through the Triton interpreter too (about 10 minutes more)
 test-exhaustive: setup
-	KVGATE_EXHAUSTIVE=1 $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm -m exhaustive $(PYTEST_ARGS)
+	KVGATE_EXHAUSTIVE=1 $(PY) -m pytest -q -p no:cacheprovider --ignore=tests/engine -m exhaustive $(PYTEST_ARGS)
 
 # static checks (.ci/run runs them before the tests): ruff, mypy --strict, the import contracts
 lint: setup
@@ -40,7 +40,7 @@ lint: setup
 	$(VENV)/bin/lint-imports
 
 test-fast: setup
-	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/vllm -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --ignore=tests/engine -m "not slow" $(PYTEST_ARGS)
 
 # bench-setup: LMCache in its own environment (never a dependency of kvgate) for the side-by-side
 #   figures, and the bench extra (scipy, matplotlib) in .venv. `kvgate bench` alone skips LMCache,
@@ -108,7 +108,7 @@ $(LMCACHE_VLLM_VENV)/.installed:
 lmcache-vllm-setup: $(LMCACHE_VLLM_VENV)/.installed
 
 test-vllm: vllm-setup
-	$(VPY) -m pytest -q -p no:cacheprovider tests/vllm $(PYTEST_ARGS)
+	$(VPY) -m pytest -q -p no:cacheprovider tests/engine $(PYTEST_ARGS)
 
 # bench-e2e: time to first token on the real CPU vLLM engine (.venv-vllm, Redis on 127.0.0.1:6379),
 #   kvgate embedded and remote beside no connector, vLLM's ExampleConnector and LMCache's connector

@@ -5,7 +5,7 @@
 Starts the test suite's live server (SQLite, memory and disk tiers, the development issuer) and
 prints one line per probe: what was sent and what came back. Run it on the code before the
 hardening and after, and compare. Point 4 (outages) and 6 (vLLM) need a stopped Postgres and a
-real engine: see tests/e2e/test_hardening_outage.py and tests/vllm/test_http.py.
+real engine: see tests/e2e/test_hardening_outage.py and tests/engine/test_http.py.
 """
 
 from __future__ import annotations

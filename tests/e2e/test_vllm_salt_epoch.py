@@ -1,6 +1,6 @@
 """Issue 15, point 6, without an engine: the tenant middleware's cache_salt follows the namespace
 epoch a secure clear bumps, so a clear orphans every block vLLM cached for the tenant before it.
-(The same on a real CPU engine with vLLM's prefix cache on: tests/vllm/test_http.py.)"""
+(The same on a real CPU engine with vLLM's prefix cache on: tests/engine/test_http.py.)"""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Drive one real vLLM engine (offline ``LLM``) with the kvgate connector through a list of steps.
 
-    python -m tests.vllm.engine_run plan.json results.json
+    python -m tests.engine.engine_run plan.json results.json
 
 Run as a script (vLLM spawns its engine and worker processes, so it needs the ``__main__``
 guard and its own process). Steps: ``gen`` (name, prompt ids, capability name or none,
@@ -33,7 +33,7 @@ async def _clear(settings: dict, tenant: str, namespace: str) -> str:
 
 
 def tiny_kv_model():
-    """The KVModel the connector derives for tests.vllm.tiny_model (its chunk keys): the CPU
+    """The KVModel the connector derives for tests.engine.tiny_model (its chunk keys): the CPU
     engine's caches are in vLLM's CPU layout, so its chunks are in the CPU chunk format."""
     import torch
 

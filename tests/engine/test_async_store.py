@@ -23,9 +23,9 @@ import secrets
 
 import pytest
 
-from tests.vllm.engine_env import cleanup_redis, redis_or_fail, require_vllm
-from tests.vllm.engine_steps import _ids, _run, _setup, _trace
-from tests.vllm.tiny_model import build_tiny_llama
+from tests.engine.engine_env import cleanup_redis, redis_or_fail, require_vllm
+from tests.engine.engine_steps import _ids, _run, _setup, _trace
+from tests.engine.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -46,7 +46,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module):
     trace = work / "trace.jsonl"
     caps = asyncio.run(_setup(settings))
     ktc = {
-        "kv_connector": "SlowStoreConnector", "kv_connector_module_path": "tests.vllm.slow_store_connector",
+        "kv_connector": "SlowStoreConnector", "kv_connector_module_path": "tests.engine.slow_store_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME},
     }

@@ -1,6 +1,6 @@
 """A test-only ``KvgateConnector`` whose worker-side stores wait ``KVGATE_TEST_STORE_DELAY_S``
 seconds on the backend's loop before they run (a slow tier, as an engine may meet one). Named in
-``kv_connector`` / ``kv_connector_module_path`` by tests/vllm/test_async_store.py; vLLM builds it
+``kv_connector`` / ``kv_connector_module_path`` by tests/engine/test_async_store.py; vLLM builds it
 in its worker process, where nothing of the test can be patched."""
 
 from __future__ import annotations

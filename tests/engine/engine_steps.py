@@ -7,11 +7,11 @@ import json
 import subprocess
 from pathlib import Path
 
-from tests.vllm.engine_env import (
+from tests.engine.engine_env import (
     PYTHON,
     engine_env,
 )
-from tests.vllm.tiny_model import prompt_words
+from tests.engine.tiny_model import prompt_words
 
 
 def _ids(model_dir: Path, n: int, seed: int) -> list[int]:
@@ -26,7 +26,7 @@ def _run(plan: dict, workdir: Path, name: str) -> list[dict]:
     (workdir / f"{name}.json").write_text(json.dumps(plan))
     out = workdir / f"{name}.out.json"
     proc = subprocess.run(
-        [PYTHON, "-m", "tests.vllm.engine_run", str(workdir / f"{name}.json"), str(out)],
+        [PYTHON, "-m", "tests.engine.engine_run", str(workdir / f"{name}.json"), str(out)],
         env=engine_env(), cwd=str(Path(__file__).resolve().parents[2]), capture_output=True, text=True, timeout=400,
     )
     (workdir / f"{name}.log").write_text(proc.stdout + proc.stderr)  # what an operator would see

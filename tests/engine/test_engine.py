@@ -24,13 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.vllm.engine_env import (
+from tests.engine.engine_env import (
     cleanup_redis,
     redis_or_fail,
     require_vllm,
 )
-from tests.vllm.engine_steps import _ids, _run, _setup, _trace
-from tests.vllm.tiny_model import build_tiny_llama
+from tests.engine.engine_steps import _ids, _run, _setup, _trace
+from tests.engine.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -35,9 +35,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.services import free_port, missing
-from tests.vllm.engine_env import cleanup_redis, redis_or_fail, require_vllm
-from tests.vllm.engine_steps import _ids, _run, _setup, _trace
-from tests.vllm.tiny_model import build_tiny_llama
+from tests.engine.engine_env import cleanup_redis, redis_or_fail, require_vllm
+from tests.engine.engine_steps import _ids, _run, _setup, _trace
+from tests.engine.tiny_model import build_tiny_llama
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.vllm.engine_env import PYTHON, engine_env, require_vllm
-from tests.vllm.tiny_model import build_tiny_llama, prompt_words
+from tests.engine.engine_env import PYTHON, engine_env, require_vllm
+from tests.engine.tiny_model import build_tiny_llama, prompt_words
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
