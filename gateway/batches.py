@@ -8,8 +8,9 @@ checks every envelope's header before it stores any, then stores them all; ``abo
 extent back. A reserved extent is invisible until committed, so a client that disconnects, a torn
 frame or a bad header leaves nothing in any tier. (Reserving makes room as a put would: a batch
 that is then aborted may have evicted older chunks, as its puts would have. A tier that fails
-while a checked batch is being stored -- no tier takes an envelope -- ends it with that error;
-the envelopes stored before it stay, each whole.)
+while a checked batch is being stored -- no tier takes an envelope -- refuses the batch whole:
+the envelopes it stored, and the one that failed, are removed from every tier before the error
+is raised; one on a tier that cannot be reached then stays, whole, counted as left.)
 
 ``fetch_prefix`` is the download side, the prefix walk folded in: it yields each chunk of the
 walk as its tier hands it over (the tier's own buffer, not a copy) and stops at the first that
@@ -24,6 +25,7 @@ stay in ``gateway.server.data``.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
@@ -35,10 +37,14 @@ from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed
 from gateway.envelopes import EnvelopeKey, EnvelopePlane
 from gateway.errors import BadFrame
+from gateway.logs import RateLimitedLogger
 from storage.memory import Reservation
-from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError
+from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, failure_reason
 
 __all__ = ["PrefixItem", "UploadBatch", "fetch_prefix", "open_upload"]
+
+log = logging.getLogger("kvgate.server")
+_degraded_log = RateLimitedLogger(log)  # an outage degrades every fetch: one line per interval
 
 
 class UploadBatch:
@@ -80,22 +86,39 @@ class UploadBatch:
                 self.abort()
                 raise BadFrame(f"item {k}: the envelope length does not match its header")
         self._done = True
-        tiers, stats = self._plane.tiers, self._plane.stats
+        tiers = self._plane.tiers
         written: list[list[str]] = []
         try:
-            for k, (key, slot, view, n) in enumerate(zip(self._keys, self._slots, self.views, self.sizes)):
+            for k, (key, slot, view) in enumerate(zip(self._keys, self._slots, self.views)):
                 if slot is not None:
                     self._slots[k] = None
                     got = [tiers.names[0]] if await tiers.commit(slot) else []  # slower tiers: written behind it
                 else:
                     got = await tiers.put(key, view.toreadonly())
                 written.append(got)
-                if got:
-                    stats["chunks_stored"] += 1
-                    stats["bytes_in"] += n
+        except TierError:
+            # no tier took envelope k: the batch is refused whole, so what it stored is removed
+            # (and envelope k, whose write may have landed before the tier failed)
+            await self._roll_back(len(written) + 1)
+            raise
         finally:
             self._release()
+        stats = self._plane.stats
+        for got, n in zip(written, self.sizes):
+            if got:
+                stats["chunks_stored"] += 1
+                stats["bytes_in"] += n
         return written
+
+    async def _roll_back(self, upto: int) -> None:
+        """Remove the batch's first ``upto`` envelopes from every tier, best effort: one on a tier
+        that cannot be reached now stays (whole, and only its writer's namespace can load it)."""
+        stats = self._plane.stats
+        left = await self._plane.tiers.delete_many(self._keys[:upto])
+        stats["store_rollback_removed"] += upto - len(left)
+        stats["store_rollback_left"] += len(left)
+        if left:
+            log.warning("a refused batch left %d of its %d envelopes in a tier that could not be reached", len(left), upto)
 
     def abort(self) -> None:
         """Give every reserved extent back; nothing of the batch is stored."""
@@ -122,8 +145,9 @@ async def open_upload(plane: EnvelopePlane, token: str, items: Sequence[tuple[by
 @dataclass(frozen=True, slots=True)
 class PrefixItem:
     """One answer of the prefix walk: ``found`` is None where the walk ended (``reason``:
-    ``missing``, ``unavailable`` where a tier could not answer, ``key_unavailable`` where the
-    envelope's key version is destroyed); ``key`` is the envelope's opening key where keys were
+    ``missing``, ``tier_unavailable`` or ``tier_timeout`` where a tier could not answer, or not in
+    time, ``key_unavailable`` where the envelope's key version is destroyed); ``key`` is the
+    envelope's opening key where keys were
     asked for (None with ``reason`` ``unkeyed``: its header does not parse)."""
 
     chained_hash: bytes
@@ -141,19 +165,20 @@ async def fetch_prefix(
     cap, chunk_keys = await plane.keys_for(token, "get", hashes)
     issue = await plane.begin_issue(cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch") if keys else None
     stats = plane.stats
+    degraded = ""  # a faster tier failed and a slower one served: why
     try:
         for h, key in zip(hashes, chunk_keys):
             chained = bytes.fromhex(h)
             try:
-                found = await plane.tiers.get(key)
+                found, passed_over = await plane.tiers.get_checked(key)
             except ChunkNotFound as exc:
-                stats["load_misses"] += 1
-                yield PrefixItem(chained, None, "unavailable" if exc.tier_errors else "missing")
+                yield _ended(stats, chained, failure_reason(exc.tier_errors) or "missing")
                 return
-            except TierError:
-                stats["load_misses"] += 1
-                yield PrefixItem(chained, None, "unavailable")
+            except TierError as exc:
+                yield _ended(stats, chained, failure_reason([exc]))
                 return
+            if passed_over and degraded != "tier_timeout":
+                degraded = failure_reason(passed_over)
             opening: EnvelopeKey | None = None
             if issue is not None:
                 try:
@@ -164,14 +189,23 @@ async def fetch_prefix(
                     return
                 opening = await issue.open(h, chained, header.key_version, header.salt)
                 if opening.key is None:  # its key version is destroyed: a miss, the end of the prefix
-                    stats["load_misses"] += 1
-                    yield PrefixItem(chained, None, "key_unavailable")
+                    yield _ended(stats, chained, "key_unavailable")
                     return
             _count_out(stats, found)
             yield PrefixItem(chained, found, key=opening)
     finally:
         if issue is not None:
             issue.close()  # one key.issue event per fetch, with the keys that were issued
+        if degraded:
+            stats[f"load_degraded_{degraded}"] += 1
+            _degraded_log.warning("a fetch was served by a slower tier because a faster one failed: %s", degraded)
+
+
+def _ended(stats: Counter[str], chained: bytes, reason: str) -> PrefixItem:
+    """The item that ends a walk, counted as a load that ended early (``missing`` is a ``miss``)."""
+    stats["load_misses"] += 1
+    stats["load_failed_" + ("miss" if reason == "missing" else reason)] += 1
+    return PrefixItem(chained, None, reason)
 
 
 def _count_out(stats: Counter[str], found: StoredChunk) -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional, TypeVar
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.table import Column, Table
 
 from gateway.config import Settings, load_settings
 
@@ -253,7 +253,8 @@ def doctor() -> None:
     from gateway.doctor import FAIL, WARN, run_checks
 
     checks = asyncio.run(run_checks(load_settings))
-    table = Table("check", "status", "detail", "fix")
+    # long URLs and paths fold onto the next line instead of being cut on a narrow terminal
+    table = Table("check", "status", Column("detail", overflow="fold"), Column("fix", overflow="fold"))
     colour = {FAIL: "red", WARN: "yellow"}
     for c in checks:
         table.add_row(escape(c.name), f"[{colour.get(c.status, 'green')}]{c.status}[/]", escape(c.detail), escape(c.fix))

@@ -54,7 +54,7 @@ from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, KeyBudget
 from gateway.namespaces import NamespaceResolver
 from gateway.pins import Pins
 from storage.manager import TierManager
-from storage.types import ChunkKey, ChunkNotFound, StoredChunk
+from storage.types import ChunkKey, ChunkNotFound, StoredChunk, failure_reason
 from tenancy.errors import DependencyUnavailable
 from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
@@ -150,8 +150,11 @@ class EnvelopePlane:
         if not hashes:
             raise InvalidRequest("hashes must not be empty")
         _cap, keys = await self._authorized(token, "lookup", hashes)
-        where, _errors = await self.tiers.locate_many(keys)  # one batched check per tier, not per chunk
+        where, errors = await self.tiers.locate_many(keys)  # one batched check per tier, not per chunk
         hits = prefix_hits([bool(w) for w in where])
+        degraded = failure_reason(errors) if hits < len(keys) else ""  # a tier that could not answer may hold the rest
+        if degraded:
+            self.stats[f"lookup_degraded_{degraded}"] += 1
         self.stats["lookup_hits" if hits else "lookup_misses"] += 1
         return LookupAnswer(hits, where[:hits])
 

@@ -24,7 +24,8 @@ Download, the response of ``POST /v1/chunks/fetch`` (JSON ``{"hashes": [...]}`` 
 Items come in the order asked, each as soon as the server has it from its tier (a streamed,
 chunked response: a slow reader holds the server to about one envelope). Status 0 is an
 envelope; the prefix walk is folded in: the first chunk that is not stored ends the response
-with one item of status 1 (missing) or 2 (a tier could not answer), length 0. A response that
+with one item of status 1 (missing), 2 (a tier could not answer) or 6 (a tier missed its
+deadline), length 0; a reader that does not know 6 reads it as 2. A response that
 stops before every hash was answered, without such an item, was cut (the client treats the
 rest as a miss).
 
@@ -74,6 +75,7 @@ __all__ = [
     "MAGIC",
     "OK",
     "MISSING",
+    "TIMEOUT",
     "Reader",
     "UNAVAILABLE",
     "UNKEYED",
@@ -93,7 +95,7 @@ __all__ = [
 
 MAGIC = b"KVB1"
 KEYED_MAGIC = b"KVK1"
-OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION = 0, 1, 2, 3, 4, 5
+OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct("<4sI")
 _INDEX = struct.Struct("<32sQ")
 _ITEM = struct.Struct("<32sBQ")

@@ -20,8 +20,9 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
-__all__ = ["JsonFormatter", "configure_logging"]
+__all__ = ["JsonFormatter", "RateLimitedLogger", "configure_logging"]
 
 _TEXT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
 _STD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
@@ -59,3 +60,26 @@ def configure_logging(level: str | None = None, fmt: str | None = None, *, force
         kv.setLevel(getattr(logging, level, logging.INFO))
         kv.propagate = False
         return True
+
+
+class RateLimitedLogger:
+    """At most one WARNING per ``interval_s`` for one kind of event; the next one says how many
+    were held back (an outage degrades every request, and the log must stay readable)."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._log, self._interval = logger, interval_s
+        self._next = 0.0
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def warning(self, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next:
+                self._held += 1
+                return
+            held, self._held, self._next = self._held, 0, now + self._interval
+        if held:
+            msg += " (%d more like this in the last %.0f s)"
+            args = (*args, held, self._interval)
+        self._log.warning(msg, *args)

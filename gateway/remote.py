@@ -529,7 +529,11 @@ class _HttpSession:
                     ex.at_end()  # the end of the prefix is the end of the body: the connection is kept
                     return 200, False
                 if item.status not in (frames.OK, frames.UNKEYED, frames.IN_REGION):
-                    post(self._ended, i, None, () if item.status == frames.MISSING else ("unavailable",))
+                    if item.status == frames.MISSING:
+                        post(self._ended, i, None, ())
+                    else:  # the server's tier could not answer, or missed its deadline
+                        why = "tier_timeout" if item.status == frames.TIMEOUT else "tier_unavailable"
+                        post(self._ended, i, FetchFailed(why, unavailable=True), ("unavailable", why))
                     ex.at_end()
                     return 200, False
                 key: IssuedKey | None = None

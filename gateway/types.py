@@ -85,6 +85,9 @@ class RetrieveResult:
     # why the prefix ended before the last chunk: "" (it did not), "miss" (gone since the
     # lookup), "integrity", "tier_timeout", "tier_unavailable", "key_unavailable"
     reason: str = ""
+    # a faster tier failed and a slower one served (part of) what was loaded: "",
+    # "tier_timeout", "tier_unavailable"
+    degraded: str = ""
 
 
 @dataclass(slots=True)

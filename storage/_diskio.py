@@ -36,6 +36,7 @@ import importlib
 import io
 import os
 import secrets
+import stat
 import struct
 import time
 import zlib
@@ -120,6 +121,19 @@ def checksum(algo: int, data: bytes | bytearray | memoryview) -> bytes:
 
 def chunk_path(root: Path, key: ChunkKey) -> Path:
     return root / key.owner / key.group / key.digest[:2] / (key.digest + SUFFIX)
+
+
+def file_sizes(paths: list[Path]) -> list[int | None]:
+    """Each path's size, or None where no regular file is there (one stat each, no read)."""
+    out: list[int | None] = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+        except OSError:
+            out.append(None)
+            continue
+        out.append(st.st_size if stat.S_ISREG(st.st_mode) and st.st_size >= HEADER.size else None)
+    return out
 
 
 # -- write -------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ absent, deleted and counted.
 
 One ``DiskTier`` owns its root: the index (sizes, recency, pins) lives in this process and is
 rebuilt by scanning the root in :meth:`DiskTier.start` (or ``await DiskTier.open(root)``, or
-``async with DiskTier(root)``); files other processes write appear at the next start. Pins are
+``async with DiskTier(root)``). A key the index does not know is looked for on disk (a stat) and
+indexed where found, so processes sharing a root (vLLM's scheduler and workers) see each other's
+chunks. Pins are
 kept in memory only: persisting them is the registry's job. Blocking file I/O runs in worker
 threads (``asyncio.to_thread``), so fsync never blocks the event loop. Operations on one key are
 serialised by a per-key lock; ``delete_group`` / ``delete_owner`` hold new puts to that label back
@@ -149,7 +151,7 @@ class DiskTier(Tier):
     # -- the Tier interface --------------------------------------------------------------------
     async def get(self, key: ChunkKey) -> StoredChunk:
         self._check_open()
-        if key not in self._index:
+        if key not in self._index and not await self._adopt([key]):
             self._n["misses"] += 1
             raise ChunkNotFound(key, self.name)
         path = self._path(key)
@@ -224,11 +226,13 @@ class DiskTier(Tier):
         return present or removed > 0
 
     async def contains(self, key: ChunkKey) -> bool:
-        self._check_open()
-        return key in self._index
+        return (await self.contains_many([key]))[0]
 
     async def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         self._check_open()
+        unknown = [k for k in keys if k not in self._index]
+        if unknown:
+            await self._adopt(unknown)
         return [k in self._index for k in keys]
 
     async def delete_group(self, group: str) -> int:
@@ -314,6 +318,21 @@ class DiskTier(Tier):
             return await asyncio.to_thread(_diskio.unlink_chunks, self.root, paths)
         except OSError as exc:
             raise TierUnavailable(f"disk delete failed: {exc.strerror}") from exc
+
+    async def _adopt(self, keys: list[ChunkKey]) -> int:
+        """Index the files of ``keys`` that another process sharing the root wrote since this
+        one's index was built (one stat each, in a thread); how many were found. A broken file is
+        caught, removed and counted when it is read."""
+        try:
+            sizes = await asyncio.to_thread(_diskio.file_sizes, [self._path(k) for k in keys])
+        except OSError as exc:
+            raise TierUnavailable(f"disk lookup failed: {exc.strerror}") from exc
+        found = 0
+        for key, size in zip(keys, sizes, strict=True):
+            if size is not None and key not in self._index and not self._locks.busy(key):
+                self._index.add(key, size)
+                found += 1
+        return found
 
     async def _discard(self, key: ChunkKey, ident: tuple[int, int] | None, *, corrupt: bool) -> None:
         """Forget a key whose file is gone or broken; delete the broken file if it is still the

@@ -159,6 +159,12 @@ class TierManager:
         await self.behind.flush()
 
     async def get(self, key: ChunkKey) -> StoredChunk:
+        return (await self.get_checked(key))[0]
+
+    async def get_checked(self, key: ChunkKey) -> tuple[StoredChunk, list[TierError]]:
+        """The chunk from the first tier that has it, and the errors of the faster tiers that
+        failed on the way (a load served, but degraded). ChunkNotFound where no tier had it; its
+        ``tier_errors`` are the tiers that could not answer."""
         misses: list[Tier] = []
         failed: list[TierError] = []
         for t in self.tiers:
@@ -173,7 +179,7 @@ class TierManager:
                 continue
             if self.promote and misses:
                 await self._promote(key, found, misses)
-            return found
+            return found, failed
         raise ChunkNotFound(key, "all", tier_errors=failed)
 
     async def _promote(self, key: ChunkKey, found: StoredChunk, into: list[Tier]) -> None:
@@ -240,6 +246,25 @@ class TierManager:
         await self.behind.purge(lambda k: k == key)
         results = await asyncio.gather(*(t.delete(key) for t in self.tiers))
         return sum(1 for r in results if r)
+
+    async def delete_many(self, keys: Sequence[ChunkKey]) -> list[ChunkKey]:
+        """Remove each key from every tier (its queued copies first), every tier asked even where
+        another fails; the keys that a failing tier may still hold."""
+        if not keys:
+            return []
+        doomed = set(keys)
+        await self.behind.purge(lambda k: k in doomed)
+        left: list[ChunkKey] = []
+        for key in keys:
+            results = await asyncio.gather(*(t.delete(key) for t in self.tiers), return_exceptions=True)
+            for t, r in zip(self.tiers, results, strict=True):
+                if isinstance(r, TierError):
+                    self.errors[t.name] += 1
+                elif isinstance(r, BaseException):
+                    raise r
+            if any(isinstance(r, BaseException) for r in results):
+                left.append(key)
+        return left
 
     async def delete_group(self, group: str) -> int:
         await self.behind.purge(lambda k: k.group == group)  # no queued copy may land after it

@@ -320,6 +320,12 @@ class RedisTier(Tier):
         head = self._head(key)
         return bool(await self._call("pin", self.op_timeout_s, lambda: self._redis.sismember(self._layout.pins, head)))
 
+    @property
+    def breaker_open(self) -> bool:
+        """Whether calls fail fast now, or wait for a probe to prove the server back (open or
+        half-open)."""
+        return self.breaker.state != "closed"
+
     def stats(self) -> RedisTierStats:
         n = self._n
         return RedisTierStats(

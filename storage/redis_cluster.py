@@ -186,6 +186,11 @@ class RedisClusterTier(RedisTier):
         return RedisTierStats(**{**{f: getattr(base, f) for f in base.__dataclass_fields__},
                                  "used_bytes": self.used_bytes, "breaker_state": state, "breaker_trips": trips})
 
+    @property
+    def breaker_open(self) -> bool:
+        """Whether any master's breaker is open or half-open (its slots fail fast)."""
+        return any(g.breaker.state != CLOSED for g in self._guards.values())
+
     def breaker_for(self, node: str) -> CircuitBreaker:
         """The breaker of one master (host:port)."""
         return self._guard_for(node).breaker

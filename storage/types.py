@@ -19,6 +19,7 @@ __all__ = [
     "TierTimeout",
     "TierFull",
     "InvalidChunk",
+    "failure_reason",
 ]
 
 
@@ -121,3 +122,15 @@ class TierFull(TierError):
 
 class InvalidChunk(TierError):
     pass
+
+
+def failure_reason(errors: Iterable[BaseException]) -> str:
+    """Why tiers could not answer, as the gateway's counters and results name it: ``tier_timeout``
+    where any of ``errors`` missed its deadline, else ``tier_unavailable``; ``""`` for none. The
+    one classifier of both modes (embedded loads and lookups, the server's fetch and lookup)."""
+    reason = ""
+    for exc in errors:
+        if isinstance(exc, TierTimeout):
+            return "tier_timeout"
+        reason = "tier_unavailable"
+    return reason

@@ -42,13 +42,16 @@ from gateway.datapath.stores import (
     prefix_hits,
 )
 from gateway.errors import AccessDenied, InvalidRequest
+from gateway.logs import RateLimitedLogger
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from kernels.paged import PagedKV
-from storage.types import TierError, TierTimeout
+from storage.types import TierError, failure_reason
 
 __all__ = ["DataPlane"]
 
 log = logging.getLogger("kvgate.core")
+_degraded_log = RateLimitedLogger(log)  # an outage degrades every load: one line per interval
+_DEGRADED = -1  # the key in a load's ``ended`` under which a degraded fetch notes its reason
 
 BlockIds = Sequence[int] | torch.Tensor | None
 
@@ -112,9 +115,10 @@ class DataPlane:
             await session.aclose()
         hits = prefix_hits(found.present)
         degraded = ""
-        if found.errors and hits < len(chunks):  # a tier that could not answer may hold the rest
-            degraded = "tier_timeout" if any(isinstance(e, TierTimeout) for e in found.errors) else "tier_unavailable"
-            self.stats[f"lookup_degraded_{degraded}"] += 1
+        if hits < len(chunks):  # a tier that could not answer may hold the rest
+            degraded = failure_reason(found.errors)
+            if degraded:
+                self.stats[f"lookup_degraded_{degraded}"] += 1
         self.stats["lookup_hits" if hits else "lookup_misses"] += 1
         return LookupResult(
             hit_tokens=chunks[hits - 1].end if hits else 0, hit_chunks=hits, total_chunks=len(chunks),
@@ -294,6 +298,10 @@ class DataPlane:
             reason = ended.get(loaded, "miss")
             self.stats[f"load_failed_{reason}"] += 1
             log.info("load ended at chunk %d of %d: %s", loaded, len(chunks), reason)  # callers warn
+        degraded = ended.get(_DEGRADED, "")
+        if degraded and loaded:
+            self.stats[f"load_degraded_{degraded}"] += 1
+            _degraded_log.warning("load served by a slower tier because a faster one failed: %s", degraded)
         self.stats["chunks_loaded"] += loaded
         self.stats["load_misses" if loaded < len(chunks) else "load_hits"] += 1
         return RetrieveResult(
@@ -302,6 +310,7 @@ class DataPlane:
             integrity_failures=failures,
             unavailable=unavailable,
             reason=reason,
+            degraded=degraded if loaded else "",
         )
 
     async def _load(
@@ -414,11 +423,15 @@ class DataPlane:
     async def _fetch_run(
         session: ChunkSession, indices: Sequence[int], stats: dict[str, int], ended: dict[int, str]
     ) -> list[Fetched]:
-        """The envelopes of ``indices`` in order, up to the first that could not be fetched."""
+        """The envelopes of ``indices`` in order, up to the first that could not be fetched (an
+        envelope served past a failed tier notes why under ``ended[_DEGRADED]``)."""
         out: list[Fetched] = []
         for i in indices:
             try:
-                out.append(await session.fetch(i))
+                got = await session.fetch(i)
+                out.append(got)
+                if got.degraded and ended.get(_DEGRADED) != "tier_timeout":
+                    ended[_DEGRADED] = got.degraded
             except FetchFailed as exc:
                 if exc.unavailable:
                     stats["unavailable"] += 1

@@ -38,7 +38,7 @@ from gateway.errors import AccessDenied, TenantUnavailable
 from gateway.namespaces import NamespaceResolver, keys_digest
 from gateway.types import KVModel
 from storage.manager import TierManager
-from storage.types import ChunkKey, ChunkNotFound, TierError, TierTimeout
+from storage.types import ChunkKey, ChunkNotFound, TierError, failure_reason
 from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
@@ -73,6 +73,7 @@ class FetchFailed(Exception):
 class Fetched:
     envelope: memoryview
     tier: str
+    degraded: str = ""  # a faster tier failed before this one served it: tier_timeout, tier_unavailable
 
 
 @dataclass(slots=True)
@@ -213,15 +214,13 @@ class _TierSession:
 
     async def fetch(self, i: int) -> Fetched:
         try:
-            found = await self.store.tiers.get(self.keys[i])
+            found, passed_over = await self.store.tiers.get_checked(self.keys[i])
         except ChunkNotFound as exc:
             # the manager says "all" missed; a tier that failed on the way is the reason
-            if any(isinstance(e, TierTimeout) for e in exc.tier_errors):
-                raise FetchFailed("tier_timeout") from None
-            raise FetchFailed("tier_unavailable" if exc.tier_errors else "miss") from None
+            raise FetchFailed(failure_reason(exc.tier_errors) or "miss") from None
         except TierError as exc:
-            raise FetchFailed("tier_timeout" if isinstance(exc, TierTimeout) else "tier_unavailable", unavailable=True) from None
-        return Fetched(found.data, found.tier)
+            raise FetchFailed(failure_reason([exc]), unavailable=True) from None
+        return Fetched(found.data, found.tier, failure_reason(passed_over))
 
     async def put(self, i: int, envelope: memoryview) -> None:
         await self.store.tiers.put(self.keys[i], envelope)

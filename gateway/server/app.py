@@ -217,11 +217,12 @@ def _stat(tiers: Iterable[Tier], field: str) -> list[tuple[int, dict[str, str]]]
 
 
 def _breakers(tiers: Iterable[Tier]) -> list[tuple[int, dict[str, str]]]:
+    """1 for a tier whose breaker (a cluster: any master's) is open or half-open."""
     out: list[tuple[int, dict[str, str]]] = []
     for t in tiers:
-        breaker = getattr(t, "breaker", None)
-        if breaker is not None:
-            out.append((1 if breaker.state == "open" else 0, {"tier": t.name}))
+        is_open = getattr(t, "breaker_open", None)
+        if isinstance(is_open, bool):
+            out.append((int(is_open), {"tier": t.name}))
     return out or [(0, {"tier": "none"})]
 
 
@@ -249,6 +250,9 @@ def _observe(state: ServerState) -> None:
         ("kvgate_load_failures", "loads that ended early, by reason", lambda: _by_reason(gw.stats, "load_failed_", LOAD_REASONS)),
         ("kvgate_lookup_degraded", "lookups a tier or the KEK could not fully answer, by reason", lambda: _by_reason(gw.stats, "lookup_degraded_", LOOKUP_REASONS)),
         ("kvgate_tier_timeouts", "tier deadlines missed, by tier and operation", lambda: _timeouts(gw.tiers.tiers)),
+        ("kvgate_load_degraded", "loads a slower tier served because a faster one failed, by reason", lambda: _by_reason(gw.stats, "load_degraded_", LOOKUP_REASONS[:2])),
+        ("kvgate_tier_breaker_trips", "times a tier's circuit breaker opened (a cluster: any master's), by tier", lambda: _stat(gw.tiers.tiers, "breaker_trips")),
+        ("kvgate_store_rollbacks", "envelopes of refused upload batches, removed or left in a tier that could not be reached", lambda: [(gw.stats["store_rollback_removed"], {"outcome": "removed"}), (gw.stats["store_rollback_left"], {"outcome": "left"})]),
         ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(gw.tiers.tiers, "evictions")),
         ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(gw.tiers.tiers, "rejected_puts")),
         ("kvgate_write_behind_copies", "copies queued behind the fastest tier, by tier and outcome (written, dropped, failed)", lambda: _behind(gw.tiers)),

@@ -283,6 +283,10 @@ async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Resp
     return Response(status_code=204)
 
 
+_ENDED = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE, "tier_timeout": frames.TIMEOUT}
+"""The frame status that ends a walk, by ``PrefixItem.reason`` (any other: ``UNAVAILABLE``)."""
+
+
 @router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
 async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
     """The stored prefix of ``hashes``, streamed as a frame (``gateway.frames``): each envelope
@@ -313,7 +317,7 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
 
     def item(got: batches.PrefixItem) -> bytes:
         if got.found is None:
-            status = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE}.get(got.reason, frames.UNAVAILABLE)
+            status = _ENDED.get(got.reason, frames.UNAVAILABLE)
             return frames.keyed_item_head(got.chained_hash, status) if body.keys else frames.item_head(got.chained_hash, status, 0)
         n = got.found.data.nbytes
         if not body.keys:

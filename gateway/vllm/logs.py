@@ -12,11 +12,11 @@ the end-to-end benchmark, before a request that expects what the last one stored
 from __future__ import annotations
 
 import json
-import logging
 import os
-import threading
 import time
 from typing import Any
+
+from gateway.logs import RateLimitedLogger
 
 __all__ = ["RateLimitedLogger", "Tracer", "ensure_visible_logging", "miss_reason", "wait_for_stores"]
 
@@ -69,29 +69,6 @@ def wait_for_stores(path: str | None, timeout_s: float = 60.0) -> float:
             raise TimeoutError(f"kvgate stores still in flight after {timeout_s} s")
         time.sleep(0.01)
     return time.monotonic() - t0
-
-
-class RateLimitedLogger:
-    """At most one WARNING per ``interval_s`` for one kind of event; the next one says how many
-    were held back (an outage degrades every request, and the log must stay readable)."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
-        self._log, self._interval = logger, interval_s
-        self._next = 0.0
-        self._held = 0
-        self._lock = threading.Lock()
-
-    def warning(self, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next:
-                self._held += 1
-                return
-            held, self._held, self._next = self._held, 0, now + self._interval
-        if held:
-            msg += " (%d more like this in the last %.0f s)"
-            args = (*args, held, self._interval)
-        self._log.warning(msg, *args)
 
 
 def miss_reason(exc: BaseException) -> str:

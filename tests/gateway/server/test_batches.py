@@ -417,3 +417,34 @@ async def test_an_upload_is_received_straight_into_the_tiers_buffers(live_server
         w.close()
         stored_now = more + last
         assert await fetch(http, hdr, [h for h, _e in stored_now]) == [(h, frames.OK, e) for h, e in stored_now]
+
+
+async def test_a_tier_failing_mid_batch_refuses_it_whole_and_removes_what_it_stored(tmp_path):
+    """A disk tier that cannot write the batch's second envelope (a file stands where its
+    directory must go): 503, and the first envelope, stored before the failure, is gone from
+    every tier. The same batch once the obstacle is gone is stored (the positive control)."""
+    with server_fixture.running_server(tmp_path / "state", tiers=["disk"]) as live:
+        async with live.client() as http:
+            _a, hdr = await _setup(live, http)
+            cap = hdr["X-KV-Capability"]
+            while True:  # three chunks in three directories of the tier, so only the second is blocked
+                items = [(random_hash(), fake_envelope(n)) for n in (3000, 5000, 7000)]
+                hashes = [h for h, _e in items]
+                _cap, keys = await live.call(live.state.plane.keys_for, cap, "put", hashes)
+                if len({k.digest[:2] for k in keys}) == 3:
+                    break
+            disk = live.runtime.tiers.tiers[0]
+            blocker = disk._path(keys[1]).parent  # type: ignore[attr-defined]
+            blocker.parent.mkdir(parents=True, exist_ok=True)
+            blocker.write_bytes(b"not a directory")
+            r = await put_batch(http, hdr, frame(items))
+            assert r.status_code == 503, r.text
+            assert await stored(http, hdr, hashes) == [False] * 3  # the first, stored before the failure, is gone
+            stats = live.runtime.gateway.stats
+            # the first removed; the failed one counted as left, since its tier could not be asked
+            assert (stats["store_rollback_removed"], stats["store_rollback_left"]) == (1, 1)
+            blocker.unlink()
+            r = await put_batch(http, hdr, frame(items))
+            assert r.status_code == 204, r.text
+            assert await stored(http, hdr, hashes) == [True] * 3
+            assert await fetch(http, hdr, hashes) == [(h, frames.OK, e) for h, e in items]
