@@ -39,6 +39,8 @@ Hooks, by side:
                                         none (see below)
 
     both
+        get_kv_connector_stats          this side's counters since the last call, into vLLM's
+                                        metrics (``stats.py``)
         shutdown                        wait (bounded by ``timeout_s``) for the stores in
                                         flight, release the backend (the last user closes it)
 
@@ -66,7 +68,6 @@ never fails a request: fewer hit tokens, failed blocks, and vLLM computes them i
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,6 +80,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from gateway.vllm.backend import Backend, backend_for, release
 from gateway.vllm.config import ConnectorConfig
+from gateway.vllm.counters import ConnectorCounters
 from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.ledger import LoadOp, StoreOp
 from gateway.vllm.logs import Tracer, ensure_visible_logging
@@ -88,6 +90,7 @@ from gateway.vllm.scheduler import (
     request_view,
     step_requests,
 )
+from gateway.vllm.stats import KvgateConnectorStats, KvgatePromMetrics
 from gateway.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -148,7 +151,7 @@ class KvgateConnector(KVConnectorBase_V1):
             raise ConnectorConfigError(f"chunk_tokens ({chunk}) must be a multiple of vLLM's block size ({block_size})")
         mc = vllm_config.model_config
         model_name = str(config.model_name or mc.served_model_name or mc.model)
-        self.stats: Counter[str] = Counter()  # miss and failure reasons, loads and stores
+        self.stats = ConnectorCounters()  # this side's lookups, loads and stores by outcome
         trace = Tracer(config.trace_path)
         self._expected = _scheduler_model(vllm_config, model_name, block_size, config.layout)
         if role == KVConnectorRole.SCHEDULER:
@@ -238,6 +241,21 @@ class KvgateConnector(KVConnectorBase_V1):
         return self.worker.take_load_errors()
 
     # -- both ---------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvgateConnectorStats | None:
+        data = self.stats.take()
+        return KvgateConnectorStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvgateConnectorStats:
+        return KvgateConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config: VllmConfig, metric_types: dict[type[Any], type[Any]], labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KvgatePromMetrics:
+        return KvgatePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self._worker is not None and self._backend is not None:
             self._worker.finish_loads()

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.vllm.counters import OK, ConnectorCounters
 from gateway.vllm.ledger import LoadOp, SchedulerLedger, StepRequest, StoreOp
 from gateway.vllm.logs import RateLimitedLogger, Tracer, miss_reason
 
@@ -92,13 +92,13 @@ def step_requests(scheduler_output: Any, tracked: Callable[[str], bool]) -> list
 
 class SchedulerSide:
     def __init__(
-        self, chunk_tokens: int, block_size: int, lookup: LookupFn, *, stats: Counter[str] | None = None,
+        self, chunk_tokens: int, block_size: int, lookup: LookupFn, *, stats: ConnectorCounters | None = None,
         trace: Tracer | None = None, lookup_log_interval_s: float = 10.0,
     ) -> None:
         self.ledger = SchedulerLedger(chunk_tokens, block_size)
         self.block = block_size
         self._lookup = lookup
-        self.stats: Counter[str] = Counter() if stats is None else stats  # miss and failure reasons
+        self.stats = ConnectorCounters() if stats is None else stats
         self._trace = trace or Tracer(None)
         # an outage degrades every lookup: say so, not each one
         self._lookup_log = RateLimitedLogger(log, interval_s=lookup_log_interval_s)
@@ -119,8 +119,9 @@ class SchedulerSide:
         except (GatewayError, ValueError) as exc:  # refused, expired, unreachable: a miss
             hit, reason = 0, miss_reason(exc)
             self._state_mismatch(exc)
+        self.stats.count("lookup", reason or OK)
+        self.stats.tokens("lookup_hit", hit)
         if reason:
-            self.stats[f"lookup_{reason}"] += 1
             self._lookup_log.warning("kvgate lookup for %s degraded to %d hit tokens: %s", req.req_id, hit, reason)
         self._trace("lookup", req=req.req_id, hit_tokens=hit, reason=reason, ms=(time.perf_counter() - t0) * 1e3)
         hit -= hit % self.block

@@ -33,7 +33,6 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -43,6 +42,7 @@ import torch
 from gateway.errors import GatewayError
 from gateway.types import KVModel, RetrieveResult, StoreResult
 from gateway.vllm.backend import Backend
+from gateway.vllm.counters import LAYER_HOOKS_MISSED, OK, STORE_CUT, STORE_DROPPED, ConnectorCounters
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 from gateway.vllm.inflight import InFlight, StagingPool
 from gateway.vllm.layers import LayerLoads
@@ -59,14 +59,14 @@ log = logging.getLogger("kvgate.vllm")
 class WorkerSide:
     def __init__(
         self, backend: Backend, chunk_tokens: int, block_size: int, model_name: str, *, layout: str = "auto",
-        stats: Counter[str] | None = None, trace: Tracer | None = None, max_in_flight_bytes: int = 1 << 30,
+        stats: ConnectorCounters | None = None, trace: Tracer | None = None, max_in_flight_bytes: int = 1 << 30,
         layerwise: bool = True,
     ) -> None:
         self._backend = backend
         self.block = block_size
         self._model_name = model_name
         self._layout = layout
-        self.stats: Counter[str] = Counter() if stats is None else stats
+        self.stats = ConnectorCounters() if stats is None else stats
         self._trace = trace or Tracer(None)
         self._copies: set[asyncio.Future[None]] = set()  # traced waits for write-behind copies
         self.ledger = WorkerLedger(chunk_tokens, block_size)
@@ -153,9 +153,12 @@ class WorkerSide:
         first_failed = max(loaded, op.skip_blocks)
         failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, upto)
         self._load_errors |= failed
-        if failed:
+        self.stats.tokens("loaded", max(0, min(loaded, upto) - op.skip_blocks) * bs)
+        if not failed:
+            self.stats.count("load", OK)
+        else:
             reason = reason or "miss"
-            self.stats[f"load_{reason}"] += 1
+            self.stats.count("load", reason)
             log.warning(
                 "kvgate load for %s: %d of %d tokens loaded (%s); vLLM recomputes %d blocks, none of them "
                 "is stored by this request", op.req_id, min(loaded, upto) * bs, upto * bs, reason, len(failed),
@@ -190,8 +193,8 @@ class WorkerSide:
                 log.error("a layer-wise kvgate load for %s had not ended; its blocks are recomputed", load.op.req_id)
             except (GatewayError, ValueError) as exc:
                 reason = miss_reason(exc)
-            if not complete and loaded:  # counted as load_layer_hooks_missed, logged at WARNING
-                loaded, reason = 0, "layer_hooks_missed"
+            if not complete and loaded:  # counted and logged at WARNING as any failed load
+                loaded, reason = 0, LAYER_HOOKS_MISSED
             self._loaded(load.op, load.upto, load.t0, loaded, failures, reason,
                          ms=((load.t_end or time.perf_counter()) - load.t0) * 1e3, layerwise=True)
         if loads:
@@ -235,7 +238,7 @@ class WorkerSide:
             t0 = time.perf_counter()
             cut = self.ledger.store_cut(op)
             if cut < len(op.tokens):  # a load of this request (or of these blocks) failed
-                self.stats["store_cut_after_failed_load"] += 1
+                self.stats.count("store", STORE_CUT)
                 self._trace("store_cut", req=op.req_id, tokens=len(op.tokens), cut_tokens=cut)
             if not cut:
                 self._trace("store", req=op.req_id, tokens=0, stored_chunks=0, ms=0.0, reason="")
@@ -243,7 +246,7 @@ class WorkerSide:
             ids = op.block_ids[: cut // self.block]
             nbytes = pool.nbytes(len(ids))
             if not self.in_flight.admit(nbytes):
-                self.stats["store_dropped_in_flight"] += 1
+                self.stats.count("store", STORE_DROPPED)
                 log.debug(
                     "kvgate store for %s dropped: %d bytes in flight, cap %d", op.req_id, self.in_flight.nbytes,
                     self.in_flight.cap_bytes,
@@ -255,7 +258,7 @@ class WorkerSide:
                 blocks.gather_into(ids, buf)
             except ValueError as exc:  # block ids outside the cache: nothing submitted
                 self._pool_give(buf)
-                self.stats[f"store_{miss_reason(exc)}"] += 1
+                self.stats.count("store", miss_reason(exc))
                 log.warning("kvgate store for %s failed: %s", op.req_id, miss_reason(exc))
                 continue
             compact = [b[: len(ids)] for b in buf]
@@ -301,11 +304,13 @@ class WorkerSide:
     def _store_ended(self, req_id: str, buf: list[torch.Tensor], future: Future[StoreResult]) -> None:
         """On the engine's thread, at a hook after the store ended: count it, reuse its buffer
         (unless it timed out or was cancelled: a seal job may still read it, see ``inflight``)."""
-        _, reason = _outcome(future)
+        result, reason = _outcome(future)
         if reason not in ("gateway_timeout", "cancelled"):
             self._pool_give(buf)
+        self.stats.count("store", reason or OK)
+        if result is not None:
+            self.stats.tokens("stored", result.tokens)
         if reason:
-            self.stats[f"store_{reason}"] += 1
             log.warning("kvgate store for %s failed: %s", req_id, reason)
 
     def _staging(self, blocks: BlockView) -> StagingPool:
@@ -332,12 +337,12 @@ class WorkerSide:
         self.ledger.finished(req_ids)
 
 
-def _outcome(future: Future[StoreResult]) -> tuple[int, str]:
-    """(chunks stored, failure reason or "") of a store that ended."""
+def _outcome(future: Future[StoreResult]) -> tuple[StoreResult | None, str]:
+    """(the store's result, or None and its failure reason) of a store that ended."""
     if future.cancelled():
-        return 0, "cancelled"
+        return None, "cancelled"
     exc = future.exception()
-    return (future.result().stored, "") if exc is None else (0, _reason(exc))
+    return (future.result(), "") if exc is None else (None, _reason(exc))
 
 
 def _copied_event(buf: torch.Tensor) -> Any:

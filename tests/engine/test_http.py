@@ -181,3 +181,42 @@ def test_secure_clear_orphans_vllms_own_prefix_cache(stack):
         assert after.json()["choices"][0]["text"] == text
         again = _complete(stack, worker, prompt)
         assert _cached(again) >= 256  # positive control: the new epoch's blocks are cached again
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples whose labels include ``labels`` (vLLM adds its own)."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def test_the_connectors_counters_are_in_vllms_own_metrics(stack):
+    live = stack["live"]
+    token = live.token("acme", ("kv.worker",))
+    before = httpx.get(stack["url"] + "/metrics", timeout=30).text
+    prompt = prompt_words(300, seed=23)
+    assert _complete(stack, token, prompt).status_code == 200
+    _settled(stack["trace"])  # the store ended on the worker
+    # the worker hands its counters over at its next step: one more request carries them
+    assert _complete(stack, token, prompt_words(20, seed=24)).status_code == 200
+    deadline = time.monotonic() + 30
+    while True:
+        after = httpx.get(stack["url"] + "/metrics", timeout=30).text
+        moved = {
+            (event, outcome): _metric(after, "vllm:kvgate_connector_events_total", event=event, outcome=outcome)
+            - _metric(before, "vllm:kvgate_connector_events_total", event=event, outcome=outcome)
+            for event, outcome in (("lookup", "ok"), ("store", "ok"))
+        }
+        stored = _metric(after, "vllm:kvgate_connector_tokens_total", kind="stored") - _metric(
+            before, "vllm:kvgate_connector_tokens_total", kind="stored")
+        if all(n >= 1 for n in moved.values()) and stored >= 256:
+            break
+        assert time.monotonic() < deadline, f"vLLM's /metrics did not show the connector's counters: {moved}, {stored}"
+        time.sleep(0.5)
+    # the scheduler's lookup and the worker's store both reached the one engine's metrics; nothing failed
+    assert _metric(after, "vllm:kvgate_connector_events_total", event="store", outcome="tenant_unavailable") == 0

@@ -132,7 +132,7 @@ def test_a_failed_lookup_is_a_counted_miss_never_an_error(error, reason, caplog,
     side = _side(Lookups(error=error), tmp_path)
     with caplog.at_level(logging.WARNING, logger="kvgate.vllm"):
         assert side.matched_tokens(request_view(_req()), 0) == 0
-    assert side.stats[f"lookup_{reason}"] == 1
+    assert side.stats.get("lookup", reason) == 1
     assert reason in caplog.text
     (line,) = (tmp_path / "trace.jsonl").read_text().splitlines()
     assert json.loads(line) | {"t": 0, "pid": 0, "ms": 0} == {
@@ -143,7 +143,7 @@ def test_a_failed_lookup_is_a_counted_miss_never_an_error(error, reason, caplog,
 def test_a_degraded_lookup_is_counted_with_its_reason():
     side = _side(Lookups(hit=128, degraded="tier_timeout"))
     assert side.matched_tokens(request_view(_req()), 0) == 128
-    assert side.stats == {"lookup_tier_timeout": 1}
+    assert side.stats.failures() == {("lookup", "tier_timeout"): 1}
 
 
 def test_a_capability_from_other_state_is_said_once_at_error(caplog):

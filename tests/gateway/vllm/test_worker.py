@@ -127,7 +127,10 @@ def test_a_store_loads_back_bit_exact_into_other_blocks(backend, tmp_path):
     for a, b in zip(_blocks(src, src_ids[:8]), _blocks(dst, dst_ids[:8])):
         assert torch.equal(a, b)
     assert _untouched(dst, dst_ids[8:]) and not _untouched(dst, dst_ids[:8])  # nothing past the load was written
-    assert reader.take_load_errors() == set() and reader.stats == {}
+    assert reader.take_load_errors() == set() and reader.stats.failures() == {}
+    # what vLLM's metrics get: one load of 32 tokens and one store of the prompt, both ok
+    assert reader.stats.take() == {"load/ok": 1, "tokens/loaded": 32, "store/ok": 1, "tokens/stored": len(TOKENS)}
+    assert reader.stats.take() == {} and reader.stats.get("load") == 1  # taken once; the totals stay
     events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert [(e["event"], e.get("loaded_tokens"), e.get("stored_chunks")) for e in events] == [
         ("store_submit", None, None), ("store", None, 3), ("load", 32, None),
@@ -142,7 +145,8 @@ def test_a_flipped_ciphertext_is_a_load_error_and_cuts_the_same_step_store(backe
     assert _nothing_of_it(dst, dst_ids[4:8]) and not _untouched(dst, dst_ids[4:8])  # loaded in place, then zeroed
     assert _untouched(dst, dst_ids[8:])  # nothing after the tampered chunk reached the cache
     assert reader.take_load_errors() == set(dst_ids[4:8]) and reader.take_load_errors() == set()
-    assert reader.stats == {"load_integrity": 1, "store_cut_after_failed_load": 1}
+    assert reader.stats.failures() == {("load", "integrity"): 1, ("store", "cut_after_failed_load"): 1}
+    assert reader.stats.get("load") == 0 and reader.stats.tokens_of("loaded") == 16  # chunk 0 only
     events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     load = next(e for e in events if e["event"] == "load")
     assert (load["loaded_tokens"], load["failed_blocks"], load["reason"]) == (16, 4, "integrity")
@@ -352,7 +356,7 @@ def test_a_store_past_the_in_flight_cap_is_dropped_and_counted(backend, tmp_path
     with caplog.at_level(logging.DEBUG, logger="kvgate.vllm"):
         writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])  # none in flight: admitted past the cap
         writer.save([StoreOp("b", cap, other, list(range(15, 27)))])  # dropped, not waited for
-    assert writer.stats == {"store_dropped_in_flight": 1} and len(writer.in_flight) == 1
+    assert writer.stats.failures() == {("store", "dropped_in_flight"): 1} and len(writer.in_flight) == 1
     assert "kvgate store for b dropped" in caplog.text
     gated.gate.set()
     assert writer.wait_stores(30)
@@ -364,7 +368,7 @@ def test_a_store_past_the_in_flight_cap_is_dropped_and_counted(backend, tmp_path
     assert backend.loop.call(backend.lookup(cap, writer.model, other)).hit_tokens == 0
     # the cap is on what is in flight: with "a" ended, "b" is admitted again
     writer.save([StoreOp("b", cap, other, list(range(15, 27)))])
-    assert writer.wait_stores(30) and writer.stats == {"store_dropped_in_flight": 1}
+    assert writer.wait_stores(30) and writer.stats.failures() == {("store", "dropped_in_flight"): 1}
     assert backend.loop.call(backend.lookup(cap, writer.model, other)).hit_tokens == 48
 
 
@@ -375,15 +379,15 @@ def test_a_failing_store_ends_counted_and_frees_its_place(backend, tmp_path):
     writer = _gated_worker(gated, _cpu_cache(seed=1), tmp_path, max_in_flight_bytes=one_store)
     writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])
     writer.save([StoreOp("b", cap, TOKENS, list(range(3, 15)))])  # control: "a" holds the place
-    assert writer.stats == {"store_dropped_in_flight": 1}
+    assert writer.stats.failures() == {("store", "dropped_in_flight"): 1}
     gated.gate.set()
     assert writer.wait_stores(30) and writer.in_flight.nbytes == 0
-    assert writer.stats == {"store_dropped_in_flight": 1, "store_tenant_unavailable": 1}
+    assert writer.stats.failures() == {("store", "dropped_in_flight"): 1, ("store", "tenant_unavailable"): 1}
     assert [(e["event"], e.get("reason")) for e in _events(tmp_path)][-1] == ("store", "tenant_unavailable")
     assert writer._pool is not None and writer._pool.idle_bytes > 0  # its buffer serves the next store
     writer.save([StoreOp("b", cap, TOKENS, list(range(3, 15)))])  # admitted: nothing in flight any more
     assert writer.wait_stores(30)
-    assert writer.stats == {"store_dropped_in_flight": 1, "store_tenant_unavailable": 2}
+    assert writer.stats.failures() == {("store", "dropped_in_flight"): 1, ("store", "tenant_unavailable"): 2}
 
 
 def test_a_timed_out_store_never_lends_its_buffer_again(backend, tmp_path):
@@ -395,7 +399,7 @@ def test_a_timed_out_store_never_lends_its_buffer_again(backend, tmp_path):
     try:
         writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])
         assert writer.wait_stores(30)
-        assert writer.stats == {"store_gateway_timeout": 1}
+        assert writer.stats.failures() == {("store", "gateway_timeout"): 1}
         assert writer._pool is not None and writer._pool.idle_bytes == 0
     finally:
         gated.gate.set()
@@ -509,7 +513,7 @@ def test_the_first_load_is_whole_and_a_step_that_skips_a_layer_loses_its_layer_w
     # now layer-wise; a forward that skips the last layer's hook may have read it before it was
     # in place: every block of the load is a load error (vLLM recomputes them)
     errors = _step(reader, [LoadOp("r1", cap, TOKENS[:32], dst_ids[:8])], names[:-1])
-    assert errors == set(dst_ids[:8]) and reader.stats["load_layer_hooks_missed"] == 1
+    assert errors == set(dst_ids[:8]) and reader.stats.get("load", "layer_hooks_missed") == 1
     last = [e for e in _events(tmp_path) if e["event"] == "load"][-1]
     assert last["layerwise"] is True and last["reason"] == "layer_hooks_missed" and last["loaded_tokens"] == 0
 
