@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.services import free_port, missing
 from tests.engine.engine_env import cleanup_redis, redis_or_fail, require_vllm
 from tests.engine.engine_steps import _ids, _run, _setup, _trace
 from tests.engine.tiny_model import build_tiny_llama
+from tests.support.services import free_port, missing
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.uds_server import NOWHERE, serve, stop, wait_up
 from tests.engine.engine_env import require_vllm
 from tests.engine.engine_steps import _ids, _run, _trace
 from tests.engine.tiny_model import build_tiny_llama
+from tests.support.uds_server import NOWHERE, serve, stop, wait_up
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
