@@ -109,3 +109,41 @@ def test_tier_deadlines_are_settings(tmp_path):
     assert (s.tier_lookup_timeout_s, s.tier_read_timeout_s, s.tier_write_timeout_s) == (0.3, 0.4, 2)
     with pytest.raises(ValueError, match="tier_read_timeout_s"):
         Settings(state_dir=tmp_path, tier_read_timeout_s=0)
+
+
+@pytest.mark.redis
+async def test_a_stalled_redis_in_front_of_disk_is_answered_by_the_disk(tmp_path, server, caplog):
+    """Tiers ["redis", "disk"] as vLLM runs them: the worker's runtime stores, the scheduler's
+    runtime (opened before the store, sharing the disk root) looks up. With the redis-server
+    SIGSTOP'd by pid, the lookup is answered by the disk tier, and the load the disk serves is
+    counted and logged as degraded. Positive control: the same lookup and load with Redis running."""
+    from gateway import dbschema
+
+    settings = settings_for(tmp_path, tiers=["redis", "disk"], redis_url=server.url,
+                            redis_prefix="kvgate-stall:", tier_lookup_timeout_s=0.1, tier_read_timeout_s=0.1)
+    await __import__("asyncio").to_thread(dbschema.upgrade, settings.db_url)
+    worker = await open_runtime(settings)
+    scheduler = await open_runtime(settings)
+    try:
+        await worker.admin.create_tenant("acme")
+        cap = await worker.gateway.mint_capability("acme", "default", ALL_OPS, 600)
+        g = small_geometry()
+        model = await _stored(worker, cap, g)
+        dst = zero_cache(g, N_BLOCKS)
+        look = await scheduler.gateway.lookup(cap, model, TOKENS)
+        got = await worker.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(16)))
+        assert (look.hit_chunks, look.degraded, got.loaded_chunks, got.degraded) == (4, "", 4, "")  # control
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            look = await scheduler.gateway.lookup(cap, model, TOKENS)
+            with caplog.at_level("WARNING", logger="kvgate.core"):
+                got = await worker.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(16)))
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert (look.hit_chunks, look.degraded) == (4, "")  # the disk tier holds every chunk
+        assert (got.loaded_chunks, got.reason, got.degraded) == (4, "", "tier_timeout")
+        assert worker.gateway.stats["load_degraded_tier_timeout"] == 1
+        assert any("slower tier" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    finally:
+        await scheduler.aclose()
+        await worker.aclose()

@@ -401,3 +401,23 @@ async def test_key_lock_handles_cancelled_waiters() -> None:
     assert locks.busy(key)
     locks.release(key)
     assert not locks.busy(key) and locks.held() == []
+
+
+async def test_a_second_tier_on_the_same_root_sees_what_the_first_wrote_after_it_started(tmp_path: Path):
+    """Two processes share a root (vLLM's scheduler and worker): a chunk one writes is found by
+    the other's contains, contains_many and get, bit-exact; a key neither wrote stays a miss."""
+    writer, reader = await DiskTier.open(tmp_path), await DiskTier.open(tmp_path)
+    try:
+        assert await reader.contains_many([k(1), k(2)]) == [False, False]  # control: nothing yet
+        await writer.put(k(1), b"written by the other process")
+        assert await reader.contains_many([k(1), k(2)]) == [True, False]
+        assert await reader.contains(k(1)) and not await reader.contains(k(2))
+        assert bytes((await reader.get(k(1))).data) == b"written by the other process"
+        with pytest.raises(ChunkNotFound):
+            await reader.get(k(2))
+        await writer.delete(k(1))
+        with pytest.raises(ChunkNotFound):  # gone on disk: forgotten here too
+            await reader.get(k(1))
+    finally:
+        await reader.aclose()
+        await writer.aclose()
