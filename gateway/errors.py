@@ -9,6 +9,7 @@ Exception tree (HTTP status as the server answers it)::
      |    +-- KeyBudgetSpent     403  the capability has had all the envelope keys it may have (mint a new one)
      +-- InvalidRequest          422  bad input: tokens, KV tensors, block ids, names (also ValueError)
      |    +-- BadFrame           400  a batch body that is not a well-formed frame (gateway.frames)
+     |    +-- JsonTooDeep        400  a JSON body nested deeper than the server parses (gateway.server.jsonbody)
      +-- TenantUnavailable       403  the tenant is unknown or disabled (told to callers as a 403
      |                                wherever existence must not leak)
      +-- ChunkMissing            404  an operation named a chunk that is not stored
@@ -44,6 +45,7 @@ __all__ = [
     "KeyBudgetSpent",
     "InvalidRequest",
     "BadFrame",
+    "JsonTooDeep",
     "TenantUnavailable",
     "ChunkMissing",
     "NotReady",
@@ -79,6 +81,10 @@ class InvalidRequest(GatewayError, ValueError):
 
 class BadFrame(InvalidRequest):
     """A batched body that does not parse as its frame; ``str()`` is told to the caller."""
+
+
+class JsonTooDeep(InvalidRequest):
+    """A JSON body nested deeper than the server parses; ``str()`` is told to the caller."""
 
 
 class TenantUnavailable(GatewayError):

@@ -35,12 +35,13 @@ from gateway.server.deps import (
     on_own_tenant,
     on_path,
 )
+from gateway.server.jsonbody import JsonBodyRoute
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles
 from tenancy.types import Principal
 
-router = APIRouter(prefix="/v1/admin", responses=problem_responses(*COMMON_PROBLEMS))
+router = APIRouter(prefix="/v1/admin", route_class=JsonBodyRoute, responses=problem_responses(*COMMON_PROBLEMS))
 
 Hash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 

@@ -37,12 +37,13 @@ from gateway.server.deps import (
     authorize_action,
     on_capability,
 )
+from gateway.server.jsonbody import JsonBodyRoute
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from tenancy.capabilities import read_unverified
 from tenancy.errors import PermissionDenied
 from tenancy.roles import Action, allowed_capability_ops
 
-router = APIRouter(prefix="/v1", responses=problem_responses(*COMMON_PROBLEMS))
+router = APIRouter(prefix="/v1", route_class=JsonBodyRoute, responses=problem_responses(*COMMON_PROBLEMS))
 _NOT_FOUND = problem_responses(404)
 _ENVELOPE_BODY = {
     "requestBody": {

@@ -1,30 +1,17 @@
-"""What a request must pass before any route sees it, and the HTTP protocol's own bounds.
+"""What a request must pass before any route sees it (docs/operations.md, "Request limits").
 
-``Gatekeeper`` is the outermost ASGI middleware. In this order, before a byte of the body is read:
+``bounded_h11`` (uvicorn's h11 protocol) bounds the request head before any of it reaches the
+app: it must arrive within ``header_timeout_s`` (408), be at most ``max_header_bytes`` whole
+(431), and not frame its body by both ``Transfer-Encoding`` and ``Content-Length`` (400;
+``RequestHeads``). A refused head is answered with problem+json, then a lingering close; nothing
+after it is parsed. The protocol also offers ``rawchunks`` and ``rawbody`` in the request's scope.
 
-1. at most ``max_header_count`` header fields (431);
-2. a route under ``/v1`` (and ``/metrics``) needs a verified bearer token: the token is verified
-   here (``deps.authenticate``: failure rate limit, audit) and the principal kept in the request
-   state for the routes; 401/429 otherwise;
-3. the body fits the route's limit (``body_limit``): a declared ``Content-Length`` over it is
-   refused at once (413), a chunked body is counted as it arrives;
-4. the body arrives in time: each read waits at most ``body_timeout_s`` (408), so a
-   ``Content-Length`` larger than the body sent fails within that timeout;
-5. ``POST /v1/lookup`` is then answered here (``gateway.server.rawlookup``: the route's own
-   checks and answers, without FastAPI's per-request cost); every other request goes on to the app.
-
-A refusal before the body is read is sent at once (a client that sent ``Expect: 100-continue``
-never sends the body); whatever body a client sends anyway is discarded as it arrives, never
-buffered, and the connection is cut ``header_timeout_s`` after the response if it has not
-finished by then (a bounded lingering close, so the client can still read the refusal).
-
-``bounded_h11(header_timeout_s)`` is uvicorn's h11 protocol with a deadline on the request head:
-from the connection's first byte (and after each response) the whole header block must arrive
-within ``header_timeout_s``, however slowly it trickles (uvicorn's keep-alive timer restarts on
-every byte, so it cannot cut a slow-header client). The header block size is bounded by h11's
-``max_incomplete_event_size`` (``max_header_bytes``, 431 beyond). It also offers the fetch route
-its raw chunk writer (``gateway.server.rawchunks``) and the batched upload its raw body reader
-(``gateway.server.rawbody``) in the request's scope, before the app runs.
+``Gatekeeper``, the outermost ASGI middleware, then, before a byte of the body is read: at most
+``max_header_count`` fields (431); under ``/v1`` and ``/metrics`` a verified bearer token
+(``deps.authenticate``; 401/429); the body within the route's ``body_limit`` (413, a chunked body
+counted as it arrives) and each read within ``body_timeout_s`` (408). ``POST /v1/lookup`` is
+answered here (``rawlookup``); every other request goes on to the app. A refusal is sent at once;
+a body sent anyway is discarded as it arrives, and the connection cut ``header_timeout_s`` later.
 """
 
 from __future__ import annotations
@@ -32,8 +19,10 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
+import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -45,7 +34,7 @@ from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
 from gateway.wire import tune_unix_socket
 
-__all__ = ["Gatekeeper", "body_limit", "bounded_h11", "uvicorn_options"]
+__all__ = ["Gatekeeper", "RequestHeads", "body_limit", "bounded_h11", "uvicorn_options"]
 
 _BULK_BYTES = 8 << 20  # a clear or move of up to 100,000 hashes
 _LOOKUP_BYTES = 512 << 10  # 4,096 hashes
@@ -171,11 +160,83 @@ class _Body:
         return message
 
 
-def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H11Protocol]:
-    """uvicorn's h11 protocol, with a deadline on each request head (see the module docstring)."""
+# after a refused request head, what the client still sends is read and dropped, up to this
+# many bytes (and ``header_timeout_s``), so it can finish sending and read the answer
+_LINGER_BYTES = 4 << 20
+_HEAD_REFUSALS = {
+    400: "the request is not valid HTTP/1.1",
+    431: "the request head is larger than the server takes",
+    501: "unsupported Transfer-Encoding",
+}
+
+
+class _Refused(h11.RemoteProtocolError):
+    """A request head this server refuses; ``str()`` is told to the client."""
+
+
+class RequestHeads(h11.Connection):
+    """h11's server side, refusing two request heads h11 itself accepts (``_Refused``, raised
+    from ``next_event`` as h11 raises its own ``RemoteProtocolError``):
+
+    - a head of more than ``max_head_bytes`` (request line, header fields, the blank line): h11
+      bounds a head only while it is incomplete (``max_incomplete_event_size``), so one that
+      arrives whole in one read, a 20 KB bearer token, was parsed and served (431);
+    - a head with both ``Transfer-Encoding`` and ``Content-Length``: two framings of one body,
+      which a proxy in front may read the other way than h11 does (RFC 9112 section 6.3 lets a
+      server go by Transfer-Encoding; request-smuggling defences refuse it: 400).
+    """
+
+    def __init__(self, max_head_bytes: int) -> None:
+        super().__init__(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self.max_head_bytes = max_head_bytes
+        self.refusal: h11.RemoteProtocolError | None = None
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        before = len(self._receive_buffer)
+        try:
+            event = super().next_event()
+            if isinstance(event, h11.Request):  # the head was just taken off the buffer, whole
+                self._check(event, before - len(self._receive_buffer))
+        except h11.RemoteProtocolError as exc:
+            self.refusal = exc
+            raise
+        return event
+
+    def _check(self, request: h11.Request, head_bytes: int) -> None:
+        refusal = None
+        if head_bytes > self.max_head_bytes:
+            refusal = _Refused(f"the request head is larger than {self.max_head_bytes} bytes", 431)
+        else:
+            names = {name for name, _ in request.headers}
+            if b"transfer-encoding" in names and b"content-length" in names:
+                refusal = _Refused("Transfer-Encoding and Content-Length together", 400)
+        if refusal is not None:
+            self._process_error(self.their_role)  # as h11 marks a peer that broke the protocol
+            raise refusal
+
+
+def _refusal(status: int, detail: str) -> bytes:
+    """A whole problem+json response that closes the connection, as bytes."""
+    body = json.dumps({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status, "detail": detail}).encode()
+    head = (
+        f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/problem+json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0, max_head_bytes: int = 16 << 10) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, with a deadline on each request head and its size bounded (see
+    the module docstring)."""
 
     class BoundedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _linger_timer: asyncio.TimerHandle | None = None
+        _lingered: int | None = None  # bytes dropped since a refused head (None: none refused)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.conn = RequestHeads(max_head_bytes)
 
         def _arm(self) -> None:
             self._disarm()
@@ -200,6 +261,31 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H
                 )
             self.transport.close()
 
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn's answer to a request h11 refuses (always 400, then an abrupt close, so a
+            client still sending its head met a reset): here the refusal's own status (431 for
+            a head over the limit) as problem+json, then a lingering close."""
+            if self._active():  # a request is being served (a broken chunked body): uvicorn's way
+                super().send_400_response(msg)
+                return
+            refusal = self.conn.refusal if isinstance(self.conn, RequestHeads) else None
+            status = refusal.error_status_hint if refusal is not None else 400
+            if status not in _HEAD_REFUSALS:
+                status = 400
+            detail = str(refusal) if isinstance(refusal, _Refused) else _HEAD_REFUSALS[status]
+            self._disarm()
+            self._unset_keepalive_if_required()
+            self.transport.write(_refusal(status, detail))
+            # the answer, then our end closed; what the client still sends is read and dropped
+            # (``data_received``) until it closes its end, or for ``header_timeout_s``, or past
+            # ``_LINGER_BYTES``: closing with its bytes unread would reset the connection, and a
+            # reset can cost the client the answer
+            self._lingered = 0
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.flow.resume_reading()
+            self._linger_timer = self.loop.call_later(header_timeout_s, self.transport.close)
+
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # asyncio types it BaseTransport; a server connection is a Transport
             sock = transport.get_extra_info("socket")
             tune_unix_socket(sock)  # the Unix socket's buffers (listen.py)
@@ -211,6 +297,11 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingered is not None:  # after a refused head: dropped, never parsed
+                self._lingered += len(data)
+                if self._lingered > _LINGER_BYTES:
+                    self.transport.close()
+                return
             super().data_received(data)
             if self._active():
                 self._disarm()  # a request is being served: its body has its own timeout
@@ -227,6 +318,9 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._linger_timer is not None:
+                self._linger_timer.cancel()
+                self._linger_timer = None
             super().connection_lost(exc)
 
     return BoundedH11Protocol
@@ -235,7 +329,7 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0) -> type[H
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn settings every kvgate server runs with (``kvgate serve`` and the tests)."""
     return {
-        "http": bounded_h11(settings.header_timeout_s, settings.body_timeout_s),
+        "http": bounded_h11(settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes),
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "timeout_keep_alive": 5,
         "proxy_headers": False,

@@ -34,6 +34,7 @@ from gateway.errors import (
     ChunkMissing,
     Conflict,
     InvalidRequest,
+    JsonTooDeep,
     KeyBudgetSpent,
     NotReady,
     RateLimited,
@@ -173,6 +174,7 @@ PROBLEMS: dict[type[Exception], Entry] = {
     ChunkMissing: ProblemType(404, "Not Found", "no such chunk"),
     InvalidRequest: _INVALID,
     BadFrame: ProblemType(400, "Bad Request", _echo),
+    JsonTooDeep: ProblemType(400, "Bad Request", _echo),
     CapabilityRequestInvalid: _INVALID,
     RequestValidationError: ProblemType(422, "Unprocessable Content", "the request does not match the schema"),
     Conflict: _CONFLICT,
@@ -203,30 +205,36 @@ def lookup(exc: BaseException, table: Mapping[type[Exception], Entry] = PROBLEMS
 _NAME_FIELDS = frozenset({"tenant", "namespace"})
 
 
-def _audit_refused_names(request: Request, e: RequestValidationError) -> None:
-    """A refused tenant or namespace name is a denial: audited (who, which field, the value
-    escaped to printable ASCII), so names cannot be probed without a trace."""
+def _audit_refusal(request: Request, details: dict[str, Any]) -> None:
+    """An ``authz.denied`` row for a refused body of an authenticated caller (who, the route,
+    ``details``); nothing for a caller the gatekeeper has not verified."""
     from audit.types import Actions, AuditEvent, Target
     from gateway.server.deps import actor_of
-    from tenancy.names import escape
 
     state = getattr(request.app.state, "kvgate", None)
     principal = request.scope.get("state", {}).get("kvgate_principal")
     if state is None or principal is None:
         return
+    state.runtime.audit.emit(
+        AuditEvent(
+            Actions.AUTHZ_DENIED, outcome="denied", actor=actor_of(principal, request), target=Target(),
+            details={"route": request.url.path[:200], **details},
+        )
+    )
+
+
+def _audit_refused_names(request: Request, e: RequestValidationError) -> None:
+    """A refused tenant or namespace name is a denial: audited (who, which field, the value
+    escaped to printable ASCII), so names cannot be probed without a trace."""
+    from tenancy.names import escape
+
     for err in e.errors()[:20]:
         loc = err.get("loc", ())
         if not loc or loc[-1] not in _NAME_FIELDS:
             continue
-        state.runtime.audit.emit(
-            AuditEvent(
-                Actions.AUTHZ_DENIED, outcome="denied", actor=actor_of(principal, request), target=Target(),
-                details={
-                    "reason": "invalid name", "route": request.url.path[:200],
-                    "field": ".".join(str(x) for x in loc)[:100], "value": escape(err.get("input")),
-                },
-            )
-        )
+        _audit_refusal(request, {
+            "reason": "invalid name", "field": ".".join(str(x) for x in loc)[:100], "value": escape(err.get("input")),
+        })
 
 
 async def handle(request: Request, exc: Exception) -> JSONResponse:
@@ -238,6 +246,8 @@ async def handle(request: Request, exc: Exception) -> JSONResponse:
     elif kind.warn:
         what = getattr(exc, "dependency", "the key provider")
         log.warning("dependency unavailable: %s (%s)", what, type(exc.__cause__ or exc).__name__)
+    if isinstance(exc, JsonTooDeep):  # a body built to break the parser: a denial, audited
+        _audit_refusal(request, {"reason": "JSON body too deep"})
     if isinstance(exc, RequestValidationError):  # which fields, never the values sent
         _audit_refused_names(request, exc)
         body["errors"] = [{"loc": list(err.get("loc", ())), "msg": err.get("msg", "")} for err in exc.errors()][:20]

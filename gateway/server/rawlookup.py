@@ -12,8 +12,9 @@ What is kept, in the same order as the FastAPI route runs it, with the same answ
 2. the body is read whole (at most the lookup's limit);
 3. the role check on the tenant the ``X-KV-Capability`` names (``deps.on_capability``; 403,
    audited by ``deps.authorize_action``);
-4. the body is parsed as FastAPI parses it and validated by the route's own model
-   (``data.LookupRequest``; 422, with the errors FastAPI gives: ``["body", ...]``);
+4. the body is parsed as FastAPI parses it, past the same depth check (``jsonbody``: 400), and
+   validated by the route's own model (``data.LookupRequest``; 422, with the errors FastAPI
+   gives: ``["body", ...]``);
 5. the core's lookup (``data.answer_lookup``), whose errors meet the one exception table
    (``problems.handle``).
 
@@ -32,7 +33,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from gateway.server import problems
+from gateway.errors import JsonTooDeep
+from gateway.server import jsonbody, problems
 from gateway.server.data import LookupRequest, answer_lookup
 from gateway.server.deps import ServerState, authorize_action
 from tenancy.capabilities import read_unverified
@@ -46,14 +48,6 @@ PATH = "/v1/lookup"
 # what ``_Observe`` labels the request's metrics with (a route object's ``path``)
 _ROUTE = SimpleNamespace(path=PATH)
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-def _is_json(content_type: str | None) -> bool:
-    """As FastAPI decides a JSON body: ``application/json`` or ``application/*+json``."""
-    if not content_type:
-        return False
-    mime = content_type.split(";", 1)[0].strip().lower()
-    return mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))
 
 
 async def _read_body(receive: Any) -> bytes | None:
@@ -70,14 +64,17 @@ async def _read_body(receive: Any) -> bytes | None:
 
 def _parse(body: bytes, content_type: str | None) -> Any:
     """The body as FastAPI hands it to a route's model: no body is a missing field; a JSON one
-    is parsed with ``json`` (a decode error names its position); any other is the bytes as they
-    are (which the model refuses)."""
+    is parsed with ``json`` once its depth is known to be bounded (``jsonbody.loads``: 400 past
+    it; a decode error names its position); any other is the bytes as they are (which the model
+    refuses)."""
     if not body:
         raise RequestValidationError([{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}])
     value: Any = body
-    if _is_json(content_type):
+    if jsonbody.is_json(content_type):
         try:
-            value = json.loads(body)
+            value = jsonbody.loads(body)
+        except JsonTooDeep:
+            raise
         except json.JSONDecodeError as e:
             raise RequestValidationError(
                 [{"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {}}]
