@@ -6,21 +6,11 @@
     expand_key(key)    the AES-256 key schedule: 15 round keys of 16 bytes
     gf128_basis()      x^e mod (x^128 + x^7 + x^2 + x + 1) for e = 0..254, in GCM's bit order
 
-Everything is computed on first use (``functools.cache``), never at import. Known-answer checks
-live in ``tests/kernels/test_aes_gcm.py`` (S-box entries, FIPS-197 C.3, NIST/Wycheproof GCM vectors).
-
-T-table layout. The device keeps the state as ``[N, 16]`` bytes (byte ``4c + r`` is row ``r`` of
-column ``c``). After ShiftRows, input byte ``x`` at row ``r`` of a column contributes
-``MixColumns(column r of the matrix) * S(x)`` to the output column; entry ``256 r + x`` holds that
-contribution as a little-endian int32 word, so four gathers XORed together give the output column
-and viewing the int32 words as bytes gives back the byte layout (both CPUs and CUDA GPUs are
-little-endian; ``kernels.aes_gcm`` checks ``sys.byteorder``).
-
-GF(2^128) bit order (NIST SP 800-38D 6.3): bit ``p`` of a block (``p = 8 j + t``, ``t = 0`` the most
-significant bit of byte ``j``) is the coefficient of ``x^p``. ``gf128_basis()[e]`` is an int whose
-bit ``p`` is that coefficient of ``x^e`` reduced, so multiplication by a constant is a GF(2)-linear
-map whose matrix rows are read off these basis elements.
-"""
+Everything is computed on first use (``functools.cache``), never at import. ``ttable()`` entry
+``256 r + x`` is the little-endian int32 contribution of byte ``x`` at row ``r`` to its output
+column (``kernels.aes_gcm`` checks ``sys.byteorder``). Bit ``p`` of ``gf128_basis()[e]`` is the
+coefficient of ``x^p`` (NIST SP 800-38D 6.3 bit order). Known-answer checks live in
+``tests/kernels/test_aes_gcm.py``. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

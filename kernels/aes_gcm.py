@@ -4,35 +4,15 @@
       .encrypt_(buf, nonce, aad)    in place over a uint8 tensor; returns the 16-byte tag
       .decrypt_(buf, nonce, aad, tag)  checks the tag first, then decrypts in place;
                                     ``TagMismatch`` (and ``buf`` zeroed) on a bad tag
-      .seal_into / .open_into       the ``crypto.aead.Aead`` protocol, structurally (tensors or
-                                    buffers; ``out`` = ciphertext || tag)
+      .seal_into / .open_into       the ``crypto.aead.Aead`` protocol (``out`` = ciphertext || tag)
     AeadError > TagMismatch, AeadParameterError (also a ValueError); both are ``KVKernelError``s
 
-Only 96-bit nonces and 128-bit tags (what ``crypto`` uses). ``kernels`` imports nothing of the
-project, so ``open_into`` cannot raise ``crypto.errors.DecryptionFailed`` by itself: pass
+Only 96-bit nonces and 128-bit tags. ``kernels`` imports nothing of the project: pass
 ``failure=DecryptionFailed`` (any exception factory) and ``open_into`` raises that instead of
-``TagMismatch``, which is what ``crypto.envelope.ChunkCipher`` expects of an AEAD.
-
-How it runs on a device without per-block Python:
-
-- CTR. All counter blocks of a slice (``nonce || be32(2 + i)``, from J0 + 1) are built at once as
-  ``[N, 16]`` bytes. Each of the 13 full rounds is one ShiftRows gather, one gather from a
-  512 KiB table indexed by two state bytes at a time (T-tables of rows 2p and 2p+1 XORed, see
-  ``_Consts``), one XOR of the two halves and the round key; the last round gathers the S-box.
-  Python loops only over rounds and over slices of ``slice_bytes``, never over blocks.
-- GHASH. ``Y = sum_i X_i H^(m-i+1)`` is GF(2)-linear in the blocks, and multiplying by a fixed
-  field element is a 128x128 bit matrix, so GHASH is float32 matmuls of 0/1 matrices taken mod 2
-  (``_Ghash``): runs of 16 blocks folded by one matmul, then a binary tree of ``addmm``s. Every
-  operand is 0 or 1 and every sum an integer of at most 2048, so float32 is exact (so is TF32:
-  0 and 1 survive its rounding and it accumulates in float32). The matrix of ``(.) * c`` is
-  ``c @ W`` with ``W[i, b, :] = bits(x^(i+b) mod P)``, precomputed once per device.
-- Lengths: ``f(AAD) * H^(c+s+1) + f(C_full) * H^(s+1) + f(C_tail || len) * H`` (linearity), so
-  the ciphertext is hashed where it lies, without a padded copy.
-
-Host synchronisation: one per call, reading the 16-byte tag back (plus one when a key's GHASH
-first needs a higher power of ``H``, and one at construction on CUDA). Key schedule and constants
-are host Python (``_aes_tables``); the tag comparison is ``hmac.compare_digest`` on the host.
-"""
+``TagMismatch``, as ``crypto.envelope.ChunkCipher`` expects. CTR runs as table gathers over all
+blocks of a slice at once, GHASH as exact float32 matmuls of 0/1 matrices mod 2; Python loops only
+over rounds and slices. One host synchronisation per call (reading the tag back); the tag
+comparison is ``hmac.compare_digest`` on the host. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

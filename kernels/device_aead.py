@@ -4,17 +4,13 @@
     choose_device_aes(device, pref)    "triton" or "torch" for a device and a setting
     device_aead_factory(device, pref, failure=...) -> (name, key -> AEAD)
 
-``pref`` is the ``device_aes`` setting: ``auto`` takes Triton where it can run compiled (a CUDA
-device with triton installed; vLLM hosts have it) and the torch-ops cipher
-(``kernels.aes_gcm.TorchAesGcm``) elsewhere. Before ``auto`` hands out Triton on a device, the
-kernels must pass a self-test there (``self_test``: seal and open a sample, bit-identical to the
-torch reference, and a flipped bit refused); a failure (a compiler error, a wrong byte) is logged
-and the torch-ops cipher is used instead.
-``triton`` insists (an error if triton is missing, or on a CPU device unless ``TRITON_INTERPRET=1``:
-the interpreter, for tests and the CPU device check); ``torch`` always takes the reference.
-``kernels.triton_gcm`` (which imports triton) is imported only when Triton is chosen, so the
-product imports and works without triton.
-"""
+``pref`` is the ``device_aes`` setting. ``auto`` takes Triton where it can run compiled (a CUDA
+device with triton installed) and the torch-ops cipher (``kernels.aes_gcm.TorchAesGcm``)
+elsewhere; Triton is handed out only after its self-test passes on that device (seal and open a
+sample bit-identical to the torch reference, a flipped bit refused), else the failure is logged
+and the torch-ops cipher is used. ``triton`` insists (an error if triton is missing, or on a CPU
+device unless ``TRITON_INTERPRET=1``); ``torch`` always takes the reference. ``kernels.triton_gcm``
+(which imports triton) is imported only when Triton is chosen, so the product works without it."""
 
 from __future__ import annotations
 

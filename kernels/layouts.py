@@ -1,36 +1,18 @@
 """Paged KV-cache layouts and the geometry of a packed chunk.
 
-vLLM keeps one paged tensor per attention layer, in one of three layouts:
-
     KVLayout.KV_FIRST     [2, num_blocks, block_size, num_kv_heads, head_size]   (flash-attn)
     KVLayout.BLOCK_FIRST  [num_blocks, 2, block_size, num_kv_heads, head_size]   (FlashInfer)
-    CPU                   [num_blocks, num_kv_heads, block_size, 2 * head_size]  (vLLM's CPU backend;
-                          memory: per block and head, block_size K rows, then block_size V rows)
+    KVLayout.CPU          [num_blocks, num_kv_heads, block_size, 2 * head_size]  (vLLM's CPU backend)
 
-pack/unpack take all three (``KVLayout.CPU`` is the third). ``block_first_view`` sees the GPU
-layouts as BLOCK_FIRST (a strided view, no copy), and ``BlockView`` holds every layer of a
-worker's cache as blocks: it gathers a request's blocks into a contiguous compact buffer (blocks
-0..n-1; a new one, or ``gather_into`` a reused one) and scatters back only chosen blocks. A CPU
-cache is held as it is (``BlockView.native``): its compact buffers have vLLM's own layout, so a
-gather or scatter is a copy of whole blocks, and the data plane can read and write the cache
-itself.
-
-A token's place in a layer is its slot: ``slot = block_id * block_size + offset``.
-
-The chunk format (what the cipher encrypts) of ``n`` tokens, every layer one after another:
-
-    KV_FIRST, BLOCK_FIRST  [num_layers, 2, n, num_kv_heads, head_size]   (K at index 0, V at 1)
-    CPU                    per layer, per group of ``block_size`` tokens (the chunk's tokens
-                           0..bs-1, bs..2bs-1, ...; the last group may be shorter, m tokens):
-                           [num_kv_heads, 2, m, head_size]: exactly a block's bytes in vLLM's CPU
-                           layout, so a chunk of whole blocks moves as a few long runs, no transpose
-
-The first format is the same whatever the GPU layout or block size was, so a chunk written by a
-flash-attn worker can be loaded by a FlashInfer worker with another block size, and
-``fingerprint_fields()`` leaves those out. The CPU format depends on the block size, so its
-fingerprint names it (and the format): a CPU worker and a GPU worker never read each other's
-chunks, which hold the same KV in another byte order.
-"""
+A token's slot is ``block_id * block_size + offset``. ``block_first_view`` sees the GPU layouts as
+BLOCK_FIRST (a view, no copy); ``BlockView`` gathers a request's blocks into a compact buffer
+(``gather_into`` a reused one) and scatters back only chosen blocks; a CPU cache is held as it is.
+The chunk format of ``n`` tokens (what the cipher encrypts), layer after layer: for the GPU
+layouts ``[num_layers, 2, n, num_kv_heads, head_size]``, independent of GPU layout and block size
+(``fingerprint_fields()`` leaves those out); for CPU, per group of ``block_size`` tokens,
+``[num_kv_heads, 2, m, head_size]`` (a block's bytes), so its fingerprint names the block size and
+format and CPU and GPU workers never read each other's chunks. Design notes:
+docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

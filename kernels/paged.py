@@ -3,8 +3,8 @@
 vLLM allocates its KV cache once and hands it to the connector once (``register_kv_caches``).
 ``PagedKV`` takes it then: the shape/dtype/device/contiguity checks and the per-layer row views
 are done at that point instead of on every chunk, which is most of the fixed cost of packing a
-small chunk (about 0.1 ms for 32 layers on CPU). ``pack``/``unpack`` accept either a ``PagedKV``
-or a plain list of tensors (then it is built on the fly).
+small chunk. ``pack``/``unpack`` accept either a ``PagedKV`` or a plain list of tensors (then it
+is built on the fly).
 
 A layer viewed as units: ``[num_units, unit_nbytes / word]``, ``word`` an integer dtype of 1, 2,
 4 or 8 bytes. In the GPU layouts a unit is a row, one token's K or V (``num_kv_heads *

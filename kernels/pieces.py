@@ -1,33 +1,17 @@
 """A chunk as the contiguous byte runs it occupies in a CPU paged KV cache (the fused data path).
 
-``pack`` copies a chunk into one contiguous buffer before it is sealed; on the CPU that copy costs
-more than AES-GCM itself. The fused path skips it: ``ChunkPieces`` lists, in exact chunk order
-(``layouts``: the chunk format of the cache's layout), the byte runs of the chunk inside each layer's tensor, as
-memoryviews the cipher reads straight out of the cache (``chunk_pieces``), and scatters a byte range
-of the chunk layout (one decrypted segment) back into the cache (``unpack_range``).
-
-Runs. A layer's run list is computed once per chunk from the slots (Python ints; no per-piece
-torch call) and is the same for every layer. Consecutive rows coalesce:
-
-- ``KV_FIRST`` ``[2][num_blocks][block_size]`` rows: a slot's K row is ``slot``, its V row
-  ``num_slots + slot``. Tokens ``t..t+m`` of one block are one run, and so are consecutive blocks
-  (block ``b`` then ``b + 1``) of the same K or V half.
-- ``BLOCK_FIRST`` ``[num_blocks][2][block_size]`` rows: K row ``block * 2 * bs + offset``, V row
-  ``+ bs``. Consecutive blocks never coalesce (the V rows of ``b`` lie between the K rows of ``b``
-  and ``b + 1``), but a chunk that is exactly one full block is one run per layer: its K rows are
-  followed by its V rows.
-- ``CPU`` ``[num_blocks][heads][2][block_size]`` units of one head's K or V: a group of
-  ``block_size`` tokens that fills one block in order is the block's bytes, one run, and
-  consecutive blocks join too: a chunk of whole, consecutive blocks is one run per layer.
-
-``write_tokens`` makes the runs of the chunk's later tokens ``SKIP`` runs: a load scatters only
-the tokens the engine wants from it, and decrypts (authenticates) all of them.
+``ChunkPieces`` lists, in exact chunk order (``layouts``: the chunk format of the cache's layout),
+the byte runs of a chunk inside each layer's tensor: memoryviews the cipher reads straight out of
+the cache (``chunk_pieces``), so sealing needs no ``pack`` copy; ``unpack_range`` scatters a byte
+range of the chunk layout (one decrypted segment) back into the cache. A layer's run list is
+computed once per chunk from the slots, is the same for every layer, and coalesces consecutive rows.
+``write_tokens`` makes the runs of the chunk's later tokens ``SKIP`` runs: a load scatters only the
+tokens the engine wants, and decrypts (authenticates) all of them.
 
 ``FlatKV`` views each layer once as a flat, writable byte memoryview; build it once per cache (or
-per batch) and reuse it. CPU tensors only: a CUDA cache keeps the torch ``pack``/``unpack`` path.
-Every argument is validated before any byte moves; an error (``KVLayoutError``) means nothing was
-written.
-"""
+per batch). CPU tensors only: a CUDA cache keeps the torch ``pack``/``unpack`` path. Every argument
+is validated before any byte moves; an error (``KVLayoutError``) means nothing was written.
+Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@
 On CUDA the copy of segment ``i`` runs while the kernels of segment ``i + 1`` do (the side stream),
 and only events are waited for, never ``synchronize``. On CPU (and under Triton's interpreter) the
 methods are plain copies: ``issue_d2h`` does nothing and ``fetch_d2h`` copies straight from ``src``.
-The pinned buffer is this object's own (``capacity`` bytes); the memory tier's pre-faulted arena
-(issue 15) can hand it in instead (``host=``) once it exists.
+The pinned buffer is this object's own (``capacity`` bytes), unless the caller hands in a host
+tensor of its own (``host=``).
 """
 
 from __future__ import annotations

@@ -1,40 +1,18 @@
 """AES-256-GCM as Triton kernels, fused with the paged-KV gather (seal) and scatter (open).
 
-    TritonAesGcm(key, device)            the cipher of one key on one device (CUDA, or CPU tensors
-                                         under ``TRITON_INTERPRET=1``)
+    TritonAesGcm(key, device)            one key on one device (CUDA, or CPU under TRITON_INTERPRET=1)
       .encrypt_ / .decrypt_              in place over a contiguous uint8 tensor, as ``TorchAesGcm``
       .seal_into / .open_into            the ``crypto.aead.Aead`` protocol (``TorchAesGcm``'s code)
       .gather_encrypt_(kv, rows, out, segments) -> tags
-                                         one pass: read the chunk's rows out of every layer, write
-                                         ciphertext into ``out`` (the staging buffer)
+                                         one pass: every layer's chunk rows, ciphertext into ``out``
       .decrypt_scatter_(src, kv, rows, segments)
-                                         every segment's tag checked first, then one pass: read
-                                         ciphertext, write plaintext into the layers' rows
+                                         every segment's tag checked first, then one pass writes
+                                         plaintext into the layers' rows
 
-Importing this module imports ``triton``; ``kernels.device_aead`` decides whether to (the product
-works without triton, on ``TorchAesGcm``). Output is bit-identical to ``cryptography``'s AESGCM
-(tests/kernels/test_triton_gcm.py, NIST CAVP and Wycheproof vectors included).
-
-Kernels
-- ``_ctr_kernel``: AES-256 of the counter blocks ``nonce || be32(ctr0 + b)`` (T-tables, four
-  little-endian uint32 column words per block, the same tables as ``kernels/_aes_tables.py``), the
-  keystream XORed with the input bytes. Either side can be a flat buffer or "rows": byte ``p`` of
-  the range lives in row ``rows[p // row_bytes]`` of a layer at column ``p % row_bytes`` (the paged
-  gather/scatter of ``PagedKV.row_index``). A range need not start on a block boundary.
-- GHASH, a parallel formulation: the blocks ``X_0 .. X_{m-1}`` (AAD, ciphertext, lengths) are cut
-  into groups of ``G`` blocks aligned to the end (virtual zero blocks in front, which change
-  nothing); each program multiplies its ``G`` blocks by ``H^G .. H^1`` (a table built per key) and
-  XOR-reduces them. The group sums are blocks of the same problem under ``K = H^G`` (powers
-  ``K^(G-1) .. K^0``), so the next level is the same kernel, until one value is left: the GHASH.
-  Level 0 reads the AAD (and the lengths block) from a small per-segment buffer and the ciphertext
-  where it lies (partial last block masked to zero: GCM's padding).
-- GF(2^128) products on pairs of uint64 (``hi`` = bytes 0..7 big-endian), vectorised over the
-  blocks of a program: bit-serial (SP 800-38D algorithm 1, registers only) when compiled; a byte at
-  a time with a per-lane table of 256 products under the interpreter, whose cost is per operation
-  (``gf_table``; both are tested on the CPU).
-
-Host synchronisation: one per call (the tags come back as one small tensor).
-"""
+Importing this module imports ``triton``; ``kernels.device_aead`` decides whether to. Output is
+bit-identical to ``cryptography``'s AESGCM (tests/kernels/test_triton_gcm.py: NIST CAVP, Wycheproof).
+One host synchronisation per call (the tags come back as one small tensor). Design notes
+(CTR, parallel GHASH, GF(2^128) products): docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
