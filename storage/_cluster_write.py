@@ -3,7 +3,8 @@
 put, in one MULTI/EXEC on the chunk's slot: read the old header (GETRANGE) and the pin flag,
 write the new segments (named after a fresh random version), swap the head and add the payload
 bytes to the tag's counter; sent together with the INCRBY of the total counter's shard (another
-slot, so not atomic with it: the total is a gauge; a failed transaction takes its bytes back).
+slot, so not atomic with it: the total is a gauge; a failed transaction takes its bytes back, and
+a shard whose master cannot be reached leaves the total off instead of failing a write that stands).
 Then, for a replaced chunk: unlink the old version's segments and subtract its bytes from the tag
 counter (same slot, one pipeline) and from the shard. Re-PERSIST a pinned chunk when a
 TTL is set. delete: the same with the head unlinked in the transaction.
@@ -34,8 +35,9 @@ __all__ = ["delete_chunk", "put_chunk"]
 
 async def put_chunk(
     redis: Any, lay: ClusterLayout, key: ChunkKey, view: memoryview, *, segment_bytes: int, ttl_s: int | None
-) -> tuple[str, int]:
-    """Write the chunk; return the total counter shard's name and its new value."""
+) -> tuple[str, int | None]:
+    """Write the chunk; return the total counter shard's name and its new value (None where that
+    shard's master could not be reached: the chunk is written all the same)."""
     size, seg = view.nbytes, segment_bytes
     head = lay.head(key)
     count = 0 if size <= seg else -(-size // seg)
@@ -58,9 +60,9 @@ async def put_chunk(
         if not isinstance(inc, BaseException):  # the chunk was not written: take its bytes back
             await on_slot(redis, shard, [("DECRBY", shard, size)], transaction=False)
         raise tx
-    if isinstance(inc, BaseException):  # the chunk was written: count it, once more
-        inc = await on_slot(redis, shard, [("INCRBY", shard, size)], transaction=False)
-    used = int(inc[0])
+    # the chunk was written: a shard increment that failed is sent once more
+    counted = await _counted(redis, shard, "INCRBY", size) if isinstance(inc, BaseException) else inc
+    used = None if counted is None else int(counted[0])
     old, pinned = tx[0], bool(tx[1])
     after: list[tuple[Any, ...]] = []  # same slot: one round trip, one node
     if pinned and ttl_s is not None:
@@ -69,8 +71,19 @@ async def put_chunk(
     if after:
         await on_slot(redis, head, after, transaction=True)
     if freed:
-        used = int((await on_slot(redis, shard, [("DECRBY", shard, freed)], transaction=False))[0])
+        dec = await _counted(redis, shard, "DECRBY", freed)
+        used = None if dec is None else int(dec[0])
     return shard, used
+
+
+async def _counted(redis: Any, shard: str, op: str, n: int) -> list[Any] | None:
+    """Move the total counter's shard after the chunk's own transaction went through; None where
+    the shard's master cannot be reached (the total is a gauge: it is then off by ``n``, and the
+    chunk's write or delete stands, so it is not reported as failed)."""
+    try:
+        return list(await on_slot(redis, shard, [(op, shard, n)], transaction=False))
+    except Exception:  # any failure of another master's counter
+        return None
 
 
 async def delete_chunk(redis: Any, lay: ClusterLayout, key: ChunkKey) -> tuple[bool, str, int | None]:
@@ -85,8 +98,8 @@ async def delete_chunk(redis: Any, lay: ClusterLayout, key: ChunkKey) -> tuple[b
         if after:
             await on_slot(redis, head, after, transaction=True)
         if freed:
-            shard = lay.shard(key)
-            used = int((await on_slot(redis, shard, [("DECRBY", shard, freed)], transaction=False))[0])
+            dec = await _counted(redis, lay.shard(key), "DECRBY", freed)
+            used = None if dec is None else int(dec[0])
     return bool(removed), lay.shard(key), used
 
 

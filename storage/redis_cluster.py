@@ -99,7 +99,8 @@ class RedisClusterTier(RedisTier):
         budget = self.put_timeout_s + size / self.min_bytes_per_s
         shard, used = await self._call("put", budget, lambda: put_chunk(
             self._redis, self._layout, key, view, segment_bytes=self.segment_bytes, ttl_s=self.ttl_s), route=head)
-        self._shards[shard] = used
+        if used is not None:
+            self._shards[shard] = used
         self._n["puts"] += 1
         self._n["in"] += size
 

@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,7 @@ import yaml
 
 from gateway.errors import GatewayError
 from gateway.remote import RemoteGateway
+from gateway.types import RetrieveResult
 from storage._cluster_client import node_of
 from storage.redis_cluster import RedisClusterTier
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -62,29 +64,36 @@ def series(m: dict[tuple[str, str], float], name: str, label: str) -> float:
     return sum(v for (n, labels), v in m.items() if n == name and label in labels)
 
 
-class Loads:
-    """Loads of every stored prompt of both tenants, round and round, each checked bit-exact."""
+Retrieve = Callable[[list[int], list[torch.Tensor]], Awaitable[RetrieveResult]]
 
-    def __init__(self, clients: list[tuple[RemoteGateway, list[tuple[list[int], list[torch.Tensor]]]]]) -> None:
-        self.clients = clients
+
+class Loads:
+    """Loads of every stored prompt of both tenants, round and round, each checked bit-exact;
+    the results' reasons by mode (``remote``: the worker client, ``embedded``: the core in process)."""
+
+    def __init__(self, loaders: list[tuple[str, Retrieve, list[tuple[list[int], list[torch.Tensor]]]]]) -> None:
+        self.loaders = loaders
         self.g = small_geometry()
-        self.model = model_for(self.g)
-        self.reasons: dict[str, int] = {}
+        self.reasons: dict[str, dict[str, int]] = {"remote": {}, "embedded": {}}
         self.wrong = 0
         self.stop = False
 
     async def run(self, seed: int) -> None:
         rng = random.Random(seed)
         while not self.stop:
-            client, prompts = rng.choice(self.clients)
+            mode, retrieve, prompts = rng.choice(self.loaders)
             tokens, src = rng.choice(prompts)
             dst = zero_cache(self.g, len(BLOCKS))
-            got = await client.retrieve(self.model, tokens, dst, block_ids=BLOCKS)
+            got = await retrieve(tokens, dst)
             n = got.loaded_tokens
             if n and not torch.equal(gathered(src, self.g, BLOCKS, n), gathered(dst, self.g, BLOCKS, n)):
                 self.wrong += 1
-            self.reasons[got.reason or "full"] = self.reasons.get(got.reason or "full", 0) + 1
+            why = self.reasons[mode]
+            why[got.reason or "full"] = why.get(got.reason or "full", 0) + 1
             await asyncio.sleep(0)
+
+    def on_tier(self, mode: str) -> int:
+        return self.reasons[mode].get("tier_unavailable", 0) + self.reasons[mode].get("tier_timeout", 0)
 
 
 def promtool_case(rules: Path, before: float, after: float) -> str:
@@ -162,7 +171,16 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
                     break
             split_src = random_cache(g, 8, seed=77)
 
-            loads = Loads([(ra, stored[a]), (rb, stored[b])])
+            cap = await live.call(gw.mint_capability, a, "default", ["lookup", "get", "put"], 600)
+
+            def remote(client: RemoteGateway) -> Retrieve:
+                return lambda tokens, dst: client.retrieve(model, tokens, dst, block_ids=BLOCKS)
+
+            def embedded(tokens: list[int], dst: list[torch.Tensor]) -> Awaitable[RetrieveResult]:
+                return live.call(gw.retrieve, cap, model, tokens, dst, block_ids=BLOCKS)
+
+            loads = Loads([("remote", remote(ra), stored[a]), ("remote", remote(rb), stored[b]),
+                           ("embedded", embedded, stored[a])])
             before = await metrics(live, http)
             tasks = [asyncio.create_task(loads.run(s)) for s in range(4)]
             try:
@@ -201,9 +219,9 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
               f"batch refused: {refused!r}; rollbacks {series(after, 'kvgate_store_rollbacks_total', 'removed'):.0f} removed, "
               f"{series(after, 'kvgate_store_rollbacks_total', 'left'):.0f} left; split chunks in the cluster: {left_in_cluster}")
         assert loads.wrong == 0
-        assert loads.reasons.get("tier_unavailable", 0) + loads.reasons.get("tier_timeout", 0) > 0  # the worker's reason
-        # the server counts every load it ended on the tier, by reason (the worker's among them)
-        assert failed >= loads.reasons.get("tier_unavailable", 0) + loads.reasons.get("tier_timeout", 0)
+        assert loads.on_tier("remote") > 0 and loads.on_tier("embedded") > 0  # the reason, in both modes
+        # the server counts every load it ended on the tier, by reason (both modes' among them)
+        assert failed >= loads.on_tier("remote") + loads.on_tier("embedded")
         assert breaker_seen == 1 or series(after, "kvgate_tier_breaker_trips_total", "redis") > 0
         assert refused is not None, "the batch was stored: the failover finished before it reached the dead master"
         assert left_in_cluster == [False, False]  # refused whole: nothing of it in the cluster

@@ -391,3 +391,37 @@ async def test_master_killed_under_load(own_redis_cluster: Cluster, prefix: str)
     assert load.misses == 0  # loads read the replicated preload: "not found" would be a lost chunk
     assert load.slowest_miss_s < 0.5 + 1.5  # within the read deadline (+ a loaded box's lag)
     assert reconnects and b"after the failover" in got
+
+
+@pytest.mark.slow
+async def test_a_put_stands_when_only_its_byte_counter_master_is_dead(own_redis_cluster: Cluster, prefix: str) -> None:
+    """A chunk's own keys on a live master, the total byte counter's shard on a killed one: the
+    put is not reported as failed (the chunk is written, whole), and a delete of it removes it.
+    Positive control: the same before the kill, with the counter moving."""
+    cluster = own_redis_cluster
+    tier = make_tier(cluster, prefix, breaker_failures=1000)
+    await tier.start()
+    try:
+        lay = tier._layout
+
+        def where(name: str) -> str:
+            return node_of(tier._redis, name)
+
+        key = new_key()
+        while where(lay.head(key)) == where(lay.shard(key)):
+            key = new_key()
+        before = tier.used_bytes
+        await tier.put(key, value(key))  # the control: both masters alive
+        assert bytes((await tier.get(key)).data) == value(key) and tier.used_bytes == before + len(value(key))
+        other = new_key()
+        while where(lay.head(other)) != where(lay.head(key)) or lay.shard(other) != lay.shard(key):
+            other = new_key()
+        replication_caught_up(cluster)
+        await asyncio.to_thread(cluster.kill, int(where(lay.shard(key)).rsplit(":", 1)[1]))
+        await tier.put(other, value(other))  # its shard's master is dead: the chunk is written all the same
+        assert bytes((await tier.get(other)).data) == value(other)
+        assert await tier.delete(other) is True
+        with pytest.raises(ChunkNotFound):
+            await tier.get(other)
+    finally:
+        await tier.aclose()
