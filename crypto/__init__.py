@@ -4,18 +4,15 @@
   key from DEK || namespace binding secret and a random 256-bit salt, AES-256-GCM segments whose
   AAD binds tenant, namespace, storage key, model fingerprint and key version).
 - ``crypto.format``: the header, ``EnvelopeContext``, sizes; ``crypto.segments``: the key sources
-  (``DataKey``: DEK and binding secret; ``IssuedKey``: one envelope's server-issued salt and key),
-  the key schedule (``KeySchedule``) and the one segment loop (``SegmentPlan.segments``).
-- ``crypto.contexts``: wrap contexts (``WrapContext``; ``dek_context``, ``ns_salt_context``,
-  ``secret_context``), the one definition of what a KEK binds a wrapped key to.
+  (``DataKey``, ``IssuedKey``), the key schedule and the one segment loop.
+- ``crypto.contexts``: wrap contexts, the one definition of what a KEK binds a wrapped key to.
 - ``crypto.aead``: the ``Aead`` protocol (``seal_into``/``open_into`` into preallocated buffers)
   so a device implementation can be handed in, and ``CpuAesGcm`` over ``cryptography``.
 - ``crypto.kek``: the ``KekProvider`` protocol, ``LocalFileKek`` and ``Secret``;
   ``crypto.kek_async``: ``AsyncKek``/``awrap``/``aunwrap``, provider calls in a worker thread.
 - ``crypto.errors``: the exception tree; every open/parse/auth failure is ``DecryptionFailed``.
 
-Imports nothing of the project; does no I/O at import time.
-"""
+Imports nothing of the project; does no I/O at import time."""
 
 from crypto.aead import KEY_BYTES, NONCE_BYTES, TAG_BYTES, Aead, AeadFactory, CpuAesGcm
 from crypto.contexts import WrapContext, dek_context, ns_salt_context, secret_context

@@ -2,8 +2,8 @@
 that encrypts in place there (``encrypt_(buf, nonce, aad) -> tag``, ``decrypt_(buf, nonce, aad,
 tag)``, e.g. kernels.aes_gcm.TorchAesGcm). The envelope format is the one of crypto.envelope; only
 ciphertext crosses to the host (``to_host``) or back (``to_device``), so nothing leaves the worker's
-device in plaintext (DESIGN section 2, point 1). crypto stays torch-free: the device buffer is any
-object whose slices the AEAD and the copy functions accept.
+device in plaintext (docs/architecture.md, section 1). crypto stays torch-free: the device buffer
+is any object whose slices the AEAD and the copy functions accept.
 
 Every function works from a ``crypto.segments.KeySchedule`` (the segment key and the plan) that
 ``ChunkCipher`` makes; the segments come from ``SegmentPlan.segments``, as on the CPU.
@@ -11,8 +11,7 @@ Every function works from a ``crypto.segments.KeySchedule`` (the segment key and
 The fused variants (``seal_device_fused`` / ``open_device_fused``) hand every segment of an envelope
 to the device at once, as ``(start, end, nonce, aad)`` (plus the tag to open): the device gathers
 and encrypts the whole chunk in one pass (``kernels.triton_gcm.TritonAesGcm.gather_encrypt_``), and
-on open checks every tag before it scatters anything. Same format, same bytes.
-"""
+on open checks every tag before it scatters anything. Same format, same bytes."""
 
 from __future__ import annotations
 

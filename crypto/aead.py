@@ -9,12 +9,10 @@
   (``cryptography``'s ``decrypt_into`` writes the unverified plaintext before it checks the tag,
   so an implementation must wipe it).
 
-``AeadFactory`` turns a 32-byte key into an ``Aead``. The gateway hands a device implementation
-(from ``kernels``; bit-identical to this one) to ``crypto.envelope.ChunkCipher`` through it;
-``CpuAesGcm`` is the default. Implementations are stateless apart from the key and safe to share
-between threads. ``cryptography``'s ``*_into`` methods release the GIL and avoid one payload-sized
-allocation per call (about 4x faster than ``encrypt``/``decrypt`` on MiB buffers).
-"""
+``AeadFactory`` turns a 32-byte key into an ``Aead``; the gateway hands a device implementation
+(from ``kernels``; bit-identical) to ``crypto.envelope.ChunkCipher`` through it, ``CpuAesGcm`` is
+the default. Implementations are stateless apart from the key and safe to share between threads.
+``cryptography``'s ``*_into`` methods release the GIL and save a payload-sized allocation per call."""
 
 from __future__ import annotations
 

@@ -2,19 +2,17 @@
 
 A ``WrapContext`` is a purpose (a versioned label with named, typed fields) and the fields'
 values. It encodes itself as ``lp(label, *values)``: each part as u32 length (big endian) || bytes,
-a str as UTF-8, an int as u64 (big endian). That is the encoding kvgate has always used, so keys
-wrapped before this type existed unwrap unchanged.
+a str as UTF-8, an int as u64 (big endian). Every wrapped key in a registry is bound to these
+exact bytes, so the encoding must never change: a change would make stored keys unwrappable.
 
 The purposes kvgate wraps under (the only place they are spelled):
-
 - ``kvgate/dek/v1`` (tenant, key-version): a tenant's data key (``dek_context``);
 - ``kvgate/ns-salt/v1`` (tenant, namespace, epoch): a namespace epoch's salt (``ns_salt_context``);
 - ``kvgate/secret/v1`` (secret): a gateway secret by name (``secret_context``).
 
 ``WrapContext.decode`` turns such bytes back into the typed context (``None`` for anything else),
 so a provider handed raw bytes still sees the fields (KMS copies them into its encryption context
-for CloudTrail). Providers accept ``WrapContext`` or raw bytes (``context_bytes``).
-"""
+for CloudTrail). Providers accept ``WrapContext`` or raw bytes (``context_bytes``)."""
 
 from __future__ import annotations
 

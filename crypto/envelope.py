@@ -1,42 +1,17 @@
 """The chunk envelope: a versioned, context-bound AES-256-GCM recipe, in the spirit of fernet.
 
 The format (header, segments) is ``crypto.format``; the key schedule, nonces, segment AAD and the
-one segment loop are ``crypto.segments``. Here: ``ChunkCipher``, which seals and opens.
-
-Why a key per envelope rather than one DEK and a nonce counter (DESIGN 2.4): nonces must never
-repeat under one key across threads, processes, restarts and replicas. A counter needs state shared
-by all of them, and a random per-process prefix is not enough (birthday collisions over many
-restarts). Deriving a fresh key from a 256-bit random salt carried in the envelope (as the AWS
-Encryption SDK does) needs no shared state: two envelopes share a segment key only if their salts
-collide (probability ~ n^2 / 2^257), and within one envelope the nonces 0, 1, 2 ... are distinct by
-construction, at most 2^32 - 1 of them, far below NIST SP 800-38D's bounds per key.
-``binding_secret`` is an opaque per-namespace secret, so destroying either the tenant's DEK version
-or the namespace secret crypto-shreds the chunk. Every failure is the one ``DecryptionFailed``.
-
-Every method takes an ``EnvelopeKeys`` (``crypto.segments``): ``DataKey(dek, binding_secret)``
-derives each envelope's key from its salt; ``IssuedKey(salt, key)`` is one envelope's key as a
-kvgate server hands it to a remote worker that holds no data key. Same salt, same bytes.
-
-Buffers: ``seal_into``/``open_into`` write into caller-owned buffers; the payload is touched only by
-the AEAD and per-call work is a few small objects per segment. Header lengths are checked against
-the envelope's actual size before anything is allocated or decrypted.
-
-Fused data path (same format, same bytes):
-
-- ``seal_pieces_into`` seals the concatenation of a list of buffers without gathering them first:
-  with the default CPU AEAD each segment is one streaming GCM operation of ``cryptography``
-  (``update_into`` per piece), bit-identical to ``AESGCM`` over the joined bytes. Other AEADs get
-  each segment gathered into a segment-sized buffer first (``crypto._pieces``).
-- ``open_segments`` verifies and decrypts one segment at a time into a small caller-owned scratch
-  buffer and hands each verified segment to a callback. Every segment is authenticated on its own
-  and bound to its index and the segment count, so the segments delivered before a failure are
-  authentic.
-- ``iter_segments`` is ``open_segments`` as a generator, for a caller that interleaves envelopes
-  (a layer-wise load opens the first layers of every chunk before the next layers of any).
-- ``seal_device_*`` / ``open_device_*``: plaintext on a device, see ``crypto._device``.
-- ``seal_into``/``seal_pieces_into`` take an optional per-envelope ``segment_bytes`` (the header
-  carries it, so opening needs nothing new).
-"""
+one segment loop are ``crypto.segments``. Here: ``ChunkCipher``, which seals and opens. Each
+envelope has its own key (HKDF from the DEK and a 256-bit random salt it carries), so nonces never
+repeat under a key without shared state; destroying the tenant's DEK version or the namespace
+binding secret crypto-shreds the chunk. Every failure is the one ``DecryptionFailed``. Every
+method takes an ``EnvelopeKeys``: ``DataKey`` derives each envelope's key, ``IssuedKey`` is one
+envelope's key as a server hands it to a remote worker; same salt, same bytes. Header lengths are
+checked against the envelope's actual size before anything is allocated or decrypted.
+``seal_into``/``open_into`` write into caller-owned buffers; ``seal_pieces_into`` seals a list of
+buffers without gathering them; ``open_segments``/``iter_segments`` hand each verified segment on
+(segments delivered before a failure are authentic); ``seal_device_*``/``open_device_*``: plaintext
+on a device (``crypto._device``). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -2,26 +2,17 @@
 
 Key schedule. Per envelope a fresh random 256-bit ``salt``; the segment key is
 ``HKDF-SHA256(ikm = dek || binding_secret, salt, info = b"kvgate/chunk/v1", length 32)``.
-Segment ``i`` uses the 96-bit nonce ``i`` (big-endian) and the AAD
-``header || ctx.aad() || u32 i || u32 segment_count``, so a segment dropped, reordered, duplicated
-or moved to another envelope (or another tenant, namespace, storage key, model or key version)
-fails authentication.
+Segment ``i`` uses the 96-bit nonce ``i`` (big-endian) and the AAD ``header || ctx.aad() || u32 i
+|| u32 segment_count``, so a segment dropped, reordered, duplicated or moved to another envelope
+(or tenant, namespace, storage key, model or key version) fails authentication.
 
-Key sources (``EnvelopeKeys``): where an envelope's salt and segment key come from.
-
-- ``DataKey(dek, binding_secret)`` holds the tenant's data key and the namespace binding secret and
-  derives the key of any envelope (embedded mode, and the server): sealing draws a fresh salt.
-- ``IssuedKey(salt, key)`` is one envelope's salt and segment key as a kvgate server issued them
-  to a remote worker (``POST /v1/keys/envelopes``), which never holds the data key: it seals exactly
-  one envelope (with that salt) and opens only an envelope that carries that salt.
-
-Both give the same bytes for the same salt, so an envelope sealed with one opens with the other.
-
-``KeySchedule`` (the segment key and the ``SegmentPlan``) is what every sealer and opener works
-from, on the CPU (``crypto.envelope``) and on a device (``crypto._device``); ``SegmentPlan.segments``
-is the only place that numbers segments and places them in the envelope. ``seal_schedule`` makes a
-new envelope's schedule (its key source gives the salt); ``open_schedule`` reads an envelope's.
-"""
+Key sources (``EnvelopeKeys``), same bytes for the same salt: ``DataKey(dek, binding_secret)``
+derives any envelope's key (embedded mode, and the server; sealing draws a fresh salt);
+``IssuedKey(salt, key)`` is one envelope's key as a server issued it to a remote worker that never
+holds the data key: it seals exactly one envelope (with that salt) and opens only one carrying it.
+``KeySchedule`` (segment key and ``SegmentPlan``) is what every sealer and opener works from, CPU
+or device; ``SegmentPlan.segments`` is the only place that numbers and places segments.
+``seal_schedule`` makes a new envelope's schedule; ``open_schedule`` reads an envelope's."""
 
 from __future__ import annotations
 
