@@ -1,9 +1,5 @@
-"""Errors raised by the ``tenancy`` package.
-
-Library errors (joserfc, httpx, cryptography) are translated into these at the package
-boundary; nothing outside ``tenancy`` needs to catch a library's exception type.
-
-Exception tree::
+"""Errors raised by the ``tenancy`` package. Library errors (joserfc, httpx, cryptography) are
+translated into these at the package boundary; nothing outside ``tenancy`` catches a library's type.
 
     TenancyError
     ├── AuthenticationFailed        an OIDC token was rejected (any reason: see ``.reason``)
@@ -16,8 +12,7 @@ Exception tree::
 
 ``AuthenticationFailed`` and ``CapabilityDenied`` keep the precise reason in ``.reason`` for logs
 and the audit trail; ``str()`` of either is a fixed, uninformative message, so that a handler that
-echoes the exception to a client tells an attacker nothing about which check failed.
-"""
+echoes the exception to a client tells an attacker nothing about which check failed."""
 
 from __future__ import annotations
 

@@ -1,20 +1,18 @@
-"""Cryptographic namespaces (DESIGN section 2, point 3).
+"""Cryptographic namespaces ("Namespaces are cryptographic", docs/architecture.md, section 1).
 
 Each (tenant, namespace, epoch) has a root secret derived by HKDF-SHA256 from the gateway's master
 secret, with the tenant, the namespace and the epoch in the derivation, and a random 256-bit salt
 that the registry keeps (wrapped by the KEK) for that epoch only. Two secrets are derived from the
 root, so one key never serves two purposes:
-
 - the *index key*: storage key = HMAC-SHA256(index key, chained token hash), hex;
 - the *binding secret*: mixed into every envelope's key schedule (see crypto.envelope), so
   destroying the epoch's salt at a namespace clear crypto-shreds that namespace's chunks even
   though the tenant's data keys live on.
 
-Bumping the epoch (secure clear) changes every storage key, and replacing the salt makes the old
-ones impossible to recompute, even with the master secret. Tiers get only opaque labels: the owner
-and group labels are HMACs under a label key, stable across epochs, so a namespace's chunks can be
-deleted without listing keys and a tenant's bytes can be counted for quotas.
-"""
+Bumping the epoch (secure clear) changes every storage key, and replacing the salt makes the
+previous epoch's keys impossible to recompute, even with the master secret. Tiers get only opaque
+labels: owner and group labels are HMACs under a label key, stable across epochs, so a namespace's
+chunks can be deleted without listing keys and a tenant's bytes can be counted for quotas."""
 
 from __future__ import annotations
 

@@ -1,34 +1,17 @@
 """OIDC access-token verification against one or more trusted issuers (RFC 8725, RFC 9068).
 
-``OidcVerifier.verify(token)`` returns a ``Principal`` or raises ``AuthenticationFailed``; the
-precise reason is kept in ``.reason`` for logs and audit. JOSE is done by joserfc; this module
-only decides *which* key and algorithm a token may use and which claims it must carry:
-
-- The issuer is chosen by the exact ``iss`` of the token among the configured ones; an unknown
-  issuer is rejected before anything is fetched. Tokens over ``max_token_bytes`` (default 8 KiB)
-  are rejected before they are parsed.
-- Keys come only from the issuer's JWKS, found through its discovery document (whose ``issuer``
-  must equal the configured one) and fetched with httpx: no redirects, bounded size, https only
-  (plain http is allowed for loopback hosts, or when a config sets ``allow_http``). The
-  ``kid``, ``jku``, ``x5u`` and ``x5c`` of a token header never cause a fetch and never name a
-  key source; ``kid`` is only a dictionary key into the cached JWKS. A token whose header carries
-  ``jku``, ``x5u``, ``x5c`` or ``jwk`` at all, or a ``crit`` (kvgate understands no extension), is
-  refused even when validly signed (defence in depth: nothing here would follow them).
-- The JWKS is cached for ``jwks_lifespan`` (300 s); an unknown ``kid`` triggers at most one
-  refetch per ``refetch_cooldown`` (30 s), counted from the last fetch of any kind, so a flood of
-  tokens with made-up kids costs one request per cooldown. A failed refresh after the lifespan
-  fails closed (the stale keys are dropped).
-- Algorithm allowlist per key: the issuer's allowlist (subset of RS256, ES256, EdDSA, Ed25519),
-  narrowed to what the key type can do (RSA >= 2048 bits: RS256; EC P-256: ES256; OKP Ed25519:
-  EdDSA/Ed25519) and to the key's own ``alg`` if it has one. ``none`` and HMAC algorithms are
-  never accepted, and symmetric (``oct``) JWKS entries are ignored, so a public key can never be
-  used as an HMAC secret.
-- Claims: ``iss`` exact, ``aud`` contains the audience, ``exp`` and ``sub`` required, ``nbf`` and
-  ``iat`` within ``leeway`` (60 s), header ``typ`` equal to ``required_typ`` where configured
-  (``at+jwt`` for RFC 9068 access tokens, which turns ID tokens away). The tenant comes from
-  ``tenant_claim`` and is required; roles from ``roles_claim`` (list or space-separated string)
-  and from the space-separated ``scope``.
-"""
+``OidcVerifier.verify(token)`` returns a ``Principal`` or raises ``AuthenticationFailed`` (the
+precise reason in ``.reason`` for logs and audit). JOSE is done by joserfc; this module decides
+*which* key and algorithm a token may use and which claims it must carry. The invariants:
+the issuer is chosen by the token's exact ``iss`` and an unknown one is rejected before anything
+is fetched; oversized tokens are rejected before parsing; keys come only from the issuer's JWKS
+(through its discovery document, https, no redirects, bounded size), never from the token's header
+(``jku``, ``x5u``, ``x5c``, ``jwk`` or ``crit`` in a header is refused); an unknown ``kid``
+refetches at most once per cooldown and a failed refresh after the lifespan fails closed; ``none``,
+HMAC algorithms and ``oct`` keys are never accepted, each key allows only what its type can do;
+``iss``, ``aud``, ``exp``, ``sub`` and the tenant claim are required, ``nbf``/``iat`` within
+``leeway``, header ``typ`` checked where configured. The full rules and their reasons:
+docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -325,10 +308,10 @@ class OidcVerifier:
 
     A token that verified is remembered (by its SHA-256, at most ``verified_max`` of them) for
     ``verified_cache_s`` seconds, never past its ``exp``: a worker sends the same access token
-    on every lookup and load, and its signature and claims cost about 1 ms to check each time.
-    The window (30 s) also ends when the JWKS it verified under is due for a refetch, so a signing
-    key removed from the JWKS stops validating exactly when it did without the cache; 0 turns it
-    off. A token differing in any byte is verified anew.
+    on every lookup and load, and checking its signature and claims each time would add that cost
+    to every one of them. The window also ends when the JWKS it verified under is due for a
+    refetch, so a signing key removed from the JWKS stops validating exactly when it would without
+    the cache; 0 turns it off. A token differing in any byte is verified anew.
     """
 
     def __init__(
