@@ -208,14 +208,14 @@ def serve(
     # finally below runs (and the published URL of this server is withdrawn)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     uds_path = uds or settings.uds
+    # on SIGTERM uvicorn closes its listeners, waits this long for the requests in flight, then
+    # cancels them; the lifespan's shutdown writes the audit queue either way
+    options = {**uvicorn_options(settings), "timeout_graceful_shutdown": settings.shutdown_timeout_s}
     try:
         if uds_path is None:
-            uvicorn.run(
-                create_app(settings), host=h, port=p, log_level="info", timeout_graceful_shutdown=30,
-                **uvicorn_options(settings),
-            )
+            uvicorn.run(create_app(settings), host=h, port=p, log_level="info", **options)
         else:
-            _serve_with_uds(create_app(settings), h, p, uds_path, settings.uds_mode, uvicorn_options(settings))
+            _serve_with_uds(create_app(settings), h, p, uds_path, settings.uds_mode, options)
     finally:
         unpublish_server(settings)
 
@@ -233,7 +233,7 @@ def _serve_with_uds(app: Any, host: str, port: int, path: Path, mode: int, optio
     except InvalidRequest as exc:
         raise CliError(f"--uds: {exc}") from None
     try:
-        config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=30, **options)
+        config = uvicorn.Config(app, host=host, port=port, log_level="info", **options)
         tcp = config.bind_socket()
         try:
             logging.getLogger("kvgate").info("also serving on the Unix socket %s", path)

@@ -146,6 +146,9 @@ class Settings(BaseSettings):
     # uvicorn's access log, a line per request (about 0.14 ms of the server's CPU per request
     # here): off leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True
+    # SIGTERM: stop taking connections, wait at most this long for the requests in flight, then
+    # cancel them, write the audit queue, withdraw the published URL and exit 0
+    shutdown_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_chunk_bytes: int = 64 << 20
     # the batched data plane (issue 18): the most bytes and items one PUT /v1/chunks frame carries
     max_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
