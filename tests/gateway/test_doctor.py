@@ -144,3 +144,26 @@ def test_redis_cluster_url(tmp_path, redis_cluster):
     dead = f"redis+cluster://127.0.0.1:{free_port()}"
     code, rows, out = doctor(tmp_path, {"KVGATE_REDIS_URL": dead})
     assert code == 1 and rows["redis"][0] == "FAIL" and "KVGATE_REDIS_URL" in rows["redis"][1], out
+
+
+def test_an_80_column_terminal_shows_the_whole_redis_row(tmp_path):
+    """On an 80-column terminal a six-seed cluster URL folds onto the next lines of its cell
+    instead of being cut; the whole URL and the fix are there (a 250-column run is the control)."""
+    seeds = ",".join(f"127.0.0.1:{free_port()}" for _ in range(6))
+    url = f"redis+cluster://{seeds}"
+    env = {**os.environ, "KVGATE_STATE_DIR": str(tmp_path), "KVGATE_REDIS_URL": url}
+    for columns in ("250", "80"):
+        out = subprocess.run([*KVGATE, "doctor"], capture_output=True, text=True, timeout=120,
+                             env={**env, "COLUMNS": columns}).stdout
+        cells: dict[str, list[str]] = {}
+        row = ""
+        for line in out.splitlines():
+            parts = [c.strip() for c in re.split(r"[│┃]", line)[1:-1]]
+            if len(parts) != 4:
+                continue
+            row = parts[0] or row
+            cells.setdefault(row, []).append(parts[2] + "\0" + parts[3])
+        detail = "".join(c.split("\0")[0] for c in cells["redis"])
+        fix = " ".join(c.split("\0")[1] for c in cells["redis"])
+        assert url in detail and "…" not in detail, (columns, out)
+        assert "KVGATE_REDIS_URL" in fix, (columns, out)
