@@ -1,8 +1,13 @@
-"""The access service: capabilities minted, verified and revoked, and every denial audited
-(DESIGN section 2, rule 6).
+"""The access service: capabilities minted, verified and revoked, and every denial audited.
 
 The REST server, the remote data plane and the core's data operations all decide access here,
 so a capability is checked the same way on every path and a denial is counted and audited once.
+
+A capability is a grant: ``mint`` hands the token back only once its ``capability.mint`` event
+is durable (committed, or fsync-ed to the audit spool), so a crash cannot leave a grant in a
+caller's hands that the audit log never saw. Concurrent mints share one commit (the audit
+writer writes whatever is queued when it wakes). Denials are emitted and batched: a refusal
+hands nothing out.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 
-from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
 from gateway.types import check_name
 from tenancy.capabilities import CapabilityAuthority, read_unverified
@@ -32,7 +37,8 @@ class Access:
     async def mint(
         self, tenant: str, namespace: str, ops: Sequence[str], ttl: int | None = None, *, actor: Actor | None = None
     ) -> str:
-        """Mint a capability for an authenticated principal (the caller has checked its roles)."""
+        """Mint a capability for an authenticated principal (the caller has checked its roles);
+        returns it once its audit event is durable (AuditStorageError if that cannot be done)."""
         check_name(tenant, "tenant")
         check_name(namespace, "namespace")
         try:
@@ -43,13 +49,14 @@ class Access:
             token, cap = self.authority.issue(tenant, namespace, ops, ttl)
         except CapabilityRequestInvalid as exc:
             raise InvalidRequest(str(exc)) from None
-        self.audit.emit(
+        await record_durably(
+            self.audit,
             AuditEvent(
                 Actions.CAPABILITY_MINT,
                 actor=actor or Actor(tenant=tenant),
                 target=Target(tenant=tenant, namespace=namespace),
                 details={"cap_id": cap.cap_id, "ops": sorted(cap.ops), "expires_at": cap.expires_at},
-            )
+            ),
         )
         return token
 

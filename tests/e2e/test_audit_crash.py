@@ -1,7 +1,7 @@
-"""Kill -9 of a real ``kvgate serve`` right after N acknowledged admin actions (issue 16): every
-acknowledged action's event is in the log, in order, and the chain and the Merkle tree over it
-verify (a checkpoint of the survivors, then an export checked against it). SQLite, and a Postgres
-cluster of this test's own."""
+"""Kill -9 of a real ``kvgate serve`` right after N acknowledged admin actions, or N capabilities
+minted by 16 concurrent callers: every acknowledged action's or grant's event is in the log (the
+admin actions in order), and the chain and the Merkle tree over it verify (a checkpoint of the
+survivors, then an export checked against it). SQLite, and a Postgres cluster of this test's own."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ import pytest
 from audit import AuditSigningKey, AuditStore, create_audit_engine, export_to_files, verify_database, verify_export
 from audit.checkpoint import CheckpointDirectory
 from audit.checkpointer import Checkpointer
-from tests.support.killed_server import ServeProcess, kill_after, logged, lost_and_order
+from tests.support.killed_server import ServeProcess, kill_after, kill_after_mints, logged, lost_and_order, minted
 from tests.support.postgres import started
 
 pytestmark = [pytest.mark.slow]
 N = 30
+MINTS = 40
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -58,3 +59,20 @@ def test_kill_9_right_after_admin_actions_loses_nothing(database: str, tmp_path:
     print(f"\n[audit] kill -9 at once after {N} admin actions ({database.split(':')[0]}): {lost} events lost")
     assert lost == 0 and in_order
     asyncio.run(_tree_and_chain(database, tmp_path, len(rows)))
+
+
+def test_kill_9_right_after_capability_mints_loses_no_grant(database: str, tmp_path: Path) -> None:
+    """A capability is a grant: the server answers 201 only once its ``capability.mint`` event is
+    durable, so SIGKILL right after the last answer leaves every acknowledged grant in the log."""
+    server = ServeProcess(tmp_path / "state", None if database.startswith("sqlite") else database)
+    server.start()
+    try:
+        acked = kill_after_mints(server, MINTS, 0.0, "grants", callers=16)
+    finally:
+        server.stop()
+    assert len({m.cap_id for m in acked}) == MINTS  # every mint was answered 201, each a new grant
+    kept = asyncio.run(minted(database))
+    lost = [m.cap_id for m in acked if m.cap_id not in kept]
+    print(f"\n[audit] kill -9 at once after {MINTS} concurrent mints ({database.split(':')[0]}): {len(lost)} lost")
+    assert not lost and len(kept) == MINTS
+    asyncio.run(_tree_and_chain(database, tmp_path, len(asyncio.run(logged(database)))))

@@ -1,11 +1,13 @@
-"""A real ``kvgate serve`` process to kill -9: admin actions over HTTP, then SIGKILL, then count
-what the audit log kept. Used by tests/e2e/test_audit_crash.py and scripts/audit_kill_loss.py (which
-also runs it against an older checkout: ``code_root`` is where the server's code is imported from).
+"""A real ``kvgate serve`` process to kill -9: admin actions or capability mints over HTTP, then
+SIGKILL, then count what the audit log kept. Used by tests/e2e/test_audit_crash.py,
+scripts/audit_kill_loss.py and scripts/mint_durability.py (which also run it against an older
+checkout: ``code_root`` is where the server's code is imported from).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -129,6 +131,66 @@ async def logged(db_url: str) -> list[tuple[int, str, str | None]]:
             return [(r[0], r[1], r[2]) for r in rows]
     finally:
         await engine.dispose()
+
+
+@dataclass
+class Mint:
+    cap_id: str
+    seconds: float  # the request's latency, as the caller saw it
+
+
+async def create_tenant(server: ServeProcess, tenant: str) -> None:
+    op = {"Authorization": f"Bearer {server.token('platform', ('kv.operator',))}"}
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+        r = await http.post("/v1/admin/tenants", json={"tenant": tenant}, headers=op)
+        assert r.status_code == 201, r.text
+
+
+async def capability_mints(server: ServeProcess, n: int, tenant: str, callers: int = 16) -> list[Mint]:
+    """``n`` capabilities minted (``POST /v1/capabilities``) by ``callers`` concurrent clients, each
+    sending its next request once the last one is answered. Returns every acknowledged (201) mint;
+    the list is complete when the last caller is answered."""
+    headers = {"Authorization": f"Bearer {server.token(tenant, ('kv.worker',))}"}
+    body = {"namespace": "default", "ops": ["lookup", "get", "put"], "ttl": 600}
+    done: list[Mint] = []
+    left = iter(range(n))
+    limits = httpx.Limits(max_connections=callers, max_keepalive_connections=callers)
+
+    async def caller(http: httpx.AsyncClient) -> None:
+        for _ in left:
+            t0 = time.perf_counter()
+            r = await http.post("/v1/capabilities", json=body, headers=headers)
+            assert r.status_code == 201, r.text
+            done.append(Mint(r.json()["cap_id"], time.perf_counter() - t0))
+
+    async with httpx.AsyncClient(base_url=server.base_url, timeout=60, limits=limits) as http:
+        await asyncio.gather(*(caller(http) for _ in range(callers)))
+    return done
+
+
+async def minted(db_url: str) -> set[str]:
+    """The ``cap_id`` of every ``capability.mint`` row in the audit log."""
+    from sqlalchemy import text
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(db_url)
+    try:
+        async with engine.connect() as conn:
+            rows = await conn.execute(text("SELECT details FROM kv_audit_events WHERE action = 'capability.mint'"))
+            return {json.loads(r[0])["cap_id"] for r in rows}
+    finally:
+        await engine.dispose()
+
+
+def kill_after_mints(server: ServeProcess, n: int, delay_s: float, tenant: str, callers: int = 16) -> list[Mint]:
+    """Create ``tenant``, mint ``n`` capabilities with ``callers`` concurrent clients, wait
+    ``delay_s`` after the last acknowledged one, SIGKILL the server. Returns the acknowledged mints."""
+    asyncio.run(create_tenant(server, tenant))
+    acked = asyncio.run(capability_mints(server, n, tenant, callers))
+    if delay_s:
+        time.sleep(delay_s)
+    server.kill9()
+    return acked
 
 
 def lost_and_order(acked: list[Acked], rows: list[tuple[int, str, str | None]]) -> tuple[int, bool]:
