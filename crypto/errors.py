@@ -9,6 +9,8 @@ this tree::
     ├── KeyUnavailable               a key version is unknown or has been destroyed
     ├── InvocationLimitReached       a key has been used as often as it may be: rotate it
     ├── KekError                     the key-encryption-key provider failed (file, perms, unwrap)
+    ├── SigningKeyError              the audit signing key (an HSM key pair, a KMS key) is missing,
+    │                                of the wrong kind, or its token or service refused to sign
     └── InvalidParameter             a caller's mistake: wrong key length, bad buffer, bad context
         (also a ValueError)
 
@@ -27,6 +29,7 @@ __all__ = [
     "InvocationLimitReached",
     "KekError",
     "KeyUnavailable",
+    "SigningKeyError",
 ]
 
 
@@ -54,6 +57,11 @@ class InvocationLimitReached(CryptoError):
 
 class KekError(CryptoError):
     """The KEK provider failed: missing, unreadable or invalid key file, or unwrap failed."""
+
+
+class SigningKeyError(CryptoError):
+    """The audit signing key in the HSM or KMS is missing, of the wrong kind or unusable (a login
+    to its token fails with ``KekError``, as the KEK's does: the process shares that login)."""
 
 
 class InvalidParameter(CryptoError, ValueError):

@@ -4,14 +4,15 @@
 ``sign(data)`` calls KMS ``Sign`` with ``ECDSA_SHA_256`` and ``MessageType=RAW`` (KMS hashes the
 message; documents signed here are small JSON, and RAW is capped at 4096 bytes by KMS) and returns
 the DER signature. ``public_key_pem()`` is the key's SubjectPublicKeyInfo from ``GetPublicKey``,
-fetched once, for auditors. botocore errors become ``KekError``. boto3 is imported lazily.
+fetched once, for auditors. A key that is missing, of the wrong kind or refused (botocore errors)
+is a ``SigningKeyError``. boto3 is imported lazily.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from crypto.errors import KekError
+from crypto.errors import SigningKeyError
 
 __all__ = ["KmsSigner"]
 
@@ -25,11 +26,14 @@ class KmsSigner:
                  client: Any = None, timeout_s: float = 5.0) -> None:
         from crypto.kek_kms import KmsKek
 
+        self._key_id = key_id
         self._client = client if client is not None else KmsKek._make_client(region, endpoint_url, timeout_s)
         meta = self._call("DescribeKey", lambda: self._client.describe_key(KeyId=key_id))["KeyMetadata"]
         spec = meta.get("KeySpec") or meta.get("CustomerMasterKeySpec")
         if meta.get("KeyUsage") != "SIGN_VERIFY" or spec != "ECC_NIST_P256":
-            raise KekError(f"KMS key {key_id} must be an ECC_NIST_P256 SIGN_VERIFY key (it is {spec}, {meta.get('KeyUsage')})")
+            raise SigningKeyError(
+                f"KMS key {key_id} must be an ECC_NIST_P256 SIGN_VERIFY key (it is {spec}, {meta.get('KeyUsage')})"
+            )
         self._arn = meta["Arn"]
         der = self._call("GetPublicKey", lambda: self._client.get_public_key(KeyId=self._arn))["PublicKey"]
         from cryptography.hazmat.primitives import serialization
@@ -48,11 +52,11 @@ class KmsSigner:
             return fn()
         except (BotoCoreError, ClientError) as exc:
             code = exc.response.get("Error", {}).get("Code") if isinstance(exc, ClientError) else None
-            raise KekError(f"KMS {what} failed: {code or type(exc).__name__}") from None
+            raise SigningKeyError(f"KMS {what} of key {self._key_id} failed: {code or type(exc).__name__}") from None
 
     def sign(self, data: bytes) -> bytes:
         if len(data) > _RAW_LIMIT:
-            raise KekError(f"KMS signs at most {_RAW_LIMIT} bytes of message; got {len(data)}")
+            raise SigningKeyError(f"KMS signs at most {_RAW_LIMIT} bytes of message; got {len(data)}")
         out = self._call("Sign", lambda: self._client.sign(
             KeyId=self._arn, Message=bytes(data), MessageType="RAW", SigningAlgorithm="ECDSA_SHA_256"
         ))

@@ -6,7 +6,8 @@ the token as sensitive, non-extractable and sign-only (``generate_pkcs11_signing
 (``CKM_ECDSA``, raw r || s), returned DER-encoded. ``public_key_pem()`` is the token's public key
 object as SubjectPublicKeyInfo PEM. The process's login to the token is shared with the KEK
 provider (crypto.kek_pkcs11: one login per token and process); a signer takes its reference and
-gives it back on ``close``. PKCS#11 errors become ``KekError``.
+gives it back on ``close``. A key pair that is missing, unsafe or fails to sign is a
+``SigningKeyError``; the token, module and login are ``KekError``, as for the KEK.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from crypto.errors import KekError
+from crypto.errors import KekError, SigningKeyError
 from crypto.kek import Secret
 from crypto.kek_pkcs11 import (
     _LOGINS_LOCK,
@@ -49,7 +50,7 @@ def generate_pkcs11_signing_key(module: Path | str, token_label: str, pin: Secre
             session = _login(module, token_label, pin, rw=True)
     try:
         if list(session.get_objects({Attribute.CLASS: ObjectClass.PRIVATE_KEY, Attribute.LABEL: key_label})):
-            raise KekError(f"a key labelled {key_label!r} already exists in token {token_label!r}")
+            raise SigningKeyError(f"a key labelled {key_label!r} already exists in token {token_label!r}")
         params = session.create_domain_parameters(
             KeyType.EC, {Attribute.EC_PARAMS: encode_named_curve_parameters("secp256r1")}, local=True
         )
@@ -62,7 +63,7 @@ def generate_pkcs11_signing_key(module: Path | str, token_label: str, pin: Secre
             public_template={Attribute.VERIFY: True},
         )
     except p11.PKCS11Error as exc:
-        raise KekError(f"cannot generate signing key {key_label!r}: {type(exc).__name__}") from None
+        raise SigningKeyError(f"cannot generate signing key {key_label!r}: {type(exc).__name__}") from None
     finally:
         _close_quietly(session)
 
@@ -76,6 +77,7 @@ class Pkcs11Signer:
         _check_label(key_label)
         self._token_label = token_label
         self._label = key_label
+        self._module = Path(module)
         login = _acquire(Path(module), token_label, pin)
         self._login: _Login | None = login
         try:
@@ -104,11 +106,24 @@ class Pkcs11Signer:
                 private = session.get_key(object_class=ObjectClass.PRIVATE_KEY, key_type=KeyType.EC, label=self._label)
                 public = session.get_key(object_class=ObjectClass.PUBLIC_KEY, key_type=KeyType.EC, label=self._label)
             except p11.NoSuchKey:
-                raise KekError(f"no EC key pair labelled {self._label!r} in token {self._token_label!r}") from None
+                raise SigningKeyError(
+                    f"no EC P-256 key pair labelled {self._label!r} in PKCS#11 token {self._token_label!r} "
+                    f"(module {self._module})"
+                ) from None
+            except p11.MultipleObjectsReturned:
+                raise SigningKeyError(
+                    f"several key pairs labelled {self._label!r} in PKCS#11 token {self._token_label!r}"
+                ) from None
             except p11.PKCS11Error as exc:
-                raise KekError(f"PKCS#11 key lookup failed: {type(exc).__name__}") from None
+                raise SigningKeyError(
+                    f"looking up key pair {self._label!r} in PKCS#11 token {self._token_label!r} failed: "
+                    f"{type(exc).__name__}"
+                ) from None
             if not private[Attribute.SENSITIVE] or private[Attribute.EXTRACTABLE]:
-                raise KekError(f"signing key {self._label!r} must be sensitive and non-extractable")
+                raise SigningKeyError(
+                    f"signing key {self._label!r} in PKCS#11 token {self._token_label!r} must be sensitive "
+                    "and non-extractable"
+                )
             der = encode_ec_public_key(public)
         pem = serialization.load_der_public_key(der).public_bytes(
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
@@ -128,7 +143,9 @@ class Pkcs11Signer:
             try:
                 raw = self._private.sign(digest, mechanism=Mechanism.ECDSA)
             except p11.PKCS11Error as exc:
-                raise KekError(f"PKCS#11 signing failed: {type(exc).__name__}") from None
+                raise SigningKeyError(
+                    f"PKCS#11 signing with {self._label!r} in token {self._token_label!r} failed: {type(exc).__name__}"
+                ) from None
         half = len(raw) // 2
         return encode_dss_signature(int.from_bytes(raw[:half], "big"), int.from_bytes(raw[half:], "big"))
 

@@ -17,14 +17,15 @@ from audit.errors import AuditKeyError
 from audit.signing import AuditSigner, AuditSigningKey, EcdsaSigner
 from audit.store import AuditStore
 from audit.types import AuditSink
-from crypto.errors import KekError
+from crypto.errors import KekError, SigningKeyError
 from gateway.config import Settings
 
 __all__ = ["make_audit_signer", "make_checkpointer"]
 
 
 def make_audit_signer(settings: Settings) -> AuditSigner:
-    """The configured audit signer; raises AuditKeyError when it cannot be opened."""
+    """The configured audit signer; AuditKeyError, naming the key, where it was looked for, the
+    setting that names it and the fix, when it cannot be opened."""
     kind = settings.audit_signer_kind
     try:
         if kind == "pkcs11":
@@ -43,9 +44,26 @@ def make_audit_signer(settings: Settings) -> AuditSigner:
             return EcdsaSigner(KmsSigner(
                 settings.audit_kms_key_id, region=settings.kms_region, endpoint_url=settings.kms_endpoint_url
             ))
+    except SigningKeyError as exc:
+        raise AuditKeyError(f"{exc}. {_signer_fix(kind, key=True)}") from None
     except KekError as exc:
-        raise AuditKeyError(f"cannot open the audit signer ({kind}): {exc}") from None
+        raise AuditKeyError(f"{exc}. {_signer_fix(kind, key=False)}") from None
     return AuditSigningKey.load_or_create(settings.audit_key_path)
+
+
+def _signer_fix(kind: str, *, key: bool) -> str:
+    """Which settings name the audit signer's key (``kind`` pkcs11 or kms), and what to do."""
+    if kind == "pkcs11" and key:
+        return ("The audit signing key (KVGATE_AUDIT_SIGNER=pkcs11) is the EC P-256 key pair labelled "
+                "KVGATE_AUDIT_PKCS11_KEY_LABEL in the token KVGATE_PKCS11_TOKEN_LABEL. Fix: generate it in that "
+                "token (crypto.signer_pkcs11.generate_pkcs11_signing_key) or set KVGATE_AUDIT_PKCS11_KEY_LABEL "
+                "to the label of the pair it holds")
+    if kind == "pkcs11":
+        return ("The audit signing key (KVGATE_AUDIT_SIGNER=pkcs11) is in the token KVGATE_PKCS11_TOKEN_LABEL. "
+                "Fix: check KVGATE_PKCS11_MODULE, KVGATE_PKCS11_TOKEN_LABEL and KVGATE_PKCS11_PIN")
+    return ("The audit signing key (KVGATE_AUDIT_SIGNER=kms) is KVGATE_AUDIT_KMS_KEY_ID. Fix: name an enabled "
+            "ECC_NIST_P256 SIGN_VERIFY key there, and check KVGATE_KMS_REGION, KVGATE_KMS_ENDPOINT_URL and the "
+            "credentials")
 
 
 def close_signer(signer: AuditSigner) -> None:

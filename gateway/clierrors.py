@@ -64,7 +64,7 @@ def _one(exc: BaseException) -> str | None:
     name = type(exc).__name__
     mod = type(exc).__module__ or ""
     text = redact_url(str(exc)).strip().splitlines()[0] if str(exc).strip() else name
-    if isinstance(exc, CliError) or name in ("VerifyInputError", "InvalidName"):  # already a sentence
+    if isinstance(exc, CliError) or name in ("VerifyInputError", "InvalidName", "KekNotForRegistry"):  # already a sentence
         return text
     if name == "InsecureStateFiles":  # a list of paths with their fix: one line, every item
         return "; ".join(part.strip() for part in redact_url(str(exc)).splitlines() if part.strip())
@@ -97,6 +97,8 @@ def _one(exc: BaseException) -> str | None:
         return f"cannot use the database ({text}): check KVGATE_DATABASE_URL and that the server is up"
     if mod.startswith("redis"):
         return f"cannot reach Redis ({text}): check KVGATE_REDIS_URL and that the server is up"
+    if name == "AuditKeyError":  # named for the audit key, even where its cause is a KekError of the token
+        return f"the audit signing key is not usable: {text}"
     if name in ("KekError", "KeyUnavailable"):
         return f"the key-encryption key is not usable ({text}): check KVGATE_KEK_PROVIDER and its settings (kvgate doctor)"
     if name in ("ConnectError", "ConnectTimeout"):

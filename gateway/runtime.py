@@ -187,10 +187,10 @@ async def open_runtime(
     ``access`` the access service: seams a benchmark uses for its baselines. ``auto_migrate``: an
     embedded SQLite database is brought to the current schema here (nobody else shares it); any
     other database behind the schema raises SchemaBehind, which names `kvgate migrate`."""
-    from gateway.statefiles import prepare_state
+    from gateway.statefiles import open_kek, prepare_state
 
     prepare_state(settings)  # 0700 / 0600, or InsecureStateFiles
-    kek = make_kek(settings)
+    kek = await open_kek(settings)  # a key file only for the registry it wrapped, or KekNotForRegistry
     if auto_migrate and settings.db_url.startswith("sqlite"):
         from gateway import dbschema
 

@@ -9,6 +9,11 @@ itself would create it 0644, and gives its -wal/-shm/-journal files the database
 0700 or tighter) or a file is (not 0600 or tighter). The other files are created 0600 by their
 owners (``crypto.kek``, ``audit.spool``, ``audit.signing``, ``tenancy.devissuer``,
 ``storage._diskio``); chunk files are not walked (there may be millions), their directories are.
+
+``open_kek(settings)`` opens the configured KEK for a process that serves the registry. A missing
+KEK file is created only for a registry that holds no KEK-wrapped key (a fresh install); a key
+file that wrapped none of the registry's keys is refused as well. Both raise ``KekNotForRegistry``,
+naming the state directory, the KEK file, the registry and the KEK that wrapped its keys.
 """
 
 from __future__ import annotations
@@ -16,11 +21,24 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from gateway.clierrors import redact_url
 from gateway.config import Settings
 from gateway.errors import GatewayError
 
-__all__ = ["InsecureStateFiles", "check_state", "ensure_private_sqlite", "prepare_state", "sqlite_path"]
+if TYPE_CHECKING:
+    from crypto.kek import KekProvider
+
+__all__ = [
+    "InsecureStateFiles",
+    "KekNotForRegistry",
+    "check_state",
+    "ensure_private_sqlite",
+    "open_kek",
+    "prepare_state",
+    "sqlite_path",
+]
 
 _GROUP_OTHER = 0o077
 
@@ -31,6 +49,11 @@ class InsecureStateFiles(GatewayError):
             "kvgate refuses to start: state files are accessible by group or others\n  " + "\n  ".join(problems)
         )
         self.problems = problems
+
+
+class KekNotForRegistry(GatewayError):
+    """The KEK this process would use cannot unwrap the registry's keys: the state directory (or
+    the KEK file setting) does not belong to the registry. Nothing was created."""
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -92,3 +115,50 @@ def check_state(settings: Settings) -> None:
         _loose(f, 0o600, problems)
     if problems:
         raise InsecureStateFiles(sorted(set(problems)))
+
+
+async def open_kek(settings: Settings) -> KekProvider:
+    """The configured KEK provider. For the key file: created only where the registry holds no
+    wrapped key; refused (``KekNotForRegistry``) where the registry's keys were wrapped by
+    another KEK. HSM and KMS providers are opened as configured (their blobs name their key)."""
+    from crypto.kek import LocalFileKek
+    from gateway.runtime import make_kek
+    from tenancy.registry import Registry
+
+    if settings.kek_provider != "file":
+        return make_kek(settings)
+    registry = Registry.from_url(settings.db_url)
+    try:
+        wrapped = await registry.wrapped_by_kek()
+    finally:
+        await registry.aclose()
+    path = settings.kek_path
+    if not path.exists():
+        if wrapped:
+            raise KekNotForRegistry(_kek_refusal(settings, wrapped, None))
+        return make_kek(settings)
+    kek = LocalFileKek(path, create=False)
+    if wrapped and kek.key_id not in wrapped:
+        raise KekNotForRegistry(_kek_refusal(settings, wrapped, kek.key_id))
+    return kek
+
+
+def _kek_refusal(settings: Settings, wrapped: dict[str, int], found: str | None) -> str:
+    path = settings.kek_path
+    registry = redact_url(settings.db_url)
+    keys = ", ".join(f"{n} by {kek_id}" for kek_id, n in sorted(wrapped.items()))
+    where = (
+        f"the KEK file {path} (KVGATE_KEK_FILE)" if settings.kek_file is not None
+        else f"the KEK file {path} of the state directory {settings.state_dir} (KVGATE_STATE_DIR)"
+    )
+    if found is None:
+        what = (f"no new KEK was created: {where} does not exist, but the registry at {registry} "
+                f"holds keys wrapped by an existing one ({keys}), which a new KEK could not unwrap")
+    else:
+        what = f"{where} holds KEK {found}, but the registry at {registry} holds keys wrapped by another ({keys})"
+    if settings.database_url is None:
+        fix = f"put the kek.key that wrapped them back at {path}, or point KVGATE_KEK_FILE at it"
+    else:
+        fix = ("point KVGATE_STATE_DIR at the state directory whose kek.key wrapped them (or KVGATE_KEK_FILE "
+               "at that file); for a registry of this state directory's own, unset KVGATE_DATABASE_URL")
+    return f"{what}. Fix: {fix}"

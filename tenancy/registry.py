@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ParamSpec, TypeVar, cast
 
-from sqlalchemy import delete, event, func, select, update
+from sqlalchemy import delete, event, func, select, union_all, update
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
@@ -387,6 +388,19 @@ class Registry:
         stored = await self.get_secret(name)
         assert stored is not None
         return stored
+
+    async def wrapped_by_kek(self) -> dict[str, int]:
+        """How many live KEK-wrapped keys (gateway secrets, data keys not destroyed) each KEK id
+        wrapped; empty for a database without the registry's tables."""
+        async with self.engine.connect() as conn:
+            if not await conn.run_sync(lambda c: sa_inspect(c).has_table(WrappedSecret.__tablename__)):
+                return {}
+            ids = union_all(
+                select(WrappedSecret.kek_id),
+                select(DataKey.kek_id).where(DataKey.wrapped_key.is_not(None)),
+            ).subquery()
+            rows = await conn.execute(select(ids.c.kek_id, func.count()).group_by(ids.c.kek_id))
+            return {str(r[0]): int(r[1]) for r in rows}
 
     # -- capability revocations --------------------------------------------------------------
     async def add_revocation(

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crypto.errors import KekError
+from crypto.errors import KekError, SigningKeyError
 from crypto.kek import Secret
 from tests.support.gw import (
     ALL_OPS,
@@ -261,7 +261,7 @@ async def test_audit_checkpoints_and_manifests_are_signed_in_the_token(hsm: dict
     from crypto.signer_pkcs11 import generate_pkcs11_signing_key
 
     generate_pkcs11_signing_key(hsm["module"], "kvgate-main", Secret(TOKENS["kvgate-main"].encode()), "audit-1")
-    with pytest.raises(KekError, match="already exists"):
+    with pytest.raises(SigningKeyError, match="already exists"):
         generate_pkcs11_signing_key(hsm["module"], "kvgate-main", Secret(TOKENS["kvgate-main"].encode()), "audit-1")
     settings = _settings(hsm, "kvgate-main") | {"audit_signer": "pkcs11", "audit_pkcs11_key_label": "audit-1"}
     for d in ("state", "state2"):
@@ -290,6 +290,40 @@ async def test_audit_checkpoints_and_manifests_are_signed_in_the_token(hsm: dict
     missing_key = _settings(hsm, "kvgate-main") | {"audit_signer": "pkcs11", "audit_pkcs11_key_label": "nope"}
     from audit import AuditKeyError
 
-    with pytest.raises(AuditKeyError, match="no EC key pair"):
+    with pytest.raises(AuditKeyError, match="no EC P-256 key pair labelled 'nope' in PKCS#11 token 'kvgate-main'"):
         async with gateway_runtime(tmp_path / "state2", **missing_key):
             pass
+
+
+def test_the_cli_names_a_missing_audit_signing_key_not_the_kek(hsm: dict, tmp_path: Path) -> None:
+    """An operator whose token holds the KEK but not the audit signing key runs `kvgate audit
+    export`: the one line names the audit key pair (label, token, module), the setting that names
+    it and the fix, not the KEK. Control: once the pair is generated, the same command exports."""
+    import sys
+
+    from crypto.signer_pkcs11 import generate_pkcs11_signing_key
+
+    env = {
+        **os.environ, "KVGATE_STATE_DIR": str(tmp_path / "state"), "KVGATE_KEK_PROVIDER": "pkcs11",
+        "KVGATE_PKCS11_MODULE": hsm["module"], "KVGATE_PKCS11_TOKEN_LABEL": "kvgate-main",
+        "KVGATE_PKCS11_PIN": TOKENS["kvgate-main"], "KVGATE_PKCS11_KEY_LABEL": "kek-1",
+        "KVGATE_AUDIT_SIGNER": "pkcs11", "KVGATE_AUDIT_PKCS11_KEY_LABEL": "cli-audit", "COLUMNS": "200",
+    }
+    env.pop("KVGATE_DEBUG", None)
+
+    def kvgate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "gateway", *args], capture_output=True, text=True, env=env,
+                              timeout=120)
+
+    assert kvgate("migrate").returncode == 0
+    out = tmp_path / "audit.jsonl"
+    missing = kvgate("audit", "export", "-o", str(out))
+    lines = [ln for ln in missing.stderr.splitlines() if ln.strip()]
+    assert missing.returncode == 2 and len(lines) == 1, missing.stderr
+    for needle in ("audit signing key", "'cli-audit'", "'kvgate-main'", hsm["module"],
+                   "KVGATE_AUDIT_PKCS11_KEY_LABEL", "generate_pkcs11_signing_key"):
+        assert needle in lines[0], lines[0]
+    assert "key-encryption key" not in lines[0]
+    generate_pkcs11_signing_key(hsm["module"], "kvgate-main", Secret(TOKENS["kvgate-main"].encode()), "cli-audit")
+    done = kvgate("audit", "export", "-o", str(out))
+    assert done.returncode == 0 and out.exists(), done.stderr

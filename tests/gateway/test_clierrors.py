@@ -122,3 +122,60 @@ def test_token_mint_follows_the_running_server_and_401_says_why(tmp_path):
         proc.wait(30)
         log.close()
     assert not (tmp_path / "server.json").exists()  # unpublished at shutdown
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def registry_elsewhere(request, tmp_path) -> dict[str, str]:
+    """KVGATE_DATABASE_URL of a registry set up (migrated, one tenant) from ``tmp_path / "real"``."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'real' / 'kvgate.db'}"
+    else:
+        url = request.getfixturevalue("fresh_pg_url")
+    env = {"KVGATE_DATABASE_URL": url}
+    assert run(tmp_path / "real", "migrate", env=env).returncode == 0
+    made = run(tmp_path / "real", "tenants", "create", "acme", env=env)
+    assert made.returncode == 0, made.stderr
+    return env
+
+
+def test_a_wrong_state_dir_is_refused_without_creating_a_kek(tmp_path, registry_elsewhere):
+    """The operator points a command at another state directory than the one whose KEK wrapped
+    the registry's keys: refused, naming the state dir, the KEK file, the registry and the fix;
+    no KEK file is created there. Control: the right state directory lists the tenant."""
+    real, wrong = tmp_path / "real", tmp_path / "wrong"
+    ok = run(real, "tenants", "list", env=registry_elsewhere)
+    assert ok.returncode == 0 and "acme" in ok.stdout, ok.stderr
+    line = one_line_error(
+        run(wrong, "tenants", "list", env=registry_elsewhere),
+        f"state directory {wrong}", str(wrong / "kek.key"), "does not exist", "KVGATE_STATE_DIR", "by local:",
+    )
+    assert "key-encryption key is not usable" not in line
+    assert not (wrong / "kek.key").exists()
+    url = registry_elsewhere["KVGATE_DATABASE_URL"]
+    assert url.split("@")[-1] in line  # the registry it found (a URL without its password)
+
+
+def test_a_kek_file_that_wrapped_none_of_the_registrys_keys_is_refused(tmp_path, registry_elsewhere):
+    """A key file already in the wrong state directory (an earlier silent creation) is named with
+    its KEK id beside the registry's; the registry is left as it was."""
+    wrong = tmp_path / "wrong"
+    wrong.mkdir(mode=0o700)
+    (wrong / "kek.key").write_bytes(os.urandom(32))
+    (wrong / "kek.key").chmod(0o600)
+    line = one_line_error(
+        run(wrong, "tenants", "list", env=registry_elsewhere),
+        str(wrong / "kek.key"), "holds KEK local:", "wrapped by another", "KVGATE_STATE_DIR",
+    )
+    assert "key-encryption key is not usable" not in line
+    again = run(tmp_path / "real", "tenants", "list", env=registry_elsewhere)
+    assert again.returncode == 0 and "acme" in again.stdout
+
+
+def test_a_registry_whose_kek_file_is_gone_is_not_given_a_new_one(tmp_path):
+    """The state directory's own registry without its kek.key: refused with the path to restore;
+    control: a fresh state directory creates its KEK file on first use."""
+    assert run(tmp_path, "tenants", "create", "acme").returncode == 0
+    assert (tmp_path / "kek.key").exists()
+    (tmp_path / "kek.key").rename(tmp_path.parent / f"{tmp_path.name}-kek.key")
+    one_line_error(run(tmp_path, "tenants", "list"), str(tmp_path / "kek.key"), "does not exist", "KVGATE_KEK_FILE")
+    assert not (tmp_path / "kek.key").exists()
