@@ -147,3 +147,44 @@ async def test_a_stalled_redis_in_front_of_disk_is_answered_by_the_disk(tmp_path
     finally:
         await scheduler.aclose()
         await worker.aclose()
+
+
+@pytest.mark.redis
+async def test_a_remote_worker_gets_the_servers_tier_reason_and_the_server_counts_it(tmp_path, server):
+    """`kvgate serve` with tiers ["redis"], a remote worker loading: with the redis-server
+    SIGSTOP'd the load says tier_timeout, killed tier_unavailable (not miss), and the server's
+    /metrics counts each by that reason. Positive control: a full load while Redis runs."""
+    from gateway.remote import RemoteGateway
+    from tests.support.server_fixture import running_server
+
+    g = small_geometry()
+    model = model_for(g)
+    src = random_cache(g, N_BLOCKS)
+    with running_server(tmp_path / "state", tiers=["redis"], redis_url=server.url, redis_prefix="kvgate-rr:",
+                        tier_read_timeout_s=0.1) as live:
+        async with live.client() as http:
+            tenant = await live.create_tenant(http)
+
+            async def failures() -> dict[str, float]:
+                r = await http.get("/metrics", headers=live.headers(live.operator_token()))
+                assert r.status_code == 200, r.text
+                return {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                        for line in r.text.splitlines() if line.startswith("kvgate_load_failures_total{")}
+
+            async with RemoteGateway(live.base_url, live.worker_token(tenant), chunk_tokens=16) as worker:
+                await worker.store(model, TOKENS, src, block_ids=list(range(16)))
+                dst = zero_cache(g, N_BLOCKS)
+                ok = await worker.retrieve(model, TOKENS, dst, block_ids=list(range(16)))
+                assert (ok.loaded_chunks, ok.reason) == (4, "")  # control
+                assert (await failures())["tier_timeout"] == 0
+                os.kill(server.proc.pid, signal.SIGSTOP)
+                try:
+                    stalled = await worker.retrieve(model, TOKENS, dst, block_ids=list(range(16)))
+                finally:
+                    os.kill(server.proc.pid, signal.SIGCONT)
+                server.kill()
+                dead = await worker.retrieve(model, TOKENS, dst, block_ids=list(range(16)))
+            counted = await failures()
+    assert (stalled.loaded_chunks, stalled.reason) == (0, "tier_timeout")
+    assert (dead.loaded_chunks, dead.reason) == (0, "tier_unavailable")
+    assert counted["tier_timeout"] >= 1 and counted["tier_unavailable"] >= 1 and counted["miss"] == 0

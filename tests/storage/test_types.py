@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from storage.types import ChunkKey
+from storage.types import ChunkKey, TierFull, TierTimeout, TierUnavailable, failure_reason
 
 
 def test_many_equals_one_by_one() -> None:
@@ -25,3 +25,11 @@ def test_many_rejects_what_the_constructor_rejects(owner: object, group: object,
         ChunkKey(owner, group, digest)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         ChunkKey.many(owner, group, ["00", digest])  # type: ignore[arg-type, list-item]
+
+
+def test_failure_reason_names_a_missed_deadline_before_an_outage() -> None:
+    assert failure_reason([]) == ""  # nothing failed
+    assert failure_reason([TierUnavailable("down")]) == "tier_unavailable"
+    assert failure_reason([TierFull("full")]) == "tier_unavailable"  # any other tier failure
+    assert failure_reason([TierUnavailable("down"), TierTimeout("slow")]) == "tier_timeout"
+    assert failure_reason(iter([TierTimeout("slow"), TierUnavailable("down")])) == "tier_timeout"
