@@ -6,19 +6,12 @@
     gateway.vllm.proxy.create_proxy          the same checks as a standalone reverse proxy
     gateway.vllm.salt.cache_salt             the tenant's cache_salt (HMAC, length-prefixed)
 
-Inside, by role:
-
-    connector   the shell vLLM instantiates; hands each hook to one side
-    scheduler   the scheduler side: lookups, load and store plans (no vLLM, no torch)
-    worker      the worker side: the KV cache, loads, stores, load errors
-    ledger      the rules of both sides (which loads and stores a step carries, where a failed
-                load cuts a store)
-    backend     the way to the gateway (embedded core or remote server) and its loop thread
-    config      kv_connector_extra_config and KVGATE_VLLM_* as pydantic models
-    guard, middleware, proxy, salt   the tenant checks in front of vLLM's OpenAI server
-    logs, errors
-
-vLLM is imported only by ``connector`` (so ``import gateway`` and the middleware never need it).
-"""
+Inside: ``connector`` (the shell vLLM instantiates; hands each hook to one side), ``scheduler``
+(lookups, load and store plans; no vLLM, no torch), ``worker`` (the KV cache, loads, stores, load
+errors), ``ledger`` (the rules of both sides: which loads and stores a step carries, where a failed
+load cuts a store), ``backend`` (embedded core or remote server, and its loop thread), ``config``
+(kv_connector_extra_config and KVGATE_VLLM_* as pydantic models), ``guard``, ``middleware``,
+``proxy``, ``salt`` (the tenant checks in front of vLLM's OpenAI server), ``logs``, ``errors``.
+vLLM is imported only by ``connector`` (so ``import gateway`` and the middleware never need it)."""
 
 __all__: list[str] = []

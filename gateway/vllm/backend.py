@@ -2,22 +2,17 @@
 
     Backend           the protocol: ``open``, the three data operations, ``aclose`` (all async),
                       ``chunk_tokens``, and ``loop`` (the thread that runs them)
-    LoopThread        one asyncio event loop in a daemon thread of its own; vLLM calls the
-                      connector from its threads and wants plain return values, so an
-                      operation is submitted with ``call`` and waited for with a timeout, or
-                      with ``submit`` (stores) and not waited for: its future ends, with the
-                      same timeout, on the loop
+    LoopThread        one asyncio event loop in a daemon thread; vLLM calls the connector from
+                      its threads and wants plain return values, so an operation is submitted
+                      with ``call`` and waited for with a timeout, or with ``submit`` (stores)
+                      and not waited for: its future ends, with the same timeout, on the loop
     EmbeddedBackend   open_runtime(Settings(**kvgate_settings)): registry, KEK, tiers, audit
-    RemoteBackend     a RemoteGateway per capability, against ``remote_url`` with a service
-                      bearer token; the capability from the request goes on every call
+    RemoteBackend     a RemoteGateway per capability (``remote_url``, a service bearer token)
     backend_for       the process's backend for a ``ConnectorConfig``, shared by every connector
-                      of the process with the same configuration (the scheduler-side and
-                      worker-side connectors of a single-process engine then see one memory
-                      tier), opened on first use; ``release`` closes it after its last user
-
-Building a backend starts nothing: its loop thread starts in ``backend_for`` (or ``start``).
-Nothing is opened at import time.
-"""
+                      of the process with that configuration (a single-process engine's two
+                      sides see one memory tier), opened on first use; ``release`` closes it
+                      after its last user. Building one starts nothing (its loop thread starts
+                      in ``backend_for`` or ``start``); nothing is opened at import time."""
 
 from __future__ import annotations
 
@@ -216,8 +211,7 @@ class RemoteBackend:
 
     # Not layer by layer: no layer of a remote load is in place before the last envelope has
     # arrived, and opening in one batch per thread loses the overlap of fetching one batch with
-    # opening the one before. bench-e2e at 8K, shared memory, one run: a hit took 392 ms
-    # layer-wise against 336 with whole-chunk loads (the forward waited 80-132 ms).
+    # opening the one before, so a layer-wise remote hit is slower than a whole-chunk one.
     layerwise = False
 
     def __init__(

@@ -1,70 +1,18 @@
 """``KvgateConnector``: a vLLM 0.32 KV connector (KVConnectorBase_V1) on the kvgate core.
 
 A thin shell: it reads ``kv_connector_extra_config`` (``config.ConnectorConfig``), opens the
-process's backend (``backend.backend_for``) and hands every hook to the side vLLM built it for.
-Hooks, by side:
-
-    scheduler (``scheduler.SchedulerSide``: bookkeeping only, unit-tested without vLLM)
-        get_num_new_matched_tokens      lookup of the prompt's full blocks, loadable up to the
-                                        block before its last token (vLLM computes at least
-                                        that one); no capability: 0, no lookup
-        update_state_after_alloc        remember the blocks a hit loads into
-        build_connector_meta            per request: one load, and one store once the
-                                        prompt's full blocks are computed (none when the
-                                        lookup or vLLM's own cache covered all of them)
-        update_connector_output         blocks whose load failed: their requests never store
-                                        them, nor anything after them
-        request_finished                kv_transfer_params {"kvgate": {hit_tokens}} out
-
-    worker (``worker.WorkerSide``: the KV cache and the I/O)
-        register_kv_caches              the paged tensors, seen as blocks (``kernels.layouts``)
-        start_load_kv                   retrieve into a compact buffer, scatter back only what
-                                        authenticated; the rest is a load error, logged at
-                                        WARNING with its reason and counted. A CPU cache: the
-                                        load is submitted and runs layer by layer across its
-                                        chunks while the forward starts (``layers.py``)
-        wait_for_layer_load             a layer-wise load: until this layer of every chunk is in
-                                        place, authenticated (each envelope segment is a whole
-                                        layer range with its own tag)
-        save_kv_layer                   nothing (the core seals every layer of a chunk at once)
-        wait_for_save                   cut before any block whose load failed, gather the
-                                        request's blocks into a pooled buffer, submit the
-                                        store (encrypt, put) and return: the step never waits
-                                        for it; past ``store_in_flight_bytes`` a store is
-                                        dropped (counted), never waited for
-        get_block_ids_with_load_errors  (after the step's layer-wise loads ended)
-                                        failed blocks; vLLM recomputes them with
-                                        ``kv_load_failure_policy: "recompute"``
-        get_finished                    forget finished requests' failed-load marks; reports
-                                        none (see below)
-
-    both
-        get_kv_connector_stats          this side's counters since the last call, into vLLM's
-                                        metrics (``stats.py``)
-        shutdown                        wait (bounded by ``timeout_s``) for the stores in
-                                        flight, release the backend (the last user closes it)
-
-Why a finished request's blocks are freed at once although its store may still be running: the
-store reads its own copy (gathered in ``wait_for_save``, before that step returns), never the
-paged KV, so neither the end of a request (``request_finished`` returns ``delay_free_blocks``
-False) nor a preemption (vLLM 0.32 frees the blocks without telling the connector) can let it
-seal KV that another request wrote. On CUDA the store waits for the gather's copy to run. (A
-store straight from the paged KV, without the copy, would have to hold the blocks: delay their
-free in ``request_finished`` and report the request in ``get_finished``'s finished_sending once
-its store ended, fence a preempted request's blocks before a step may write them, and outlive a
-timed-out store's seal jobs; vLLM's CPU paged layout is also not one the data plane reads.)
-
-Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no asynchronous sends or
-receives (``get_finished`` reports none), no KV events, no handshake, no worker metadata.
-
-A chunk is stored only from KV the engine computed or kvgate authenticated for that request
-(DESIGN section 2, rule 9): never from blocks whose load failed or was partial, nor from blocks
-computed over them in the same step (``ledger.py`` says why that matters and where it is cut).
-
-The tenant comes only from the capability in ``kv_transfer_params["kvgate_capability"]`` (set
-by the tenant middleware); a refused capability, a miss, a failed tag or an unreachable gateway
-never fails a request: fewer hit tokens, failed blocks, and vLLM computes them itself.
-"""
+process's backend (``backend.backend_for``) and hands every hook to the side vLLM built it for:
+``scheduler.SchedulerSide`` (lookups, load and store plans, failed-load bookkeeping) or
+``worker.WorkerSide`` (the KV cache, loads, stores, load errors); ``get_kv_connector_stats`` and
+``shutdown`` go to both. Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no
+asynchronous sends or receives, no KV events, no handshake, no worker metadata. Invariants:
+a chunk is stored only from KV the engine computed or kvgate authenticated for that request
+("A cache never makes an answer wrong", docs/architecture.md, section 1; ``ledger.py``). A store
+reads its own copy, gathered before ``wait_for_save`` returns, so a finished or preempted
+request's blocks are freed at once. The tenant comes only from the capability in
+``kv_transfer_params["kvgate_capability"]``; a refused capability, a miss, a failed tag or an
+unreachable gateway never fails a request: fewer hit tokens or failed blocks, which vLLM
+computes (hook by hook, and why stores copy: docs/architecture.md, section 5)."""
 
 from __future__ import annotations
 

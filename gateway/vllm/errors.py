@@ -8,13 +8,11 @@
           +-- Unauthorized  (401)      no, malformed or unverifiable bearer token
           +-- Forbidden     (403)      authenticated, but no capability could be minted for it
           +-- BadRequest    (400)      a body that is not a JSON object
-          +-- Unavailable   (503)      the gateway cannot be reached or cannot mint now
+          +-- Unavailable   (503)      the gateway cannot be reached or cannot mint at the moment
                                        (an outage, never told as a permission error)
 
-Inside the engine nothing here is raised per request: a missing or refused capability, a miss,
-a failed tag or an unreachable gateway make the connector report zero hits or failed blocks,
-and vLLM recomputes.
-"""
+Inside the engine nothing here is raised per request: a missing or refused capability, a miss, a
+failed tag or an unreachable gateway make the connector report zero hits or failed blocks."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The tenant checks shared by the ASGI middleware and the reverse proxy.
 
-``TenantGuard.admit(authorization, body)`` does, for one inference request:
-
+``TenantGuard.admit(authorization, body)``, for one inference request, returns the new body:
     1. verify the bearer token (OIDC, ``tenancy.oidc.OidcVerifier``) -> the tenant; else 401
     2. mint a capability for (tenant, namespace, lookup/get/put): through the kvgate server's
        ``POST /v1/capabilities`` with the caller's own token (so the server's role checks and
@@ -9,14 +8,11 @@
     3. strip any client-supplied ``cache_salt`` and ``kv_transfer_params`` from the JSON body and
        set ``cache_salt`` (``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability}
 
-The salt's epoch is the namespace's own epoch, as the kvgate server reports it with each minted
-capability (every request mints one, so the epoch is never stale): a secure clear of the tenant or
-the namespace bumps it, and the next request's salt shares no prefix-cache block with any block
-vLLM cached before the clear. There is no configured epoch (``KVGATE_VLLM_SALT_EPOCH`` is refused).
-
-and returns the new body. ``GuardConfig.from_env()`` reads ``KVGATE_VLLM_*`` through
-``config.MiddlewareSettings`` (see docs/vllm.md).
-"""
+The salt's epoch is the namespace's own, as the kvgate server reports it with each minted
+capability (every request mints one, so it is never stale): a secure clear bumps it, and the next
+request's salt shares no prefix-cache block with any block vLLM cached before the clear. There is
+no configured epoch (``KVGATE_VLLM_SALT_EPOCH`` is refused). ``GuardConfig.from_env()`` reads
+``KVGATE_VLLM_*`` through ``config.MiddlewareSettings`` (see docs/vllm.md)."""
 
 from __future__ import annotations
 

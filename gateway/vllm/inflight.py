@@ -2,21 +2,17 @@
 
     StagingPool   compact buffers (BLOCK_FIRST, one tensor per layer) by power-of-two block
                   count; ``take`` hands out an idle one or a new one, ``give`` keeps it for the
-                  next store; both keep the idle ones within the ``room`` the caller leaves them
-                  (the worker: the cap less what is in flight, so staging memory in flight and
-                  idle together stays under the cap, but for one store larger than it)
-    InFlight      the stores submitted and not yet reaped: ``admit`` says whether one more of
-                  ``nbytes`` fits under the cap (one store always fits when none is in flight,
-                  so a prompt larger than the cap is still stored); ``add`` its future;
-                  ``reap`` the ended ones (on the engine's thread, at its next hook); ``wait``
-                  for all of them, bounded (shutdown, tests)
+                  next store, both within the ``room`` the caller leaves (the worker: the cap
+                  less what is in flight, so staging memory stays under the cap but for one
+                  store larger than it)
+    InFlight      the stores submitted and not yet reaped: ``admit`` (one more of ``nbytes``
+                  fits under the cap; one always fits when none is in flight), ``add`` its
+                  future, ``reap`` the ended ones (on the engine's thread, at its next hook),
+                  ``wait`` for all of them, bounded (shutdown, tests)
 
-Why a buffer is reused only after its store returned or raised, never after a timeout: the
-data plane seals on a thread pool, and ``DataPlane.store`` returns (or raises) only once every
-seal job has ended. A store cancelled by its timeout may still have a job reading the buffer;
-that buffer is left to the garbage collector, so the next store's gather can never overwrite
-KV while it is being sealed under another request's keys.
-"""
+A buffer is reused only once its store returned or raised (every seal job ended), never after a
+timeout: a timed-out store's job may still read it, so it is left to the garbage collector and the
+next store's gather never overwrites KV being sealed under another request's keys."""
 
 from __future__ import annotations
 

@@ -1,31 +1,18 @@
 """Layer-wise loads: the forward starts on the first layers while the rest of a hit loads.
 
 vLLM calls ``wait_for_layer_load(layer)`` before each attention layer of a step that carries
-connector metadata. A CPU cache in the chunk format's layout is loaded straight into its blocks,
-and the data plane opens a load layer by layer across its chunks (``DataPlane.retrieve``,
-``on_layers``): every segment of an envelope is a whole layer range, authenticated on its own,
-so layer ``i`` of a chunk can be in the cache, authentic, before layer ``i + 1`` is decrypted.
+connector metadata. A CPU cache is loaded straight into its blocks, layer by layer across the
+chunks (``DataPlane.retrieve``, ``on_layers``): each envelope segment is a whole layer range with
+its own tag, so layer ``i`` is in the cache, authentic, before layer ``i + 1`` is decrypted.
+``LayerLoads``: ``start(op)`` submits a step's load (its ``at(n)`` is told as layers ``[0, n)``
+land); ``wait(layer)`` blocks until every load of the step has that layer or has ended (blocks
+not loaded are load errors); ``take()`` hands the loads to ``WorkerSide.finish_loads``.
 
-``LayerLoads`` is the worker side of that:
-
-- ``start(op)`` in start_load_kv: a load of the step, submitted to the backend's loop (not
-  waited for); its ``at(n)`` is told from the data path's threads as layers ``[0, n)`` land.
-- ``wait(layer)`` in wait_for_layer_load: blocks until every load of the step has that layer in
-  place (or has ended: a miss or a failed tag ends it short, and the blocks it did not load are
-  load errors, as for a synchronous load).
-- ``take()`` in the step's last hooks: the loads, for the worker to wait for to their end and
-  report (``WorkerSide.finish_loads``), whether the forward asked for every layer this step, and
-  how long it waited.
-
-When loads go layer-wise (``ready``): only once a whole step has been seen calling the hook for
-every registered layer (vLLM skips it for steps without metadata, and a model or backend may
-not call it at all). And every step checks again: where a step's forward did not ask for every
-layer, it may have read one before it was in place, so ``finish_loads`` reports every block of
-that step's layer-wise loads as a load error (vLLM recomputes them, and drops what the step
-computed from them). A GPU cache never goes layer-wise here (its loads go through a compact
-buffer, and a CUDA graph replay skips the hook), and neither does remote mode (``RemoteBackend``
-says why: measured slower).
-"""
+Loads go layer-wise (``ready``) only once a whole step called the hook for every layer, and every
+step checks again: where a forward did not ask for every layer, it may have read one before it was
+in place, so every block of that step's layer-wise loads is reported as a load error (vLLM
+recomputes). A GPU cache (compact buffer; a CUDA graph replay skips the hook) and remote mode
+(``RemoteBackend``) never go layer-wise. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -1,38 +1,18 @@
 """The connector's bookkeeping, without vLLM: which loads and stores a step carries, and which
-KV a store may take (DESIGN section 2, rule 9: a cache never makes an answer wrong).
-
-Two ledgers, one per side of the connector:
+KV a store may take ("A cache never makes an answer wrong", docs/architecture.md, section 1).
 
     SchedulerLedger   per request: capability, prompt, blocks, hit; decides per step the load
                       (once, where a lookup hit) and the store (once, when the prompt's full
-                      blocks are computed, and only if some of them are neither in kvgate, by
-                      the lookup, nor came from vLLM's own prefix cache); learns load failures back from the workers'
-                      ``invalid_block_ids`` and then never lets that request store from the
-                      first failed block on.
-
-Granularity (why a hit is not cut to whole chunks). A store takes every full block of the
-prompt, so its last chunk may be partial (a block-aligned tail, hashed as its own chunk, as the
-core always allowed); a lookup asks for the same block-aligned prefix, so the same prompt finds
-its tail again. vLLM must compute at least one token itself, so a load may fill only the blocks
-before the prompt's last token: a load retrieves (and authenticates) every chunk the lookup
-found and scatters the blocks up to that limit. An 8,192-token prompt with chunks of 256 and
-blocks of 32 loads 8,160 tokens, not 7,936: the engine recomputes one block, not one chunk.
+                      blocks are computed, and only if some are neither in kvgate nor from
+                      vLLM's own prefix cache); learns load failures back from the workers'
+                      ``invalid_block_ids`` and never lets that request store from the first
+                      failed block on.
     WorkerLedger      per step: the blocks whose load failed here; per request: where its first
                       failed load began. ``store_cut`` trims a store to the chunks before both.
 
-Why a failed load must limit the stores (the defect of issue 13). A load that fails in step S
-leaves its blocks holding whatever they held before; vLLM learns of it only after the step
-(``get_block_ids_with_load_errors``) and then recomputes from the first failed block. In step S
-itself the forward pass ran over those blocks, and a store scheduled in the same step (a hit
-shorter than the prompt's full chunks is exactly that case) gathered them: the failed chunk was
-rewritten from stale KV and every chunk after it from KV computed against it. Later hits
-authenticated that ciphertext and answered wrong from the first token. Attention is causal, so
-chunks wholly before the first failed block are sound; nothing at or after it is. The worker
-knows the failure before its ``wait_for_save`` of the same step and cuts there; the scheduler
-learns it one step later and keeps the request from storing those chunks at any later step
-(after preemption, chunked prefill or async scheduling alike). Chunks past a gap are unreachable
-by the prefix walk anyway; the next request for the prompt recomputes and stores them.
-"""
+A store takes every full block of the prompt, a load only those before its last token. A store
+never takes a block at or after a failed load, nor KV computed over it in the same step (attention
+is causal). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -1,26 +1,18 @@
 """The connector's scheduler side: lookups, load and store plans, finished requests.
 
-Pure bookkeeping: no vLLM, no torch, no I/O of its own. The one call out is the lookup, a
-function handed in (the connector's backend in the engine, a plain function in a test). What
-vLLM passes in is read by attribute (``request_view``, ``step_requests``), so a test drives it
-with plain dataclasses of the same shape:
-
-    matched_tokens(request, computed)   get_num_new_matched_tokens: a lookup of the prompt's
-                                        full blocks, loadable up to the block before its last
-                                        token (vLLM computes at least one); no capability: 0,
-                                        no lookup; a refused capability, an outage or a
-                                        timeout: 0 (a counted, logged miss)
+Pure bookkeeping: no vLLM, no torch, no I/O of its own; the one call out is the lookup, a function
+handed in. What vLLM passes in is read by attribute (``request_view``, ``step_requests``), so a
+test drives it with plain dataclasses of the same shape:
+    matched_tokens(request, computed)   get_num_new_matched_tokens: a lookup of the prompt's full
+                                        blocks, loadable up to the block before its last token; no
+                                        capability: 0, no lookup; refused, outage or timeout: 0
+                                        (a counted, logged miss)
     allocated(request, block_ids, n)    update_state_after_alloc: the blocks a hit loads into
-    build(steps)                        build_connector_meta: per request one load (where a
-                                        lookup hit) and one store (once the prompt's full
-                                        blocks are computed; the last chunk may be partial)
-    load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed; their
-                                        requests never store them, nor anything after them
+    build(steps)                        build_connector_meta: per request one load and one store
+    load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed
     finished(req_id)                    request_finished: kv_transfer_params {"kvgate": ...} out
-
-The rules themselves (which loads and stores a step carries, where a failed load cuts a store)
-are ``ledger.SchedulerLedger``'s.
-"""
+The rules (which loads and stores a step carries, where a failed load cuts a store) are
+``ledger.SchedulerLedger``'s."""
 
 from __future__ import annotations
 

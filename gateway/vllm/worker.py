@@ -1,31 +1,18 @@
 """The connector's worker side: the KV cache, loads, stores, load errors.
 
-    register(kv_caches, tp_rank, tp_size)   register_kv_caches: the paged tensors, seen as blocks
-                                            (``kernels.layouts.BlockView``), and the model identity
-    load(loads)                             start_load_kv: a CPU cache (the CPU chunk format is
-                                            its blocks' bytes) is decrypted into in place, never
-                                            its last block; a GPU cache through a compact buffer,
-                                            scattered back only where it authenticated; the rest
-                                            is a load error, logged at WARNING with its reason
-                                            and counted
-    save(stores)                            wait_for_save: cut before any block whose load
-                                            failed, gather the blocks into a pooled buffer,
-                                            submit the store (encrypt, put) and return; past
-                                            the in-flight cap the store is dropped and counted
-    wait_stores(timeout_s)                  shutdown: wait (bounded) for the stores in flight
-    take_load_errors()                      get_block_ids_with_load_errors: failed blocks (vLLM
-                                            recomputes them with kv_load_failure_policy "recompute")
-    finished(req_ids)                       get_finished: forget finished requests' failure marks
+    register(kv_caches, tp_rank, tp_size)   register_kv_caches: the tensors as ``BlockView`` blocks
+    load(loads)                             start_load_kv: a CPU cache is decrypted into in place
+                                            (never its last block); a GPU cache through a compact
+                                            buffer, scattered back only where it authenticated;
+                                            the rest is a load error (logged, counted)
+    save(stores)                            wait_for_save: cut before any block whose load failed,
+                                            gather into a pooled buffer, submit the store, return;
+                                            past the in-flight cap it is dropped and counted
+    wait_stores(timeout_s) / take_load_errors() / finished(req_ids)   shutdown, failed blocks, marks
 
-Loads are synchronous on the backend's loop thread (``backend.LoopThread.call``). Stores are
-not: the step copies the request's blocks (every layer) into a buffer of ``inflight.StagingPool``
-and hands the seal and put to the loop (``LoopThread.submit``); the copy is the store's own, so
-vLLM may free and reuse the blocks at once, and ``inflight`` says when a buffer may be reused.
-Every hook reaps the stores that ended (counted failures, buffers back to the pool). Where a
-failed load cuts a store is ``ledger.WorkerLedger``'s rule, applied at submit time. The trace
-has ``store_submit`` (``ms``: what the step spent on it) and ``store`` as the store ends (``ms``
-from submit, ``reason`` if it failed), or ``store_dropped``.
-"""
+Loads run synchronously on the backend's loop. A store's copy of the blocks (an
+``inflight.StagingPool`` buffer) is its own, so vLLM may reuse the blocks at once; seal and put run
+on the loop, every hook reaps ended stores, and the cut is ``ledger.WorkerLedger``'s rule."""
 
 from __future__ import annotations
 
