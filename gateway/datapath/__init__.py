@@ -1,4 +1,4 @@
-"""The one data path, for embedded and remote mode alike (DESIGN section 3).
+"""The one data path, for embedded and remote mode alike (docs/architecture.md, section 3).
 
     plan.py     tokens -> chunks (chained hashes) and the request's slots, validated up front
     codec.py    the envelope codec seam (AES-256-GCM envelopes; benchmarks pass their own)
@@ -10,8 +10,7 @@
 
 This package (with ``kernels`` and the vLLM connector) is where torch lives; the control plane
 (the REST server, the admin and audit tools) never imports it. Names are loaded on first use, so
-importing ``gateway.datapath.stores`` (torch-free) does not load the rest.
-"""
+importing ``gateway.datapath.stores`` (torch-free) does not load the rest."""
 
 from __future__ import annotations
 

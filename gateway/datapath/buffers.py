@@ -2,16 +2,11 @@
 device staging for packed chunks, and pinned host buffers for device copies.
 
 Envelope memory. The memory tier keeps each envelope, so each is a new buffer, and fresh pages
-fault in while the cipher writes them. Measured here (steady state, envelopes replacing older
-ones, one worker thread, GB/s of a 2 MiB / 32 MiB AES-GCM seal into the new buffer; 14 / 10 into a
-reused one): numpy with transparent huge pages (its default ``madvise``) 7 / 4, numpy with 4 KiB
-pages 8.8-9.5 / 2.0, ``bytearray`` (zero-filled first) 6.5 / 1.6; ``mmap`` with ``MAP_POPULATE``
-or ``MADV_POPULATE_WRITE`` 2.3 / 2.4 (the kernel still zeroes every page). malloc recycles most
-2 MiB buffers by itself, but anything over its 32 MiB mmap threshold (a 32 MiB chunk's envelope)
-goes back to the kernel on free. So envelopes come from ``_Recycler``: ``np.empty`` (huge pages
-win for the fresh ones), and up to ``reserve_bytes`` of them are handed out again once the tier
-has let go of them (replaced or evicted): 32 MiB stores went from 0.55-2 to 3.6 GB/s here.
-"""
+fault in while the cipher writes them. malloc recycles most 2 MiB buffers by itself, but anything
+over its 32 MiB mmap threshold goes back to the kernel on free. So envelopes come from
+``_Recycler``: ``np.empty`` (transparent huge pages make fresh ones cheapest to fault in), and up
+to ``reserve_bytes`` of them are handed out again once the tier has let go of them (replaced or
+evicted). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -1,21 +1,15 @@
 """The data path's CPU side: a sealer chosen once per KV cache, a small thread pool, one pool
 of buffers.
 
-Work is handed to the pool a batch of chunks at a time, so the executor hop (~0.1 ms measured here)
-is paid per batch. cryptography's AES-GCM releases the GIL, so two threads use both cores.
-``threads=0`` runs inline on the calling (event-loop) thread.
+Work is handed to the pool a batch of chunks at a time, so the executor hop is paid per batch.
+cryptography's AES-GCM releases the GIL, so two threads use both cores. ``threads=0`` runs inline
+on the calling (event-loop) thread.
 
 ``store_nice`` > 0 (Linux): stores seal on threads of their own whose nice value is that, so a
 store in flight yields the CPU to the engine's forward steps; loads, which an engine waits for,
-keep the normal priority. Measured on the 2-core CPU engine (bench-e2e, 8K tokens): with the
-store's two threads at the engine's priority, decoding while a 401 MB store was in flight ran at
-7-8 tokens/s against 24 for ExampleConnector, whose store is done before decoding starts (the
-engine's OpenMP threads, pinned to both cores, wait at every barrier for the one a store thread
-took the core from). With the connector's default of 10 the same run decoded at 15-18 tokens/s
-while its stores were in flight, and the stores took as long as before (0.9-1.6 s for 401 MB;
-they finish once decoding leaves a core idle). A thread can raise its own nice value without
-privileges but not lower it again, hence a pool of its own rather than a switch per job.
-"""
+keep the normal priority. A thread can raise its own nice value without privileges but not lower
+it again, hence a pool of its own rather than a switch per job. Design notes: docs/architecture.md,
+section 5."""
 
 from __future__ import annotations
 

@@ -1,22 +1,18 @@
-"""The three ways a chunk is sealed and opened, one chosen per KV cache when it is registered
-(``DataPath.sealer_for``):
+"""The three ways a chunk is sealed and opened, one chosen per KV cache (``DataPath.sealer_for``):
 
-``CpuSealer``  (a CPU cache) the fused path (``kernels.pieces``): store reads the chunk's
-    contiguous runs straight out of the paged layer tensors into the AES-GCM stream that writes
-    the envelope, with no staging copy (the copy cost more than AES-GCM itself); load verifies
-    and decrypts one segment at a time into a per-thread scratch buffer of one segment (it stays
-    in cache) and scatters it into the paged KV. Nothing reaches the cache before its segment's
-    tag checked. If segment ``k`` fails, segments ``< k`` (authentic) had already been scattered:
-    they are zeroed again, so a chunk that fails leaves nothing of itself in the cache.
-``DeviceSealer``  (a CUDA cache, or ``device_cipher="always"``) encrypt where the KV lives:
-    pack into a device staging buffer and encrypt in place (the torch-ops cipher), or gather and
-    encrypt in one pass (the Triton kernels); only ciphertext crosses to the host.
+``CpuSealer``  (a CPU cache) the fused path (``kernels.pieces``): store reads the chunk's runs
+    straight out of the paged layer tensors into the AES-GCM stream, with no staging copy; load
+    verifies and decrypts one segment at a time into a per-thread scratch buffer and scatters it
+    into the paged KV. Nothing reaches the cache before its segment's tag checked; if segment
+    ``k`` fails, segments ``< k`` (already scattered) are zeroed again, so a chunk that fails
+    leaves nothing of itself in the cache.
+``DeviceSealer``  (a CUDA cache, or ``device_cipher="always"``) encrypt where the KV lives (torch
+    ops in a staging buffer, or the Triton gather-encrypt); only ciphertext crosses to the host.
 ``HostSealer``  (a CUDA cache with ``device_cipher="host"``, the explicit, logged switch, or a
     codec without a device cipher) pack on the device, copy to host staging, seal there.
 
-Segments: each chunk's envelope uses the codec's segment size rounded down to whole layers
-(``layer_bytes * max(1, segment_bytes // layer_bytes)``), so a segment is a layer range.
-"""
+Each chunk's envelope uses the codec's segment size rounded down to whole layers
+(``layer_bytes * max(1, segment_bytes // layer_bytes)``), so a segment is a layer range."""
 
 from __future__ import annotations
 
