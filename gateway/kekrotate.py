@@ -198,9 +198,11 @@ async def rotate_from_settings(
     from audit.writer import AuditWriter
     from gateway.dbschema import check_schema
     from gateway.runtime import make_kek
+    from gateway.statefiles import open_kek
 
     previous = [LocalFileKek(p, create=False) for p in previous_kek_files]
-    kek = make_kek(settings)
+    # a new key file is created only beside the old ones that unwrap the registry's keys
+    kek = make_kek(settings) if previous else await open_kek(settings)
     registry = Registry.from_url(settings.db_url)
     try:
         await check_schema(registry.engine)

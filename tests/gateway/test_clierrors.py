@@ -151,6 +151,8 @@ def test_a_wrong_state_dir_is_refused_without_creating_a_kek(tmp_path, registry_
     )
     assert "key-encryption key is not usable" not in line
     assert not (wrong / "kek.key").exists()
+    one_line_error(run(wrong, "keys", "rotate-kek", env=registry_elsewhere), str(wrong / "kek.key"), "does not exist")
+    assert not (wrong / "kek.key").exists()  # a rotation onto a new key file needs --from-kek-file
     url = registry_elsewhere["KVGATE_DATABASE_URL"]
     assert url.split("@")[-1] in line  # the registry it found (a URL without its password)
 
