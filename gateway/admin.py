@@ -1,24 +1,18 @@
 """Control operations on the gateway core: secure clear, key rotation, tenant lifecycle.
 
-Secure clear is crypto-shredding plus deletion (DESIGN section 2, point 5), recorded around the
-work so a crash in between is found and finished at the next start:
-
-    1. a clear job is written (state ``requested``, with the epochs and key versions it will
-       shred, and who asked) and ``clear.requested`` is recorded durably (database or fsync-ed
-       spool) -- before anything is shredded or deleted. Resuming a job still ``requested`` records
-       it again under the same event id (derived from the job id) with the original requester,
-       so the log holds it exactly once whichever side of the crash it was on;
-    2. shred: the namespace epochs are bumped with fresh salts (old storage keys and binding
-       secrets become impossible to derive); for a tenant clear every data-key version recorded in
-       step 1 is destroyed and every capability of the tenant is revoked. State ``shredded``;
-    3. delete the ciphertext from every tier and the pins; state ``completed``, and
-       ``clear.completed`` is audited with counts.
-
+Secure clear is crypto-shredding plus deletion (docs/architecture.md, section 1), recorded around
+the work so a crash in between is found and finished at the next start:
+    1. a clear job is written (``requested``: the epochs and key versions it will shred, who
+       asked); ``clear.requested`` is made durable (database or fsync-ed spool) before anything is
+       shredded or deleted, and a resumed job records it again under the same event id (derived
+       from the job id) with the original requester, so the log holds it exactly once;
+    2. shred: namespace epochs bumped with fresh salts (previous storage keys and binding secrets
+       become impossible to derive); for a tenant clear every data-key version recorded in step 1
+       is destroyed and every capability of the tenant revoked. State ``shredded``;
+    3. delete the ciphertext from every tier and the pins; ``completed``; ``clear.completed`` (counts).
 Every control action here returns only after its audit event is durable (``record_durably``).
-
-Each step is idempotent: bumping an epoch is conditional on its recorded old value, destroying a
-destroyed key is a no-op, deleting deleted chunks deletes nothing.
-"""
+Each step is idempotent: bumping an epoch is conditional on its recorded value, destroying a
+destroyed key is a no-op, deleting deleted chunks deletes nothing."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
-"""Cluster events over Redis pub/sub (DESIGN section 3, scale-out).
+"""Cluster events over Redis pub/sub (docs/architecture.md, section 4).
 
 Gateway servers and embedded workers share one Redis and one registry. When one process clears a
 tenant or namespace, rotates or destroys keys, or disables a tenant, every other process must drop
-what it holds in memory: cached namespace keys (old epoch), cached data keys, in-process memory
+what it holds in memory: cached namespace keys (previous epoch), cached data keys, in-process memory
 tier copies, and it must learn the capability revocation. The acting process publishes one small
 JSON message on ``{prefix}events``; every subscriber applies it. A process that was down missed
 nothing it needs: it starts with empty caches and reads epochs, keys and revocations from the
 registry. A subscriber whose connection drops reconnects and, having possibly missed messages,
-drops every cached namespace and data key (they are re-read from the registry on next use).
-"""
+drops every cached namespace and data key (they are re-read from the registry on next use)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""Chunk identity (DESIGN section 3): tokens cut into chunks, a chained sha256 per chunk.
+"""Chunk identity (docs/architecture.md, section 3): tokens cut into chunks, a chained sha256 per chunk.
 
     h_0 = sha256(model fingerprint)
     h_i = sha256(h_{i-1} || tokens_i as int32 little endian)
 
 The last partial chunk is kept. Nothing here depends on PYTHONHASHSEED or the process: the same
 tokens and model give the same hashes everywhere. Tenant namespacing happens later, when
-``tenancy.namespaces`` turns each hash into an HMAC storage key.
-"""
+``tenancy.namespaces`` turns each hash into an HMAC storage key."""
 
 from __future__ import annotations
 
@@ -79,8 +78,8 @@ class Chunk:
 
 def _list_as_int32(tokens: list[int] | tuple[int, ...]) -> np.ndarray | None:
     """A list of Python ints packed in one C pass, straight to int32 little endian (numpy's
-    asarray on a 32K-token list costs about as much as the rest of a lookup; ``struct.pack``
-    is the fastest of the standard ways, about 2x ``array.array``); None when it is not plainly a
+    asarray on a long token list costs about as much as the rest of a lookup; ``struct.pack``
+    is the fastest of the standard ways, ahead of ``array.array``); None when it is not plainly a
     list of int32 (the numpy path then says why)."""
     if not tokens:
         return None

@@ -1,4 +1,4 @@
-"""The gateway core: the one door for chunk traffic (DESIGN section 3).
+"""The gateway core: the one door for chunk traffic (docs/architecture.md, section 3).
 
 Every data operation takes a capability token and verifies it first (lookup, get, put, pin), then
 works only inside the capability's tenant and namespace:
@@ -7,21 +7,12 @@ works only inside the capability's tenant and namespace:
     paged KV --pack--> staging --seal (AES-256-GCM envelope, AAD binds identity)--> tiers
     tiers --open (every tag checked)--> staging --unpack--> paged KV
 
-``Gateway`` is a facade over small services built in ``gateway.runtime`` and handed in:
-
-    Access              capabilities minted and verified, denials audited  (gateway/access.py)
-    NamespaceResolver   namespace keys (KEK calls off the event loop) and storage keys
-    Keyring             the tenants' data keys
-    Pins                pinned chunks (tiers, registry, audit)
-    TierManager         the tiers
-    DataPlane           store / lookup / retrieve over a ChunkStore        (gateway/datapath/)
-
-The data path (torch) is imported when the first data operation runs, never by the control plane:
-the REST server and the admin tools use this module without loading torch.
-
+``Gateway`` is a facade over services built in ``gateway.runtime`` and handed in: ``Access``
+(capabilities minted and verified, denials audited), ``NamespaceResolver`` (namespace and storage
+keys), ``Keyring`` (data keys), ``Pins``, ``TierManager`` and ``DataPlane`` (``gateway/datapath/``).
+The data path (torch) is imported when the first data operation runs, never by the control plane.
 A chunk that fails authentication, whose key version is destroyed, or whose tier is unreachable
-is a miss: counted, audited where it is an integrity failure, and never handed to the engine.
-"""
+is a miss: counted, audited where it is an integrity failure, and never handed to the engine."""
 
 from __future__ import annotations
 

@@ -1,21 +1,18 @@
 """The namespace resolver: the one place that turns (tenant, namespace) into keys and chained
-hashes into storage keys (DESIGN section 2, rule 3).
+hashes into storage keys ("Namespaces are cryptographic", docs/architecture.md, section 1).
 
     (tenant, namespace) --registry: epoch, wrapped salt--> KEK unwrap --> NamespaceKeys (cached)
     NamespaceKeys + chained hash h_i --HMAC(index key)--> ChunkKey(owner, group, digest)
 
 KEK calls (a PKCS#11 token or a cloud KMS, up to seconds each) run in a worker thread, never on
 the event loop, and at most one unwrap per namespace is in flight: concurrent first requests for
-the same namespace wait for it instead of each calling the KEK. Other namespaces go on meanwhile.
+the same namespace wait for it instead of each calling the KEK; other namespaces go on. Secure
+clear bumps a namespace's epoch with a fresh wrapped salt (``new_epoch_salt``) and drops the
+cached keys (``forget``), so the next request derives keys under the new epoch.
 
-Secure clear bumps a namespace's epoch with a fresh wrapped salt (``new_epoch_salt``) and drops
-the cached keys (``forget``), so the next request derives keys under the new epoch.
-
-Storage keys are cached too (``chunk_keys``), per index key and chained hash: a prompt's prefix
-is looked up, loaded and stored again and again, and its 128 HMACs and key objects were a third
-of a 32K-token lookup. The cache is bounded (emptied when full) and emptied by ``forget``; an
-entry is keyed by the namespace epoch's index key, so a new epoch never meets an old entry.
-"""
+Storage keys are cached (``chunk_keys``: a prompt's prefix recurs, and its HMACs weigh on a lookup),
+bounded (emptied when full), emptied by ``forget``, and keyed by the namespace epoch's index key and
+the chained hash, so a new epoch never meets an entry of a previous one."""
 
 from __future__ import annotations
 

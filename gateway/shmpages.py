@@ -4,26 +4,14 @@
 Alignment. Each envelope starts on a cache line (``ALIGN``): the server places them so, the
 worker finds them so.
 
-Populating. A fresh region is a memfd of holes: its pages are allocated as they are first
-touched, and a load that touches them pays for it (an 8K-token prompt of bench-e2e's model,
-393 MB, took about a second more on its first load through a new region than on later ones).
-Allocating them all when the region is made held a tenant's first store back by as much, and
-in bench-e2e's multi-tenant workload four new tenants' first stores by seconds. So neither:
-``populate_behind`` faults the pages in on a thread of its own at nice 19, a step at a time, after
-the region was handed over. It runs only when a core is otherwise idle, and a load that comes
-before it is done faults in what it uses, as before.
-
-- The server writes into the region: ``MADV_POPULATE_WRITE`` allocates each page (zeroed) and
-  maps it writable in the server.
-- The worker reads it: ``MADV_POPULATE_READ`` maps each page in the worker (a page the server
-  did not allocate yet is allocated by that read: a memfd's hole read is a new page).
-
-``madvise`` is called through ctypes, which lets go of the GIL for the call: ``mmap.madvise`` holds
-it, and each step would then stop the event loop or the engine's thread for its length. The
-thread keeps a numpy view of the mapping while it runs, so the mapping cannot be unmapped under
-it (``mmap.close`` refuses while a view exists; the region's owner lets it go when the thread
-ends). A kernel without these advices (before Linux 5.14) answers EINVAL: the region stays lazy.
-"""
+Populating. A fresh region is a memfd of holes, its pages allocated as first touched.
+``populate_behind`` faults them in on a thread of its own at nice 19, a step at a time, after the
+region was handed over; a load that comes first faults in what it uses. The server side uses
+``MADV_POPULATE_WRITE`` (allocates each page, zeroed, mapped writable), the worker side
+``MADV_POPULATE_READ`` (maps each page; a hole read allocates it). ``madvise`` goes through ctypes,
+which releases the GIL for the call; the thread keeps a numpy view of the mapping while it runs, so
+the mapping cannot be unmapped under it. A kernel without these advices (before Linux 5.14)
+answers EINVAL: the region stays lazy. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

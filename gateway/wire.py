@@ -1,37 +1,18 @@
 """The remote data plane's own HTTP/1.1 client: ``PUT /v1/chunks`` and ``POST /v1/chunks/fetch``
-at wire speed (issue 18), for ``gateway.remote``. Everything else a worker says to a kvgate server
-(capabilities, lookups, key requests) still goes through httpx.
+at wire speed, for ``gateway.remote``; everything else a worker says to a server goes through httpx.
+A response body is received with ``socket.recv_into`` straight into the buffer that keeps each
+envelope (one copy, by the kernel), an upload is ``socket.sendall`` of the sealer's own buffers.
 
-Why a hand-written client for exactly these two calls: httpx (httpcore over anyio, h11 parsing)
-hands a response body over in 64 KiB reads, each through about ten Python frames and two copies
-(h11's receive buffer, then ``bytes``), and our frame reader copied each piece once more into the
-envelope's buffer. Measured with ``python -m gateway.bench.net`` and cProfile on this project's
-2-core box: a keyed 32 MiB x 2 fetch cost the client 3.0 CPU seconds per GB (0.24 GB/s against a
-2.0 GB/s raw loopback socket of the same run, 0.12x), almost all of it in httpcore, anyio and h11
-per-read overhead. Here a response body is received with ``socket.recv_into`` straight into the
-buffer that keeps each envelope (one copy, by the kernel, as the socket ceiling itself does), and
-an upload is ``socket.sendall`` of the sealer's own buffers (no copy in Python at all).
-
-What it does, and nothing more:
-
-- HTTP/1.1 over TCP, or TLS for ``https://`` (the ``ssl`` module: a verifying default context
-  unless one is given; certificate and host name checked);
-- request bodies with ``Content-Length`` (a list of buffers sent as they are); responses with
-  ``Content-Length``, ``Transfer-Encoding: chunked`` (chunk extensions ignored, trailers read and
-  dropped) or, for an error, read to the end of the connection;
-- keep-alive with a bounded pool (``connections``; an idle connection is dropped after
-  ``idle_s``, below the server's keep-alive timeout, and a request that finds its reused
-  connection closed under it before any answer is retried once on a fresh one);
-- a timeout on each connect, send and receive (``timeout_s``);
-- typed errors: ``RemoteUnavailable`` for a connection refused, reset or timed out; its subclass
-  ``TornResponse`` for a response that breaks HTTP/1.1 (a bad status line or header block, bad
-  chunk framing, a body shorter than it said). A torn response's connection is never reused.
-
-Every call blocks; ``gateway.remote`` runs it in a worker thread, so receiving the next envelope
-overlaps opening and scattering the previous ones (``recv_into`` and ``sendall`` release the GIL).
-``Exchange.abort`` may be called from any thread: it shuts the socket down, so a call blocked on
-it ends at once (how a cancelled request is cut mid-body).
-"""
+What it does, and nothing more: HTTP/1.1 over TCP, or TLS for ``https://`` (a verifying default
+context unless one is given); ``Content-Length`` request bodies; ``Content-Length`` or chunked
+responses (an error body may be read to the end of the connection); keep-alive with a bounded pool
+(``connections``, ``idle_s``; a reused connection closed before any answer is retried once); a
+timeout on each connect, send and receive (``timeout_s``); ``RemoteUnavailable`` for a connection
+refused, reset or timed out, and its subclass ``TornResponse`` for a response that breaks HTTP/1.1
+(its connection is never reused). Every call blocks; ``gateway.remote`` runs it in a worker thread
+so receiving overlaps opening (``recv_into``/``sendall`` release the GIL). ``Exchange.abort`` may
+be called from any thread: it shuts the socket down, so a blocked call ends at once.
+Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -277,8 +258,8 @@ class ReceiveBuffers:
     """Buffers to receive envelopes into, used again once nothing holds them any more.
 
     A fresh buffer of an envelope's size is fresh memory: every page of it faults in as the kernel
-    writes the received bytes (measured on this box: receiving 32 MiB bodies into fresh buffers ran
-    at 0.9 GB/s, into reused ones at 1.7 GB/s, same socket). ``take`` hands out a view of a kept
+    writes the received bytes, so reusing buffers speeds receiving up (docs/architecture.md,
+    section 5). ``take`` hands out a view of a kept
     buffer of exactly that size where one is free, else of a new one; the buffer comes back here
     when the last view of it (and anything made from one: a tensor over it) is gone, never
     before, and at most ``max_bytes`` of free buffers are kept. The caller fills every byte of
