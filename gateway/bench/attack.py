@@ -1,30 +1,18 @@
 """The prefix-cache timing attack, reproduced the way the published audits run it.
 
-Gu et al., "Auditing Prompt Caching in Language Model APIs" (ICML 2025): the attacker sends
-``hit`` prompts that share a long prefix (95%) with a prompt the victim just sent, and ``miss``
-prompts that share nothing, 250 of each in shuffled order, and compares the two latency
-distributions with a one-sided two-sample Kolmogorov-Smirnov test. A tiny p-value means the
-cache leaks whether the victim's prompt is cached.
+Gu et al., "Auditing Prompt Caching in Language Model APIs" (ICML 2025): ``hit`` prompts share a
+long prefix (95%) with the victim's prompt, ``miss`` prompts share nothing, 250 of each in shuffled
+order; a one-sided two-sample Kolmogorov-Smirnov test compares the two latency distributions, and
+a tiny p-value means the cache leaks whether the victim's prompt is cached. Here the victim is
+tenant A, and the attacker times ``lookup`` then ``retrieve`` of the candidate (what a worker does
+before prefill); on this path a hit is *slower* (the load moves and decrypts the hit chunks), so
+the alternative is "hit samples are stochastically larger". Before every sample the victim stores
+a fresh prompt (untimed), so only whether the probe shares its prefix differs.
 
-Here the victim is tenant A, who stores the KV of a long prompt through the gateway core. The
-attacker times what an inference worker does before prefill: ``lookup`` then ``retrieve`` of the
-candidate prompt. Direction of the one-sided test: on the gateway's path a hit is *slower* (the
-load moves and decrypts the hit chunks; an engine would then skip their prefill, so time to
-first token would be faster): alternative "hit samples are stochastically larger".
-
-Targets:
-
-- ``shared-baseline``: a shared cache without namespaces, i.e. kvgate with isolation off, built by
-  :func:`gateway.bench.baselines.shared_tenant_runtime` (every capability maps to one
-  pseudo-tenant). Expected: p tiny (and the attacker even reads ``loaded_tokens`` directly).
-- ``kvgate``: kvgate as shipped; B's storage keys are HMACs under B's namespace secret, so both
-  kinds of prompt miss in the same way. Expected: p >= 0.01.
-- ``same-tenant-control``: the victim times its own prompts (positive control: the test can see
-  a real difference on this machine). Expected: p tiny.
-
-Before every sample, hit or miss, the victim stores a fresh prompt (untimed), so the work done
-before each timed call is the same; only whether the probe shares its prefix differs.
-"""
+Targets: ``shared-baseline`` (kvgate with isolation off, ``baselines.shared_tenant_runtime``;
+expected p tiny), ``kvgate`` (as shipped: B's storage keys are HMACs under B's namespace secret,
+so both kinds of prompt miss alike; expected p >= 0.01), ``same-tenant-control`` (the victim times
+its own prompts, the positive control; p tiny). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

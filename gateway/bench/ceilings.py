@@ -5,7 +5,7 @@ number of threads as the figure they bound.
   the irreducible cost of an encrypted store / load.
 - ``memcpy``: a plain copy of the same bytes (torch ``copy_`` into a preallocated tensor); bounds
   the plaintext results.
-- ``single_pass`` (issue 17): ``min(aes_gcm, memcpy)`` for each direction: the most a store or load
+- ``single_pass``: ``min(aes_gcm, memcpy)`` for each direction: the most a store or load
   can reach when every byte is read once from the paged KV and written once into its place, with
   the encryption fused into that pass. Every encrypted memory-tier result is reported against it.
 

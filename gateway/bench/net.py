@@ -3,8 +3,9 @@ beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chu
 
 The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
 one streamed ``POST /v1/chunks/fetch`` per prefix, over the data plane's own client
-``gateway.wire``, received into a buffer per envelope as ``gateway.remote`` does; ``get_keyed`` with each envelope's opening key in the stream, the
-worker's load), and, labelled ``per_chunk``, one request per chunk as before issue 18.
+``gateway.wire``, received into a buffer per envelope as ``gateway.remote`` does; ``get_keyed``
+with each envelope's opening key in the stream, the worker's load), and, labelled ``per_chunk``,
+one request per chunk, the cost of a client that does not batch.
 
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
 the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;

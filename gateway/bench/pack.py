@@ -4,7 +4,7 @@
 
 Geometry: Llama-3-8B (32 layers, 8 KV heads, head size 128, fp16, block size 16) in a 4096-block
 paged cache per layer, chunks of 256 tokens (33.5 MB) and 16 tokens (2 MB) on randomly placed
-blocks. ``--variants`` also times the alternatives that were tried and not kept (K and V as two
+blocks. ``--variants`` also times alternatives the kernels do not use (K and V as two
 index_selects per layer; byte rows instead of 8-byte words; index_put_ for unpack). Prints the
 median and best GB/s (bytes of the chunk per second). A tool, not a test: nothing runs at import.
 """

@@ -106,9 +106,9 @@ def run_lmcache(
 
 def comparisons(results: list[dict[str, Any]], peer: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """kvgate (one thread) / LMCache on the same op, tier, chunk bytes and encryption; for the
-    memory tier, kvgate's encrypted figure beside LMCache's plaintext L1 too (issue 17's target),
-    and for the remote path (tier ``rest``: kvgate's REST data plane, always ciphertext) beside
-    LMCache's plaintext cache server (issue 18)."""
+    memory tier, kvgate's encrypted figure beside LMCache's plaintext L1 too, and for the remote
+    path (tier ``rest``: kvgate's REST data plane, always ciphertext) beside LMCache's plaintext
+    cache server."""
     ours = {(r["op"], r["tier"], r["chunk_bytes"], r["encrypted"]): r for r in results if r["threads"] == 1}
     out = []
     for p in peer:

@@ -52,7 +52,7 @@ async def _gateway_figures(
     """(store GB/s, load GB/s) through the gateway core for one configuration."""
     settings = Settings(
         state_dir=base, database_url=db_url, chunk_tokens=chunk_tokens, cpu_threads=threads, tiers=[cast(Literal["memory", "disk", "redis"], tier)],  # Settings validates the name
-        redis_url=redis_url if tier == "redis" else None,  # the redis tier now requires its URL in Settings
+        redis_url=redis_url if tier == "redis" else None,  # the redis tier requires its URL in Settings
     )
     chunk_bytes = GEOMETRY.chunk_nbytes(chunk_tokens)
     tokens_n = chunk_tokens * n_chunks
@@ -204,7 +204,7 @@ async def run_bench(
                         "op": op, "tier": tier, "encrypted": encrypted, "chunk_bytes": chunk_bytes,
                         "threads": threads, "gbps": round(gbps, 3), "ceiling": ceiling,
                     }
-                    if tier == "memory" and encrypted:  # issue 17: one pass over the bytes
+                    if tier == "memory" and encrypted:  # against the one-pass ceiling
                         sp = ceil.single_pass(op)
                         row["single_pass"] = {"gbps": round(sp, 3), "ratio": round(gbps / sp, 3) if sp else 0.0}
                     results.append(row)
@@ -239,7 +239,7 @@ async def run_bench(
                             })
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    # issue 9: tenants, lookups per tier, LMCache side by side, workloads, the timing attack
+    # the suite: tenants, lookups per tier, LMCache side by side, workloads, the timing attack
     suite = await bench_suite.run_suite(results, quick=quick, redis_url=redis_url, console=console, lmcache=lm)
     latency["lookup_ms_by_tier"] = suite.pop("lookup_ms_by_tier")
     if "lookup_32k_tokens_rest_ms" in latency:

@@ -1,4 +1,4 @@
-"""The rest of `kvgate bench` (issue 9), called from :func:`gateway.bench.run.run_bench`:
+"""The rest of `kvgate bench`, called from :func:`gateway.bench.run.run_bench`:
 
 - ``concurrency``: 2..16 tenants storing then loading at once through one gateway (memory tier,
   encrypted, 2 MiB chunks): aggregate GB/s and per-tenant fairness (Jain's index, min/max).

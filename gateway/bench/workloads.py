@@ -1,5 +1,4 @@
-"""Workloads shaped like LMCache's own benchmarks, driven through the gateway core, and an
-eviction flood.
+"""Workloads shaped like LMCache's own benchmarks, through the gateway core, and an eviction flood.
 
 - ``multi-round-qa`` (LMCache ``benchmarks/multi_round_qa``): users of several tenants, each
   user's context is the tenant's shared system prompt, the user's own history and a new question;
@@ -12,9 +11,8 @@ eviction flood.
   (``MemoryTier(owner_quota_bytes=...)``).
 
 Synthetic KV: Llama-3-8B heads (8 KV heads x 128, fp16) on ``WORKLOAD_LAYERS`` of its 32 layers so
-a run fits this machine; bytes scale linearly with layers. Reported per tenant: requests, prompt
-and hit tokens, hit ratio, bytes loaded and stored, seconds spent in the gateway.
-"""
+a run fits the machine (bytes scale linearly with layers). Reported per tenant: requests, prompt
+and hit tokens, hit ratio, bytes loaded and stored, seconds spent in the gateway."""
 
 from __future__ import annotations
 
