@@ -1,12 +1,12 @@
-"""Page faults and GB/s of a memory-tier store loop, 2 MiB and 32 MiB envelopes (issue 17 item 1).
+"""Page faults and GB/s of a memory-tier store loop, 2 MiB and 32 MiB envelopes.
 
 Each mode fills the tier once (warm-up: the tier then evicts on every store), then stores
 ``--gib`` GiB more and reports minor page faults per GB stored (resource.getrusage ru_minflt) and
 GB/s. "Writing an envelope" is an np.copyto from a source buffer (what the seal does to its
 output buffer).
 
-  fresh    a new np.empty envelope per store, handed to ``put`` (the tier before the arena kept
-           that buffer: run this mode with PYTHONPATH=/work/main for the "before" figure)
+  fresh    a new np.empty envelope per store, handed to ``put`` (what a tier that keeps the
+           buffer it is handed costs; run it against another checkout with PYTHONPATH=<checkout>)
   reuse    one envelope buffer written and ``put`` each time (the arena copies it in)
   reserve  ``reserve`` an extent, write the envelope straight into it, ``commit`` (no copy)
 

@@ -1,4 +1,4 @@
-"""The cost of an audit checkpoint (issue 16).
+"""The cost of an audit checkpoint.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/audit_checkpoint_cost.py [--leaves 1000000] [--db-rows 100000]
 

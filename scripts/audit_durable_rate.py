@@ -1,4 +1,4 @@
-"""Durable admin events vs the batched data path, into Postgres (issue 16).
+"""Durable admin events vs the batched data path, into Postgres.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/audit_durable_rate.py [--admin 300] [--data 20000]
 

@@ -1,4 +1,4 @@
-"""Audit events lost when a `kvgate serve` is killed -9 right after N admin actions (issue 16).
+"""Audit events lost when a `kvgate serve` is killed -9 right after N admin actions.
 
     PYTHONPATH=$PWD .venv/bin/python scripts/audit_kill_loss.py [--code DIR] [--n 30] [--reps 3]
         [--delays 0,0.01,0.1] [--db sqlite,postgres] [--kind admin|denials]
@@ -8,7 +8,7 @@ cluster of its own), sends N acknowledged admin actions over HTTP (alternating t
 key rotate; or, with ``--kind denials``, N refused calls whose ``authz.denied`` events take the
 batched data-plane path), waits the delay, kills the server with SIGKILL and counts acknowledged actions
 without their event. ``--code`` is the checkout the server runs (default: this one), so the same
-script measures an older commit: ``git archive <rev> | tar -x -C /tmp/old`` then ``--code /tmp/old``.
+script measures any other commit: ``git archive <rev> | tar -x -C /tmp/rev`` then ``--code /tmp/rev``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Store and load throughput through the gateway core with the audit writer on Postgres versus an
-audit sink that drops events (issue 4: auditing must cost the data path at most 2%).
+audit sink that drops events (the budget: auditing costs the data path at most 2%).
 
     python scripts/audit_overhead.py [postgresql+asyncpg://postgres@127.0.0.1:5432/postgres]
 

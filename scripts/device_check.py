@@ -1,33 +1,17 @@
 """One device check for ``kernels``: the GPU tests and the data path's throughput, one JSON summary.
 
-    python scripts/device_check.py                  # on the CUDA device (< 5 minutes on one H200)
+    python scripts/device_check.py                  # on the CUDA device (a few minutes)
     python scripts/device_check.py --device cpu     # the same plumbing on the CPU (figures labelled;
                                                     # the Triton kernels under TRITON_INTERPRET=1)
 
 Prints exactly one JSON object on stdout (progress goes to stderr); exits 1 if a test failed or a
-section raised, 0 otherwise. Sections:
-
-- ``tests``: ``pytest -m cuda tests/kernels/test_aes_gcm.py tests/kernels/test_kernels.py
-  tests/gateway/test_remote_device.py`` in a subprocess (on a CPU-only host they are all skipped;
-  the counts say so). The last is remote mode with the cache on the GPU: a live server (SQLite,
-  in process), the wire recorded, no run of the plaintext on it, CPU-path workers opening what the
-  device worker stored and back.
-- ``pack_unpack``: ``gateway.bench.pack.measure`` for a 256-token Llama-3-8B chunk (32 layers, 8 KV
-  heads, head size 128, fp16: 33.5 MB), both paged layouts, beside a plain contiguous device copy.
-- ``aes_gcm``: ``TorchAesGcm.encrypt_`` / ``decrypt_`` in place on a 2 MiB and the 33.5 MB buffer.
-- ``store`` / ``load``: end to end for one chunk. Store: pack, [encrypt on the device,] copy to
-  (pinned) host memory. Load: copy to the device, [check the tag and decrypt,] unpack. Plus, for
-  comparison, the CPU AEAD route (pack, copy to host, ``cryptography`` AES-GCM on the host; load
-  the reverse). GB/s counts the chunk's plaintext bytes; times are medians over ``--repeats``.
-- ``triton`` (issue 21): the fused Triton AES-GCM (``kernels.triton_gcm``) beside the torch-ops one
-  on the same bytes, a plain D2H copy of those bytes, encrypted offload (gather+encrypt in one pass,
-  2 MiB segments, each copied to pinned memory on a side stream as soon as it is encrypted) vs
-  plaintext offload (pack + D2H) of a 32 MiB Llama-3-8B chunk (256 tokens), the loads in reverse,
-  and bit-identity against ``cryptography`` on a sample. On the CPU the interpreter runs it on a
-  small chunk (``--triton-tokens``, default 2 of a 2-layer model) and small buffers: the figures
-  then say nothing about a GPU, the bit-identity does. Its tests run too
-  (``tests/kernels/test_triton_gcm.py -m "not slow"``, compiled on CUDA).
-"""
+section raised, 0 otherwise. Sections: ``tests`` (the ``-m cuda`` tests of tests/kernels and
+tests/gateway/test_remote_device.py in a subprocess; skipped on a CPU-only host, as the counts
+say), ``pack_unpack`` (beside a plain device copy), ``aes_gcm`` (``TorchAesGcm`` in place),
+``store`` / ``load`` (one chunk end to end, beside the CPU AEAD route), ``triton`` (the fused
+Triton AES-GCM beside the torch-ops one, encrypted vs plaintext offload, bit-identity against
+``cryptography``, and its tests). On the CPU the Triton section runs on a small chunk: its figures
+then say nothing about a GPU, its bit-identity does. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

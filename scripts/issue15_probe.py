@@ -1,11 +1,13 @@
-"""Issue 15: the attacker's requests, one per point, against a live server of this tree.
+"""An attacker's requests against a live server of this tree, one line per probe.
 
     PYTHONPATH=<repo> python scripts/issue15_probe.py
 
 Starts the test suite's live server (SQLite, memory and disk tiers, the development issuer) and
-prints one line per probe: what was sent and what came back. Run it on the code before the
-hardening and after, and compare. Point 4 (outages) and 6 (vLLM) need a stopped Postgres and a
-real engine: see tests/e2e/test_hardening_outage.py and tests/engine/test_http.py.
+prints what each probe sent and what came back, labelled by area: [1] a misspelled admin body,
+[2] tenant and namespace names (NUL, zero-width, case), [3] unauthenticated, oversized and slow
+requests, [8] the file modes of the state. Run it against two checkouts to compare them. Outages
+and vLLM need a stopped Postgres and a real engine: see tests/e2e/test_hardening_outage.py and
+tests/engine/test_http.py.
 """
 
 from __future__ import annotations

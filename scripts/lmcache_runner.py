@@ -1,43 +1,17 @@
 """LMCache's storage path on the same chunks as `kvgate bench`, for the side-by-side figures.
 
-Run with the python of ``.venv-lmcache`` (``make bench-setup`` creates it; lmcache is never a
-dependency of kvgate) by :mod:`gateway.bench.peers`, as ``python -I scripts/lmcache_runner.py``:
-this file lives outside every package directory and runs isolated, so no module of the checkout
-can shadow the standard library or LMCache. It imports only torch and lmcache, never kvgate,
-exits non-zero when any configuration fails, and prints one JSON object on stdout:
-``{"lmcache_version", "results": [{"path", "op", "tier", "encrypted", "chunk_bytes", "chunks",
-"gbps"}], "errors": [...]}``.
+Run with the python of ``.venv-lmcache`` (``make bench-setup``; lmcache is never a dependency of
+kvgate) by :mod:`gateway.bench.peers`, as ``python -I scripts/lmcache_runner.py``: outside every
+package and isolated, so no module of the checkout can shadow the standard library or LMCache. It
+imports only torch and lmcache, never kvgate, exits non-zero when any configuration fails, and
+prints one JSON object: ``{"lmcache_version", "results": [{"path", "op", "tier", "encrypted",
+"chunk_bytes", "chunks", "gbps"}], "errors": [...]}``.
 
-Path measured (label ``lmcache-mp-storage-manager``): LMCache 0.5.x's multiprocess-mode
-``StorageManager`` on CPU with the DRAM L1 and one L2 adapter:
-
-- ``memory``: L1 only. Store = ``reserve_write`` + copy of the chunk into the L1 object +
-  ``finish_write``; load = ``submit_prefetch_task`` (L1 hit) + ``read_prefetched_results`` + copy out
-  + ``finish_read_prefetched``. The copies in and out are timed (its objects are references).
-- ``disk``: L2 adapter ``fs`` (buffered; ``fs-odirect`` with O_DIRECT), plaintext, and ``fs`` with the
-  ``aesgcm`` serde (AES-256-GCM, encrypted). Store time runs until the adapter reports every
-  chunk written (its L2 writes are in the background); load time starts with L1 emptied and runs
-  until every chunk was prefetched from L2 and copied out. Buffered reads may come from the page
-  cache: that is what LMCache's fs path does on this machine, not disk speed.
-- ``redis``: L2 adapter ``resp`` (its native RESP client), plaintext, and with ``aesgcm``.
-
-Remote path (label ``lmcache-server/lm``, tier ``rest``: beside kvgate's REST data plane): LMCache's
-own cache server (``python -m lmcache.v1.server 127.0.0.1 PORT cpu``, its ``lmcache_server``) in a
-process of its own, and the exchange its remote connector makes with it (``LMCServerConnector``,
-``lm://``, ``storage_backend/connector/lm_connector.py``), built from LMCache's own protocol classes
-(``ClientMetaMessage`` / ``ServerMetaMessage``, ``CacheEngineKey``) on one TCP connection: a put
-is the meta message then the bytes (``sendall``), a get the meta message, the reply's meta, then
-``recv_into`` a preallocated buffer of the chunk's size, as the connector receives into its memory
-object. The connector itself is not instantiated: it needs a whole ``LocalCPUBackend`` and engine
-configuration around it, for nothing these calls do. A put is not acknowledged in that protocol,
-so the store time runs until an ``EXIST`` of the last key has been answered (the server handles a
-connection's commands in order). Plaintext only: the ``aesgcm`` serde belongs to the L2 adapters of
-the storage manager, not to this connector.
-
-Bytes are random (incompressible) fp16 tensors of the chunk size, as many distinct sources and
-destinations as there are chunks (the same bytes kvgate's figures stream, never one buffer that
-stays hot in the CPU cache); median of ``reps``.
-"""
+Paths: ``lmcache-mp-storage-manager`` (LMCache 0.5.x's multiprocess-mode ``StorageManager`` on CPU:
+tier ``memory`` is its DRAM L1, ``disk`` its ``fs`` L2 adapter, ``redis`` its ``resp`` adapter,
+plaintext and with the ``aesgcm`` serde) and ``lmcache-server/lm`` (tier ``rest``: LMCache's own
+cache server and its ``lm://`` protocol, plaintext). Bytes are random fp16, as many distinct
+buffers as chunks; median of ``reps``. What each path times: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """In-process lookup of a 32K-token prefix (128 chunks of 256 tokens, all present) through the
-public ``Gateway.lookup``: wall and CPU-time p50/p99 ms, and a profile (issue 17 item 5). Run it
-with PYTHONPATH=/work/main for the "before" figure (the script only uses public seams).
+public ``Gateway.lookup``: wall and CPU-time p50/p99 ms, and a profile. It uses only public
+seams, so it runs against another checkout too (PYTHONPATH=<checkout>).
 
     PYTHONPATH=$PWD python scripts/lookup_latency.py [--tiers memory,disk] [--reps 500] [--profile]
 """

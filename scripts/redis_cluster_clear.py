@@ -1,7 +1,6 @@
 """Fill 1,000,000 tiny chunks of one namespace in a throwaway 6-node Redis Cluster, then time
-RedisClusterTier.delete_group and check that nothing of the namespace is left on any node
-(issue 20). The single-node figure comes from scripts/redis_million_clear.py. From the repository
-root:
+RedisClusterTier.delete_group and check that nothing of the namespace is left on any node.
+The single-node figure comes from scripts/redis_million_clear.py. From the repository root:
 
     PYTHONPATH=. python scripts/redis_cluster_clear.py [N]
 """

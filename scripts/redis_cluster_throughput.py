@@ -1,5 +1,5 @@
 """Throughput of the Redis Cluster tier beside raw redis-py ``RedisCluster`` SET/GET of the same
-bytes, in the same run, on a throwaway 6-node cluster (issue 20). From the repository root:
+bytes, in the same run, on a throwaway 6-node cluster. From the repository root:
 
     PYTHONPATH=. python scripts/redis_cluster_throughput.py [--rounds 3] [--mib 96]
 

@@ -1,5 +1,5 @@
 """Fill 1,000,000 tiny chunks of one group in a throwaway redis-server, then time
-RedisTier.delete_group (issue 6). Run from the repository root:
+RedisTier.delete_group. Run from the repository root:
 
     PYTHONPATH=. python scripts/redis_million_clear.py
 """

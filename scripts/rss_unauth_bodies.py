@@ -6,7 +6,7 @@ Starts ``python -m gateway serve`` on a free port with a fresh state directory (
 and disk tiers), waits for /healthz, then sends the bodies concurrently over raw sockets (no
 Authorization header, invalid JSON) and samples /proc/<pid>/status (VmRSS, VmHWM) every 10 ms.
 Prints one JSON line: idle RSS, peak RSS, the statuses the clients got and how long they took.
-Issue 15, point 3: run it on the code before the change and after.
+Run it against two checkouts to compare them.
 """
 
 from __future__ import annotations

@@ -4,22 +4,14 @@
 
 Run in its own process from .venv-vllm (LMCache's system: from LMCache's environment; vLLM
 spawns its engine core and worker processes, so it needs the ``__main__`` guard); the runner
-starts it, waits for it and stops it by process id.
-Plan: the model, the engine flags (the same for every system), the KV transfer config (or none),
-the capabilities by name and the steps:
-
-- ``gen``: one batch of requests, each ``{"parts": [[n, seed], ...], "cap": name|null,
-  "salt": str|null}`` (the prompt is the concatenation of ``prompt_ids(n, seed)`` parts), all
-  with ``max_tokens`` greedy tokens (EOS ignored). Result per request: output token ids, vLLM's
-  ``num_cached_tokens``, the connector's ``kv_transfer_params``, time to first token and the
-  first and last token times from vLLM's request metrics, and the batch's wall time.
-- ``flush``: drop what the system cached (the Redis prefix of kvgate's embedded shared tier, or
-  the ExampleConnector's directory), so the machine's memory holds one prompt set at a time.
-- ``settle``: wait until every store the connector submitted has ended (kvgate stores are
-  asynchronous; its trace says when each ends), so a hit measures a load, not a race with the
-  store before it; the wait goes into the next request's row as ``settled_s``. A system without
-  a trace (its stores end before the request does) has nothing to wait for.
-"""
+starts it, waits for it and stops it by process id. Plan: the model, the engine flags (the same
+for every system), the KV transfer config (or none), the capabilities by name and the steps:
+``gen`` (one batch of requests, greedy, EOS ignored; per request the output ids, vLLM's
+``num_cached_tokens``, the connector's ``kv_transfer_params`` and token times), ``flush`` (drop
+what the system cached, so memory holds one prompt set at a time), ``settle`` (wait until every
+store the connector submitted has ended, so a hit measures a load, not a race with the store
+before it; the wait goes into the next row as ``settled_s``). Design notes: docs/architecture.md,
+section 5."""
 
 from __future__ import annotations
 

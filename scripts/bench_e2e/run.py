@@ -3,24 +3,16 @@
     python -m scripts.bench_e2e.run [--quick] [--lengths 1024,4096,8192] [--reps 5] [--systems ...]
 
 Builds the random-weight Llama (model.py), then for each system (systems.py) starts one engine
-process (engine.py; LMCache's in LMCache's own environment, after a preflight) with the same
-flags and thread count, drives it through the same steps, stops it by process id, and writes
-``bench-results/e2e.json``, the PNG and the Markdown table
-(report.py; ``--docs`` also refreshes docs/e2e.md, docs/e2e.json, docs/img/e2e_ttft.png and the
-README section between its markers). Steps, per system:
-
-1. warm-up (two short prompts, no capability);
-2. per prompt length L and prompt i < reps: no connector: one request; a connector: tenant A
-   misses (and stores), the store is let finish (kvgate's stores are asynchronous: ``settle``
-   waits for the connector's trace to say so), A hits; at the isolation length tenant B sends A's prompt; then the
-   system's store is flushed (one prompt's KV in memory at a time);
-3. the multi-tenant workload: T tenants, each with its own context of C tokens, Q rounds of one
-   question (64 tokens) per tenant, each round one batch of T concurrent requests.
-
-A system that cannot run here is not dropped silently: its reason (``systems.NotRun``, or a
-preflight that saw no hit) goes to ``meta.not_run`` and the report gives it a row of its own;
-a system that fails mid-run goes to ``meta.failed`` and gets a row too.
-"""
+process (engine.py; LMCache's in its own environment, after a preflight) with the same flags and
+thread count, drives it through the same steps, stops it by process id, and writes
+``bench-results/e2e.json``, the PNG and the Markdown table (report.py; ``--docs`` also refreshes
+docs/e2e.md, docs/e2e.json, docs/img/e2e_ttft.png and the README section between its markers).
+Steps per system: a warm-up; per prompt length and repetition, tenant A misses and stores, the
+store settles, A hits, at the isolation length tenant B sends A's prompt, then the store is
+flushed; the multi-tenant workload. A system that cannot run is not dropped silently: its reason
+(``systems.NotRun``, or a preflight that saw no hit) goes to ``meta.not_run``, one that fails
+mid-run to ``meta.failed``, and the report gives each a row. Design notes: docs/architecture.md,
+section 5."""
 
 from __future__ import annotations
 

@@ -1,36 +1,18 @@
 """The systems under test, each set up as a new user would, and torn down by process id.
 
-- ``none``: vLLM with no KV connector.
-- ``kvgate-embedded``: the kvgate connector with the core in the worker, tiers memory + Redis
-  (the scheduler process looks up in Redis; the worker loads from its own memory tier), a
-  SQLite state directory of its own, capabilities minted in that state.
-- ``kvgate-embedded-whole``: the same with ``layerwise_loads: false`` (every layer of a hit is in
-  before the forward starts): the control for layer-wise loads.
-- ``kvgate-remote-shm-whole``: ``kvgate-remote-shm`` with ``layerwise_loads: false`` (its control).
-- ``kvgate-remote``: the connector in remote mode against a ``kvgate serve`` of its own (a free
-  port, a temporary state directory, memory tier): an operator token from ``kvgate token mint``,
-  tenants from ``POST /v1/admin/tenants`` and capabilities from ``POST /v1/capabilities`` with it,
-  the worker holding that operator token in ``KVGATE_REMOTE_TOKEN``.
-- ``kvgate-remote-uds``: the same, with the server also on a Unix socket (``kvgate serve --uds``)
-  and the connector going there (``remote_uds``): a kvgate server on the workers' host.
-- ``kvgate-remote-shm``: the same, and loads borrow a shared-memory region of ``shm_mb`` per
-  tenant from the server (``remote_shm_mb``, ``gateway/server/shm.py``): the envelopes that fit
-  are copied once by the server and read in place by the worker, none through the socket.
-- ``example``: vLLM's in-tree ExampleConnector (plaintext safetensors files per request and layer
-  in a directory), tenants told apart only by ``cache_salt``, which it does not read.
-- ``lmcache``: LMCache's vLLM connector (``LMCacheConnectorV1``, its in-process adapter, CPU tier
-  of ``memory_bytes``) in an environment of its own: LMCache pins and replaces packages, so the
-  engine runs on ``--lmcache-vllm-python`` / ``KVGATE_E2E_LMCACHE_PYTHON`` (default
-  ``.venv-lmcache-vllm/bin/python`` here; ``make lmcache-vllm-setup``). Tenants are told apart
-  only by ``cache_salt``, which that adapter does not read (LMCache 0.5.6). Without the
-  environment it is not run (``NotRun``, with the reason for the report); with it, the runner's
-  preflight must see a hit first (see ``run.preflight``): LMCache without a connector for the
-  engine's device degrades to recompute and would otherwise stand in the tables as a system
-  that never hits.
+    none                      vLLM with no KV connector
+    kvgate-embedded           the connector with the core in the worker (memory + Redis tiers)
+    kvgate-embedded-whole     the same with ``layerwise_loads: false``: the layer-wise control
+    kvgate-remote             remote mode against a ``kvgate serve`` of its own (memory tier)
+    kvgate-remote-uds         the same over a Unix socket (``kvgate serve --uds``, ``remote_uds``)
+    kvgate-remote-shm         the same, loads through a shared-memory region per tenant
+    kvgate-remote-shm-whole   ``kvgate-remote-shm`` with ``layerwise_loads: false``
+    example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
+    lmcache                   LMCache's vLLM connector in its own environment (``--lmcache-vllm-python``)
 
-Every system gets the same ``cache_salt`` per tenant (what kvgate's middleware would set; vLLM's
-prefix cache is off, so it only matters to a connector that reads it).
-"""
+Without its environment a system is not run (``NotRun``, with the reason for the report); LMCache's
+must show a hit in a preflight (``run.preflight``). Every system gets the same ``cache_salt`` per
+tenant (vLLM's prefix cache is off). Each system's set-up: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
