@@ -1,28 +1,17 @@
 """KEK rotation: rewrap every KEK-wrapped secret under the configured (new) KEK version.
 
-What is rewrapped, in this order, each row in its own small conditional UPDATE:
+Rewrapped in this order, each row in its own small conditional UPDATE: data keys
+(``kv_data_keys.wrapped_key``, context ``crypto.contexts.dek_context(tenant, version)``), gateway
+secrets (``kv_secrets``: the namespace master secret, the capability key), namespace epoch salts
+(``kv_namespaces.wrapped_salt``). The DEKs themselves do not change, so chunk envelopes are not
+touched and every chunk written before the rotation still opens after it.
 
-1. data keys (``kv_data_keys.wrapped_key``, context ``crypto.contexts.dek_context(tenant, version)``);
-2. gateway secrets (``kv_secrets``: the namespace master secret, the capability key);
-3. namespace epoch salts (``kv_namespaces.wrapped_salt``).
-
-The DEKs themselves do not change, so chunk envelopes are not touched and every chunk written
-before the rotation still opens after it. Only the wrapping changes.
-
-Resumable: data-key and secret rows carry ``kek_id``; a pass selects only rows whose ``kek_id`` is
-not the new KEK's, so a restart after a crash rewraps only what is left. Salt rows carry no
-``kek_id``; a salt counts as done when the new provider says it wrapped it (``key_id_of``, for the
-HSM and KMS providers) or, for a provider without ``key_id_of`` (the key file), when the new KEK
-unwraps it. Every UPDATE is conditional on the old blob (and epoch) it read, so a key destroyed or
-an epoch bumped by a concurrent secure clear is never resurrected or overwritten.
-
-Which provider unwraps an old row: the one in ``previous`` whose ``key_id`` matches the row, else
-any that can (HSM and KMS providers unwrap their own older versions: the blob names its key).
-
-Audited as ``kek.rotate`` (phase ``started`` and ``completed`` / ``incomplete``, with counts).
-
-The queries live in ``tenancy.rewrap`` (tenancy owns the tables).
-"""
+Resumable: a pass rewraps only rows not yet under the new KEK, so a restart after a crash does only
+what is left. Every UPDATE is conditional on the blob (and epoch) it read, so a key destroyed or an
+epoch bumped by a concurrent secure clear is never resurrected or overwritten. A row is unwrapped
+by the provider in ``previous`` whose ``key_id`` matches it, else by any that can. Audited as
+``kek.rotate`` (phase ``started`` and ``completed`` / ``incomplete``, with counts). The queries
+live in ``tenancy.rewrap`` (tenancy owns the tables). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
