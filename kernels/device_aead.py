@@ -43,7 +43,7 @@ DeviceAes = Literal["auto", "triton", "torch"]
 
 
 def triton_available() -> bool:
-    """``triton`` is installed (looked up, not imported: importing it costs about a second)."""
+    """``triton`` is installed (looked up, not imported: importing it is slow)."""
     return importlib.util.find_spec("triton") is not None
 
 

@@ -184,7 +184,7 @@ async def _fetch_json(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
 
 @dataclass(eq=False)
 class _KeyCache:
-    """The JWKS of one issuer, with lifespan and refetch cooldown (see the module docstring)."""
+    """The JWKS of one issuer, with lifespan and refetch cooldown (docs/architecture.md, section 5)."""
 
     config: IssuerConfig
     http: Callable[[], httpx.AsyncClient]

@@ -5,7 +5,7 @@ vLLM loads offline (``HF_HUB_OFFLINE=1``), with weights drawn from a fixed seed,
 deterministic and depends on every KV entry (a wrong or foreign KV changes the output). The
 tokenizer maps ``w0 .. w{V-1}`` to one token each, so a prompt of n words is n tokens exactly.
 
-Sizes: ``full`` is the issue's reference shape (hidden 1024, 12 layers, 16 query heads and 8 KV
+Sizes: ``full`` is the reference shape (hidden 1024, 12 layers, 16 query heads and 8 KV
 heads of 64, intermediate 2816: about 141M parameters, 48 KiB of fp32 KV per token), big enough
 that prefill dominates on a CPU; ``tiny`` (hidden 128, 2 layers) is for developing the harness.
 Adapted from tests/engine/tiny_model.py (which stays the test suite's own).
