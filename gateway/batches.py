@@ -147,8 +147,8 @@ class PrefixItem:
     """One answer of the prefix walk: ``found`` is None where the walk ended (``reason``:
     ``missing``, ``tier_unavailable`` or ``tier_timeout`` where a tier could not answer, or not in
     time, ``key_unavailable`` where the envelope's key version is destroyed); ``key`` is the
-    envelope's opening key where keys were
-    asked for (None with ``reason`` ``unkeyed``: its header does not parse)."""
+    envelope's opening key where keys were asked for (None with ``reason`` ``unkeyed``: its
+    header does not parse)."""
 
     chained_hash: bytes
     found: StoredChunk | None
@@ -165,20 +165,19 @@ async def fetch_prefix(
     cap, chunk_keys = await plane.keys_for(token, "get", hashes)
     issue = await plane.begin_issue(cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch") if keys else None
     stats = plane.stats
-    degraded = ""  # a faster tier failed and a slower one served: why
+    passed_over: list[TierError] = []  # faster tiers that failed before a slower one served
     try:
         for h, key in zip(hashes, chunk_keys):
             chained = bytes.fromhex(h)
             try:
-                found, passed_over = await plane.tiers.get_checked(key)
+                found, failed = await plane.tiers.get_checked(key)
             except ChunkNotFound as exc:
                 yield _ended(stats, chained, failure_reason(exc.tier_errors) or "missing")
                 return
             except TierError as exc:
                 yield _ended(stats, chained, failure_reason([exc]))
                 return
-            if passed_over and degraded != "tier_timeout":
-                degraded = failure_reason(passed_over)
+            passed_over += failed
             opening: EnvelopeKey | None = None
             if issue is not None:
                 try:
@@ -196,6 +195,7 @@ async def fetch_prefix(
     finally:
         if issue is not None:
             issue.close()  # one key.issue event per fetch, with the keys that were issued
+        degraded = failure_reason(passed_over)
         if degraded:
             stats[f"load_degraded_{degraded}"] += 1
             _degraded_log.warning("a fetch was served by a slower tier because a faster one failed: %s", degraded)

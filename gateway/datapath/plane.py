@@ -51,7 +51,6 @@ __all__ = ["DataPlane"]
 
 log = logging.getLogger("kvgate.core")
 _degraded_log = RateLimitedLogger(log)  # an outage degrades every load: one line per interval
-_DEGRADED = -1  # the key in a load's ``ended`` under which a degraded fetch notes its reason
 
 BlockIds = Sequence[int] | torch.Tensor | None
 
@@ -290,7 +289,8 @@ class DataPlane:
             )
         try:
             upto = None if write_upto is None else write_upto - base
-            loaded, failures, unavailable, ended = await self._load(session, model, chunks, kv, slots, upto, on_layers)
+            loaded, failures, unavailable, ended, passed_over = await self._load(
+                session, model, chunks, kv, slots, upto, on_layers)
         finally:
             await session.aclose()
         reason = ""
@@ -298,8 +298,8 @@ class DataPlane:
             reason = ended.get(loaded, "miss")
             self.stats[f"load_failed_{reason}"] += 1
             log.info("load ended at chunk %d of %d: %s", loaded, len(chunks), reason)  # callers warn
-        degraded = ended.get(_DEGRADED, "")
-        if degraded and loaded:
+        degraded = failure_reason(passed_over) if loaded else ""
+        if degraded:
             self.stats[f"load_degraded_{degraded}"] += 1
             _degraded_log.warning("load served by a slower tier because a faster one failed: %s", degraded)
         self.stats["chunks_loaded"] += loaded
@@ -310,19 +310,21 @@ class DataPlane:
             integrity_failures=failures,
             unavailable=unavailable,
             reason=reason,
-            degraded=degraded if loaded else "",
+            degraded=degraded,
         )
 
     async def _load(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor,
         write_upto: int | None = None,
         on_layers: OnLayers | None = None,
-    ) -> tuple[int, int, int, dict[int, str]]:
+    ) -> tuple[int, int, int, dict[int, str], list[BaseException]]:
         """Fetch, authenticate, decrypt and scatter the stored prefix in batches: every fetch is
         started at once (one streamed request in remote mode), and each batch keys and opens its
-        chunks as soon as they are in, so opening one batch overlaps the fetches of the next."""
+        chunks as soon as they are in, so opening one batch overlaps the fetches of the next.
+        Also returns the failures of faster tiers that slower ones served past."""
         stats = {"failures": 0, "unavailable": 0}
         ended: dict[int, str] = {}  # chunk index -> why the prefix ended there
+        passed_over: list[BaseException] = []
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
         tiers: dict[int, str] = {}  # chunk index -> the tier its envelope came from
 
@@ -357,6 +359,8 @@ class DataPlane:
 
         async def fetch_and_open(batch: list[int], b: int) -> int:
             got = await self._fetch_run(session, batch, stats, ended)
+            for f in got:
+                passed_over.extend(f.passed_over)
             # only the tier is kept past this batch: an envelope's buffer is let go as soon as its
             # batch is opened (a remote load's receive buffers then serve the next batches,
             # instead of every envelope of the prompt being alive, and fresh memory, at once)
@@ -379,7 +383,7 @@ class DataPlane:
             loaded += n
             if n < len(batch):
                 break
-        return loaded, stats["failures"], stats["unavailable"], ended
+        return loaded, stats["failures"], stats["unavailable"], ended, passed_over
 
     async def _open_jobs(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], slots: torch.Tensor, first: int,
@@ -423,15 +427,11 @@ class DataPlane:
     async def _fetch_run(
         session: ChunkSession, indices: Sequence[int], stats: dict[str, int], ended: dict[int, str]
     ) -> list[Fetched]:
-        """The envelopes of ``indices`` in order, up to the first that could not be fetched (an
-        envelope served past a failed tier notes why under ``ended[_DEGRADED]``)."""
+        """The envelopes of ``indices`` in order, up to the first that could not be fetched."""
         out: list[Fetched] = []
         for i in indices:
             try:
-                got = await session.fetch(i)
-                out.append(got)
-                if got.degraded and ended.get(_DEGRADED) != "tier_timeout":
-                    ended[_DEGRADED] = got.degraded
+                out.append(await session.fetch(i))
             except FetchFailed as exc:
                 if exc.unavailable:
                     stats["unavailable"] += 1

@@ -73,7 +73,7 @@ class FetchFailed(Exception):
 class Fetched:
     envelope: memoryview
     tier: str
-    degraded: str = ""  # a faster tier failed before this one served it: tier_timeout, tier_unavailable
+    passed_over: Sequence[BaseException] = ()  # faster tiers that failed before this one served it
 
 
 @dataclass(slots=True)
@@ -220,7 +220,7 @@ class _TierSession:
             raise FetchFailed(failure_reason(exc.tier_errors) or "miss") from None
         except TierError as exc:
             raise FetchFailed(failure_reason([exc]), unavailable=True) from None
-        return Fetched(found.data, found.tier, failure_reason(passed_over))
+        return Fetched(found.data, found.tier, passed_over)
 
     async def put(self, i: int, envelope: memoryview) -> None:
         await self.store.tiers.put(self.keys[i], envelope)
