@@ -10,8 +10,9 @@ bytes. With ``D[k1:k2]`` the leaves from k1 (inclusive) to k2 (exclusive), RFC 9
 ``CompactRange`` keeps only the roots of the perfect subtrees along the right edge of the tree
 (at most log2(n) hashes, one per set bit of n), so a checkpoint extends the previous one by the
 new leaves alone. Consistency proofs (RFC 9162 section 2.1.4): ``consistency_proof`` is the
-SUBPROOF algorithm of 2.1.4.1, ``verify_consistency`` the verification of 2.1.4.2. Plain
-hashlib; nothing else is imported.
+SUBPROOF algorithm of 2.1.4.1, ``verify_consistency`` the verification of 2.1.4.2. Inclusion
+proofs (section 2.1.3): ``MerkleTree.inclusion_proof`` is PATH of 2.1.3.1 (many proofs over one
+tree, each in O(log n)), ``verify_inclusion`` the verification of 2.1.3.2. Plain hashlib.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from collections.abc import Iterable, Sequence
 __all__ = [
     "EMPTY_ROOT",
     "CompactRange",
+    "MerkleTree",
     "consistency_proof",
     "leaf_hash",
     "node_hash",
     "root_of",
     "verify_consistency",
+    "verify_inclusion",
 ]
 
 EMPTY_ROOT = hashlib.sha256(b"").digest()
@@ -149,3 +152,82 @@ def verify_consistency(m: int, n: int, first_root: bytes, second_root: bytes, pr
         fn >>= 1
         sn >>= 1
     return sn == 0 and fr == first_root and sr == second_root
+
+
+class MerkleTree:
+    """A whole tree over leaf hashes, kept as packed levels of its perfect subtrees (about 64
+    bytes a leaf), to answer many inclusion proofs."""
+
+    def __init__(self, leaves: Iterable[bytes]) -> None:
+        level = bytearray()
+        for leaf in leaves:
+            if len(leaf) != 32:
+                raise ValueError("a leaf hash is 32 bytes")
+            level += leaf
+        self.size = len(level) // 32
+        self._levels = [bytes(level)]
+        while len(self._levels[-1]) >= 64:
+            below = self._levels[-1]
+            self._levels.append(b"".join(
+                node_hash(below[i:i + 32], below[i + 32:i + 64]) for i in range(0, len(below) - 63, 64)
+            ))
+        self._edge: dict[tuple[int, int], bytes] = {}
+
+    def _hash(self, start: int, end: int) -> bytes:
+        """MTH(D[start:end]) for a range the RFC 9162 recursion visits: a perfect, aligned
+        subtree, or one that ends at the tree's right edge."""
+        width = end - start
+        if width & (width - 1) == 0 and start % width == 0:
+            j = width.bit_length() - 1
+            i = (start >> j) * 32
+            return self._levels[j][i:i + 32]
+        got = self._edge.get((start, end))
+        if got is None:
+            k = _split(width)
+            got = self._edge[(start, end)] = node_hash(self._hash(start, start + k), self._hash(start + k, end))
+        return got
+
+    def root(self) -> bytes:
+        return EMPTY_ROOT if self.size == 0 else self._hash(0, self.size)
+
+    def leaf(self, index: int) -> bytes:
+        return self._levels[0][index * 32:index * 32 + 32]
+
+    def inclusion_proof(self, index: int) -> list[bytes]:
+        """PATH(index, D[0:size]) of RFC 9162 section 2.1.3.1, leaf first."""
+        if not 0 <= index < self.size:
+            raise ValueError(f"no leaf {index} in a tree of {self.size}")
+        proof: list[bytes] = []
+        start, end, m = 0, self.size, index
+        while end - start > 1:
+            k = _split(end - start)
+            if m < k:
+                proof.append(self._hash(start + k, end))
+                end = start + k
+            else:
+                proof.append(self._hash(start, start + k))
+                start, m = start + k, m - k
+        proof.reverse()
+        return proof
+
+
+def verify_inclusion(index: int, size: int, leaf: bytes, proof: Sequence[bytes], root: bytes) -> bool:
+    """RFC 9162 section 2.1.3.2: is ``leaf`` (a leaf hash) leaf ``index`` of the tree of ``size``
+    leaves whose root is ``root``?"""
+    if not 0 <= index < size:
+        return False
+    fn, sn, r = index, size - 1, leaf
+    for p in proof:
+        if sn == 0:
+            return False
+        if fn & 1 or fn == sn:
+            r = node_hash(p, r)
+            if not fn & 1:
+                while fn != 0 and not fn & 1:
+                    fn >>= 1
+                    sn >>= 1
+        else:
+            r = node_hash(r, p)
+        fn >>= 1
+        sn >>= 1
+    return sn == 0 and r == root

@@ -99,3 +99,35 @@ def test_a_rewritten_prefix_is_inconsistent() -> None:
     assert not verify_consistency(0, 4, old, old, [])
     with pytest.raises(ValueError):
         consistency_proof(LEAVES[:4], 5)
+
+
+def brute_path(m: int, leaves: list[bytes]) -> list[bytes]:
+    """PATH(m, D[n]) of RFC 9162 section 2.1.3.1, written out as the definition."""
+    n = len(leaves)
+    if n == 1:
+        return []
+    k = 1
+    while k * 2 < n:
+        k *= 2
+    if m < k:
+        return brute_path(m, leaves[:k]) + [brute_root(leaves[k:])]
+    return brute_path(m - k, leaves[k:]) + [brute_root(leaves[:k])]
+
+
+def test_inclusion_proofs_for_every_leaf_of_every_size() -> None:
+    from audit.merkle import MerkleTree, verify_inclusion
+
+    for n in range(1, N + 1):
+        tree, root = MerkleTree(LEAVES[:n]), brute_root(LEAVES[:n])
+        assert tree.root() == root
+        for m in range(n):
+            proof = tree.inclusion_proof(m)
+            assert proof == brute_path(m, LEAVES[:n]), (m, n)
+            assert verify_inclusion(m, n, LEAVES[m], proof, root)
+            assert not verify_inclusion(m, n, LEAVES[(m + 1) % n], proof, root) or n == 1
+            if proof:
+                assert not verify_inclusion(m, n, LEAVES[m], proof[:-1], root)  # a hash short
+                assert not verify_inclusion(m, n, LEAVES[m], [*proof[:-1], bytes(32)], root)  # one replaced
+    assert not verify_inclusion(5, 5, LEAVES[0], [], LEAVES[0])  # no such leaf
+    with pytest.raises(ValueError):
+        MerkleTree(LEAVES[:3]).inclusion_proof(3)
