@@ -165,6 +165,19 @@ class CheckpointDirectory:
             return []
         return sorted(self.path.glob("checkpoint-*.json"), reverse=True)
 
+    def covering(self, size: int, public_key: PublicKey) -> Checkpoint | None:
+        """The smallest checkpoint of at least ``size`` rows that verifies; else the newest one.
+        Once one exists the choice never changes (later checkpoints are larger), so an export of
+        a fixed window is reproducible."""
+        for path in sorted(self.files()):
+            try:
+                if int(path.name.split("-")[1]) < size:
+                    continue
+                return read_checkpoint(path, public_key)
+            except (CheckpointError, IndexError, ValueError) as exc:
+                log.error("audit checkpoint %s skipped: %s", path, exc)
+        return self.latest(public_key)
+
     def latest(self, public_key: PublicKey) -> Checkpoint | None:
         """The newest checkpoint that verifies under ``public_key`` (others are logged and skipped)."""
         for path in self.files():

@@ -75,6 +75,10 @@ class Checkpointer:
     def latest(self) -> Checkpoint | None:
         return self.directory.latest(self._public_key)
 
+    def covering(self, size: int) -> Checkpoint | None:
+        """The smallest stored checkpoint of at least ``size`` rows, else the newest (exports)."""
+        return self.directory.covering(size, self._public_key)
+
     async def checkpoint(self) -> Checkpoint:
         """Sign and store a checkpoint of the whole chain as it is now; raise CheckpointTampered
         if the chain does not extend the newest checkpoint."""

@@ -1,42 +1,17 @@
 """Export: stream audit rows as JSON Lines or CSV, then sign a manifest that binds them.
 
-    export = AuditExport(store, signing_key, format="jsonl", since=t0, until=t1, tenant=None)
+    export = AuditExport(store, signer, format="jsonl", since=t0, until=t1)
     async for chunk in export.stream():   # bytes, a few hundred rows at a time
         sink.write(chunk)
     manifest = export.manifest_bytes()    # available once the stream is exhausted
 
-Rows come in seq order from one database snapshot and are never all in memory.
-
-Why each row carries ``prev_hash`` and ``hash`` (and how filtered exports verify): an export
-filtered by tenant leaves holes in the chain, so a verifier cannot recompute the chain from one
-row to the next everywhere. Instead every row is self-checking (its hash is recomputed from its
-own fields and prev_hash) and, wherever two exported rows have consecutive seqs, the link
-(``prev_hash`` = previous ``hash``) is checked too. The signed manifest then binds the set as a
-whole: the sha256 of the exact bytes, the row count, first/last seq and hash, and whether the
-export must be contiguous. Without a tenant filter it must be: the time window is on
-``recorded_at``, which is monotonic along seq (audit.store), so the rows are a gapless run of
-the chain, every link is checked and any missing row is named. ``first_prev_hash`` lets an
-auditor join consecutive windows: the next export's first_prev_hash is this one's last_hash.
-A filtered export proves each row authentic and the set exactly what the signer exported;
-proving the filter was complete needs an unfiltered export of the same window.
-
-Pseudonymized exports (``pseudonymize=True``, a tenant's own export): rows whose actor belongs to
-another tenant (or to no tenant: an unauthenticated caller) keep what was done to the tenant but
-not who did it: the actor becomes ``{"subject": "pseudonym:<32 hex>"}`` and nothing else, the hex
-an HMAC over the actor's fields under a key derived from the signing key and the exported tenant.
-The same actor gets the same pseudonym in every export of that tenant, an unrelated one in another
-tenant's export. Such a row's hash cannot be recomputed from the exported fields (that is the
-point), so the verifier checks its links and the signed manifest, not its content.
-
-Manifest (JSON, signed over its canonical JSON without ``signature``; see audit.signed)::
-
-    {"kind": "kvgate.audit.export", "manifest_version": 1, "record_version": 1,
-     "format": "jsonl"|"csv", "created_at": TIME,
-     "filter": {"since": TIME|null, "until": TIME|null, "tenant": str|null},
-     "contiguous": bool, "pseudonymized": bool, "count": int, "first_seq", "last_seq": int|null,
-     "first_prev_hash", "first_hash", "last_hash": hex|null,
-     "export_sha256": hex, "export_bytes": int,
-     "signature_algorithm": "Ed25519"|"ECDSA-P256-SHA256", "key_id": hex, "signature": base64}
+A whole export (no tenant) is a gapless run of the chain (manifest version 1). A tenant's export
+(``tenant=``, manifest version 2) is proved against a signed checkpoint (``checkpoints=``): the
+exporter first checks every row the checkpoint covers against its root, then each exported row
+carries its RFC 9162 inclusion proof, and the signed manifest holds the checkpoint and the seq
+range of the window, so a row deleted, added or reordered in the database fails the export and
+a changed file fails verification. ``pseudonymize=True`` (a tenant's own export) replaces other
+tenants' actors by an HMAC under ``pseudonym_secret``. Design and formats: docs/audit.md.
 """
 
 from __future__ import annotations
@@ -50,21 +25,25 @@ import os
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from audit.checkpoint import Checkpoint
+from audit.checkpointer import CheckpointTampered
 from audit.errors import ExportError
 from audit.formats import (
     FORMATS,
     MANIFEST_KIND,
     MANIFEST_VERSION,
+    PROVED_MANIFEST_VERSION,
     csv_header,
     encode_csv,
     encode_jsonl,
     manifest_path_for,
 )
-from audit.record import RECORD_VERSION, format_time
+from audit.merkle import MerkleTree, leaf_hash
+from audit.record import GENESIS_HASH, RECORD_VERSION, AuditRecord, chain_hash, format_time
 from audit.signed import sign_document
 from audit.signing import AuditSigner
 from audit.store import AuditStore
@@ -72,10 +51,35 @@ from audit.types import Actor
 
 __all__ = [
     "MANIFEST_KIND", "MANIFEST_VERSION", "PSEUDONYM_PREFIX", "AuditExport", "export_to_files", "manifest_path_for",
-    "sign_manifest",
+    "sign_manifest", "CheckpointSource", "pseudonym_key",
 ]
 
 PSEUDONYM_PREFIX = "pseudonym:"
+_PSEUDONYM_LABEL = b"kvgate/audit-pseudonym/v1\x00"
+
+
+class CheckpointSource(Protocol):
+    """Where a tenant export finds its checkpoint (audit.checkpointer.Checkpointer is one)."""
+
+    def covering(self, size: int) -> Checkpoint | None: ...
+
+
+def pseudonym_key(secret: bytes, tenant: str) -> bytes:
+    """The key of ``tenant``'s pseudonyms: HMAC-SHA256 of the tenant under the gateway's
+    pseudonym secret (32 random bytes kept wrapped by the KEK)."""
+    return hmac.new(secret, _PSEUDONYM_LABEL + tenant.encode("utf-8"), hashlib.sha256).digest()
+
+
+@dataclasses.dataclass
+class _Proved:
+    """What the first pass of a tenant export established: the checkpoint, its tree, and the
+    seqs of the tenant's rows in the window (all checked against the checkpoint's root)."""
+
+    checkpoint: Checkpoint
+    tree: MerkleTree
+    positions: list[int]
+    first_seq: int | None  # the window's seq range in the whole log, within the checkpoint
+    last_seq: int | None
 
 _CHUNK_BYTES = 64 * 1024
 
@@ -102,6 +106,8 @@ class AuditExport:
         until: datetime | None = None,
         tenant: str | None = None,
         pseudonymize: bool = False,
+        pseudonym_secret: bytes | None = None,
+        checkpoints: CheckpointSource | None = None,
         clock: Callable[[], datetime] = _utcnow,
     ) -> None:
         if format not in FORMATS:
@@ -117,14 +123,17 @@ class AuditExport:
             raise ExportError("key must be an audit signer (AuditSigningKey, EcdsaSigner)")
         if pseudonymize and tenant is None:
             raise ExportError("pseudonymize needs a tenant (whose actors are kept)")
-        derive: Callable[[bytes], bytes] | None = getattr(key, "derive", None)
-        if pseudonymize and not callable(derive):
-            raise ExportError("a pseudonymized export needs a signer that can derive keys (the local Ed25519 key)")
+        if pseudonymize and (not isinstance(pseudonym_secret, bytes) or len(pseudonym_secret) < 32):
+            raise ExportError("a pseudonymized export needs the gateway's pseudonym secret (32 bytes)")
+        if tenant is not None and checkpoints is None:
+            raise ExportError("a tenant export is proved against a signed checkpoint: pass checkpoints")
         self._pseudonym_key = (
-            derive(b"pseudonym\x00" + tenant.encode("utf-8"))
-            if pseudonymize and tenant is not None and derive is not None
+            pseudonym_key(pseudonym_secret, tenant)
+            if pseudonymize and tenant is not None and pseudonym_secret is not None
             else None
         )
+        self._checkpoints = checkpoints
+        self._proved: _Proved | None = None
         self._store = source if isinstance(source, AuditStore) else AuditStore(source)
         self._key = key
         self.format = format
@@ -133,21 +142,72 @@ class AuditExport:
         self._started = False
         self._manifest: dict[str, Any] | None = None
 
+    async def prepare(self) -> None:
+        """A tenant export's first pass (nothing for a whole export): pick the checkpoint, check
+        every row it covers against its root, note the tenant's rows. Raises CheckpointTampered
+        when the database no longer holds what the checkpoint signed; ExportError without one."""
+        if self._tenant is None or self._proved is not None:
+            return
+        assert self._checkpoints is not None
+        wanted = await self._store.last_seq(until=self._until)
+        cp = await asyncio.to_thread(self._checkpoints.covering, wanted)
+        if cp is None:
+            raise ExportError("no signed checkpoint to prove a tenant export against: write one first")
+        leaves: list[bytes] = []
+        positions: list[int] = []
+        first = last = None
+        prev = GENESIS_HASH
+        async for rec in self._store.iter_records(through_seq=cp.tree_size):
+            seq = len(leaves) + 1
+            if rec.seq != seq:
+                raise CheckpointTampered(f"row seq {rec.seq} where seq {seq} was expected (rows deleted)")
+            if rec.prev_hash != prev or chain_hash(rec.hashed_fields()) != rec.hash:
+                raise CheckpointTampered(f"row seq {seq} was modified, or rows before it were")
+            leaves.append(leaf_hash(bytes.fromhex(rec.hash)))
+            prev = rec.hash
+            if self._in_window(rec):
+                first = first or seq
+                last = seq
+                if self._tenant in (rec.event.target.tenant, rec.event.actor.tenant):
+                    positions.append(seq)
+        tree = MerkleTree(leaves)
+        if tree.size != cp.tree_size or tree.root().hex() != cp.root_hash or (tree.size and prev != cp.last_hash):
+            raise CheckpointTampered(
+                f"the log's first {cp.tree_size} rows are not those checkpoint {cp.tree_size} signed "
+                f"(the database holds {tree.size} of them; rows deleted, inserted or rewritten)"
+            )
+        self._proved = _Proved(cp, tree, positions, first, last)
+
+    def _in_window(self, rec: AuditRecord) -> bool:
+        t = rec.recorded_at
+        return (self._since is None or t >= self._since) and (self._until is None or t < self._until)
+
     async def stream(self) -> AsyncIterator[bytes]:
         """The export's bytes, in chunks of about 64 KiB."""
         if self._started:
             raise ExportError("an AuditExport can be streamed once")
         self._started = True
+        await self.prepare()
+        proved = self._proved
         created_at = self._clock()
         digest = hashlib.sha256()
         size = count = 0
         first: Any = None
         last: Any = None
         encode = encode_jsonl if self.format == "jsonl" else encode_csv
-        parts: list[bytes] = [csv_header()] if self.format == "csv" else []
+        parts: list[bytes] = [csv_header(proofs=proved is not None)] if self.format == "csv" else []
         pending = sum(map(len, parts))
-        async for rec in self._store.iter_records(since=self._since, until=self._until, tenant=self._tenant):
-            line = encode(self._pseudonymized(rec))
+        through = proved.checkpoint.tree_size if proved is not None else None
+        rows = self._store.iter_records(since=self._since, until=self._until, tenant=self._tenant, through_seq=through)
+        async for rec in rows:
+            proof = None
+            if proved is not None:
+                if count >= len(proved.positions) or rec.seq != proved.positions[count] or (
+                    leaf_hash(bytes.fromhex(rec.hash)) != proved.tree.leaf(rec.seq - 1)
+                ):
+                    raise CheckpointTampered(f"row seq {rec.seq} changed while it was exported")
+                proof = proved.tree.inclusion_proof(rec.seq - 1)
+            line = encode(self._pseudonymized(rec), proof)
             parts.append(line)
             pending += len(line)
             count += 1
@@ -159,14 +219,16 @@ class AuditExport:
                 size += len(chunk)
                 parts, pending = [], 0
                 yield chunk
+        if proved is not None and count != len(proved.positions):
+            raise CheckpointTampered("rows of the tenant disappeared while they were exported")
         if parts:
             chunk = b"".join(parts)
             digest.update(chunk)
             size += len(chunk)
             yield chunk
-        body = {
+        body: dict[str, Any] = {
             "kind": MANIFEST_KIND,
-            "manifest_version": MANIFEST_VERSION,
+            "manifest_version": MANIFEST_VERSION if proved is None else PROVED_MANIFEST_VERSION,
             "record_version": RECORD_VERSION,
             "format": self.format,
             "created_at": format_time(created_at),
@@ -186,6 +248,11 @@ class AuditExport:
             "export_sha256": digest.hexdigest(),
             "export_bytes": size,
         }
+        if proved is not None:
+            body["checkpoint"] = dict(proved.checkpoint.document)
+            body["range"] = (
+                None if proved.first_seq is None else {"first_seq": proved.first_seq, "last_seq": proved.last_seq}
+            )
         self._manifest = sign_manifest(body, self._key)
 
     def _pseudonymized(self, rec: Any) -> Any:

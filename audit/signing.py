@@ -133,17 +133,6 @@ class AuditSigningKey:
     def __repr__(self) -> str:
         return f"AuditSigningKey(key_id={self.key_id[:16]}...)"
 
-    def derive(self, label: bytes) -> bytes:
-        """A 32-byte secret for ``label``, derived from the private key (HMAC-SHA256 keyed with
-        the key's raw bytes): whoever cannot sign exports cannot compute it."""
-        import hashlib
-        import hmac
-
-        raw = self._key.private_bytes(
-            serialization.Encoding.Raw, serialization.PrivateFormat.Raw, serialization.NoEncryption()
-        )
-        return hmac.new(raw, b"kvgate/audit-derive/v1\x00" + label, hashlib.sha256).digest()
-
     @classmethod
     def generate(cls) -> AuditSigningKey:
         return cls(Ed25519PrivateKey.generate())

@@ -142,6 +142,17 @@ class AuditStore:
         except Exception as exc:
             raise AuditStorageError(f"could not read the audit chain head: {exc}") from exc
 
+    async def last_seq(self, *, until: datetime | None = None) -> int:
+        """The largest seq recorded before ``until`` (all rows when None); 0 for none."""
+        stmt = select(func.max(_T.seq))
+        if until is not None:
+            stmt = stmt.where(_T.recorded_at < until)
+        try:
+            async with self.engine.connect() as conn:
+                return int((await conn.execute(stmt)).scalar_one() or 0)
+        except Exception as exc:
+            raise AuditStorageError(f"could not read the audit chain: {exc}") from exc
+
     async def count(self) -> int:
         try:
             async with self.engine.connect() as conn:

@@ -1,26 +1,15 @@
 """Offline verification of an export (no database) and an online check of the stored chain.
 
-``verify_export(export, manifest, public_key)`` checks, in this order:
-
-1. the manifest's signature (Ed25519 or ECDSA P-256; if it fails nothing else in the manifest
-   is trusted and the check stops);
-2. every row: its hash recomputed from its own fields, seq strictly increasing, and, where two
-   rows have consecutive seqs, the prev_hash link; for a contiguous export also no gap and, at
-   seq 1, the genesis prev_hash;
-3. against the manifest: row count, sha256 and size of the file, first/last seq and hash, and
-   first_prev_hash.
-
-4. with ``checkpoints`` (signed tree heads, audit.checkpoint): each checkpoint's signature, and
-   that the export is consistent with it (RFC 9162 section 2.1.4): the Merkle tree over the
-   export's rows extends the checkpoint's tree. The export must then run from seq 1 through at
-   least the checkpoint's size; the proof from the checkpoint's size to the export's is built
-   from the export's own leaves and checked against the checkpoint's root, so rows deleted,
-   inserted, rewritten or cut off after the checkpoint was taken fail even when the whole chain
-   was recomputed (the signed manifest alone cannot see that: it signs what the database held).
-
-It streams the file (constant memory; 32 bytes per row kept for a checkpoint check) and names the first bad row by physical line number (CSV:
-the header is line 1) and seq. A truncated tail is named as the line after the last one read.
-See audit.export for why filtered exports verify row by row plus the signed set.
+``verify_export(export, manifest, public_key, checkpoints)`` checks the manifest's signature
+(nothing else is trusted if it fails); every row (its hash recomputed from its fields, seq
+increasing, prev_hash links between consecutive seqs; for a whole export no gap and the genesis
+at seq 1); the row count, sha256, size, first/last seq and hash against the manifest. A tenant
+export (manifest version 2) also has each row's inclusion proof checked against the signed
+checkpoint in its manifest, and each row checked to be the tenant's, in the window and in the
+signed seq range. Given ``checkpoints``, a whole export must extend each of them (RFC 9162
+consistency, from the export's own leaves); a tenant export's checkpoint must be one of them.
+It streams the file and names the first bad row by line (CSV: the header is line 1) and seq.
+Design: docs/audit.md.
 """
 
 from __future__ import annotations
@@ -34,19 +23,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from audit.checkpoint import Checkpoint, CheckpointError, read_checkpoint
+from audit.checkpoint import Checkpoint, CheckpointError, parse_checkpoint, read_checkpoint
 from audit.errors import AuditKeyError, ExportVerificationFailed, VerifyInputError
 from audit.formats import (
     CSV_COLUMNS,
     FORMATS,
     MANIFEST_KIND,
     MANIFEST_VERSION,
+    PROVED_MANIFEST_VERSION,
     RowFormatError,
     decode_csv,
     decode_jsonl,
 )
-from audit.merkle import consistency_proof, leaf_hash, root_of, verify_consistency
-from audit.record import GENESIS_HASH, chain_hash
+from audit.merkle import consistency_proof, leaf_hash, root_of, verify_consistency, verify_inclusion
+from audit.record import GENESIS_HASH, chain_hash, parse_time
 from audit.signed import check_signature
 from audit.signing import PublicKey, load_public_key
 
@@ -58,6 +48,47 @@ if TYPE_CHECKING:  # the offline verifier never imports SQLAlchemy
 __all__ = ["ChainChecker", "VerifyReport", "verify_database", "verify_export"]
 
 _MAX_PROBLEMS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class TenantProof:
+    """What a tenant export's rows are checked against: its signed checkpoint, tenant, window
+    and the seq range of the window in the whole log (all from the signed manifest)."""
+
+    checkpoint: Checkpoint
+    tenant: str
+    since: str | None
+    until: str | None
+    first_seq: int | None
+    last_seq: int | None
+
+    def problem_with(self, doc: Mapping[str, Any], claimed_hash: str, proof: list[bytes] | None) -> str | None:
+        seq = doc.get("seq")
+        cp = self.checkpoint
+        if proof is None:
+            return "the row carries no inclusion proof"
+        try:
+            leaf = leaf_hash(bytes.fromhex(claimed_hash))
+        except ValueError:
+            return "the row's hash is not hex"
+        if not isinstance(seq, int) or not verify_inclusion(seq - 1, cp.tree_size, leaf, proof, bytes.fromhex(cp.root_hash)):
+            return f"not row seq {seq} of the log checkpoint {cp.tree_size} signed (its inclusion proof fails)"
+        if self.first_seq is None or self.last_seq is None or not self.first_seq <= seq <= self.last_seq:
+            return "outside the seq range the manifest signs for the window"
+        actor, target = doc.get("actor"), doc.get("target")
+        if self.tenant not in (_get(actor, "tenant"), _get(target, "tenant")):
+            return f"not a row of tenant {self.tenant!r}"
+        try:
+            at = parse_time(str(doc.get("recorded_at")))
+            if (self.since and at < parse_time(self.since)) or (self.until and at >= parse_time(self.until)):
+                return "recorded outside the export's window"
+        except ValueError:
+            return "recorded_at is not a time"
+        return None
+
+
+def _get(part: Any, name: str) -> Any:
+    return part.get(name) if isinstance(part, Mapping) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +112,11 @@ class VerifyReport:
 class ChainChecker:
     """Feeds on rows in file order; remembers every problem (up to 20) and the first bad row."""
 
-    def __init__(self, *, contiguous: bool, pseudonymized: bool = False, leaves: bool = False) -> None:
+    def __init__(
+        self, *, contiguous: bool, pseudonymized: bool = False, leaves: bool = False, proved: TenantProof | None = None
+    ) -> None:
         self.contiguous = contiguous
+        self.proved = proved
         self.pseudonymized = pseudonymized  # a tenant's export, other tenants' actors replaced
         self.leaves: list[bytes] | None = [] if leaves else None
         self.rows = 0
@@ -112,9 +146,13 @@ class ChainChecker:
             and actor["subject"].startswith("pseudonym:") and all(v is None for k, v in actor.items() if k != "subject")
         )
 
-    def feed(self, line: int | None, doc: Mapping[str, Any], claimed_hash: str) -> None:
+    def feed(self, line: int | None, doc: Mapping[str, Any], claimed_hash: str, proof: list[bytes] | None = None) -> None:
         self.rows += 1
         seq = doc.get("seq")
+        if self.proved is not None:
+            bad = self.proved.problem_with(doc, claimed_hash, proof)
+            if bad is not None:
+                self.problem(bad, line, seq)
         if self.leaves is not None:
             try:
                 self.leaves.append(leaf_hash(bytes.fromhex(claimed_hash)))
@@ -167,7 +205,9 @@ def _signature_ok(manifest: dict[str, Any], key: PublicKey) -> str | None:
     if bad is not None:
         bad = bad.replace("(document modified", "(manifest modified")
         return "manifest " + (bad[4:] if bad.startswith("the ") else bad)
-    if manifest.get("kind") != MANIFEST_KIND or manifest.get("manifest_version") != MANIFEST_VERSION:
+    if manifest.get("kind") != MANIFEST_KIND or manifest.get("manifest_version") not in (
+        MANIFEST_VERSION, PROVED_MANIFEST_VERSION
+    ):
         return "not a kvgate audit export manifest of a known version"
     if manifest.get("format") not in FORMATS:
         return f"unknown export format {manifest.get('format')!r}"
@@ -184,18 +224,23 @@ def _lines(f: Any, digest: Any, counter: list[int]) -> Iterator[tuple[int, bytes
 def _check_rows(path: Path, fmt: str, checker: ChainChecker) -> tuple[str, int]:
     digest = hashlib.sha256()
     size = [0]
+
+    def proofs() -> list[list[bytes]] | None:
+        return [] if checker.proved is not None else None
+
     try:
         with open(path, "rb") as f:
             lines = _lines(f, digest, size)
             if fmt == "jsonl":
                 for number, raw in lines:
+                    proof = proofs()
                     try:
-                        doc, claimed = decode_jsonl(raw.decode("utf-8"))
+                        doc, claimed = decode_jsonl(raw.decode("utf-8"), proof=proof)
                     except (UnicodeDecodeError, RowFormatError) as exc:
                         checker.rows += 1
                         checker.problem(f"unreadable row: {exc}", number, None)
                         continue
-                    checker.feed(number, doc, claimed)
+                    checker.feed(number, doc, claimed, proof[0] if proof else None)
             else:
                 state = {"line": 0}
 
@@ -207,7 +252,7 @@ def _check_rows(path: Path, fmt: str, checker: ChainChecker) -> tuple[str, int]:
                 reader = csv.reader(text(), strict=True)
                 try:
                     header = next(reader, None)
-                    if header != list(CSV_COLUMNS):
+                    if header != list(CSV_COLUMNS) + (["proof"] if checker.proved else []):
                         checker.problem("CSV header differs from the record format", 1, None)
                     else:
                         while True:
@@ -215,13 +260,14 @@ def _check_rows(path: Path, fmt: str, checker: ChainChecker) -> tuple[str, int]:
                             row = next(reader, None)
                             if row is None:
                                 break
+                            proof = proofs()
                             try:
-                                doc, claimed = decode_csv(row)
+                                doc, claimed = decode_csv(row, proof=proof)
                             except RowFormatError as exc:
                                 checker.rows += 1
                                 checker.problem(f"unreadable row: {exc}", start, None)
                                 continue
-                            checker.feed(start, doc, claimed)
+                            checker.feed(start, doc, claimed, proof[0] if proof else None)
                 except csv.Error as exc:
                     checker.problem(f"malformed CSV: {exc}", state["line"], None)
                 for _ in lines:  # hash whatever is left after an error
@@ -255,7 +301,10 @@ def verify_export(
     if bad is not None or manifest is None:
         return VerifyReport(ok=False, rows=0, problems=(bad or "manifest unreadable",), manifest=manifest)
     fmt = manifest["format"]
-    checker = ChainChecker(contiguous=manifest.get("contiguous") is True, leaves=bool(heads))
+    proved, bad = _tenant_proof(manifest, key)
+    if bad is not None:
+        return VerifyReport(ok=False, rows=0, problems=(bad,), manifest=manifest)
+    checker = ChainChecker(contiguous=manifest.get("contiguous") is True, leaves=bool(heads) and proved is None, proved=proved)
     checker.pseudonymized = manifest.get("pseudonymized") is True and manifest.get("contiguous") is not True
     sha, size = _check_rows(export, fmt, checker)
     header = 1 if fmt == "csv" else 0
@@ -284,7 +333,10 @@ def verify_export(
     consistent: list[str] = []
     tree_size: int | None = None
     root: str | None = None
-    if heads:
+    if proved is not None:
+        tree_size, root = proved.checkpoint.tree_size, proved.checkpoint.root_hash
+        consistent = _same_checkpoint(checker, proved.checkpoint, heads)
+    elif heads:
         tree_size, root, consistent = _check_checkpoints(checker, heads)
     return VerifyReport(
         ok=not checker.problems,
@@ -298,6 +350,47 @@ def verify_export(
         root_hash=root,
         checkpoints=tuple(consistent),
     )
+
+
+def _tenant_proof(manifest: Mapping[str, Any], key: PublicKey) -> tuple[TenantProof | None, str | None]:
+    """A tenant export's proof material from its signed manifest, or why there is none."""
+    flt = manifest.get("filter")
+    tenant = flt.get("tenant") if isinstance(flt, Mapping) else None
+    if manifest.get("manifest_version") != PROVED_MANIFEST_VERSION:
+        if manifest.get("contiguous") is not True or tenant is not None:
+            return None, ("a tenant export without inclusion proofs (manifest version 1) cannot show that it holds "
+                          "every row of the tenant: export it again")
+        return None, None
+    if manifest.get("contiguous") is not False or not isinstance(tenant, str) or not tenant:
+        return None, "a version 2 manifest is a tenant export's, with its tenant"
+    try:
+        cp = parse_checkpoint(manifest.get("checkpoint"), key)
+    except CheckpointError as exc:
+        return None, f"the manifest's checkpoint: {exc}"
+    window = manifest.get("range")
+    first = window.get("first_seq") if isinstance(window, Mapping) else None
+    last = window.get("last_seq") if isinstance(window, Mapping) else None
+    if window is not None and not (isinstance(first, int) and isinstance(last, int) and 1 <= first <= last <= cp.tree_size):
+        return None, "the manifest's seq range is not within its checkpoint"
+    assert isinstance(flt, Mapping)
+    return TenantProof(cp, tenant, flt.get("since"), flt.get("until"), first, last), None
+
+
+def _same_checkpoint(checker: ChainChecker, cp: Checkpoint, heads: list[tuple[str, Checkpoint]]) -> list[str]:
+    """A tenant export is proved against the checkpoint in its manifest; a checkpoint the
+    auditor holds must be that one (for another size: ``kvgate audit verify-consistency``)."""
+    same: list[str] = []
+    for where, head in heads:
+        if head.tree_size == cp.tree_size and head.root_hash == cp.root_hash:
+            same.append(f"{where}: the export's rows are proved against this checkpoint (tree size {cp.tree_size})")
+        elif head.tree_size == cp.tree_size:
+            checker.problem(f"checkpoint {where} has another root for tree size {cp.tree_size} (history rewritten)", None, None)
+        else:
+            checker.problem(
+                f"checkpoint {where} (tree size {head.tree_size}) is not the export's (tree size {cp.tree_size}): "
+                "check the two with kvgate audit verify-consistency", None, None,
+            )
+    return same
 
 
 def _check_checkpoints(

@@ -431,8 +431,9 @@ def audit_export(
     tenant: Annotated[Optional[str], typer.Option(callback=_name, help="only events of this tenant")] = None,
     public_key: Annotated[Optional[Path], typer.Option(help="also write the audit public key (PEM) here")] = None,
 ) -> None:
-    """Write a signed checkpoint, then stream the audit log to a file with a signed manifest."""
-    from audit import AuditError, export_to_files, manifest_path_for
+    """Write a signed checkpoint, then stream the audit log to a file with a signed manifest. A
+    tenant's export is proved against a checkpoint: exit 4 if the log no longer holds what it signed."""
+    from audit import AuditError, CheckpointTampered, export_to_files, manifest_path_for
 
     if fmt not in ("jsonl", "csv"):
         console.print("[red]--format must be jsonl or csv[/red]")
@@ -448,10 +449,14 @@ def audit_export(
             return await export_to_files(
                 writer.store, signer, output, manifest_path_for(output), format=fmt,
                 since=_parse_time(since), until=_parse_time(until), tenant=tenant,
+                checkpoints=checkpointer if tenant is not None else None,
             )
 
     try:
         manifest = asyncio.run(go())
+    except CheckpointTampered as exc:
+        console.print(f"[red]TAMPERED[/red]: the audit log does not hold what its checkpoints signed: {exc}")
+        raise typer.Exit(4) from None
     except AuditError as exc:
         _audit_failure(exc)
     console.print(f"wrote {output} and {manifest_path_for(output)}: {manifest.get('count')} rows")
@@ -502,6 +507,13 @@ def audit_verify(
         console.print(f"[green]OK[/green]: {report.rows} rows, chain and signature verified")
         if report.tree_size is not None:
             console.print(f"tree size {report.tree_size}, root {report.root_hash}")
+        m = report.manifest or {}
+        if m.get("manifest_version") == 2:
+            span = m.get("range") or {}
+            console.print(
+                f"tenant {m['filter']['tenant']}: every one of its rows in seq {span.get('first_seq')}..{span.get('last_seq')}, "
+                "each proved to be in the checkpointed log"
+            )
         for line in report.checkpoints:
             console.print(f"consistent with checkpoint {line}")
         return

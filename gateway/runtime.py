@@ -22,7 +22,7 @@ from audit.checkpointer import Checkpointer
 from audit.signing import AuditSigner
 from audit.writer import AuditWriter
 from crypto.contexts import secret_context
-from crypto.kek import KekProvider, LocalFileKek
+from crypto.kek import KekProvider, LocalFileKek, Secret
 from gateway.access import Access
 from gateway.admin import Admin
 from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
@@ -131,6 +131,9 @@ class Runtime:
     checkpointer: Checkpointer | None = None
     checkpoint_task: asyncio.Task[None] | None = None
     checkpoint_close: object | None = None  # closes the checkpoint stream mirror
+    # keys the pseudonyms of other tenants' actors in a tenant's own audit export (KEK-wrapped in
+    # the registry: the same on every replica and after restarts, whatever signs the audit log)
+    pseudonym_secret: Secret | None = None
 
     async def aclose(self) -> None:
         if self.checkpoint_task is not None:
@@ -200,6 +203,7 @@ async def open_runtime(
         await check_schema(registry.engine)
         master = await _gateway_secret(registry, kek, "namespace-master")
         cap_key = await _gateway_secret(registry, kek, "capability-key")
+        pseudonym_secret = Secret(await _gateway_secret(registry, kek, "audit-pseudonym"))
         revocations = RevocationList()
         revocations.load(
             {"kind": "id", "cap_id": c, "until": exp} if c else {"kind": "tenant", "tenant": t, "before": nb}
@@ -259,7 +263,10 @@ async def open_runtime(
         task = asyncio.create_task(
             checkpointer.run_every(settings.audit_checkpoint_interval_s), name="kvgate-audit-checkpoints"
         )
-    return Runtime(settings, registry, gateway, admin, audit, broadcaster, signer, checkpointer, task, checkpoint_close)
+    return Runtime(
+        settings, registry, gateway, admin, audit, broadcaster, signer, checkpointer, task, checkpoint_close,
+        pseudonym_secret=pseudonym_secret,
+    )
 
 
 def new_state_dir(base: Path) -> Path:

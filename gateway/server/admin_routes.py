@@ -6,6 +6,7 @@ tenants). Every action is audited by the core; every refusal is audited here."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -186,11 +187,22 @@ def _export_params(
     return {"since": since, "until": until, "tenant": tenant, "pseudonymize": not is_operator}
 
 
-def _export(state: ServerState, format: str, params: dict[str, Any]) -> AuditExport:
+async def _export(state: ServerState, format: str, params: dict[str, Any]) -> AuditExport:
+    """The export of a window; a tenant's is proved against a checkpoint first (409 when the
+    database no longer holds what that checkpoint signed)."""
+    secret = state.runtime.pseudonym_secret
     try:
-        return AuditExport(state.runtime.audit.store, _signer(state), format=format, **params)
+        export = AuditExport(
+            state.runtime.audit.store, _signer(state), format=format, **params,
+            pseudonym_secret=secret.reveal() if secret is not None else None,
+            checkpoints=_checkpointer(state) if params["tenant"] is not None else None,
+        )
+        await export.prepare()
     except ExportError as exc:  # a window or format the exporter refuses: the caller's input
         raise InvalidRequest(str(exc)) from None
+    except CheckpointTampered as exc:
+        raise Conflict(f"the audit log does not hold what its checkpoint signed: {exc}") from None
+    return export
 
 
 ExportFormat = Annotated[Literal["jsonl", "csv"], Query()]
@@ -219,22 +231,28 @@ def _export_window(
 ExportWindow = Annotated[_ExportWindow, Depends(_export_window)]
 
 
-@router.get("/audit/export", response_class=Response, responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}})
+@router.get(
+    "/audit/export", response_class=Response,
+    responses={200: {"content": {"application/x-ndjson": {}, "text/csv": {}}}, **problem_responses(409)},
+)
 async def audit_export(window: ExportWindow, state: StateDep) -> Response:
     """The audit rows of a fixed time window, streamed. The signed manifest of the same window is
     at ``/v1/admin/audit/export/manifest`` (the window is echoed in ``X-KV-Until``). Every export
-    first writes a signed checkpoint of the whole log (409 if the log no longer extends the last one)."""
+    first writes a signed checkpoint of the whole log (409 if the log no longer extends the last one);
+    a tenant's export is proved against a checkpoint (409 if the log no longer holds what it signed)."""
+    with contextlib.suppress(TimeoutError):  # what was emitted before the request is in the checkpoint
+        await state.runtime.audit.flush(10)
     await _checkpoint(state)
-    export = _export(state, window.format, window.params)
+    export = await _export(state, window.format, window.params)
     media = "application/x-ndjson" if window.format == "jsonl" else "text/csv"
     return StreamingResponse(
         export.stream(), media_type=media, headers={"X-KV-Until": window.params["until"].isoformat()}
     )
 
 
-@router.get("/audit/export/manifest")
+@router.get("/audit/export/manifest", responses=problem_responses(409))
 async def audit_manifest(window: ExportWindow, state: StateDep) -> JSONResponse:
-    export = _export(state, window.format, window.params)
+    export = await _export(state, window.format, window.params)
     async for _ in export.stream():
         pass
     return JSONResponse(export.manifest())

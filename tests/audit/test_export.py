@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from audit.checkpoint import CheckpointDirectory
+from audit.checkpointer import Checkpointer
 from audit.db import create_audit_engine, create_audit_schema
 from audit.errors import AuditKeyError, ExportError, ExportVerificationFailed, VerifyInputError
 from audit.export import AuditExport, export_to_files, manifest_path_for
@@ -54,8 +56,12 @@ def pub(tmp_path: Path, key: AuditSigningKey) -> Path:
 
 
 async def export(store, key, tmp_path: Path, fmt: str, **kw) -> tuple[Path, Path, dict]:
+    """Export as the CLI does; a tenant's export after a checkpoint, proved against it."""
     out = tmp_path / f"export.{fmt}"
     man = manifest_path_for(out)
+    if kw.get("tenant") is not None:
+        kw["checkpoints"] = Checkpointer(store, key, CheckpointDirectory(tmp_path / "checkpoints"))
+        await kw["checkpoints"].checkpoint()
     manifest = await export_to_files(store, key, out, man, format=fmt, **kw)
     return out, man, manifest
 
@@ -229,3 +235,108 @@ async def test_rehashed_modified_row_breaks_the_next_link(store, key, pub, tmp_p
     report = verify_export(out, man, pub)
     assert not report.ok and (report.first_bad_line, report.first_bad_seq) == (8, 8)
     assert "prev_hash" in report.problems[0]
+
+
+def _resign(man: Path, out: Path, key: AuditSigningKey, **changes) -> None:
+    """A manifest signed again over an edited export: what only the signer could make. The
+    verifier must still find what is wrong from the rows and the checkpoint alone."""
+    import hashlib
+
+    from audit.export import sign_manifest
+
+    doc = json.loads(man.read_text())
+    data = out.read_bytes()
+    body = {k: v for k, v in doc.items() if k not in ("signature", "signature_algorithm", "key_id")}
+    body.update(export_sha256=hashlib.sha256(data).hexdigest(), export_bytes=len(data), count=len(data.splitlines()))
+    body.update(changes)
+    man.write_text(json.dumps(sign_manifest(body, key)))
+
+
+async def test_tenant_export_rows_are_proved_against_its_checkpoint(store, key, pub, tmp_path) -> None:
+    from audit.merkle import MerkleTree, leaf_hash
+
+    out, man, manifest = await export(store, key, tmp_path, "jsonl", tenant="acme")
+    assert manifest["manifest_version"] == 2 and manifest["checkpoint"]["tree_size"] == ROWS
+    assert manifest["range"] == {"first_seq": 1, "last_seq": ROWS}
+    report = verify_export(out, man, pub)
+    assert report.ok and report.tree_size == ROWS, report.problems  # the control
+    good = out.read_text().splitlines(keepends=True)
+
+    rows = [json.loads(line) for line in good]
+    rows[2]["proof"] = rows[2]["proof"][:-1]  # a proof a hash short
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _resign(man, out, key)
+    report = verify_export(out, man, pub)
+    assert not report.ok and "inclusion proof fails" in report.problems[0] and report.first_bad_seq == 7
+
+    # a row of another tenant, with a valid proof, slipped into acme's export
+    full = [json.loads(line) async for line in _lines(store, key)]
+    tree = MerkleTree([leaf_hash(bytes.fromhex(r["hash"])) for r in full])
+    intruder = dict(full[1], proof=[h.hex() for h in tree.inclusion_proof(1)])
+    out.write_text(good[0] + json.dumps(intruder) + "\n" + "".join(good[1:]))
+    _resign(man, out, key)
+    report = verify_export(out, man, pub)
+    assert not report.ok and "not a row of tenant 'acme'" in report.problems[0]
+
+    out.write_text("".join(good))  # the rows as exported, under a seq range that leaves some out
+    _resign(man, out, key, range={"first_seq": 1, "last_seq": 9})
+    report = verify_export(out, man, pub)
+    assert not report.ok and "seq range" in report.problems[0]
+
+
+async def _lines(store, key):
+    run = AuditExport(store, key)
+    async for chunk in run.stream():
+        for line in chunk.decode().splitlines():
+            yield line
+
+
+async def test_a_tenant_export_without_proofs_is_not_taken_as_complete(store, key, pub, tmp_path) -> None:
+    out, man, _ = await export(store, key, tmp_path, "jsonl", tenant="acme")
+    rows = [{k: v for k, v in json.loads(line).items() if k != "proof"} for line in out.read_text().splitlines()]
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))  # the version 1 format of a tenant export
+    _resign(man, out, key, manifest_version=1, checkpoint=None)
+    report = verify_export(out, man, pub)
+    assert not report.ok and "cannot show that it holds every row" in report.problems[0]
+
+
+async def test_a_tenant_export_is_refused_when_the_log_no_longer_matches_its_checkpoint(store, key, tmp_path) -> None:
+    from audit.checkpointer import CheckpointTampered
+
+    cps = Checkpointer(store, key, CheckpointDirectory(tmp_path / "checkpoints"))
+    await cps.checkpoint()
+    async with store.engine.begin() as conn:  # the owner deletes an acme row
+        if store.engine.dialect.name == "postgresql":
+            await conn.exec_driver_sql("ALTER TABLE kv_audit_events DISABLE TRIGGER USER")
+        else:
+            await conn.exec_driver_sql("DROP TRIGGER kv_audit_events_no_delete")
+        await conn.exec_driver_sql("DELETE FROM kv_audit_events WHERE seq = 7")
+    with pytest.raises(CheckpointTampered, match="seq 8 where seq 7"):
+        await AuditExport(store, key, tenant="acme", checkpoints=cps).prepare()
+    with pytest.raises(ExportError, match="checkpoint"):
+        AuditExport(store, key, tenant="acme")  # no checkpoints: refused, not exported unproved
+
+
+async def test_pseudonyms_are_keyed_by_the_secret_whatever_the_signer(store, key, tmp_path) -> None:
+    from audit.signing import EcdsaSigner
+    from tests.audit.test_checkpoint import LocalEcBackend
+
+    probe = AuditEvent("authz.denied", "denied", actor=Actor(subject="mallory", tenant="globex"), target=Target(tenant="acme"))
+    await store.append([PendingEvent.from_event(probe, T0)])
+    cps = Checkpointer(store, key, CheckpointDirectory(tmp_path / "checkpoints"))
+    await cps.checkpoint()
+
+    async def pseudonym(signer, secret: bytes) -> str:
+        run = AuditExport(store, signer, tenant="acme", pseudonymize=True, pseudonym_secret=secret, checkpoints=cps)
+        text = b"".join([c async for c in run.stream()]).decode()
+        (subject,) = [json.loads(line)["actor"]["subject"] for line in text.splitlines() if "authz.denied" in line]
+        assert "mallory" not in text and "globex" not in text
+        return str(subject)
+
+    secret = os.urandom(32)
+    ed = await pseudonym(key, secret)
+    assert ed.startswith("pseudonym:")
+    assert await pseudonym(EcdsaSigner(LocalEcBackend()), secret) == ed  # an HSM- or KMS-style signer: the same
+    assert await pseudonym(key, os.urandom(32)) != ed  # another gateway's secret: unrelated
+    with pytest.raises(ExportError, match="pseudonym secret"):
+        AuditExport(store, key, tenant="acme", pseudonymize=True, checkpoints=cps)

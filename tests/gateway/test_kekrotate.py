@@ -168,7 +168,7 @@ async def test_rotation_of_10000_keys_killed_halfway_then_finished(tmp_path: Pat
         for (tenant, v), dek in sample.items():  # same DEKs, now under the new KEK
             rec = await registry.get_key(tenant, v)
             assert rec is not None and new.unwrap(rec.wrapped_key, dek_context(tenant, v)) == dek
-        for name in ("namespace-master", "capability-key"):
+        for name in ("namespace-master", "capability-key", "audit-pseudonym"):
             assert (await registry.get_secret(name))[1] == new.key_id
         for tenant in ("acme", "globex"):
             ns = await registry.get_namespace(tenant, "default")
@@ -200,7 +200,7 @@ async def test_rotation_resumes_after_a_crash_and_is_audited(tmp_path: Path, db_
 
         report = await rotate_kek(registry, new, previous=[old], audit=events, batch_size=50)
         assert report.complete and report.failed == []
-        assert (report.data_keys, report.secrets, report.salts, report.already_current) == (total - 100, 2, 2, 0)
+        assert (report.data_keys, report.secrets, report.salts, report.already_current) == (total - 100, 3, 2, 0)  # three gateway secrets
         assert events.events[-1].details["phase"] == "completed" and events.events[-1].outcome == "success"
         again = await rotate_kek(registry, new, previous=[old], batch_size=50)
         assert (again.rewrapped, again.already_current) == (0, 2)
