@@ -123,16 +123,20 @@ def chunk_path(root: Path, key: ChunkKey) -> Path:
     return root / key.owner / key.group / key.digest[:2] / (key.digest + SUFFIX)
 
 
-def file_sizes(paths: list[Path]) -> list[int | None]:
-    """Each path's size, or None where no regular file is there (one stat each, no read)."""
-    out: list[int | None] = []
-    for path in paths:
+def leading_file_sizes(root: Path, keys: list[ChunkKey]) -> list[int]:
+    """The sizes of the chunk files of the leading ``keys`` that are on disk, up to the first that
+    is not (one stat each, no read; the paths of ``chunk_path``, built as strings)."""
+    base = os.fspath(root)
+    out: list[int] = []
+    for key in keys:
+        d = key.digest
         try:
-            st = os.stat(path)
+            st = os.stat(f"{base}/{key.owner}/{key.group}/{d[:2]}/{d}{SUFFIX}")
         except OSError:
-            out.append(None)
-            continue
-        out.append(st.st_size if stat.S_ISREG(st.st_mode) and st.st_size >= HEADER.size else None)
+            break
+        if not stat.S_ISREG(st.st_mode) or st.st_size < HEADER.size:
+            break
+        out.append(st.st_size)
     return out
 
 

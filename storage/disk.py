@@ -9,9 +9,9 @@ absent, deleted and counted.
 
 One ``DiskTier`` owns its root: the index (sizes, recency, pins) lives in this process and is
 rebuilt by scanning the root in :meth:`DiskTier.start` (or ``await DiskTier.open(root)``, or
-``async with DiskTier(root)``). A key the index does not know is looked for on disk (a stat) and
-indexed where found, so processes sharing a root (vLLM's scheduler and workers) see each other's
-chunks. Pins are
+``async with DiskTier(root)``). Keys the index does not know are looked for on disk (a stat each,
+in order, up to the first not there: a prefix walk's order) and indexed where found, so processes
+sharing a root (vLLM's scheduler and workers) see each other's chunks. Pins are
 kept in memory only: persisting them is the registry's job. Blocking file I/O runs in worker
 threads (``asyncio.to_thread``), so fsync never blocks the event loop. Operations on one key are
 serialised by a per-key lock; ``delete_group`` / ``delete_owner`` hold new puts to that label back
@@ -320,16 +320,14 @@ class DiskTier(Tier):
             raise TierUnavailable(f"disk delete failed: {exc.strerror}") from exc
 
     async def _adopt(self, keys: list[ChunkKey]) -> int:
-        """Index the files of ``keys`` that another process sharing the root wrote since this
-        one's index was built (one stat each, in a thread); how many were found. A broken file is
-        caught, removed and counted when it is read."""
-        try:
-            sizes = await asyncio.to_thread(_diskio.file_sizes, [self._path(k) for k in keys])
-        except OSError as exc:
-            raise TierUnavailable(f"disk lookup failed: {exc.strerror}") from exc
+        """Index the files of ``keys``, in order up to the first not on disk, that another process
+        sharing the root wrote since this one's index was built (a stat each, in a thread: a
+        prefix walk's lookup costs one stat where nothing is stored); how many were found. A
+        broken file is caught, removed and counted when it is read."""
+        sizes = await asyncio.to_thread(_diskio.leading_file_sizes, self.root, keys)
         found = 0
-        for key, size in zip(keys, sizes, strict=True):
-            if size is not None and key not in self._index and not self._locks.busy(key):
+        for key, size in zip(keys, sizes):
+            if key not in self._index and not self._locks.busy(key):
                 self._index.add(key, size)
                 found += 1
         return found
