@@ -2,11 +2,11 @@
 cluster (tests/support/redis_cluster.py), tiers ["redis"], two tenants storing and loading through
 the remote worker client, then kill -9 of the master holding most of tenant A's chunks.
 
-Checked through the public surface: no wrong byte in any load; the loads the dead master ended
-say ``tier_unavailable`` or ``tier_timeout`` on the worker and move
-``kvgate_load_failures_total`` by that reason and the breaker series on ``/metrics``; a two-chunk
-batch whose second chunk lies on the dead master is refused and leaves neither chunk in the
-cluster; and ``KvgateTierUnavailable`` fires in a ``promtool test rules`` case built from the
+Checked through the public surface: no wrong byte in any load (remote and embedded); the loads
+the dead master ended say ``tier_unavailable`` or ``tier_timeout`` and move
+``kvgate_load_failures_total`` by that reason and the breaker series on ``/metrics``; two-chunk
+batches (the worker's store, and an upload frame whose second chunk lies on the dead master) are
+refused and leave neither chunk in the cluster; and ``KvgateTierUnavailable`` fires in a ``promtool test rules`` case built from the
 counter values this failover produced."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 import torch
 import yaml
 
+from gateway import frames
 from gateway.errors import GatewayError
 from gateway.remote import RemoteGateway
 from gateway.types import RetrieveResult
@@ -33,7 +34,7 @@ from storage.redis_cluster import RedisClusterTier
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
 from tests.support.paths import REPO
 from tests.support.redis_cluster import Cluster, own_redis_cluster, replication_caught_up
-from tests.support.server_fixture import LiveServer, running_server
+from tests.support.server_fixture import LiveServer, fake_envelope, random_hash, running_server
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 own_redis_cluster = own_redis_cluster  # a fixture, registered in this module
@@ -172,6 +173,15 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
             split_src = random_cache(g, 8, seed=77)
 
             cap = await live.call(gw.mint_capability, a, "default", ["lookup", "get", "put"], 600)
+            # and a raw upload frame in that order: its first envelope is stored before the second fails
+            while True:
+                raw = [random_hash(), random_hash()]
+                _c, raw_keys = await live.call(live.state.plane.keys_for, cap, "put", raw)
+                if node(raw_keys[0]) != victim_name and node(raw_keys[1]) == victim_name:
+                    break
+            envelopes = [fake_envelope(3000), fake_envelope(5000)]
+            frame = frames.encode_index([(bytes.fromhex(h), len(e)) for h, e in zip(raw, envelopes)]) + b"".join(envelopes)
+            upload = {**live.headers(live.worker_token(a), cap), "Content-Type": "application/octet-stream"}
 
             def remote(client: RemoteGateway) -> Retrieve:
                 return lambda tokens, dst: client.retrieve(model, tokens, dst, block_ids=BLOCKS)
@@ -187,8 +197,9 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
                 await asyncio.sleep(0.5)
                 await asyncio.to_thread(cluster.kill, victim)
                 killed_at = time.monotonic()
+                raw_answer = await http.put("/v1/chunks", content=frame, headers=upload)
                 refused = None
-                try:  # the batch, while the master is down (its replica is promoted after ~1 s)
+                try:  # the worker's batch, while the master is down (its replica is promoted after ~1 s)
                     await ra.store(model, split, split_src, block_ids=list(range(8)))
                 except GatewayError as exc:
                     refused = exc
@@ -209,6 +220,7 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
             try:
                 await checker.start()
                 left_in_cluster = await checker.contains_many(split_keys)
+                raw_in_cluster = await checker.contains_many(raw_keys)
             finally:
                 await checker.aclose()
 
@@ -217,7 +229,8 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
               f"kvgate_load_failures_total tier_* +{failed:.0f}, breaker gauge seen {breaker_seen:.0f}, "
               f"breaker trips +{series(after, 'kvgate_tier_breaker_trips_total', 'redis') - series(before, 'kvgate_tier_breaker_trips_total', 'redis'):.0f}; "
               f"batch refused: {refused!r}; rollbacks {series(after, 'kvgate_store_rollbacks_total', 'removed'):.0f} removed, "
-              f"{series(after, 'kvgate_store_rollbacks_total', 'left'):.0f} left; split chunks in the cluster: {left_in_cluster}")
+              f"{series(after, 'kvgate_store_rollbacks_total', 'left'):.0f} left; split chunks in the cluster: {left_in_cluster}; "
+              f"raw frame {raw_answer.status_code}, its chunks in the cluster: {raw_in_cluster}")
         assert loads.wrong == 0
         assert loads.on_tier("remote") > 0 and loads.on_tier("embedded") > 0  # the reason, in both modes
         # the server counts every load it ended on the tier, by reason (both modes' among them)
@@ -229,6 +242,9 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
         removed, left = (series(after, "kvgate_store_rollbacks_total", f'outcome="{o}"') for o in ("removed", "left"))
         assert removed + left >= 1 and left_in_cluster.count(True) <= left
         assert left_in_cluster == [False, False]
+        # the raw frame: its first envelope was stored, then removed when the second failed
+        assert raw_answer.status_code == 503, raw_answer.text
+        assert raw_in_cluster == [False, False] and removed >= 1
 
         promtool = shutil.which("promtool")
         if promtool is None:
