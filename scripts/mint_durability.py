@@ -9,6 +9,8 @@ For each database (SQLite in a fresh state directory; a fresh database on the Po
 - latency: one server, one tenant; ``POST /v1/capabilities`` from one caller (one request at a
   time), then from ``--callers`` concurrent callers (each sends its next request when the last is
   answered): p50 and p99 of the latency each caller saw, and mints/s over the whole run;
+- in-process (``--inprocess``): the same two runs against the gateway core of this checkout, no
+  HTTP and no token checks, with the number of audit commits they took (mints per commit);
 - kill -9: ``--reps`` fresh servers per delay; ``--kill-n`` mints from ``--callers`` concurrent
   callers, then, ``delay`` after the last acknowledged one, SIGKILL; then the ``capability.mint``
   rows are read back and every acknowledged ``cap_id`` without its row is counted as lost.
@@ -32,6 +34,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -91,6 +94,42 @@ def latency(code: Path, db: str, callers: int, n: int) -> list[dict[str, float]]
     return out
 
 
+async def _inprocess(db: str, callers: int, n: int) -> list[dict[str, float]]:
+    from tests.support.gw import gateway_runtime
+
+    out = []
+    with database(db) as (state, url, _read):
+        async with gateway_runtime(state, url) as rt:
+            await rt.admin.create_tenant("bench")
+            await rt.gateway.mint_capability("bench", "default", ["get"])  # the namespace exists now
+            store = rt.audit.store
+            append = store.append
+            commits = [0]
+
+            async def counted(events: Any) -> Any:
+                commits[0] += 1
+                return await append(events)
+
+            store.append = counted  # type: ignore[method-assign]
+            for c, count in ((1, max(50, n // 8)), (callers, n)):
+                left = iter(range(count))
+                got: list[Mint] = []
+
+                async def caller() -> None:
+                    for _ in left:
+                        t0 = time.perf_counter()
+                        await rt.gateway.mint_capability("bench", "default", ["get"])
+                        got.append(Mint("", time.perf_counter() - t0))
+
+                commits[0] = 0
+                t0 = time.perf_counter()
+                await asyncio.gather(*(caller() for _ in range(c)))
+                row = _summary(got, time.perf_counter() - t0, c)
+                row["commits"] = commits[0]
+                out.append(row)
+    return out
+
+
 def kill_loss(code: Path, db: str, n: int, delay_s: float, callers: int) -> int:
     with database(db) as (state, url, read_url):
         server = ServeProcess(state, url, code_root=code)
@@ -122,12 +161,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--revision", help="the commit --code holds (default: asked of git there)")
+    ap.add_argument("--inprocess", action="store_true", help="only the in-process runs (this checkout's code)")
     args = ap.parse_args()
     result: dict[str, object] = {
         "code": str(args.code), "revision": args.revision or _revision(args.code), "cpus": os.cpu_count(),
         "load_before": os.getloadavg()[0], "kill_n": args.kill_n, "callers": args.callers, "databases": {},
     }
     for db in args.db.split(","):
+        if args.inprocess:
+            rows = asyncio.run(_inprocess(db, args.callers, args.mints))
+            for r in rows:
+                print(f"{db:8s} in-process {r['callers']:3d} callers: p50 {r['p50_ms']:7.2f} ms  p99 {r['p99_ms']:7.2f} ms  "
+                      f"{r['mints_per_s']:8.1f} mints/s, {r['mints'] / max(1, r['commits']):.1f} mints per commit",
+                      flush=True)
+            result["databases"][db] = {"inprocess": rows}  # type: ignore[index]
+            continue
         entry: dict[str, object] = {"latency": latency(args.code, db, args.callers, args.mints), "lost": {}}
         for row in entry["latency"]:  # type: ignore[union-attr]
             print(f"{db:8s} {row['callers']:3d} callers: p50 {row['p50_ms']:7.2f} ms  p99 {row['p99_ms']:7.2f} ms  "
