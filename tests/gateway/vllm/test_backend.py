@@ -103,3 +103,28 @@ def test_a_backend_that_cannot_open_its_state_refuses_with_the_cause(tmp_path):
     with pytest.raises(ConnectorConfigError, match="kvgate could not open its state"):
         backend_for(config)
     assert len(_loop_threads()) == before
+
+
+def test_a_connector_pointed_at_another_state_dir_names_it_and_creates_no_kek(tmp_path):
+    """The embedded connector of a worker configured with the registry's database but another state
+    directory: the engine's start is refused with the state directory, the KEK file and the fix, and
+    no KEK file appears there. Control: the registry's own state directory opens."""
+    from gateway.vllm.backend import release
+    from tests.support.gw import gateway_runtime
+
+    real, wrong = tmp_path / "real", tmp_path / "wrong"
+    url = f"sqlite+aiosqlite:///{real / 'kvgate.db'}"
+
+    async def registry_with_a_tenant() -> None:
+        async with gateway_runtime(real, url) as rt:
+            await rt.admin.create_tenant("acme")
+
+    asyncio.run(registry_with_a_tenant())
+    good = ConnectorConfig.from_extra({"kvgate_settings": {"state_dir": str(real), "database_url": url}})
+    release(backend_for(good))
+    bad = ConnectorConfig.from_extra({"kvgate_settings": {"state_dir": str(wrong), "database_url": url}})
+    with pytest.raises(ConnectorConfigError, match="kvgate could not open its state: no new KEK was created") as err:
+        backend_for(bad)
+    for needle in (f"state directory {wrong}", str(wrong / "kek.key"), "KVGATE_STATE_DIR", str(real / "kvgate.db")):
+        assert needle in str(err.value)
+    assert not (wrong / "kek.key").exists()
