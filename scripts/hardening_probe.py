@@ -1,6 +1,6 @@
 """An attacker's requests against a live server of this tree, one line per probe.
 
-    PYTHONPATH=<repo> python scripts/issue15_probe.py
+    PYTHONPATH=<repo> python scripts/hardening_probe.py
 
 Starts the test suite's live server (SQLite, memory and disk tiers, the development issuer) and
 prints what each probe sent and what came back, labelled by area: [1] a misspelled admin body,
