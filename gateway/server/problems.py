@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from audit.errors import AuditStorageError, SpoolError
 from crypto.errors import KekError
 from gateway.errors import (
     AccessDenied,
@@ -146,6 +147,11 @@ _CONFLICT = ProblemType(409, "Conflict", _echo)
 # an outage, not a refusal and not a bug: 503 with Retry-After, on a connection that stays open
 # (a 500 from an unhandled error makes the server drop keep-alive)
 _DEPENDENCY = ProblemType(503, "Service Unavailable", _unavailable, {"Retry-After": "5"}, warn=True)
+# an action whose audit event could be made durable neither in the database nor in the spool:
+# refused (nothing was handed out), and the caller may retry
+_AUDIT = ProblemType(
+    503, "Service Unavailable", "the audit log cannot record this now; retry later", {"Retry-After": "5"}, warn=True,
+)
 INTERNAL = ProblemType(500, "Internal Server Error")
 
 
@@ -186,6 +192,8 @@ PROBLEMS: dict[type[Exception], Entry] = {
     TierError: ProblemType(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"}),
     DependencyUnavailable: _DEPENDENCY,
     KekError: _DEPENDENCY,
+    AuditStorageError: _AUDIT,
+    SpoolError: _AUDIT,
     StarletteHTTPException: _from_http_exception,
     # the client went away inside its body: nobody reads the answer, and it is no server error
     ClientDisconnect: ProblemType(400, "Bad Request", "the body ended before it was complete"),

@@ -13,6 +13,7 @@ import pytest
 from fastapi import FastAPI, HTTPException
 
 import gateway.errors as gerrors
+from audit.errors import AuditError, AuditStorageError, SpoolError
 from crypto.errors import KekError
 from gateway.errors import (
     AccessDenied,
@@ -53,6 +54,11 @@ def test_the_nearest_class_in_the_mro_answers() -> None:
         kind = lookup(tier_error)
         assert (kind.status, dict(kind.headers or {})) == (503, {"Retry-After": "1"})
     assert lookup(KekError("hsm")).status == lookup(DependencyUnavailable("database")).status == 503
+    # an event that could not be made durable (database and spool both failing): an outage to retry
+    for audit_error in (AuditStorageError("no commit within 30 s"), SpoolError("disk full")):
+        kind = lookup(audit_error)
+        assert (kind.status, dict(kind.headers or {})) == (503, {"Retry-After": "5"})
+    assert lookup(AuditError("other")) is INTERNAL  # the control: only those two are outages
 
 
 def test_an_exception_the_table_does_not_name_is_the_internal_row() -> None:
