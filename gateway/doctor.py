@@ -58,8 +58,9 @@ def _files(settings: Settings) -> list[Check]:
     if not os.access(state, os.W_OK):
         return [Check("state dir", FAIL, f"{state} is not writable", f"chown/chmod {state} for the kvgate user")]
     out.append(Check("state dir", OK, str(state)))
-    candidates = [(state, 0o700, "state dir"), (state / "audit-spool", 0o700, "audit spool"),
-                  (settings.audit_key_path, 0o600, "audit key")]
+    candidates = [(state, 0o700, "state dir"), (state / "audit-spool", 0o700, "audit spool")]
+    if settings.audit_signer_kind == "file":
+        candidates.append((settings.audit_key_path, 0o600, "audit key"))
     if settings.database_url is None:
         candidates.append((state / "kvgate.db", 0o600, "database"))
     if settings.kek_provider == "file":
@@ -126,7 +127,10 @@ def _kek(settings: Settings) -> Check:
     from gateway.runtime import make_kek
 
     if settings.kek_provider == "file" and not settings.kek_path.exists():
-        return Check("kek", WARN, f"no KEK file at {settings.kek_path} yet", "kvgate migrate or serve creates it (development only)")
+        return Check(
+            "kek", WARN, f"no KEK file at {settings.kek_path} yet",
+            "kvgate migrate or serve creates it for a registry that holds no wrapped keys yet (development only)",
+        )
     try:
         kek = make_kek(settings)
         try:
@@ -177,6 +181,20 @@ async def _issuers(settings: Settings) -> list[Check]:
 
 
 def _signing_key(settings: Settings) -> Check:
+    kind = settings.audit_signer_kind
+    if kind != "file":  # the key pair in the HSM or KMS: open it and sign a probe
+        from gateway.auditing import close_signer, make_audit_signer
+
+        try:
+            signer = make_audit_signer(settings)
+            try:
+                signer.sign(b"kvgate/doctor/v1")
+                key = signer.key_id
+            finally:
+                close_signer(signer)
+        except Exception as exc:
+            return Check("signing key", FAIL, f"{kind}: {explain(exc)}", "the message names the key and the setting")
+        return Check("signing key", OK, f"{kind}: key {key} signs")
     path = settings.audit_key_path
     if not path.exists():
         return Check("signing key", WARN, f"no audit key at {path} yet", "created at the first audit export")
@@ -202,5 +220,5 @@ async def run_checks(load: Callable[[], Settings]) -> list[Check]:
             out.append(c)
     out.append(await asyncio.to_thread(_kek, settings))
     out += await _issuers(settings)
-    out.append(_signing_key(settings))
+    out.append(await asyncio.to_thread(_signing_key, settings))
     return out

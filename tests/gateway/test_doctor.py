@@ -122,6 +122,23 @@ def test_wrong_kek_pin(tmp_path):
     assert "0000" not in out  # the PIN is never printed
 
 
+def test_an_hsm_audit_signing_key_is_checked_in_the_hsm_not_as_a_local_file(tmp_path):
+    base = {**_own_token(tmp_path / "hsm"), "KVGATE_PKCS11_PIN": "1111", "KVGATE_AUDIT_SIGNER": "pkcs11"}
+    code, rows, out = doctor(tmp_path / "state", base)
+    assert rows["kek"][0] == "ok", out
+    # no EC key pair in the token yet: the row says so and names the setting, not the KEK
+    assert code == 1 and rows["signing key"][0] == "FAIL", out
+    assert "KVGATE_AUDIT_PKCS11_KEY_LABEL" in out and "kvgate-audit-1" in out, out
+    assert "permissions: audit key" not in out  # no local PEM is looked for
+    env = {**os.environ, "SOFTHSM2_CONF": base["SOFTHSM2_CONF"]}
+    subprocess.run([sys.executable, "-c", "from crypto.kek import Secret; "
+                    "from crypto.signer_pkcs11 import generate_pkcs11_signing_key; "
+                    f"generate_pkcs11_signing_key({base['KVGATE_PKCS11_MODULE']!r}, 'doctor', Secret(b'1111'), 'kvgate-audit-1')"],
+                   check=True, capture_output=True, env=env, cwd=str(REPO))
+    code, rows, out = doctor(tmp_path / "state", base)
+    assert rows["signing key"][0] == "ok" and "pkcs11: key" in out, out  # the control
+
+
 def test_unreachable_issuer(tmp_path, issuer):
     ok = {"KVGATE_ISSUERS": _issuers(issuer.issuer), "KVGATE_DEV_ISSUER": "false"}
     code, rows, out = doctor(tmp_path, ok)
