@@ -1,23 +1,17 @@
 """Where the Redis Cluster tier puts things: key names with hash tags. Pure functions, no I/O.
 
-Redis Cluster hashes only the part of a key inside its first ``{...}`` (the hash tag) when there
-is one, so keys sharing a tag share a slot and may be used together in one MULTI/EXEC. The tag of
-a chunk is ``owner.group.bb``: its owner and group labels plus the first two hex digits of its
-digest (the *bucket*). Every (owner, group) thus spreads over up to 256 slots, so one large
-namespace spreads over every master, while everything one chunk's write touches is in one slot::
+Redis Cluster hashes only the hash tag (the first ``{...}``) of a key, so keys sharing a tag share
+a slot and may be used together in one MULTI/EXEC. A chunk's tag is ``owner.group.bb`` (its owner
+and group labels and the first two hex digits of its digest), so one namespace spreads over up to
+256 slots while everything one chunk's write touches is in one slot::
 
     {p}{o.g.bb}c:{digest}              head: header, plus the payload inline when it fits
     {p}{o.g.bb}c:{digest}:{ver}:{i}    segment i of a large chunk, version ``ver`` (immutable)
-    {p}{o.g.bb}pins                    set: pinned heads of this tag
-    {p}{o.g.bb}b                       counter: payload bytes stored under this tag
-    {p}{u.x}bytes                      shard ``x`` (one hex digit, 16 shards) of the total
-                                       byte counter; the shard of a tag is its bucket's first
-                                       digit; :attr:`used_bytes` is the sum of the 16
+    {p}{o.g.bb}pins / {p}{o.g.bb}b     set of pinned heads / payload bytes under this tag
+    {p}{u.x}bytes                      shard ``x`` (bucket's first hex digit) of the total bytes
 
-There is no key outside a chunk's tag except the 16 counter shards (in 16 slots), so no write
-crosses slots. Owner and group registries are not needed: a namespace or owner clear matches its
-tags with SCAN on every master (labels are lowercase hex, so ``.``, ``{``, ``}`` and ``:`` never
-occur inside one, and a match is checked again by parsing the name).
+No key lies outside a chunk's tag except the 16 counter shards, so no write crosses slots.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -2,30 +2,16 @@
 
 Layout: ``root/<owner>/<group>/<digest[:2]>/<digest>.kvc``; every label is lowercase hex (checked
 by :class:`ChunkKey`), so a key cannot name a path outside ``root``. Directories are created 0700,
-files 0600.
+files 0600. A chunk file is a 48-byte header followed by the payload (the ciphertext envelope):
+magic ``b"KVGC"`` (4), format version 1 (1), checksum algorithm (1: 1 = SHA-256, 2 = CRC32C,
+3 = CRC-32), reserved zeros (2), payload length little endian (8), payload checksum (32; a CRC is
+4 bytes little endian, then zeros). Every algorithm is read back, whichever wrote the file.
 
-A chunk file is a 48-byte header followed by the payload (the ciphertext envelope)::
-
-    offset size  field
-    0      4     magic b"KVGC"
-    4      1     format version (1)
-    5      1     checksum algorithm: 1 = SHA-256, 2 = CRC32C, 3 = CRC-32 (zlib)
-    6      2     reserved, zero
-    8      8     payload length, little endian
-    16     32    checksum of the payload (CRCs: 4 bytes little endian, then zeros)
-
-CRC32C (the ``crc32c`` package, hardware-accelerated, ~10 GB/s; LGPL, so not a dependency) is
-used when it is installed, zlib's CRC-32 (standard library, ~3.6 GB/s here) otherwise; SHA-256
-can be chosen. All release the GIL and all are read back, whichever wrote the file.
-
-The checksum detects torn, truncated or bit-rotted files so they are treated as absent. It is
-*not* a security check: anyone who can write the file can recompute it. Authenticity is the
-cipher's job (AES-GCM with associated data binding the chunk to its place).
-
-A write goes to a uniquely named temp file in the final directory (``O_EXCL``), is fsynced, renamed
-over the final name with ``os.replace`` and the directory is fsynced, so a crash leaves the old
-file, the new file or a stray temp file, never a torn chunk, and concurrent writers of one key
-leave exactly one complete file.
+The checksum detects torn, truncated or bit-rotted files, treated as absent; it is *not* a security
+check (anyone who can write the file can recompute it): authenticity is the cipher's job. A write
+goes to a unique temp file (``O_EXCL``), is fsynced, ``os.replace``-d onto the final name and the
+directory fsynced, so a crash never leaves a torn chunk and concurrent writers leave one complete
+file. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
@@ -71,7 +57,7 @@ MAGIC = b"KVGC"
 VERSION = 1
 ALGO_SHA256 = 1
 ALGO_CRC32C = 2
-ALGO_CRC32 = 3  # zlib.crc32: in the standard library, ~3.6 GB/s here, releases the GIL
+ALGO_CRC32 = 3  # zlib.crc32: in the standard library, releases the GIL
 ALGORITHMS = {"sha256": ALGO_SHA256, "crc32c": ALGO_CRC32C, "crc32": ALGO_CRC32}
 HEADER = struct.Struct("<4sBBHQ32s")
 SUFFIX = ".kvc"

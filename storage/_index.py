@@ -5,18 +5,13 @@ The index never touches data. A tier asks :meth:`KeyIndex.plan_eviction` which k
 put to fit, and gets either a list of victims or :class:`TierFull` *before* anything changed, so a
 rejected put leaves the tier exactly as it was.
 
-Eviction policy (``owner_quota`` set): a put that needs room evicts, in this order,
-
-1. the putting owner's own least-recent unpinned chunks, while that owner is over its quota
-   (counting the incoming chunk);
-2. the least-recent unpinned chunks of any other owner that is over its quota, oldest first,
-   until that owner is back within it;
-3. only if the putting owner is (now) within its quota: plain LRU over every unpinned chunk.
-
-So an owner over its quota can never evict another owner's chunks that are within that owner's
-quota (fair share); when quotas are overcommitted (their sum exceeds the budget) step 3 lets an
-owner within its quota reclaim space by LRU. Without ``owner_quota`` only step 3 applies.
-Pinned chunks are never victims; they are kept out of the recency lists altogether.
+Eviction with ``owner_quota`` evicts, in order: (1) the putting owner's own least-recent unpinned
+chunks while it is over its quota (counting the incoming chunk); (2) the least-recent unpinned
+chunks of any other owner over its quota, until it is back within it; (3) only if the putting owner
+is within its quota, plain LRU over every unpinned chunk. An owner over its quota thus never evicts
+another owner's chunks that are within quota. Without ``owner_quota`` only step 3 applies. Pinned
+chunks are never victims; they are kept out of the recency lists altogether.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -3,18 +3,11 @@
 This is the only place (with :mod:`storage.redis`) that imports redis-py, and nothing here runs
 at import time beyond class definitions.
 
-Client configuration, and why:
-
-- ``retry=Retry(NoBackoff(), 0)``: redis-py 6+ retries 3 times with backoff by default; a cache
-  lookup must instead fail within its budget and let the circuit breaker decide.
-- :class:`_Connection` sends a command's pieces one by one instead of ``writelines`` (which on
-  Python 3.11 joins the whole pipeline into one new bytes object, a full copy of every payload).
-  redis-py's asyncio packer already passes ``memoryview`` arguments through uncopied.
-- ``socket_read_size`` of 1 MiB: fewer parser round trips per multi-megabyte segment.
-- Replies are parsed by hiredis when it is installed (redis-py's default); the tier keeps values
-  at ``segment_bytes`` (2 MiB) where hiredis is fast, instead of one 33.5 MB value.
-- A ``BlockingConnectionPool``: a burst of coroutines waits for a connection (within each
-  operation's timeout) instead of failing with "too many connections".
+The client never retries on its own (``Retry(NoBackoff(), 0)``: a lookup must fail within its
+budget and let the circuit breaker decide), sends a command's pieces one by one without joining
+payloads (:class:`_Connection`), reads with a 1 MiB ``socket_read_size``, and takes connections
+from a ``BlockingConnectionPool`` (a burst waits within each operation's timeout instead of failing
+with "too many connections"). Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

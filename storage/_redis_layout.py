@@ -2,22 +2,16 @@
 
 Keys under ``prefix`` (every label is lowercase hex, so ``:`` never occurs inside one)::
 
-    {p}c:{owner}:{group}:{digest}              the chunk's head: header, plus the payload inline
-                                               when it fits in one segment
+    {p}c:{owner}:{group}:{digest}              head: header, plus the payload inline if it fits
     {p}c:{owner}:{group}:{digest}:{ver}:{i}    segment i of a large chunk, version ``ver``
-                                               (immutable once written; a new put writes a new
-                                               version and then unlinks the old one)
     {p}g:{owner}:{group}                       set: every head and segment key of that group
-    {p}go:{group}                              set: owners that hold chunks of that group
-    {p}o:{owner}                               set: groups that owner holds chunks of
-    {p}owners                                  set: every owner
+    {p}go:{group} / {p}o:{owner} / {p}owners   sets: owners of a group, groups of an owner, owners
     {p}pins                                    set: pinned head keys
     {p}bytes, {p}b:{owner}:{group}             counters: payload bytes stored (all, per group)
 
-Header (28 bytes, little endian)::
-
-    magic "KVR" | format 1 | flags (bit 0: inline) | 3 reserved | segments u32 | length u64
-    | version 8 bytes (random per put; names the segment keys)
+Segments are immutable once written: a new put writes a new version, then unlinks the old one.
+Header (28 bytes, little endian): magic "KVR" | format 1 | flags (bit 0: inline) | 3 reserved |
+segments u32 | length u64 | version 8 bytes (random per put; names the segment keys).
 """
 
 from __future__ import annotations

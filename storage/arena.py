@@ -1,25 +1,17 @@
 """The memory tier's arena: one anonymous mapping, carved into extents, reused in place.
 
-Why: a tier that keeps each envelope in its own fresh buffer pays a page fault per 4 KiB of every
-store (malloc hands buffers over its mmap threshold back to the kernel on free, and fresh pages
-fault in while the cipher writes them). The arena maps its region once (``prefault=True`` adds
-``MAP_POPULATE``; ``huge_pages=True`` asks for transparent huge pages with ``MADV_HUGEPAGE``), and
-every envelope after that lands in pages that are already there: no allocation, no fault per chunk
-in steady state.
+The region is mapped once (``prefault=True`` adds ``MAP_POPULATE``; ``huge_pages=True`` asks for
+transparent huge pages), so in steady state an envelope lands in pages already there: no
+allocation and no page fault per chunk. Allocation is best fit over coalescing holes (64-byte
+aligned); under fragmentation :meth:`Arena.compact` slides unleased extents to the start, and only
+then does an extent come from the heap (counted in ``overflow``). The arena never refuses: the
+memory tier bounds the bytes held with its budget.
 
-Allocation is best fit over a free list of holes that coalesce on free (64-byte aligned extents).
-When no hole is large enough although enough bytes are free (fragmentation under mixed sizes),
-:meth:`Arena.compact` slides every extent nobody is reading towards the start of the region; if
-even that leaves no hole, the extent comes from the heap (counted in ``overflow``). The caller
-(the memory tier) bounds the bytes held with its budget; the arena never refuses.
-
-Readers and reuse. A view handed out by :meth:`Arena.lease` is a ``memoryview`` of a numpy array
-made for that lease alone; every view, slice, cast, ``np.frombuffer`` or ``torch.frombuffer``
-derived from it keeps that array alive, and the arena holds only a weak reference to it. An
-extent is *leased* while any such array lives. A leased extent is never moved, and one its owner
-released (an envelope evicted, replaced or deleted) becomes a *zombie*: its bytes stay as they
-were, out of every free list, until the last lease dies. So one buffer is never handed to two live
-envelopes, and a reader's view never changes under it.
+Invariants: a view from :meth:`Arena.lease` keeps its extent *leased* while it or anything derived
+from it lives. A leased extent is never moved; one released by its owner while leased becomes a
+*zombie* (bytes unchanged, in no free list) until the last lease dies. So one buffer is never
+handed to two live envelopes, and a reader's view never changes under it.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
 """The local disk tier: one file per chunk, atomic writes, an in-memory index rebuilt at start.
 
-File layout, header and the write protocol are in :mod:`storage._diskio`. In short: a put writes a
-temp file (``O_EXCL``, 0600), fsyncs it, ``os.replace``-s it onto ``<digest>.kvc`` and fsyncs the
-directory, so a crash never leaves a torn chunk. A checksum of the payload in the header (CRC32C,
-or SHA-256 where the ``crc32c`` package is missing) catches truncation and bit rot -- not
-tampering: authenticity is the cipher's job (AES-GCM over the envelope). Such a file is treated as
-absent, deleted and counted.
+File layout, header and the write protocol are in :mod:`storage._diskio`: a crash never leaves a
+torn chunk, and a file whose payload checksum fails (truncation, bit rot; not tampering, which is
+the cipher's job) is treated as absent, deleted and counted.
 
-One ``DiskTier`` owns its root: the index (sizes, recency, pins) lives in this process and is
-rebuilt by scanning the root in :meth:`DiskTier.start` (or ``await DiskTier.open(root)``, or
-``async with DiskTier(root)``). Keys the index does not know are looked for on disk (a stat each,
-in order, up to the first not there: a prefix walk's order) and indexed where found, so processes
-sharing a root (vLLM's scheduler and workers) see each other's chunks. Pins are
-kept in memory only: persisting them is the registry's job. Blocking file I/O runs in worker
-threads (``asyncio.to_thread``), so fsync never blocks the event loop. Operations on one key are
-serialised by a per-key lock; ``delete_group`` / ``delete_owner`` hold new puts to that label back
-until they are done, and also remove files the index does not know (crash leftovers), since they
-back secure clear.
-
-``capacity_bytes`` (optional) bounds the bytes of chunk files (header included), evicting the
-least recently used unpinned chunks; a put that cannot fit raises TierFull and changes nothing.
+One ``DiskTier`` owns its root: its index (sizes, recency, pins) is rebuilt by scanning the root in
+:meth:`DiskTier.start` (or ``await DiskTier.open(root)``, or ``async with DiskTier(root)``). Keys
+the index does not know are looked for on disk and indexed where found, so processes sharing a root
+see each other's chunks. Pins are kept in memory only. Blocking I/O runs in worker threads. Each
+key's operations are serialised by a lock; ``delete_group`` / ``delete_owner`` hold new puts to
+that label back until done and also remove files the index does not know, since they back secure
+clear. ``capacity_bytes`` (optional) bounds the bytes of chunk files (header included), evicting
+the least recently used unpinned chunks; a put that cannot fit raises TierFull and changes nothing.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

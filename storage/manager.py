@@ -2,20 +2,17 @@
 gets with promotion into faster tiers, and group/owner deletion across all of them.
 
 Writes (``write_mode``):
-
 - ``"through"``: ``put`` writes every tier before it returns (the tiers named in ``write_back``
   excepted: they get their copy behind, as below).
-- ``"behind"``: ``put`` returns once the chunk is in the fastest tier that takes it; every slower
-  tier gets its copy from :class:`storage.writebehind.WriteBehind` (a bounded queue and a worker
-  per tier). Back-pressure drops copies (``dropped``, per tier), never blocks a store. A crash
-  loses only the queued copies (cache copies: recomputation brings them back).
+- ``"behind"``: ``put`` returns once the chunk is in the fastest tier that takes it; slower tiers
+  get their copy from :class:`storage.writebehind.WriteBehind` (a bounded queue and a worker per
+  tier). Back-pressure drops copies (``dropped``, per tier), never blocks a store; a crash loses
+  only the queued copies, which recomputation brings back.
 
 ``flush`` waits for the queued copies; ``delete*`` first purges the queued copies they cover (a
 copy must not land after a delete); ``aclose`` drains for at most ``drain_timeout_s`` and counts
-what it drops.
-
-A tier that fails (TierUnavailable, or any TierError on a read) is counted and passed over: for
-a cache, an unreachable tier is a miss, never an error for the engine.
+what it drops. A tier that fails (TierUnavailable, or any TierError on a read) is counted and
+passed over: for a cache, an unreachable tier is a miss, never an error for the engine.
 """
 
 from __future__ import annotations

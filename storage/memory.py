@@ -1,28 +1,18 @@
 """The in-process memory tier: LRU within a byte budget, pins, optional per-owner fair share.
 
-It is a product tier (the first, fastest place envelopes are kept) and also the one fake storage
-the tests need (no ``unittest.mock`` for storage). Envelopes are ciphertext, kept in an
-:class:`storage.arena.Arena`: one region mapped once (``prefault`` populates it up front,
-``huge_pages`` asks for THP), so a store in steady state allocates nothing and faults no page.
-``put`` copies the bytes into an extent; the data path can skip that copy by sealing straight into
-an extent: ``res = tier.reserve(key, nbytes)``, write ``res.view``, then ``tier.commit(res)`` (or
-``tier.abort(res)``). ``get`` returns a read-only view of the extent itself (no copy), which stays
-valid and unchanged while held: an evicted or replaced envelope's extent is reused only once
-every view of it has died (see the arena's docstring).
+A product tier (the fastest place envelopes are kept) and also the one fake storage the tests need.
+Envelopes live in a :class:`storage.arena.Arena`, so a store in steady state allocates nothing.
+``put`` copies the bytes into an extent; the data path can seal straight into one instead:
+``res = tier.reserve(key, nbytes)``, write ``res.view``, then ``tier.commit(res)`` (or
+``tier.abort(res)``). ``get`` returns a read-only view of the extent (no copy) that stays valid and
+unchanged while held (see the arena's docstring).
 
-Budget and eviction (see :mod:`storage._index` for the exact order):
-
-- ``capacity_bytes`` is never exceeded; ``get`` refreshes recency; pinned chunks are never evicted.
-- A put that cannot fit even after evicting every chunk it may evict raises :class:`TierFull`
-  and changes nothing.
-- With ``owner_quota_bytes``, an owner over its quota pays for its own puts with its own
-  least-recent chunks, so one owner flooding the tier cannot evict another owner's chunks that are
-  within that owner's quota.
-
-A namespace or owner deletion cancels the reservations of its keys: their ``commit`` stores
-nothing and returns False (a seal in flight cannot bring back a cleared chunk).
-
-All methods run to completion without awaiting, so each is atomic for coroutines sharing a loop.
+Invariants: ``capacity_bytes`` is never exceeded; ``get`` refreshes recency; pinned chunks are never
+evicted; a put that cannot fit even after every eviction it may make raises :class:`TierFull` and
+changes nothing; with ``owner_quota_bytes`` one owner cannot evict another's chunks that are within
+quota (order in :mod:`storage._index`). A namespace or owner deletion cancels the reservations of
+its keys: their ``commit`` stores nothing and returns False (a seal in flight cannot bring back a
+cleared chunk). No method awaits, so each is atomic for coroutines sharing a loop.
 """
 
 from __future__ import annotations

@@ -1,51 +1,18 @@
 """The Redis tier (redis-py asyncio): envelopes under opaque namespaced keys, shared by workers.
 
-Key layout and the 28-byte chunk header are in :mod:`storage._redis_layout`; the client
-configuration and error mapping in :mod:`storage._redis_client`; the breaker in
-:mod:`storage._redis_breaker`.
+Key layout and the chunk header: :mod:`storage._redis_layout`; client and error mapping:
+:mod:`storage._redis_client`; breaker: :mod:`storage._redis_breaker`. A chunk up to
+``segment_bytes`` is one value; a larger one is a head plus immutable segments of a random per-put
+version, swapped in by one MULTI/EXEC, so readers never see a torn or mixed chunk, without locks.
 
-Storage of one chunk:
-
-- up to ``segment_bytes`` (2 MiB): one value, header + payload (one GET to read);
-- larger: the header in the head key, the payload in ``ceil(len / segment_bytes)`` segment keys
-  named after a random per-put *version*. A put writes the new segments, swaps the head and adds
-  the index entries in one MULTI/EXEC, then unlinks the old version's segments. Segments are never
-  rewritten, so a reader that read head version v either gets every segment of v (a whole chunk)
-  or finds one missing (v was replaced or deleted meanwhile) and reads the head again. Readers
-  never see a torn or mixed chunk, with any number of concurrent writers, without locks.
-
-Reads: a get is one round trip for small chunks, two for segmented ones (head, then one pipeline
-of segment GETs). Copies achieved: a small chunk comes back as a read-only view of the reply bytes
-(none of ours); a segmented one is joined once into one buffer. redis-py's asyncio reader itself
-copies each reply a few times (transport -> StreamReader buffer -> hiredis -> bytes); a
-``recv_into`` reader into a preallocated buffer would remove those and is not built. Writes pass
-the caller's buffer as memoryview slices straight to the socket (no join; see _redis_client).
-Measured on the 2-core dev machine, same run, GB/s (tier vs best raw redis-py asyncio client):
-put 2 MiB 1.56 vs 2.53 SET, 33.5 MiB 1.87 vs 1.32; get 2 MiB 1.56 vs 1.53, 33.5 MiB 0.66 vs 0.75.
-
-Faults: every call runs under a deadline -- ``op_timeout_s`` for lookups (``contains``), pins and
-small calls (default 0.1 s); ``read_timeout_s`` (0.25 s; None: ``op_timeout_s``) for a get, plus ``len /
-min_bytes_per_s`` for the payload of a large one; ``put_timeout_s`` (1 s, + the same payload
-allowance) for writes; ``clear_timeout_s`` per batch of a group clear (the gateway sets them from
-``tier_lookup_timeout_s``, ``tier_read_timeout_s`` and ``tier_write_timeout_s``). redis-py never
-retries on its own. Connection errors raise :class:`TierUnavailable`, deadlines
-:class:`TierTimeout` (counted per operation in ``stats().timeouts``; never a redis-py
-exception) and feed a circuit breaker: after ``breaker_failures`` consecutive failures calls fail
-fast for ``breaker_cooldown_s``, then one probe is let through, and success closes the circuit.
-
-Namespace clear (``delete_group``/``delete_owner``): each (owner, group) has a set of every key it
-wrote; the clear SSCANs it in batches and UNLINKs + SREMs each batch in one pipelined round trip
-(no KEYS, no server-side blocking), repeating until the set is empty. Crash-safe: members leave
-the set only together with their keys, so a clear that dies half-way resumes where it stopped.
-
-Eviction and TTL: the tier evicts nothing itself. ``ttl_s`` puts an expiry on chunk keys; pin
-removes it (PERSIST) and remembers the pin, so a replacing put keeps the chunk persistent; unpin
-restores it. Redis's own ``maxmemory-policy`` may still evict: operators should configure
-``noeviction`` (puts then fail with TierFull when full) or a ``volatile-*`` policy together with
-``ttl_s`` (only chunks with a TTL, never pinned ones, are then evicted). ``allkeys-*`` policies
-could evict index sets or pinned chunks and must not be used. Index entries of chunks that
-expired stay until their group is cleared; :attr:`used_bytes` is the shared payload counter
-(puts minus deletes through any client of this prefix; expiry is not subtracted).
+Every call runs under a deadline (``op_timeout_s``, ``read_timeout_s``, ``put_timeout_s``,
+``clear_timeout_s``, plus ``len / min_bytes_per_s`` for a large payload); redis-py never retries.
+Connection errors raise :class:`TierUnavailable`, deadlines :class:`TierTimeout` (counted in
+``stats().timeouts``), and both feed a circuit breaker. A namespace clear SSCANs the group's key
+set in batches and is crash-safe (members leave the set only with their keys). The tier evicts
+nothing itself; ``ttl_s`` sets an expiry that pins remove. Redis must run with ``noeviction`` or a
+``volatile-*`` policy with ``ttl_s``, never ``allkeys-*`` (it could evict index sets or pinned
+chunks). Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """The Redis Cluster tier (also Valkey in cluster mode): the Redis tier's format and fast path on a
 redis-py asyncio ``RedisCluster``.
 
-What differs from :class:`storage.redis.RedisTier` (whose docstring covers the chunk format, the
-read path, deadlines and the breaker):
+What differs from :class:`storage.redis.RedisTier`, whose docstring covers the rest:
 
-- Key layout (:mod:`storage._cluster_layout`): each chunk's keys share one hash tag built from its
-  owner and group labels and the first two hex digits of its digest, so a put or delete is one
-  MULTI/EXEC on one slot while one namespace's chunks spread over up to 256 slots, hence every
-  master. No cross-slot global keys: pins are per tag, bytes per tag plus 16 counter shards
-  summed on demand (:attr:`used_bytes` is their sum as last seen; :meth:`refresh_used_bytes`
-  reads all 16), no owner or group registries.
+- Key layout (:mod:`storage._cluster_layout`): a put or delete is one MULTI/EXEC on one slot, and
+  no key crosses slots: pins and bytes are per tag, plus 16 counter shards (:attr:`used_bytes` is
+  their sum as last seen; :meth:`refresh_used_bytes` reads all 16); no owner or group registries.
 - Clears and listings SCAN every master for the tags (:mod:`storage._cluster_clear`).
 - One circuit breaker per master, chosen by the slot of the key a call touches: a dead master
-  fails fast for its slots while the others serve theirs. MOVED and ASK are followed by redis-py
-  (a reshard is invisible but for latency); a connection error makes redis-py reload the slot
-  map on the next call, which finds a promoted replica. Loads during a failover are misses
-  (TierUnavailable/TierTimeout, within the deadline), never other errors.
+  fails fast for its slots while the others serve theirs. Loads during a failover or reshard are
+  misses (TierUnavailable/TierTimeout, within the deadline), never other errors.
 - ``contains_many`` asks each master in parallel; keys on an unreachable master answer False
   (a lookup miss) unless every master failed, when it raises like the single-node tier.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
