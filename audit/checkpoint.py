@@ -9,13 +9,10 @@ by the audit key (audit.signed)::
      "signature_algorithm": str, "key_id": hex, "signature": base64,
      "frontier": [hex, ...]}     # not signed: the compact range (audit.merkle), checked against root_hash
 
-Anyone holding a checkpoint can later tell whether an export (or the database) still extends it:
-truncation, deletion, insertion or a rewrite of any of its rows changes the root of the first
-``tree_size`` leaves, whatever chain hashes were recomputed.
-
 ``CheckpointDirectory`` is the store outside the audit database: one JSON file per checkpoint,
 ``checkpoint-<tree_size>-<created>.json``, written to a temporary name, fsync-ed and renamed.
-Light on purpose (the offline verifier reads checkpoints): no SQLAlchemy here.
+No SQLAlchemy here: the offline verifier reads checkpoints too.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -3,18 +3,15 @@
     cp = Checkpointer(store, signer, CheckpointDirectory(state_dir / "audit-checkpoints"), sink=writer)
     checkpoint = await cp.checkpoint()       # now; the server also runs one every interval
 
-The tree is never rebuilt from what the database holds now: it starts from the newest checkpoint
-in the directory (outside the database, its frontier checked against its signed root) and only
-the rows after it are read. Each of those must continue the chain where the checkpoint left it
-(``seq`` = size + 1, ``prev_hash`` = the checkpoint's ``last_hash``, its own hash recomputed), so
-a database whose owner truncated, deleted, inserted or rewrote rows the last checkpoint covers is
-refused (:class:`CheckpointTampered`) instead of being signed. With no checkpoint yet, the whole
-chain is read once from seq 1.
-
-The signed checkpoint goes to the directory, to each ``mirror`` (an async callable taking the
-document; the server adds a Redis stream where Redis is configured; a failing mirror is logged,
-the directory stays the record), then into the log itself as an ``audit.checkpoint``
-event (durable before ``checkpoint()`` returns), so the log carries its own signed tree heads.
+The tree starts from the newest checkpoint in the directory (its frontier checked against its
+signed root), never from what the database holds now, and only the rows after it are read. Each
+must continue the chain where the checkpoint left it (``seq`` = size + 1, ``prev_hash`` = its
+``last_hash``, its own hash recomputed), so rows the last checkpoint covers that were truncated,
+deleted, inserted or rewritten raise :class:`CheckpointTampered` instead of being signed. With no
+checkpoint yet, the whole chain is read once from seq 1. The signed checkpoint goes to the
+directory, to each ``mirror`` (an async callable; a failing mirror is logged, the directory stays
+the record), then into the log as an ``audit.checkpoint`` event, durable before ``checkpoint()``
+returns. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

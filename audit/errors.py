@@ -12,8 +12,7 @@ cryptography) are translated into these at the package boundary.
           ├── VerifyInputError      an input file is missing or unreadable, the key is no key
           └── ExportVerificationFailed  raised by VerifyReport.raise_for_failure()
 
-A verification that runs and finds tampering returns a failed ``VerifyReport``; it raises only
-when asked to (``raise_for_failure``), so a caller can show every problem found.
+Verification that finds tampering returns a failed ``VerifyReport``; ``raise_for_failure`` raises.
 """
 
 from __future__ import annotations

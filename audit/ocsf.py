@@ -1,27 +1,16 @@
 """A documented mapping of kvgate audit records to OCSF 1.x *API Activity* (class_uid 6003).
 
 Exports keep the canonical, hashed field names (they are what verification recomputes); this
-module turns a record into an OCSF event for a SIEM, with the chain fields kept in ``unmapped``.
-
-| kvgate field            | OCSF API Activity field                                  |
-| ----------------------- | -------------------------------------------------------- |
-| occurred_at             | time (epoch ms)                                          |
-| event_id                | metadata.uid                                             |
-| seq                     | metadata.sequence                                        |
-| recorded_at             | metadata.logged_time (epoch ms)                          |
-| actor.subject           | actor.user.uid                                           |
-| actor.tenant            | actor.user.org.uid                                       |
-| actor.issuer            | actor.idp.uid                                            |
-| actor.client_id         | actor.app_uid                                            |
-| actor.token_id          | actor.user.credential_uid                                |
-| actor.source            | src_endpoint.ip; a Unix-socket peer (``unix:uid=U:pid=P``, |
-|                         | no address): src_endpoint.name, actor.process.pid and    |
-|                         | actor.process.user.uid                                   |
-| action                  | api.operation (activity_id from ACTIVITY)                |
-| outcome                 | status_id / status (denied: Failure, status_detail)      |
-| target.*                | resources[0] (uid = tenant/namespace, data = the rest)   |
-| details                 | api.request.data                                         |
-| prev_hash, hash         | unmapped.kvgate_prev_hash, unmapped.kvgate_hash          |
+module turns a record into an OCSF event for a SIEM, with the chain fields kept in ``unmapped``:
+occurred_at -> time, event_id -> metadata.uid, seq -> metadata.sequence, recorded_at ->
+metadata.logged_time (times in epoch ms); actor.subject / tenant / issuer / client_id / token_id ->
+actor.user.uid / actor.user.org.uid / actor.idp.uid / actor.app_uid / actor.user.credential_uid;
+actor.source -> src_endpoint.ip, or for a Unix-socket peer (``unix:uid=U:pid=P``)
+src_endpoint.name, actor.process.pid and actor.process.user.uid; action -> api.operation
+(activity_id from ``ACTIVITY``); outcome -> status_id / status (denied: Failure, status_detail);
+target.* -> resources[0] (uid = tenant/namespace, data = the rest); details -> api.request.data;
+prev_hash, hash -> unmapped.kvgate_prev_hash, unmapped.kvgate_hash.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

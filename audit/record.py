@@ -1,25 +1,17 @@
 """The audit record and its canonical encoding: the one place the chain hash is defined.
 
-An :class:`~audit.types.AuditEvent` becomes a :class:`PendingEvent` at ``emit()`` time: it is
-validated, gets its event id (a UUIDv7 carrying the emit time) and its emit timestamp, and its
-details are frozen into canonical JSON text. The writer later gives it a place in the chain
-(``seq``, ``recorded_at``, ``prev_hash``) and an :class:`AuditRecord` results.
+An :class:`~audit.types.AuditEvent` becomes a :class:`PendingEvent` at ``emit()`` time (validated,
+given a UUIDv7 event id and its emit time, details frozen into canonical JSON text); the writer
+later gives it ``seq``, ``recorded_at`` and ``prev_hash``, and an :class:`AuditRecord` results.
 
-Chain hash, version 1::
-
-    hash = sha256(canonical_json({
-        "v": 1, "seq": int, "event_id": str, "occurred_at": TIME, "recorded_at": TIME,
-        "actor": {"subject", "issuer", "tenant", "client_id", "token_id", "source"},
-        "action": str, "outcome": str,
-        "target": {"tenant", "namespace", "chunk_count", "chunk_digest", "tier_from", "tier_to"},
-        "details": str,        # the canonical JSON text of the details object
-        "prev_hash": str,      # 64 hex digits; GENESIS_HASH for seq 1
-    })).hexdigest()
-
-``canonical_json`` is ``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-allow_nan=False)`` encoded as UTF-8; TIME is UTC as ``YYYY-MM-DDTHH:MM:SS.ffffffZ``; absent
-values are ``null`` (empty strings are stored as absent, so CSV needs no null marker). Canonical
-JSON of a parsed canonical JSON text is the same text, so exports may carry details as an object.
+Chain hash, version 1: ``sha256(canonical_json({"v": 1, "seq", "event_id", "occurred_at",
+"recorded_at", "actor": {"subject", "issuer", "tenant", "client_id", "token_id", "source"},
+"action", "outcome", "target": {"tenant", "namespace", "chunk_count", "chunk_digest", "tier_from",
+"tier_to"}, "details": <canonical JSON text of the details>, "prev_hash": <64 hex digits;
+GENESIS_HASH for seq 1>})).hexdigest()``. ``canonical_json`` is ``json.dumps(sort_keys=True,
+separators=(",", ":"), ensure_ascii=True, allow_nan=False)`` as UTF-8; TIME is UTC
+``YYYY-MM-DDTHH:MM:SS.ffffffZ``; absent values are ``null`` (empty strings are stored as absent).
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -6,16 +6,13 @@ Two algorithms, named in every signed document's ``signature_algorithm``:
   in production, as they refuse the local KEK file).
 - ``ECDSA-P256-SHA256``: :class:`EcdsaSigner` around a backend that keeps the private key where
   the KEK lives (``crypto.signer_pkcs11.Pkcs11Signer``, ``crypto.signer_kms.KmsSigner``); the
-  signature is DER, the public key is exported as SubjectPublicKeyInfo PEM for auditors. Every
-  signature a backend returns is checked against its public key before it is used.
+  signature is DER. Every signature a backend returns is checked against its public key before use.
 
-``key_id`` is the sha256 (hex) of the raw public key: the 32 bytes of an Ed25519 key, the
-uncompressed X9.62 point of a P-256 key.
-
-The Ed25519 private key is a PKCS#8 PEM file created with mode 0600 on first use (written to a temporary
-file, then hard-linked into place, so two processes starting together end up with one key). A key
-file readable by group or others is refused, as ssh refuses one. The public key is exported as
-SubjectPublicKeyInfo PEM for auditors; ``key_id`` is the sha256 of its raw 32 bytes (hex).
+Public keys are exported as SubjectPublicKeyInfo PEM for auditors; ``key_id`` is the sha256 (hex)
+of the raw public key (an Ed25519 key's 32 bytes, a P-256 key's uncompressed X9.62 point). The
+Ed25519 private key is a PKCS#8 PEM file created with mode 0600 on first use (temporary file, then
+hard-linked into place, so two processes starting together end up with one key); a key file
+readable by group or others is refused, as ssh refuses one.
 """
 
 from __future__ import annotations

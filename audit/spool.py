@@ -1,20 +1,18 @@
 """The local append-only spool: where events wait, durably, while the audit database is away.
 
 A spool directory holds files named ``audit-spool-<uuid7>.jsonl`` (creation order = name order).
-Each file is one process's: it holds an exclusive ``flock`` on it while alive. A file nobody
-holds is an orphan of a process that exited or crashed; the next writer that starts with the
-same directory adopts it and replays it before anything newer.
+Each file is one process's (an exclusive ``flock`` while alive). A file nobody holds is an orphan
+of a process that exited or crashed; the next writer that starts with the same directory adopts it
+and replays it before anything newer. The classes are synchronous (the writer calls them through
+``asyncio.to_thread``).
 
 - A line is one :meth:`PendingEvent.to_json`; a batch is written then ``fsync``-ed at once.
-- ``<file>.pos`` holds the byte offset already replayed into the database, replaced atomically
-  after each replayed batch. A crash between a database commit and the ``.pos`` update replays
-  that batch again; the database skips event ids it has (see audit.store), so nothing doubles.
-- A torn last line (a crash in the middle of a write that was never fsync-ed, so never reported
-  durable) is cut off on adoption. A line that does not parse is moved to ``<file>.corrupt``,
-  kept, and reported; it never stalls the rest.
-- An exhausted file (everything replayed) is deleted with its ``.pos``.
-
-The classes here are synchronous; the writer calls them through ``asyncio.to_thread``.
+- ``<file>.pos`` holds the byte offset already replayed, replaced atomically after each replayed
+  batch; a crash before that update replays the batch again, and the database skips event ids it
+  has (see audit.store), so nothing doubles.
+- A torn last line (a write never fsync-ed, so never reported durable) is cut off on adoption; a
+  line that does not parse is moved to ``<file>.corrupt``, kept and reported, never stalling the
+  rest. An exhausted file is deleted with its ``.pos``.
 """
 
 from __future__ import annotations

@@ -8,15 +8,11 @@ head, so the next writer sees the new last row.
 Idempotence: every event carries a unique ``event_id`` (a UNIQUE column). Under the head lock the
 batch's ids already present are skipped, so replaying a batch whose commit was acknowledged
 ambiguously (connection lost after COMMIT) writes nothing twice and never breaks the chain.
-
-Postgres plans the event-id lookup afresh for every batch (``plan_cache_mode``, set for the
-transaction with the head lock and reset after the lookup): asyncpg prepares statements, and once a lookup of 1,000 ids had run a few times
-Postgres kept a generic plan that compares every row with every parameter, seconds per batch on a
-table of 50,000 rows (seen when durable one-event appends interleave with full batches). The
-INSERT keeps its cached plan (planning it each time cost a fifth of the throughput).
+Postgres plans the event-id lookup afresh per batch (``plan_cache_mode``); the INSERT keeps its plan.
 
 ``recorded_at`` is ``max(now, previous recorded_at)``: monotonic along ``seq`` even when the
 writers' clocks differ, so a time window on it is a contiguous run of the chain.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

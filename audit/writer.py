@@ -7,27 +7,12 @@
     await writer.flush()          # everything emitted so far is durable (database or spool)
     await writer.aclose()         # flushes, replays what it can, stops, releases the spool
 
-``emit`` takes the emit time and the event id, appends to a deque under a lock, and wakes the
-task only when a batch is full (the task also wakes every ``flush_interval``), so its cost is
-validation plus a JSON dump: a few microseconds.
-
-Order and durability: the task writes batches in emit order. If a write fails (database down,
-timeout, anything), the batch goes to the spool (fsync) and from then on every new batch goes
-behind it in the spool until the spool is replayed, oldest first, with backoff between tries.
-So the chain order is the write order, which is the emit order of each process. Nothing is held
-only in memory longer than one batch interval; if the spool itself cannot be written, the batch
-stays in memory and is retried (``spool_errors`` counts it).
-
-Durability. ``emit`` is for the data plane: an event waits in memory for at most one flush
-interval (50 ms by default) plus one database write, so a crash (kill -9, power loss) loses what
-was emitted in that window; a graceful stop (``aclose``) writes or spools everything first.
-``record`` is for control actions: it emits, wakes the task at once and returns only when the
-event (and everything emitted before it) is committed to the database or fsync-ed to the spool,
-from which it is replayed exactly once, in order. Nothing acknowledged is lost on a crash.
-
-Give each process its own spool directory or share one per host: files are per process and
-locked, orphans of dead processes are adopted at start. SQLite needs a database file (an
-in-memory database is private to one connection).
+Batches are written in emit order; a failed write goes to the spool (fsync), and every later batch
+goes behind it until the spool is replayed, oldest first, so the chain order is each process's emit
+order. ``emit`` (data plane) may lose, on a crash, what was emitted within one flush interval plus
+one database write; ``aclose`` writes or spools everything. ``record`` (control actions) returns
+only once the event and everything before it is committed or fsync-ed to the spool: nothing
+acknowledged is lost. SQLite needs a database file. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
