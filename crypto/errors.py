@@ -1,8 +1,5 @@
-"""Exceptions raised by the ``crypto`` package.
-
-Errors of the libraries below (``cryptography``'s ``InvalidTag``, ``ValueError`` and friends,
-``OSError`` from key files) are translated here, at the package boundary; callers only ever see
-this tree::
+"""Exceptions raised by the ``crypto`` package; library errors (``InvalidTag``, ``ValueError``,
+``OSError`` from key files) are translated here, at the package boundary::
 
     CryptoError                      every error this package raises on purpose
     ├── DecryptionFailed             the ONE error for any open/parse/authentication failure
@@ -14,10 +11,8 @@ this tree::
     └── InvalidParameter             a caller's mistake: wrong key length, bad buffer, bad context
         (also a ValueError)
 
-``DecryptionFailed`` deliberately carries no detail about which check failed (bad magic,
-truncation, wrong context, bad tag ...), as ``cryptography.fernet.InvalidToken`` does: an attacker
-who feeds envelopes in learns one bit, "not valid", and nothing else. ``InvalidParameter`` is for
-inputs the caller controls and can fix (it is never raised because of attacker-controlled bytes).
+``DecryptionFailed`` never says which check failed: an attacker feeding envelopes learns "not valid".
+``InvalidParameter`` is for caller-controlled inputs only. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

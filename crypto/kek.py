@@ -1,25 +1,17 @@
 """Key-encryption-key (KEK) providers, and ``Secret``, a holder for key material.
 
 ``KekProvider`` is the narrow interface the key hierarchy needs: wrap a data key (DEK) under the
-KEK with a caller-chosen context bound as AAD (a ``crypto.contexts.WrapContext``: purpose and
-fields, e.g. tenant and key version; raw bytes are accepted too), unwrap it, report health, tell
-which KEK wrapped a blob (``key_id_of``) and let go of sessions (``close``). The methods block (an
-HSM or KMS round trip); ``crypto.kek_async`` runs them in a worker thread for an event loop. ``LocalFileKek`` is the development provider: a 32-byte random key in a file.
-Production providers (PKCS#11 HSM, cloud KMS) implement the same protocol.
+KEK with a caller-chosen context bound as AAD (a ``crypto.contexts.WrapContext``; raw bytes are
+accepted too), unwrap it, report health, tell which KEK wrapped a blob (``key_id_of``) and let go
+of sessions (``close``). The methods block (an HSM or KMS round trip); ``crypto.kek_async`` runs
+them in a worker thread. Production providers (PKCS#11 HSM, cloud KMS) implement the same protocol.
 
-``LocalFileKek`` file handling:
-
-- Created on first use with mode 0600, atomically: the key is written to a private temp file in the
-  same directory, fsynced, then published with ``os.link`` (a rename that refuses to replace:
-  ``O_EXCL`` semantics), and the directory is fsynced. Two processes starting at once both try to
-  publish; exactly one link succeeds and the other adopts the winner's key: both end with one.
-- Loading refuses a file with any group/other permission bits, a non-regular file, or a file that is
-  not exactly 32 bytes, with a ``KekError`` that says what is wrong and how to fix it.
-
-Wrapped format v1: ``0x01 || nonce (12) || ciphertext || tag (16)``, AES-256-GCM with a random
-96-bit nonce and ``context`` as AAD. Random nonces are fine here: wrapping is rare (a few keys per
-tenant and rotation), far below the 2^32 invocations NIST SP 800-38D allows for random 96-bit nonces
-under one key.
+``LocalFileKek`` is the development provider: a 32-byte random key in a file, created on first use
+with mode 0600, atomically (one key even when two processes start at once). Loading refuses a file
+with any group/other permission bits, a non-regular file, or one not exactly 32 bytes, with a
+``KekError`` that says what is wrong and how to fix it. Wrapped format v1: ``0x01 || nonce (12) ||
+ciphertext || tag (16)``, AES-256-GCM with a random 96-bit nonce and ``context`` as AAD.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

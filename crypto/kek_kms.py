@@ -1,31 +1,17 @@
 """``KmsKek``: a KEK that is an AWS KMS key (boto3; any KMS-compatible endpoint).
 
 Data keys are wrapped with KMS ``Encrypt`` and unwrapped with ``Decrypt``; the KEK never leaves
-KMS. The caller's context (which binds tenant and key version) goes into the KMS *encryption
-context*, as the AWS Encryption SDK does: KMS authenticates it with the ciphertext, records it in
-CloudTrail, and refuses to decrypt under any other context. The encryption context carries the
-whole context (``kvgate:ctx``, base64url) and, for the contexts kvgate uses, readable copies of
-its fields (``kvgate:purpose``, ``kvgate:tenant``, ``kvgate:key-version`` ..., from the typed
-``crypto.contexts.WrapContext``) so an auditor reading CloudTrail sees which tenant's key was
-unwrapped.
+KMS. The caller's context (tenant, key version) goes into the KMS *encryption context*, which KMS
+authenticates with the ciphertext, records in CloudTrail, and requires again to decrypt.
+Wrapped format v1: ``0x01 || len(arn) (2 bytes, big endian) || key ARN (ASCII) || KMS blob``;
+``Decrypt`` always names that ARN, and only the configured key and ``previous_key_ids`` are
+accepted (strict mode). ``key_id`` is ``kms:<key ARN>`` (an alias is resolved once, at start).
 
-Wrapped format v1 (the key ARN travels with the blob; ``Decrypt`` is always called with that
-``KeyId``, and only the configured key and the ``previous_key_ids`` are accepted, the Encryption
-SDK's "strict mode")::
-
-    0x01 || len(arn) (2 bytes, big endian) || key ARN (ASCII) || KMS ciphertext blob
-
-Key id and version: ``key_id`` is ``kms:<key ARN>`` (an alias is resolved to its key once, at
-start). KMS's own automatic rotation of key material keeps the ARN and needs nothing from kvgate;
-moving to another KMS key is a KEK rotation (``kvgate keys rotate-kek``) with the old key listed in
-``previous_key_ids`` until it finishes.
-
-Key state: besides mapping ``DisabledException`` and ``KMSInvalidStateException`` to ``KekError``,
-the provider checks the key's state with ``DescribeKey`` at most every ``state_ttl_s`` seconds and
-refuses to use a key that is not ``Enabled`` (a disabled or pending-deletion key stops serving even
-behind emulators that do not enforce the state on Decrypt). Connection failures open a short
-circuit (``retry_interval_s``) so an unreachable KMS costs the data path a miss, not a stall.
-boto3 is imported here, lazily, so it stays an optional dependency.
+A key that is not ``Enabled`` (checked with ``DescribeKey`` at most every ``state_ttl_s``) is
+refused, and ``DisabledException`` / ``KMSInvalidStateException`` are a ``KekError``. Connection
+failures open a short circuit (``retry_interval_s``), so an unreachable KMS costs the data path a
+miss, not a stall. boto3 is imported lazily, so it stays an optional dependency.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

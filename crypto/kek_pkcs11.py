@@ -1,33 +1,18 @@
 """``Pkcs11Kek``: a KEK that never leaves an HSM, reached over PKCS#11 (python-pkcs11).
 
-The KEK is an AES-256 secret key object inside the token, generated there as sensitive and
-non-extractable (``generate_pkcs11_kek`` does that; so does ``pkcs11-tool --keygen``). The provider
-refuses a key whose ``CKA_SENSITIVE`` is false or ``CKA_EXTRACTABLE`` is true. Data keys are
-wrapped *inside the token* with AES-256-GCM (``CKM_AES_GCM``), the caller's context as AAD:
-RFC 5649 key wrap (``CKM_AES_KEY_WRAP_KWP``) has no associated data, so it could not bind the
-tenant and key version a wrapped DEK belongs to; GCM can.
+The KEK is an AES-256 secret key inside the token, generated there as sensitive and
+non-extractable (``generate_pkcs11_kek``, or ``pkcs11-tool --keygen``); a key whose
+``CKA_SENSITIVE`` is false or ``CKA_EXTRACTABLE`` true is refused. Data keys are wrapped *inside
+the token* with ``CKM_AES_GCM``, the caller's context (tenant, key version) as AAD, random 96-bit
+nonces. Wrapped format v1: ``0x01 || len(label) (1 byte) || label (UTF-8) || nonce (12) ||
+ciphertext || tag (16)``. ``key_id`` is ``pkcs11:<token label>/<key label>``; the key label is the
+KEK version (``kvgate-kek-1`` ...), and rotation (``kvgate keys rotate-kek``) adds a key object.
 
-Wrapped format v1 (the key label travels with the blob, so older KEK versions in the same token
-still unwrap during a rotation, and ``key_id_of`` tells which KEK wrapped a blob)::
-
-    0x01 || len(label) (1 byte) || label (UTF-8) || nonce (12) || ciphertext || tag (16)
-
-Nonces are random 96-bit values: wrapping is rare (a few keys per tenant and rotation), far below
-the 2^32 invocations NIST SP 800-38D allows under one key.
-
-Key id and version: ``key_id`` is ``pkcs11:<token label>/<key label>``; the key label is the KEK
-version (``kvgate-kek-1``, ``kvgate-kek-2`` ...). Rotation generates a new key object, points the
-configuration at its label and rewraps (``kvgate keys rotate-kek``).
-
-Sessions: PKCS#11 login state belongs to the whole process (a second ``C_Login`` on the same
-token fails, and logging out one session logs out all), so providers of one process share one
-logged-in session per (module, token), reference-counted and used under a lock; a provider built
-with a different PIN than the live login is refused. The provider logs in when built (a wrong
-PIN, a missing module, token or key fails there with ``KekError``). If the token goes away (session
-closed, handle invalid, device removed), the operation fails with ``KekError`` and the next call
-tries to log in again, at most once per ``reconnect_interval_s``; in between, calls fail at once,
-so a dead HSM costs the data path a miss, not a stall. python-pkcs11 is imported here, lazily, so it stays an
-optional dependency.
+Providers of one process share one logged-in session per (module, token); a provider built with a
+different PIN than the live login is refused. It logs in when built (a wrong PIN, a missing module,
+token or key is a ``KekError`` there). A lost token is a ``KekError`` and relogin is tried at most
+once per ``reconnect_interval_s``, so a dead HSM costs the data path a miss, not a stall.
+python-pkcs11 is imported lazily (an optional dependency). Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
