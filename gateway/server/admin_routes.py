@@ -1,5 +1,5 @@
-"""Admin routes: secure clear, move, tenants, key rotation, audit export and checkpoints
-(DESIGN section 4).
+"""Admin routes: secure clear, move, tenants, key rotation, audit export and checkpoints (the
+"Secure clear" and "Every control action is audited" rules of docs/architecture.md, section 1).
 
 Roles: kv.admin acts on its own tenant only, kv.operator on any tenant (and alone manages
 tenants). Every action is audited by the core; every refusal is audited here."""

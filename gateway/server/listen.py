@@ -1,38 +1,18 @@
 """The server's Unix socket: remote mode for workers on the same host (``Settings.uds``).
 
-A kvgate server that runs beside its vLLM workers (a node-local gateway, a sidecar) serves the
-same API on a Unix socket as on its TCP port: same routes, same authentication and capability
-checks, same audit. Only the transport differs. On this project's 2-core box, loopback TCP moves
-4.5-4.9 GB/s between two processes and a Unix socket 6.2-7.7 GB/s (a raw socket each way), and
-the data plane follows: ``python -m gateway.bench.net`` fetches at about 1.7x its TCP rate
-(the README's table). TCP over loopback spends most of that difference in the protocol stack
-(segmentation, acknowledgements, the receive path run on the sender's CPU), which a Unix socket
-does not have.
-
-Socket buffers. A Unix stream socket is created with ``net.core.wmem_default`` (208 KiB here),
-and an accepted one does not inherit the listener's size; with envelopes of 2-32 MiB each
-write then goes out in many small rounds. Measured: fetching 32 MiB envelopes ran at 1.6 GB/s
-and 0.6 CPU s/GB on the server with the default, 7.4-7.7 GB/s and 0.12-0.15 s/GB with 1 or
-4 MiB. 4 MiB also stalled about half of the small loads by about 100 ms (a 1K-token load of
-50 MB: 100-117 ms instead of 16-17; the kernel allocates a send buffer's data in pieces of up
-to half its size), 1 MiB never did in the same runs. Both ends ask for
+A kvgate server beside its vLLM workers serves the same API on a Unix socket as on its TCP port:
+same routes, authentication, capability checks and audit; only the transport differs, and a Unix
+socket skips the TCP stack's per-segment work. Both ends ask for socket buffers of
 ``gateway.wire.SOCKET_BUFFER_BYTES`` (the kernel caps it at ``wmem_max``/``rmem_max``).
 
-The file. ``unix_listener`` replaces a stale socket at the path (a server that died leaves one)
-and refuses anything else there; the socket is created with ``uds_mode`` (0660: the server's
-user and group may connect; a worker of another user needs the group). It is unlinked on exit,
-unless a new server has taken the path over meanwhile. Put it in a directory only the server's
-user can write (``/run/kvgate``, 0750): in a world-writable one another user could bind the path
-first, and workers would hand their tokens to that process. File permissions are defence in
-depth only: every request still needs its token.
-
-Who connected. A Unix socket has no peer address, so uvicorn gives such a request no client and
-the audit log had no source for it. ``peer_source`` reads the peer's credentials from the kernel
-(``SO_PEERCRED``: the uid and pid of the process that connected, as of ``connect``; nothing the
-peer sends), and the server uses ``unix:uid=U:pid=P`` as the request's client: the audit rows'
-``actor.source``, the access log. The failed-authentication limit counts per uid there
-(``failure_key``): every process of one user shares one bucket, as every connection from one IP
-address does over TCP.
+``unix_listener`` replaces a stale socket at the path and refuses anything else there; the socket
+gets ``uds_mode`` (0660) and is unlinked on exit unless a new server has taken the path over. Put
+it in a directory only the server's user can write (``/run/kvgate``, 0750): in a world-writable one
+another user could bind the path first and collect the workers' tokens. File permissions are
+defence in depth only: every request still needs its token. ``peer_source`` reads the peer's
+``SO_PEERCRED`` from the kernel (never from what the peer sends); ``unix:uid=U:pid=P`` is the
+request's client (audit ``actor.source``, access log), and the failed-authentication limit counts
+per uid (``failure_key``). Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

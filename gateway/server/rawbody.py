@@ -1,25 +1,18 @@
-"""An upload's envelopes read from the socket straight into the tier's buffers (issue 18).
+"""An upload's envelopes read from the socket straight into the tier's buffers.
 
-Through ASGI, each byte of a request body is copied four times after the kernel hands it over:
-into h11's receive buffer, out of it into an ``h11.Data`` event, onto uvicorn's body
-``bytearray``, out of that into the ``bytes`` of an ``http.request`` message; the route then
-copies it a fifth time into the envelope's buffer (and h11's ``del buf[:n]`` moves what is left
-of its buffer on every extraction). ``RawBody.readinto(view)`` fills ``view`` with the next body
-bytes with none of that: what uvicorn and h11 already hold is copied out once, and the rest is
-received by the kernel straight into ``view`` (the transport is switched to an
-``asyncio.BufferedProtocol`` whose buffer is the view, ``recv_into``, then switched back).
+``RawBody.readinto(view)`` fills ``view`` with the next body bytes without ASGI's copies: what
+uvicorn and h11 already hold is copied out once, and the rest is received by the kernel straight
+into ``view`` (the transport is switched to an ``asyncio.BufferedProtocol`` whose buffer is the
+view, ``recv_into``, then switched back).
 
-It keeps h11's books right: the body's bytes read here are taken off its ``ContentLengthReader``
-(so the request's end is still the ``Content-Length``, never a byte more: the buffer handed to
-the kernel is never larger than what is left of the body, so a pipelined request after it stays
-in the socket), and once the body is all read, uvicorn is told (its next ``receive`` is the body's
-end). A client that goes away mid-body is a ``ClientGone``; a body that stops arriving for
-``timeout_s`` a 408. The gatekeeper has already bounded ``Content-Length`` by the route's limit.
-
-It is used only where it is known to be right, as ``rawchunks`` is: uvicorn's h11 protocol, a
-plain (not TLS) socket transport, a ``Content-Length`` body, ``PUT /v1/chunks`` only; the server's
-protocol (``gatekeeper.bounded_h11``) puts it in the scope's extensions (``kvgate.raw_body``).
-Anywhere else the route reads the body through ASGI as before.
+It keeps h11's books right: bytes read here are taken off its ``ContentLengthReader``, and the
+buffer handed to the kernel is never larger than what is left of the body, so the request still
+ends at its ``Content-Length`` and a pipelined request after it stays in the socket; once the body
+is read, uvicorn is told. A client that goes away mid-body is a ``ClientGone``; a body that stops
+arriving for ``timeout_s`` a 408. It is used only under uvicorn's h11 protocol, on a plain (not
+TLS) socket transport, for a ``Content-Length`` body of ``PUT /v1/chunks``, where
+``gatekeeper.bounded_h11`` puts it in the scope's extensions (``kvgate.raw_body``); anywhere else
+the route reads the body through ASGI. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

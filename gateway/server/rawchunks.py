@@ -1,22 +1,18 @@
-"""The fetch stream's envelopes written to the connection as they are (issue 18).
+"""The fetch stream's envelopes written to the connection as they are.
 
-Through ASGI, every body message of a response is framed by uvicorn's h11 connection: h11 joins
-the chunk header, the data and the CRLF into a fresh ``bytes`` (a copy of every envelope byte)
-and Starlette's ``StreamingResponse`` adds a task and a send per message. For the fetch stream,
-measured with ``python -m gateway.bench.net`` and cProfile on the server: the join alone was
-about a quarter of the server's CPU per GB. ``RawChunks`` writes each item (head and envelope)
-as one HTTP/1.1 chunk straight to the transport, from the tier's own buffer, with uvicorn's own
-flow control (it waits while the transport is paused, so a slow reader still holds the server to
-about one envelope); the response head and its last chunk still go through h11, which does not
-count a chunked body's bytes, so its state stays right and the connection is kept alive.
-
-It is used only where it is known to be right: the request runs under uvicorn's h11 protocol
-(the server's protocol, ``gatekeeper.bounded_h11``, offers it in the scope's extensions,
-``kvgate.raw_chunks``, for ``POST /v1/chunks/fetch`` and ``POST /v1/shm/regions``) and h11 chose
-chunked framing for the response. Anywhere else the route streams through ASGI as before.
+``RawChunks`` writes each item (head and envelope) as one HTTP/1.1 chunk straight to the
+transport, from the tier's own buffer, without h11's join of chunk header, data and CRLF into a
+fresh ``bytes``. It keeps uvicorn's flow control (it waits while the transport is paused, so a slow
+reader still holds the server to about one envelope); the response head and last chunk still go
+through h11, which does not count a chunked body's bytes, so its state stays right and the
+connection is kept alive. It is used only under uvicorn's h11 protocol (``gatekeeper.bounded_h11``
+offers it in the scope's extensions, ``kvgate.raw_chunks``, for ``POST /v1/chunks/fetch`` and
+``POST /v1/shm/regions``) and when h11 chose chunked framing; anywhere else the route streams
+through ASGI.
 
 ``send_fd`` writes one chunk with a file descriptor attached (``SCM_RIGHTS``): how a
 shared-memory region reaches a worker on the Unix socket (``gateway.server.shm``).
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -1,47 +1,18 @@
 """Shared-memory loads for workers on the server's Unix socket (``Settings.shm_max_bytes``).
 
-Why. Through the Unix socket a remote load still copies every envelope twice in the kernel: the
-server's send into the socket, the worker's receive out of it. On this project's 2-core box that
-is 0.12-0.24 CPU s/GB sending and 0.11 receiving, beside 0.24 for decrypting and scattering, and
-a load is CPU-bound: an 8K-token prompt of bench-e2e's model (393 MB) took 97-114 ms to load
-through the socket against 47 ms embedded. Here the server copies each envelope once, with a
-plain memory copy, into memory the worker maps, and the stream carries only the item's head.
+The server copies each envelope once into memory the worker maps; the stream carries the item's
+head. ``POST /v1/shm/regions`` (``get`` capability, Unix socket only) creates a bounded memfd,
+sealed against shrinking and growing, maps it and passes the descriptor (``SCM_RIGHTS``); a random
+128-bit id names it, never a path. ``POST /v1/chunks/fetch`` with ``"keys": true`` and ``"shm":
+{"region", "offset", "length"}`` lends that window: envelopes that fit are copied in (64-byte
+aligned, status ``IN_REGION``), others come in the stream. A window outside the region is a 422;
+an unknown region or another tenant's or uid's is used for nothing (``x-kv-shm: gone``).
 
-How.
-
-- ``POST /v1/shm/regions`` (a worker with a ``get`` capability, on the Unix socket only): the
-  server creates a memfd of the size asked (bounded), seals it against shrinking and growing
-  (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``: a worker cannot truncate it under the server's
-  writes, which would kill the server with SIGBUS), maps it, and passes the descriptor to the
-  worker over the connection (``SCM_RIGHTS``, with the response's only body chunk). The answer
-  names the region by a random 128-bit id. No path is ever named: the server writes only into
-  memory it created, and only a process it handed the descriptor to can map it.
-- ``POST /v1/chunks/fetch`` with ``"keys": true`` and ``"shm": {"region", "offset", "length"}``:
-  the window ``[offset, offset + length)`` of the region is the worker's to lend. Each envelope
-  that fits in what is left of the window is copied there (64-byte aligned, in order) and its
-  item says so (status ``IN_REGION``, length, no body bytes); one that does not fit is sent in
-  the stream as before. A window outside the region is a 422. A region that is unknown (evicted,
-  a restarted server) or not the caller's (another tenant, another uid) is used for nothing: every
-  item comes in the stream and the response says ``x-kv-shm: gone`` (the worker asks for a new one).
-- The worker lends a window only while nothing of it is in use (one load at a time), so the
-  server never writes where the worker reads. A load that is cut off leaves the region tainted
-  for the worker, which drops it and asks for a new one: a server still copying into it cannot
-  reach a later load.
-
-What the region holds is what the stream would have carried: ciphertext of the caller's tenant,
-checked by the worker exactly as a received envelope is (its AAD binds tenant, namespace, chunk
-and key version). The server never reads the region.
-
-Memory. A region's pages are allocated as the server copies into them (charged to the server), or
-before, by a nice-19 thread that faults them in while cores are idle (``gateway.shmpages``;
-``shm_populate``, on by default; the answer tells the worker to map them the same way). Everything
-about them is bounded: ``shm_max_bytes`` in all (off by default: an operator turns
-it on for a node-local server), a quarter of that per tenant (at least one region's worth), at
-most ``max_regions``, and a tenant and uid may ask for ``_CREATES_PER_MINUTE`` regions a minute.
-Past a limit the asking tenant's own idle regions go first, least recently used first, and only
-when that makes enough room; nothing is dropped for a request that is refused anyway. A region
-dropped has its pages punched out (``MADV_REMOVE``) as it is unmapped: a worker keeping the
-descriptor keeps a mapping of holes, and any page it faults in again is its own.
+Invariants: the worker lends a window only while nothing of it is in use, and drops a region a cut
+load tainted. The region holds only the caller's tenant's ciphertext, checked by the worker as a
+received envelope is; the server never reads it. Memory is bounded (``shm_max_bytes``, off by
+default; a quarter per tenant; ``max_regions``; creations per minute per tenant and uid) and a
+dropped region's pages are punched out. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
