@@ -1,8 +1,9 @@
 """Wiring of the audit log's signing key and checkpoints (settings -> audit objects).
 
-The signer lives where the KEK lives (DESIGN 2.10): ``pkcs11`` signs with an EC key pair in the
-same token as the KEK, ``kms`` with an ECC_NIST_P256 KMS key; ``file`` is the development
-Ed25519 PEM (settings refuse it in production). HSM and KMS libraries load only when chosen.
+The signer lives where the KEK lives, so that in production neither private key is a file on the
+gateway's disk: ``pkcs11`` signs with an EC key pair in the same token as the KEK, ``kms`` with an
+ECC_NIST_P256 KMS key; ``file`` is the development Ed25519 PEM (settings refuse it in production,
+as they refuse the local KEK file). HSM and KMS libraries load only when chosen.
 """
 
 from __future__ import annotations

@@ -132,8 +132,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8420
     # a Unix socket served beside host:port, for workers on the same host (remote mode's
-    # ``remote_uds``): same API, same authentication; about 1.7x the loopback TCP data plane
-    # here. Created with ``uds_mode`` (connecting needs write permission on it), removed on exit.
+    # ``remote_uds``): same API, same authentication, a faster data plane than loopback TCP.
+    # Created with ``uds_mode`` (connecting needs write permission on it), removed on exit.
     uds: Path | None = None
     uds_mode: int = 0o660  # octal in the environment: KVGATE_UDS_MODE=660 (or 0660, 0o660)
     # shared-memory loads for workers on the Unix socket (gateway/server/shm.py): the most bytes
@@ -143,18 +143,18 @@ class Settings(BaseSettings):
     # fault a region's pages in on a nice-19 thread as it is made, on both sides, so a worker's
     # first load through it does not pay for them (gateway/shmpages.py); off: as loads touch them
     shm_populate: bool = True
-    # uvicorn's access log, a line per request (about 0.14 ms of the server's CPU per request
-    # here): off leaves requests to the metrics, traces and, for the audited ones, the audit log
+    # uvicorn's access log, a line per request (it costs server CPU on every request): off
+    # leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True
     # SIGTERM: stop taking connections, wait at most this long for the requests in flight, then
     # cancel them, write the audit queue, withdraw the published URL and exit 0
     shutdown_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_chunk_bytes: int = 64 << 20
-    # the batched data plane (issue 18): the most bytes and items one PUT /v1/chunks frame carries
+    # the batched data plane (gateway/frames.py): the most bytes and items one PUT /v1/chunks frame carries
     max_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
     max_batch_items: int = Field(default=4096, ge=1, le=65536)
     api_token: SecretStr | None = None
-    # request bounds (issue 15): JSON bodies of the small routes, the header block, read timeouts
+    # request bounds: JSON bodies of the small routes, the header block, read timeouts
     max_json_body_bytes: int = Field(default=16 << 10, ge=1024, le=1 << 20)
     max_header_bytes: int = Field(default=16 << 10, ge=4096, le=1 << 20)
     max_header_count: int = Field(default=64, ge=8, le=1024)

@@ -2,39 +2,17 @@
 (``InvalidRequest`` for a bad name, ``TenantUnavailable`` for an unknown tenant, ...) or, for the
 REST server, by the one exception table in ``gateway.server.problems``.
 
-Exception tree (HTTP status as the server answers it)::
-
-    GatewayError
-     +-- AccessDenied            403  no valid capability for this tenant, namespace, operation or chunk
-     |    +-- KeyBudgetSpent     403  the capability has had all the envelope keys it may have (mint a new one)
-     +-- InvalidRequest          422  bad input: tokens, KV tensors, block ids, names (also ValueError)
-     |    +-- BadFrame           400  a batch body that is not a well-formed frame (gateway.frames)
-     |    +-- JsonTooDeep        400  a JSON body nested deeper than the server parses (gateway.server.jsonbody)
-     +-- TenantUnavailable       403  the tenant is unknown or disabled (told to callers as a 403
-     |                                wherever existence must not leak)
-     +-- ChunkMissing            404  an operation named a chunk that is not stored
-     +-- NotReady                503  the gateway is not open, or its schema is behind (`kvgate migrate`)
-     +-- Conflict                409  the request contradicts the stored state
-     |    +-- TenantExists       409  a tenant of that name is already registered
-     +-- TooLarge                413  a body over the configured limit
-     +-- Unauthenticated         401  no, or no valid, bearer token
-     +-- RateLimited             429  too many failed authentications from this client
-     |
-     |   defined beside the code that raises them (not raised to the REST server's clients):
-     +-- InsecureStateFiles           state files readable by group or others (gateway.statefiles)
-     +-- RemoteUnavailable            the remote kvgate server failed or cannot be reached (gateway.remote)
-     +-- ConnectorConfigError,        the vLLM integration's own tree, drawn in gateway.vllm.errors
-         GatewayTimeout,
-         TenantRequestError ...
-
-Lower packages' errors the server answers by type (``gateway.server.problems``): ``tenancy``'s
-``AuthenticationFailed`` (401), ``CapabilityDenied`` and ``PermissionDenied`` (403),
-``CapabilityRequestInvalid`` (422), ``DependencyUnavailable`` (503, Retry-After); ``crypto``'s
-``KekError`` (503, Retry-After); ``storage``'s ``TierError`` (503, Retry-After). Anything else
-is a 500 whose body names nothing.
+``GatewayError`` and the HTTP status the server answers: ``AccessDenied`` 403 (and
+``KeyBudgetSpent``), ``InvalidRequest`` 422 (also ValueError; ``BadFrame`` and ``JsonTooDeep``
+400), ``TenantUnavailable`` 403 (wherever existence must not leak), ``ChunkMissing`` 404,
+``NotReady`` 503, ``Conflict`` 409 (and ``TenantExists``), ``TooLarge`` 413, ``Unauthenticated``
+401, ``RateLimited`` 429. ``InsecureStateFiles``, ``RemoteUnavailable`` and the vLLM integration's
+tree are defined beside the code that raises them. Lower packages' errors the server answers by
+type are in ``gateway.server.problems``; anything else is a 500 whose body names nothing.
 
 Misses, failed authentication of a stored chunk and unreachable tiers are *results* (a shorter
 hit, a miss counted and audited), never exceptions for the engine.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

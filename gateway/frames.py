@@ -1,57 +1,18 @@
-"""The batched data plane's framing: several envelopes in one body, and back (issue 18).
+"""The batched data plane's framing: several envelopes in one body, and back.
 
-One request per prefix instead of one per chunk. Both directions are a short, length-prefixed
-binary frame (integers little endian, hashes raw 32-byte chained sha256):
-
-Upload, the body of ``PUT /v1/chunks`` (``application/octet-stream``)::
-
-    magic   4 bytes   b"KVB1" (a version byte on the format: a reader refuses any other)
-    count   u32       1 .. max items
-    index   count x ( hash 32 bytes | length u64 )     every item's hash and envelope size
-    bodies  the envelopes, concatenated in index order  (sum of the lengths)
-
-The whole index comes before any envelope byte, so the server checks the frame (count, sizes,
-total against ``Content-Length``, no hash twice) and the capability for every hash (its chunk
-allowlist included) before it reads an envelope, and reads each envelope straight into the
-buffer that keeps it. Nothing is stored until the whole frame is in and every envelope's header
-checked: a torn or malformed batch stores nothing.
-
-Download, the response of ``POST /v1/chunks/fetch`` (JSON ``{"hashes": [...]}`` in)::
-
-    magic   4 bytes   b"KVB1"
-    items   ( hash 32 bytes | status u8 | length u64 | length envelope bytes ) ...
-
-Items come in the order asked, each as soon as the server has it from its tier (a streamed,
-chunked response: a slow reader holds the server to about one envelope). Status 0 is an
-envelope; the prefix walk is folded in: the first chunk that is not stored ends the response
-with one item of status 1 (missing), 2 (a tier could not answer) or 6 (a tier missed its
-deadline), length 0; a reader that does not know 6 reads it as 2. A response that
-stops before every hash was answered, without such an item, was cut (the client treats the
-rest as a miss).
-
-Download with keys, the response of ``POST /v1/chunks/fetch`` with ``"keys": true`` (a remote
-worker's load: each envelope arrives with the key that opens it, so a load is one request)::
-
-    magic        4 bytes   b"KVK1" (keyed items, layout version 1; a reader refuses any other)
-    chunk_tokens u32       the server's chunk size (a worker must chain-hash with the same)
-    scope        tenant length u16 | namespace length u16 | tenant | namespace   (UTF-8)
-    items   ( hash 32 | status u8 | key version u32 | salt 32 | key 32 | storage key 32
-              | length u64 | length envelope bytes ) ...
-
-An item's key is the envelope's own segment key, ``HKDF(dek || binding_secret, salt)`` for the
-key version and salt the server read from the envelope's header, issued as ``POST
-/v1/keys/envelopes {open}`` issues it (``gateway.envelopes``: the capability's budget, counted,
-one audited ``key.issue`` per fetch); the storage key is ``HMAC(index key, hash)``, raw, which
-the envelope's AAD binds. Statuses are those above, plus 3 (the envelope's key version is
-destroyed: it ends the prefix, no key, length 0; the worker reads it as ``key_unavailable``) and
-4 (an envelope whose header does not parse: sent without a key, so it fails to open and the
-worker counts an integrity failure; nothing follows it). Key fields are zero where no key is
-sent.
-
-Status 5 (``IN_REGION``, keyed downloads with a shared-memory window only: ``gateway.server.shm``)
-is status 0 whose envelope is not in the stream: it is in the worker's region, at the window's
-running offset (the window's start, then each in-region item's end rounded up to 64 bytes), and
-``length`` long. Items that do not fit in what is left of the window come in the stream.
+One request per prefix instead of one per chunk; every frame is short and length-prefixed
+(integers little endian, hashes raw 32-byte chained sha256), and a reader refuses an unknown magic.
+Upload (``PUT /v1/chunks``): magic ``b"KVB1"``, count u32, an index of (hash, length u64) for
+every item, then the envelopes in index order. The whole index comes first, so the server checks
+the frame and the capability for every hash before reading an envelope; nothing is stored until
+the whole frame is in and every envelope's header checked (a torn or malformed batch stores nothing).
+Download (``POST /v1/chunks/fetch``): magic ``b"KVB1"``, items (hash, status u8, length u64,
+envelope) in the order asked, streamed. Status 0 is an envelope; the first chunk not served ends
+the response with status 1 (missing), 2 (tier failed) or 6 (tier deadline; read as 2 if unknown).
+A response that stops early without such an item was cut: the rest is a miss. With ``"keys": true``
+(magic ``b"KVK1"``) each item also carries its envelope's key (statuses 3: key version destroyed,
+4: header does not parse, 5: ``IN_REGION``, the envelope is in the worker's shared-memory window).
+Design notes (full layouts): docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

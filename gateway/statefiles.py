@@ -3,12 +3,11 @@ and its spool, the local KEK file, the audit and development-issuer signing keys
 ciphertext): owner-only, every one of them.
 
 ``prepare_state(settings)`` creates the state directory 0700 and the SQLite database 0600 (SQLite
-itself would create it 0644, and gives its -wal/-shm/-journal files the database's mode), then
-``check_state`` refuses to start -- ``InsecureStateFiles``, naming each path, its mode and the
-``chmod`` that fixes it -- when a directory kvgate uses is accessible by group or others (not
-0700 or tighter) or a file is (not 0600 or tighter). The other files are created 0600 by their
-owners (``crypto.kek``, ``audit.spool``, ``audit.signing``, ``tenancy.devissuer``,
-``storage._diskio``); chunk files are not walked (there may be millions), their directories are.
+would create it 0644 and give its -wal/-shm/-journal files the same mode); ``check_state`` then
+refuses to start (``InsecureStateFiles``, naming each path, its mode and the ``chmod`` that fixes
+it) when a directory kvgate uses is not 0700 or tighter or a file not 0600 or tighter. The other
+files are created 0600 by their owners; chunk files are not walked (there may be millions), their
+directories are.
 
 ``open_kek(settings)`` opens the configured KEK for a process that serves the registry. A missing
 KEK file is created only for a registry that holds no KEK-wrapped key (a fresh install); a key

@@ -252,8 +252,8 @@ def make_region(size: int) -> tuple[mmap.mmap, int]:
     """A sealed memfd of ``size`` bytes and its read-write mapping: ``(mapping, fd)``.
     ``ShmUnavailable`` where the system refuses one (no descriptors or memory left).
 
-    Not populated here (``gateway.shmpages`` says why): populating a 512 MiB region when a
-    tenant's worker first stored held that store back by about a second here."""
+    Not populated here (``gateway.shmpages`` says why): populating a whole region when a
+    tenant's worker first stores would hold that store back."""
     try:
         fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
