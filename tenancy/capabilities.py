@@ -1,34 +1,18 @@
 """Capability tokens: short-lived, attenuable grants for chunk operations.
 
-Format: macaroon-style HMAC chaining (Birgisson et al., "Macaroons", NDSS 2014), over
-HMAC-SHA256 from ``cryptography``::
+Format: macaroon-style HMAC chaining over HMAC-SHA256 from ``cryptography``::
 
     kvc1.<kid>.<b64url(root)>[.<b64url(caveat)>]*.<b64url(tag)>
-
-    sig_0 = HMAC(key[kid], "kvgate-cap/1" 0x00 kid 0x00 root)
-    sig_i = HMAC(sig_{i-1}, caveat_i)          tag = sig_n
+    sig_0 = HMAC(key[kid], "kvgate-cap/1" 0x00 kid 0x00 root);  sig_i = HMAC(sig_{i-1}, caveat_i);  tag = sig_n
 
 ``root`` is canonical JSON ``{"exp", "iat", "id", "ns", "ops", "t"}`` (times in milliseconds);
-each caveat is canonical JSON with one member: ``ops`` (a list), ``exp`` or ``chunks`` (a list
-of chained-hash hex strings). Why this format rather than Biscuit or nested JWS:
-
-- The gateway is the only verifier, so public-key verification buys nothing; verification is
-  ``1 + caveats`` HMACs and a little JSON (a few microseconds; a verified token is also kept in a
-  bounded cache, so the hot path is dictionary lookups and comparisons).
-- Attenuation by the holder is native and needs no secret: ``attenuate()`` appends a caveat and
-  re-keys the chain with the old tag. The old tag cannot be recovered from the new one, so a
-  caveat cannot be removed, and reordering changes every later tag.
-- Every caveat must hold, so an added caveat can only narrow: operations are intersected, the
-  earliest expiry wins and chunk allowlists are intersected. ``attenuate()`` also refuses a
-  request that would widen, so a holder learns of the mistake at once. Unknown caveats deny.
-- Biscuit would add a Datalog engine and a Rust extension to the hot path for no gain here;
-  nested JWS would need the gateway's signature on every attenuation, or public-key signatures by
-  holders.
-
-A capability never crosses tenants: the tenant is in the MAC'd root, ``verify`` compares it to
-the caller's, and revocation works per id and per tenant (``RevocationList``). ``verify`` does
-the same work whatever tenant, namespace or chunk is named (it consults no registry), compares
-tags with ``hmac.compare_digest``, and raises ``CapabilityDenied`` for every failure.
+a caveat is canonical JSON with one member: ``ops`` (a list), ``exp`` or ``chunks`` (chained-hash hex
+strings). ``attenuate()`` appends a caveat without a secret; a caveat only narrows (ops and chunk
+allowlists intersect, the earliest expiry wins), cannot be removed, and an unknown one denies; a
+widening request is refused. A capability never crosses tenants: the tenant is in the MAC'd root and
+``verify`` compares it to the caller's; revocation is per id and per tenant (``RevocationList``).
+``verify`` does the same work whatever is named (no registry lookup), compares tags with
+``hmac.compare_digest`` and raises ``CapabilityDenied`` for every failure. Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
