@@ -4,19 +4,15 @@
         [--callers 16] [--mints 1600] [--kill-n 40] [--delays 0,0.01,0.1] [--reps 3] [--json PATH]
 
 For each database (SQLite in a fresh state directory; a fresh database on the Postgres at
-127.0.0.1, fsync on):
+127.0.0.1, fsync on): latency (``POST /v1/capabilities`` from one caller, then from ``--callers``
+concurrent callers; p50 and p99 per caller, mints/s over the run); with ``--inprocess``, the same
+two runs against the gateway core (no HTTP, no token checks) with mints per audit commit; kill -9
+(``--reps`` fresh servers per delay; ``--kill-n`` mints, SIGKILL ``delay`` after the last
+acknowledged one, then every acknowledged ``cap_id`` without its ``capability.mint`` row is
+counted as lost).
 
-- latency: one server, one tenant; ``POST /v1/capabilities`` from one caller (one request at a
-  time), then from ``--callers`` concurrent callers (each sends its next request when the last is
-  answered): p50 and p99 of the latency each caller saw, and mints/s over the whole run;
-- in-process (``--inprocess``): the same two runs against the gateway core of this checkout, no
-  HTTP and no token checks, with the number of audit commits they took (mints per commit);
-- kill -9: ``--reps`` fresh servers per delay; ``--kill-n`` mints from ``--callers`` concurrent
-  callers, then, ``delay`` after the last acknowledged one, SIGKILL; then the ``capability.mint``
-  rows are read back and every acknowledged ``cap_id`` without its row is counted as lost.
-
-``--code`` is the checkout the server runs (default: this one), so the same script measures an
-older commit: ``git archive <rev> | tar -x -C /tmp/old`` then ``--code /tmp/old``.
+``--code`` is the checkout the server runs (default: this one), so the same script can measure
+another commit: ``git archive <rev> | tar -x -C /tmp/old`` then ``--code /tmp/old``.
 """
 
 from __future__ import annotations
