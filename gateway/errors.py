@@ -1,18 +1,18 @@
-"""Errors of the gateway. Lower packages' errors are translated at the boundary: inside the core
-(``InvalidRequest`` for a bad name, ``TenantUnavailable`` for an unknown tenant, ...) or, for the
-REST server, by the one exception table in ``gateway.server.problems``.
-
-``GatewayError`` and the HTTP status the server answers: ``AccessDenied`` 403 (and
-``KeyBudgetSpent``), ``InvalidRequest`` 422 (also ValueError; ``BadFrame`` and ``JsonTooDeep``
-400), ``TenantUnavailable`` 403 (wherever existence must not leak), ``ChunkMissing`` 404,
-``NotReady`` 503, ``Conflict`` 409 (and ``TenantExists``), ``TooLarge`` 413, ``Unauthenticated``
-401, ``RateLimited`` 429. ``InsecureStateFiles``, ``RemoteUnavailable`` and the vLLM integration's
-tree are defined beside the code that raises them. Lower packages' errors the server answers by
-type are in ``gateway.server.problems``; anything else is a 500 whose body names nothing.
-
-Misses, failed authentication of a stored chunk and unreachable tiers are *results* (a shorter
-hit, a miss counted and audited), never exceptions for the engine.
-Design notes: docs/architecture.md, section 5.
+"""Errors of the gateway and the HTTP status the server answers (design notes: docs/architecture.md, section 5)::
+    GatewayError                  lower packages' errors are translated into these at the boundary
+     +-- AccessDenied        403  no valid capability for this tenant, namespace, operation or chunk
+     |    +-- KeyBudgetSpent 403  the capability has had all the envelope keys it may have (mint a new one)
+     +-- InvalidRequest      422  bad input: tokens, KV tensors, block ids, names (also ValueError)
+     |    +-- BadFrame       400  a batch body that is not a well-formed frame (gateway.frames)
+     |    +-- JsonTooDeep    400  a JSON body nested deeper than the server parses (gateway.server.jsonbody)
+     +-- TenantUnavailable   403  the tenant is unknown or disabled (a 403 wherever existence must not leak)
+     +-- ChunkMissing        404  an operation named a chunk that is not stored
+     +-- NotReady            503  the gateway is not open, or its schema is behind (`kvgate migrate`)
+     +-- Conflict            409  the request contradicts the stored state
+     |    +-- TenantExists   409  a tenant of that name is already registered
+     +-- TooLarge            413  a body over the configured limit
+     +-- Unauthenticated     401  no, or no valid, bearer token
+     +-- RateLimited         429  too many failed authentications (anything unlisted: a 500 naming nothing)
 """
 
 from __future__ import annotations
@@ -36,6 +36,14 @@ __all__ = [
 
 
 class GatewayError(Exception):
+    """The root of the gateway's errors. Lower packages' errors are translated at the boundary:
+    inside the core (``InvalidRequest`` for a bad name, ``TenantUnavailable`` for an unknown
+    tenant, ...) or, for the REST server, by the one exception table in ``gateway.server.problems``;
+    anything it does not list is a 500 whose body names nothing. ``InsecureStateFiles``,
+    ``RemoteUnavailable`` and the vLLM integration's errors are defined beside the code that raises
+    them. Misses, failed authentication of a stored chunk and unreachable tiers are *results* (a
+    shorter hit, a miss counted and audited), never exceptions for the engine."""
+
     pass
 
 
