@@ -1,26 +1,16 @@
-"""The batched remote data plane (issue 18): a prefix's envelopes in one request each way.
+"""The batched remote data plane: a prefix's envelopes in one request each way.
 
-``open_upload`` starts an upload batch after the capability was checked for every chunk named
-(the chunk allowlist included) and every size against ``max_chunk_bytes``: each envelope gets
-one buffer to be read into, a reserved extent of the memory tier where it hands one out (the
-bytes land where they are kept: no second copy), else a preallocated array. ``UploadBatch.commit``
-checks every envelope's header before it stores any, then stores them all; ``abort`` gives every
-extent back. A reserved extent is invisible until committed, so a client that disconnects, a torn
-frame or a bad header leaves nothing in any tier. (Reserving makes room as a put would: a batch
-that is then aborted may have evicted older chunks, as its puts would have. A tier that fails
-while a checked batch is being stored -- no tier takes an envelope -- refuses the batch whole:
-the envelopes it stored, and the one that failed, are removed from every tier before the error
-is raised; one on a tier that cannot be reached then stays, whole, counted as left.)
-
-``fetch_prefix`` is the download side, the prefix walk folded in: it yields each chunk of the
-walk as its tier hands it over (the tier's own buffer, not a copy) and stops at the first that
-is not stored. With ``keys`` it also issues each envelope's opening key from the key version and
-salt in its header (``gateway.envelopes.KeyIssue``: charged to the capability's budget up front
-for every hash asked, what was not issued refunded and one ``key.issue`` audited when the walk
-ends, however it ends); an envelope whose key version is destroyed ends the walk
-(``key_unavailable``), one whose header does not parse is handed over without a key and ends it
-after itself (``unkeyed``: it fails to open on the worker). Framing (``gateway.frames``) and HTTP
-stay in ``gateway.server.data``.
+``open_upload`` starts an upload batch once the capability was checked for every chunk named
+and every size against ``max_chunk_bytes``; each envelope is read into its own buffer, a
+reserved extent of the memory tier where it hands one out. ``UploadBatch.commit`` checks every
+envelope's header before it stores any, then stores them all; a client gone, a torn frame or a
+bad header leaves nothing in any tier, and a tier failing mid-batch refuses it whole (what it
+stored is removed; a copy on a tier that cannot be reached stays, counted as left).
+``fetch_prefix`` is the download side, the prefix walk folded in: each chunk is yielded as its
+tier hands it over, with its opening key where asked (``gateway.envelopes.KeyIssue``), up to the
+first that is not stored (or whose key version is destroyed). Framing (``gateway.frames``) and
+HTTP stay in ``gateway.server.data``.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_du
 from crypto.kek import KekProvider
 from gateway.access import Access
 from gateway.chunking import InvalidTokens, chain_hashes
+from gateway.chunks.service import ChunkService
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
 from gateway.namespaces import NamespaceResolver, keys_digest
 from gateway.pins import Pins
@@ -97,6 +98,7 @@ class Gateway:
         self._plane: DataPlane | None = None
         self._make_store = store
         self._store: ChunkStore | None = None
+        self.chunks = ChunkService(access=access, resolver=resolver, tiers=tiers, audit=audit, stats=stats)
 
     # -- collaborators, for tests and tools that inspect them ---------------------------------
     @property
@@ -133,7 +135,7 @@ class Gateway:
             else:
                 from gateway.datapath.stores import TierStore
 
-                self._store = TierStore(self.access, self.resolver, self.keyring, self.tiers, self.audit, self.stats)
+                self._store = TierStore(self.chunks, self.keyring)
         return self._store
 
     # -- capabilities and namespaces -----------------------------------------------------------

@@ -1,37 +1,15 @@
-"""The remote data plane of the gateway core: envelopes by chained hash, for workers that talk to
-a kvgate server over HTTP instead of running the core in process (DESIGN section 3, remote mode).
+"""The server's side of the remote data plane: envelopes by chained hash, for workers that talk to
+a kvgate server instead of running the core in process (docs/architecture.md, section 3).
 
-The worker computes the chained hashes itself (it knows the tokens and the model), seals the
-envelopes on its own device and sends ciphertext only. The server maps each chained hash to the
-namespaced storage key of the capability's namespace, so the same hash from two tenants lands on
-unrelated keys, exactly as in process. Every call verifies the capability for its operation and,
-where the holder restricted it to a chunk allowlist, for the chunk.
-
-Keys (``envelope_keys``, ``POST /v1/keys/envelopes``). A worker never holds the tenant's data
-key, the namespace binding secret or the index key. Per request it asks, in one call, for the keys
-of exactly the envelopes it will seal or open:
-
-- to seal (capability op ``put``): per chained hash the server draws a fresh 256-bit salt and
-  returns it with the envelope's segment key ``HKDF(dek || binding_secret, salt)`` (the one
-  derivation of ``crypto.segments``, so envelopes stay bit-compatible with embedded mode), the
-  storage key ``HMAC(index key, h)`` the AAD binds, and the key version. Each key counts one
-  invocation of the data key against its limit, as in process.
-- to open (op ``get``): per chained hash the key version and salt the worker read from the
-  envelope's header; the server derives that envelope's key, or answers the item unavailable
-  when the key version is destroyed (a miss).
-
-A key opens only the envelope carrying its salt, so a worker that kept the keys of some
-envelopes cannot open others, and a destroyed key version or namespace secret shreds them all as
-before. Keys are derived from the capability's own tenant and namespace only: another tenant's
-salts get keys that open nothing of theirs. The server counts keys issued (in ``stats``, so in
-``/metrics``, and per capability), bounds them per request and per capability lifetime
-(``KeyBudgetSpent`` past it; the bound is per server replica), and audits one ``key.issue`` event
-per request with the count, not one per envelope.
-
-A load needs no key request of its own: ``POST /v1/chunks/fetch`` with ``keys`` (``gateway.batches``)
-reads each streamed envelope's header and issues its opening key through the same ``KeyIssue``
-(same derivation, budget, counters and one aggregated ``key.issue`` event per fetch), sent in the
-envelope's frame item just before its bytes (``gateway.frames``).
+``EnvelopePlane`` maps each chained hash to the storage key of the capability's namespace
+through the chunk service (``gateway.chunks``), so the same hash from two tenants lands on
+unrelated keys, exactly as in process, and every call verifies the capability for its operation
+and chunks. ``envelope_keys`` (``POST /v1/keys/envelopes``) and ``KeyIssue`` (the fetch stream's
+keys) issue one key per envelope, ``HKDF(dek || binding_secret, salt)``: a worker never holds a
+tenant's data key, namespace binding secret or index key; keys are counted, bounded per request
+and per capability (``KeyBudgetSpent``), and audited once per request (``key.issue``).
+``integrity_failure`` takes a worker's report of an envelope that failed authentication.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
@@ -46,11 +24,12 @@ from typing import Literal
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import SALT_BYTES, read_header
-from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
+from crypto.errors import DecryptionFailed, KeyUnavailable
 from crypto.segments import derive_segment_key
 from gateway.access import Access
+from gateway.chunks.service import ChunkService
 from gateway.datapath.stores import prefix_hits
-from gateway.errors import AccessDenied, ChunkMissing, InvalidRequest, KeyBudgetSpent
+from gateway.errors import ChunkMissing, InvalidRequest, KeyBudgetSpent
 from gateway.namespaces import NamespaceResolver
 from gateway.pins import Pins
 from storage.manager import TierManager
@@ -111,6 +90,7 @@ class EnvelopePlane:
         pins: Pins,
         audit: AuditSink,
         stats: Counter[str],
+        chunks: ChunkService,
         max_chunk_bytes: int = 64 << 20,
         max_keys_per_request: int = 4096,
         max_keys_per_capability: int = 1 << 16,
@@ -123,6 +103,7 @@ class EnvelopePlane:
         self.pins = pins
         self.audit = audit
         self.stats = stats
+        self.chunks = chunks
         self.max_chunk_bytes = max_chunk_bytes
         self.max_keys_per_request = max_keys_per_request
         self.max_keys_per_capability = max_keys_per_capability
@@ -131,14 +112,8 @@ class EnvelopePlane:
 
     async def _authorized(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
         chained = [parse_hash(h) for h in hashes]
-        cap = self.access.authorize(token, op, chunks=list(hashes))
-        try:
-            keys = self.resolver.chunk_keys(await self.resolver.keys(cap.tenant, cap.namespace), chained)
-        except DependencyUnavailable:
-            raise  # an outage (503), not a refusal
-        except Exception as exc:  # the tenant was disabled after the capability was minted
-            raise AccessDenied("tenant unavailable") from exc
-        return cap, keys
+        cap = self.chunks.authorize(token, op, hashes)
+        return cap, (await self.chunks.open(cap, chained)).keys
 
     async def keys_for(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
         """The capability verified for ``op`` on every hash (its chunk allowlist included) and
@@ -195,6 +170,15 @@ class EnvelopePlane:
             raise ChunkMissing("not found")
         return where
 
+    async def integrity_failure(
+        self, token: str, chunk_hash: str, envelope_sha256: bytes, *, actor: Actor | None = None,
+    ) -> bool:
+        """A worker's report that an envelope it loaded under this capability (op ``get``) failed
+        authentication: audited as ``integrity.failure``, and the stored copy dropped where it is
+        the envelope of that digest (never a good copy stored since); whether one was dropped."""
+        cap, (key,) = await self._authorized(token, "get", [chunk_hash])
+        return await self.chunks.integrity_failure(cap, key, actor=actor, envelope_sha256=envelope_sha256)
+
     async def delete(self, token: str, chunk_hash: str) -> None:
         """Remove one chunk of the capability's namespace (an explicit eviction by its writer)."""
         cap, (key,) = await self._authorized(token, "put", [chunk_hash])
@@ -235,12 +219,7 @@ class EnvelopePlane:
         """Start issuing up to ``n`` keys under a verified capability: its namespace keys are
         resolved and ``n`` keys charged against its budget (``KeyBudgetSpent``, counted as a
         denial and audited, where that would pass the bound). The caller closes the issue."""
-        try:
-            ns = await self.resolver.keys(cap.tenant, cap.namespace)
-        except (DependencyUnavailable, KekError):
-            raise  # an outage (503), not a refusal
-        except Exception as exc:  # the tenant was disabled after the capability was minted
-            raise AccessDenied("tenant unavailable") from exc
+        ns = await self.chunks.namespace(cap)
         who = actor or Actor(tenant=cap.tenant, token_id=cap.cap_id)
         try:
             total = self._charge(cap, n)

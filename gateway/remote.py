@@ -1,49 +1,17 @@
-"""Remote mode (DESIGN section 3): a worker that holds no tier credentials talks to a kvgate server.
+"""Remote mode: a worker that holds no tier credentials talks to a kvgate server.
 
 ``RemoteGateway(base_url, bearer_token)`` mirrors ``gateway.core.Gateway``'s data operations
-(``store`` / ``lookup`` / ``retrieve``, minus the capability argument: it mints and renews its own)
-and does on the worker everything that touches plaintext, with the core's own data path
-(``gateway.datapath``: the same sealers, on the worker's device; this module is only the
-``ChunkStore`` that speaks HTTP):
-
-    tokens --chain_hashes--> h_i                       (same chunk size as the server)
-    POST /v1/keys/envelopes {seal: h_0..h_n} --> per h_i: salt, key, storage key, key version
-    paged KV --pack--> chunk --seal (that envelope's key and salt, AAD: tenant, namespace,
-        storage key, model fingerprint, key version)--> PUT /v1/chunks (a batch)
-    POST /v1/chunks/fetch {keys} (the stored prefix, streamed; each envelope after its key and
-        storage key) --open (every tag checked)--> chunk --unpack--> paged KV
-
-Chunks move in batches (``gateway.frames``), not one request each: the envelopes the data plane
-hands to ``put`` are kept (views of the sealer's buffers, no copy) and sent as one framed body
-once ``_BATCH_BYTES`` of them are buffered, in the background, so the next chunks are sealed while
-the previous batch is on the wire (at most one batch in flight and one filling); ``flush`` (the
-plane calls it once every chunk was handed over) sends the rest and raises what a batch met. A
-load is one streamed request per prefix and nothing else: the server walks the hashes, stops at
-the first chunk it does not hold (or whose key version is destroyed), and sends each envelope
-with the key that opens it (frame ``KVK1``); each envelope lands in a buffer allocated for it as
-its bytes arrive, and its chunk is handed to the plane (to open and unpack) while the next ones
-are still coming. Both data-plane calls go over ``gateway.wire`` (an HTTP/1.1 client of their own:
-``recv_into`` each envelope's buffer, ``sendall`` the sealer's buffers, in a thread, so the wire
-overlaps opening and sealing; it says why httpx is not used there); everything else over httpx.
-Each connection pool is bounded (``_CONNECTIONS``, HTTP/1.1 keep-alive, TLS for ``https://``).
-
-The worker never holds the tenant's data key, the namespace binding secret or the index key: the
-server issues one key per envelope (``HKDF(dek || binding_secret, salt)``, the derivation of
-embedded mode, so an envelope stored remotely opens in the core and back): sealing keys for all
-the chunks of a store in one call, opening keys inside the fetch stream; counted and audited
-there, once per request. A key opens only the envelope that carries its salt; keys live in the
-request's session and are dropped with it. A chunk that fails authentication, whose key version
-is destroyed, or cannot be fetched ends the loaded prefix: a miss, counted, never handed to the
-engine (an inauthentic one is also deleted, so a recompute stores a good copy).
-
-A 403 on any call (the tenant was cleared, its capabilities revoked, or the capability's key
-budget is spent) drops the cached capability and retries once with a fresh one.
-
-Through the server's Unix socket with ``shm_bytes``, a load lends the server a window of a
-shared-memory region (``gateway.shmclient``, ``gateway.server.shm``): the envelopes that fit are
-copied there by the server and read there by the worker, and only their item heads cross the
-socket. Where the region cannot be had (an old server, none left, ``shm_max_bytes = 0``), loads
-go through the socket as before, and the region is asked for again after ``_SHM_RETRY_S``.
+(``store`` / ``lookup`` / ``retrieve``; it mints and renews its own capability) and does on the
+worker everything that touches plaintext, with the core's own data path: this module is only
+the ``ChunkStore`` that speaks HTTP. A store asks once for its envelopes' keys
+(``POST /v1/keys/envelopes``) and sends them in framed batches (``PUT /v1/chunks``, in the
+background while the next chunks are sealed); a load is one streamed ``POST /v1/chunks/fetch``
+whose envelopes each arrive after the key that opens them, or, through the Unix socket with
+``shm_bytes``, in a shared-memory region. The worker never holds the tenant's data key. A chunk
+that fails authentication ends the loaded prefix (a miss, never handed to the engine) and is
+reported to the server, which audits it and drops that copy. A 403 drops the cached capability
+and retries once with a fresh one.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
@@ -365,10 +333,12 @@ class RemoteGateway:
         )
 
 
-    async def _drop(self, chunk: Chunk) -> None:
-        """Delete an inauthentic envelope (best effort: needs the put op)."""
+    async def _report_integrity_failure(self, chunk: Chunk, envelope_sha256: bytes) -> None:
+        """Tell the server an envelope failed authentication here (op ``get``, as it was loaded):
+        it audits ``integrity.failure`` and drops that copy. Best effort: a load goes on as a miss."""
+        body = {"hash": chunk.chained_hash.hex(), "envelope_sha256": envelope_sha256.hex()}
         try:
-            await self._send("DELETE", f"/v1/chunks/{chunk.chained_hash.hex()}")
+            await self._send("POST", "/v1/chunks/integrity-failures", json=body)
         except GatewayError:
             pass
 
@@ -648,9 +618,9 @@ class _HttpSession:
     def abort(self, reserved: Reserved) -> None:
         return None
 
-    async def integrity_failure(self, i: int, tier: str) -> None:
+    async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
         self.client.stats["integrity_failures"] += 1
-        await self.client._drop(self.chunks[i])
+        await self.client._report_integrity_failure(self.chunks[i], envelope_sha256)
 
     async def aclose(self) -> None:
         """Stop what is still in flight: a batch not flushed is dropped (cut mid-body, the server

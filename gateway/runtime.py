@@ -173,7 +173,7 @@ class Runtime:
         gw = self.gateway
         return EnvelopePlane(
             access=gw.access, resolver=gw.resolver, keyring=gw.keyring, tiers=gw.tiers, pins=gw.pins,
-            audit=gw.audit, stats=gw.stats, max_chunk_bytes=max_chunk_bytes,
+            audit=gw.audit, stats=gw.stats, chunks=gw.chunks, max_chunk_bytes=max_chunk_bytes,
         )
 
 

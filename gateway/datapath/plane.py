@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import threading
 from collections import Counter
@@ -345,7 +346,7 @@ class DataPlane:
                 ended[bad] = "integrity"
                 self.stats["integrity_failures"] += 1
                 log.warning("integrity failure on a chunk in tier %s; treated as a miss", tiers[bad])
-                await session.integrity_failure(bad, tiers[bad])
+                await session.integrity_failure(bad, tiers[bad], hashlib.sha256(jobs[loaded].envelope).digest())
             self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
             return loaded
 

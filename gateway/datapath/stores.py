@@ -1,43 +1,32 @@
 """``ChunkStore``: where the data path's envelopes go, behind one seam.
 
-    TierStore   (embedded) the tiers of this process; the capability is verified here, keys come
-                from the namespace resolver and the keyring
-    HttpStore   (remote, ``gateway.remote``) a kvgate server; the server verifies the capability
-                and maps chained hashes to storage keys, and issues one key per envelope: the
-                worker never holds the tenant's data key
+    TierStore   (embedded) this process's tiers through the chunk service (``gateway.chunks``):
+                the capability verified, the namespace resolved, keys from the keyring
+    HttpStore   (remote, ``gateway.remote``) a kvgate server, which runs the same chunk service
+                and issues one key per envelope: the worker never holds the tenant's data key
 
-A store opens a ``ChunkSession`` per request: the capability checked for one operation, the
-namespace resolved, the chunks' storage keys computed once. The data plane (``plane.py``) runs
-the same store / lookup / retrieve over either. Nothing here touches plaintext: sealing and
-opening happen in the data path, on the worker.
-
-Keys are asked for in one go: ``sealing_keys`` once per store, for every chunk to seal (one
-``POST /v1/keys/envelopes`` in remote mode); ``opening_keys`` per load batch, with the key
-version and salt read from the fetched envelopes' headers. Asking to open costs no round trip
-in either mode (in process the key is derived here; a remote session received each envelope's
-key with the envelope, in the fetch stream), so the plane opens each batch as it arrives. Each
-answer is an ``EnvelopeKeys`` per chunk (``crypto.segments``): a ``DataKey`` in process, the
-server's ``IssuedKey`` for that one envelope in remote mode.
+A store opens a ``ChunkSession`` per request (the capability checked for one operation, the
+namespace resolved, the chunks' storage keys computed once); the data plane (``plane.py``) runs
+the same store / lookup / retrieve over either. Nothing here touches plaintext. Keys are asked
+for in one go: ``sealing_keys`` once per store, ``opening_keys`` per load batch from the fetched
+envelopes' headers (no round trip in either mode: a remote session received each key with its
+envelope). Each answer is an ``EnvelopeKeys`` per chunk: a ``DataKey`` in process, the server's
+``IssuedKey`` for that one envelope in remote mode.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from opentelemetry import trace
 
-from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import DataKey, EnvelopeContext, EnvelopeKeys
 from crypto.errors import KekError, KeyUnavailable
-from gateway.access import Access
 from gateway.chunking import Chunk
-from gateway.errors import AccessDenied, TenantUnavailable
-from gateway.namespaces import NamespaceResolver, keys_digest
+from gateway.chunks.service import ChunkService, KeysUnavailable
 from gateway.types import KVModel
-from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound, TierError, failure_reason
 from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
@@ -54,10 +43,6 @@ def prefix_hits(present: Sequence[bool]) -> int:
         if not p:
             return i
     return len(present)
-
-
-class KeysUnavailable(Exception):
-    """Namespace or data keys cannot be had now (KEK provider down): a miss, not an error."""
 
 
 class FetchFailed(Exception):
@@ -117,7 +102,9 @@ class ChunkSession(Protocol):
         """A slot of the fastest tier to seal chunk ``i`` straight into, or None (then ``put``)."""
     async def commit(self, reserved: Reserved) -> bool: ...
     def abort(self, reserved: Reserved) -> None: ...
-    async def integrity_failure(self, i: int, tier: str) -> None: ...
+    async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
+        """Chunk ``i``'s envelope (of this digest) failed authentication: audited as
+        ``integrity.failure`` and the stored copy dropped, by the chunk service of either mode."""
     async def aclose(self) -> None: ...
 
 
@@ -128,37 +115,18 @@ class ChunkStore(Protocol):
 
 
 class TierStore:
-    """The tiers of this process, behind the capability check (embedded mode)."""
+    """The tiers of this process through the chunk service (embedded mode)."""
 
-    def __init__(
-        self, access: Access, resolver: NamespaceResolver, keyring: Keyring, tiers: TierManager,
-        audit: AuditSink, stats: Counter[str],
-    ) -> None:
-        self.access = access
-        self.resolver = resolver
+    def __init__(self, chunks: ChunkService, keyring: Keyring) -> None:
+        self.chunks = chunks
         self.keyring = keyring
-        self.tiers = tiers
-        self.audit = audit
-        self.stats = stats
+        self.tiers = chunks.tiers
 
     async def session(self, token: str, op: str, chunks: Sequence[Chunk]) -> _TierSession:
-        cap = self.access.authorize(token, op, chunks=[c.chained_hash.hex() for c in chunks])
-        return await self.session_for(cap, chunks)
-
-    async def session_for(self, cap: Capability, chunks: Sequence[Chunk]) -> _TierSession:
-        """A session for an already verified capability (the benchmark's shared-cache baseline
-        maps capabilities before this)."""
-        try:
-            ns = await self.resolver.keys(cap.tenant, cap.namespace)
-        except TenantUnavailable:
-            self.stats["denials"] += 1
-            raise AccessDenied("tenant unavailable") from None
-        except (KekError, KeyUnavailable) as exc:  # the KEK provider is unreachable
-            self.stats["key_unavailable"] += 1
-            raise KeysUnavailable from exc
-        keys = self.resolver.chunk_keys(ns, [c.chained_hash for c in chunks])
-        trace.get_current_span().set_attribute("kvgate.tenant", ns.owner[:16])  # opaque, not the name
-        return _TierSession(self, cap, ns, keys)
+        cap = self.chunks.authorize(token, op, [c.chained_hash.hex() for c in chunks])
+        opened = await self.chunks.open(cap, [c.chained_hash for c in chunks])
+        trace.get_current_span().set_attribute("kvgate.tenant", opened.ns.owner[:16])  # opaque, not the name
+        return _TierSession(self, cap, opened.ns, opened.keys)
 
 
 class _TierSession:
@@ -244,26 +212,12 @@ class _TierSession:
     def abort(self, reserved: Reserved) -> None:
         self.store.tiers.abort(reserved.token)
 
-    async def integrity_failure(self, i: int, tier: str) -> None:
-        """A stored envelope failed authentication: audit it and drop every copy of it, so the
-        engine's recompute stores a good one."""
-        key, cap = self.keys[i], self.cap
-        self.store.audit.emit(
-            AuditEvent(
-                Actions.INTEGRITY_FAILURE,
-                outcome="failure",
-                actor=Actor(tenant=cap.tenant, token_id=cap.cap_id),
-                target=Target(
-                    tenant=cap.tenant, namespace=cap.namespace, chunk_count=1,
-                    chunk_digest=keys_digest([key]), tier_from=tier,
-                ),
-                details={"chunk_index": i},
-            )
+    async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
+        """A stored envelope failed authentication: audited and its copy dropped (the chunk
+        service), so the engine's recompute stores a good one."""
+        await self.store.chunks.integrity_failure(
+            self.cap, self.keys[i], tier=tier, index=i, envelope_sha256=envelope_sha256,
         )
-        try:
-            await self.store.tiers.delete(key)
-        except TierError:
-            pass
 
     async def aclose(self) -> None:
         return None

@@ -1,11 +1,12 @@
-"""Data-plane routes: capabilities, lookup, chunks, pins and per-envelope keys (DESIGN section 4).
+"""Data-plane routes: capabilities, lookup, chunks, pins, per-envelope keys and integrity reports.
 
-Chunks move one per request (``PUT|GET|HEAD|DELETE /v1/chunks/{hash}``, kept for compatibility)
-or a prefix per request (issue 18): ``PUT /v1/chunks`` takes a frame of envelopes and stores all
-of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes back,
-each envelope as its tier hands it over. The frames are drawn in ``gateway.frames``; the
-upload's buffers and the prefix walk live in ``gateway.batches``. ``POST /v1/keys/envelopes``
-issues the keys a remote worker seals and opens envelopes with (``gateway.envelopes``).
+A prefix moves in one request each way: ``PUT /v1/chunks`` takes a frame of envelopes and stores
+all of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes
+back, each envelope as its tier hands it over (frames: ``gateway.frames``; buffers and the
+prefix walk: ``gateway.batches``). One chunk per request (``/v1/chunks/{hash}``) is kept for
+tools. ``POST /v1/keys/envelopes`` issues the keys a remote worker seals and opens envelopes with,
+``POST /v1/chunks/integrity-failures`` takes its report of one that failed to open
+(``gateway.envelopes``).
 """
 
 from __future__ import annotations
@@ -124,6 +125,15 @@ class FetchRequest(Strict):
         "(POST /v1/shm/regions) the envelopes that fit are copied into (item status 5) instead of "
         "being streamed (gateway.server.shm)",
     )
+
+
+class IntegrityReport(Strict):
+    hash: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    envelope_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the envelope that failed")]
+
+
+class IntegrityReportResponse(BaseModel):
+    dropped: bool = Field(description="the stored copy was that envelope and is gone from every tier")
 
 
 class RegionRequest(Strict):
@@ -532,6 +542,17 @@ async def head_chunk(chunk_hash: HashPath, scope: LookupScope, state: StateDep) 
 async def delete_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep) -> Response:
     await state.plane.delete(_cap(scope), chunk_hash)
     return Response(status_code=204)
+
+
+@router.post("/chunks/integrity-failures", response_model=IntegrityReportResponse)
+async def report_integrity_failure(body: IntegrityReport, scope: GetScope, state: StateDep) -> IntegrityReportResponse:
+    """An envelope this capability loaded (op ``get``) failed authentication on the worker:
+    audited as ``integrity.failure`` (as in process), and the stored copy dropped where it is the
+    envelope of that digest, so a recompute stores a good one and a good copy stored since stays."""
+    dropped = await state.plane.integrity_failure(
+        _cap(scope), body.hash, bytes.fromhex(body.envelope_sha256), actor=scope.actor,
+    )
+    return IntegrityReportResponse(dropped=dropped)
 
 
 @router.post("/pins", status_code=204, responses=_NOT_FOUND)

@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from audit.errors import AuditStorageError, SpoolError
 from crypto.errors import KekError
+from gateway.chunks.service import KeysUnavailable
 from gateway.errors import (
     AccessDenied,
     BadFrame,
@@ -192,6 +193,7 @@ PROBLEMS: dict[type[Exception], Entry] = {
     TierError: ProblemType(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"}),
     DependencyUnavailable: _DEPENDENCY,
     KekError: _DEPENDENCY,
+    KeysUnavailable: _DEPENDENCY,
     AuditStorageError: _AUDIT,
     SpoolError: _AUDIT,
     StarletteHTTPException: _from_http_exception,

@@ -1,25 +1,15 @@
-"""``POST /v1/lookup`` answered by the gatekeeper itself, without FastAPI's routing (issue 18).
+"""``POST /v1/lookup`` answered by the gatekeeper itself, without FastAPI's routing.
 
-A remote worker asks this once per request before its fetch, so its latency is on every
-remote load's critical path. Through FastAPI, on the 2-core box, a 128-hash lookup cost the
-server about 1.1 ms of CPU, of which the lookup itself (capability check, 128 HMACs, one batched
-presence check per tier) is about 0.3 ms: the rest is routing, dependency resolution, response
-model validation and serialization (cProfile of ``kvgate serve``, ``python -m gateway.bench.net``).
-
-What is kept, in the same order as the FastAPI route runs it, with the same answers:
-
-1. the gatekeeper has verified the bearer token (401/429) and bounded the body (413, 408);
-2. the body is read whole (at most the lookup's limit);
-3. the role check on the tenant the ``X-KV-Capability`` names (``deps.on_capability``; 403,
-   audited by ``deps.authorize_action``);
-4. the body is parsed as FastAPI parses it, past the same depth check (``jsonbody``: 400), and
-   validated by the route's own model (``data.LookupRequest``; 422, with the errors FastAPI
-   gives: ``["body", ...]``);
-5. the core's lookup (``data.answer_lookup``), whose errors meet the one exception table
-   (``problems.handle``).
-
-The FastAPI route stays registered: it is the OpenAPI description, and it answers where the
-gatekeeper has no server state (it never has a principal then, and refuses).
+A remote worker asks this once per request before its fetch, so its latency is on every remote
+load's critical path, and most of a routed lookup's server CPU is routing, dependency
+resolution and response validation rather than the lookup. What is kept, in the route's order
+and with its answers: the gatekeeper's bearer-token check and body bounds; the role check on
+the tenant ``X-KV-Capability`` names (``deps.on_capability``, 403 audited); the body parsed
+past the same depth check (``jsonbody``, 400) and validated by the route's own model
+(``data.LookupRequest``, 422 with FastAPI's error shape); then the core's lookup
+(``data.answer_lookup``), whose errors meet the one exception table (``problems.handle``). The
+FastAPI route stays registered: it is the OpenAPI description, and the fallback.
+Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
