@@ -141,7 +141,7 @@ class Settings(BaseSettings):
     # off, every load goes through the socket; the server allocates what it hands out)
     shm_max_bytes: int = Field(default=0, ge=0)
     # fault a region's pages in on a nice-19 thread as it is made, on both sides, so a worker's
-    # first load through it does not pay for them (gateway/shmpages.py); off: as loads touch them
+    # first load through it does not pay for them (gateway/protocol/shmpages.py); off: as loads touch them
     shm_populate: bool = True
     # uvicorn's access log, a line per request (it costs server CPU on every request): off
     # leaves requests to the metrics, traces and, for the audited ones, the audit log
@@ -150,7 +150,7 @@ class Settings(BaseSettings):
     # cancel them, write the audit queue, withdraw the published URL and exit 0
     shutdown_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     max_chunk_bytes: int = 64 << 20
-    # the batched data plane (gateway/frames.py): the most bytes and items one PUT /v1/chunks frame carries
+    # the batched data plane (gateway/protocol/frames.py): the most bytes and items one PUT /v1/chunks frame carries
     max_batch_bytes: int = Field(default=256 << 20, ge=1 << 20)
     max_batch_items: int = Field(default=4096, ge=1, le=65536)
     api_token: SecretStr | None = None

@@ -3,7 +3,7 @@
      +-- AccessDenied        403  no valid capability for this tenant, namespace, operation or chunk
      |    +-- KeyBudgetSpent 403  the capability has had all the envelope keys it may have (mint a new one)
      +-- InvalidRequest      422  bad input: tokens, KV tensors, block ids, names (also ValueError)
-     |    +-- BadFrame       400  a batch body that is not a well-formed frame (gateway.frames)
+     |    +-- BadFrame       400  a batch body that is not a well-formed frame (gateway.protocol.frames)
      |    +-- JsonTooDeep    400  a JSON body nested deeper than the server parses (gateway.server.jsonbody)
      +-- TenantUnavailable   403  the tenant is unknown or disabled (a 403 wherever existence must not leak)
      +-- ChunkMissing        404  an operation named a chunk that is not stored

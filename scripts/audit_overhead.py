@@ -19,10 +19,10 @@ from pathlib import Path
 import asyncpg
 import torch
 
-from gateway import dbschema
 from gateway.bench import GEOMETRY, MODEL
 from gateway.config import Settings
-from gateway.runtime import open_runtime
+from gateway.services import dbschema
+from gateway.services.runtime import open_runtime
 from storage.memory import MemoryTier
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gateway.bench import MODEL
 from gateway.config import Settings
-from gateway.runtime import open_runtime
+from gateway.services.runtime import open_runtime
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier

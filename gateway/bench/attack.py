@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from scipy.stats import ks_2samp
 
-from gateway import dbschema
 from gateway.bench.baselines import shared_tenant_runtime
 from gateway.config import Settings
-from gateway.core import KVModel
-from gateway.runtime import open_runtime
+from gateway.services import dbschema
+from gateway.services.core import KVModel
+from gateway.services.runtime import open_runtime
 from kernels.layouts import KVGeometry, KVLayout
 from storage.base import Tier
 from storage.memory import MemoryTier

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from audit.types import AuditSink
-from gateway.access import Access
 from gateway.config import Settings
-from gateway.runtime import Runtime, open_runtime
+from gateway.services.access import Access
+from gateway.services.runtime import Runtime, open_runtime
 from storage.base import Tier
 from tenancy.capabilities import CapabilityAuthority
 from tenancy.registry import Registry

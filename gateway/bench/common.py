@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from gateway.core import KVModel
+from gateway.services.core import KVModel
 from kernels.layouts import KVGeometry, KVLayout
 
 __all__ = ["GEOMETRY", "MODEL", "median_time", "percentiles_ms"]

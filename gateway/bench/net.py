@@ -3,7 +3,7 @@ beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chu
 
 The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
 one streamed ``POST /v1/chunks/fetch`` per prefix, over the data plane's own client
-``gateway.wire``, received into a buffer per envelope as ``gateway.remote`` does; ``get_keyed``
+``gateway.remote.wire``, received into a buffer per envelope as ``gateway.remote.client`` does; ``get_keyed``
 with each envelope's opening key in the stream, the worker's load), and, labelled ``per_chunk``,
 one request per chunk, the cost of a client that does not batch.
 
@@ -33,16 +33,17 @@ from typing import Any
 import httpx
 
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
-from gateway import frames, wire
 from gateway.bench.common import percentiles_ms
-from gateway.shmclient import attach
+from gateway.protocol import frames, sockets
+from gateway.remote import wire
+from gateway.remote.shm import attach
 
 __all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
 
 _SINK = r"""
 import socket, sys
 size = int(sys.argv[1]); mode = sys.argv[2]; path = sys.argv[3] if len(sys.argv) > 3 else ""
-if path:  # a Unix socket, with the buffers kvgate's own ends ask for (gateway.wire.tune_unix_socket)
+if path:  # a Unix socket, with the buffers kvgate's own ends ask for (gateway.protocol.sockets.tune_unix_socket)
     srv = socket.socket(socket.AF_UNIX); srv.bind(path); srv.listen(1); print(path, flush=True)
 else:
     srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -86,7 +87,7 @@ def socket_ceiling(size: int, count: int, reps: int, uds: bool = False) -> tuple
     out = []
     for mode in ("recv", "send"):
         tmp = tempfile.mkdtemp(prefix="kvgate-sink-") if uds else ""
-        args = [os.path.join(tmp, "s.sock"), str(wire.SOCKET_BUFFER_BYTES)] if uds else []
+        args = [os.path.join(tmp, "s.sock"), str(sockets.SOCKET_BUFFER_BYTES)] if uds else []
         try:
             proc = subprocess.Popen([sys.executable, "-c", _SINK, str(size), mode, *args], stdout=subprocess.PIPE, text=True)
         except BaseException:
@@ -97,7 +98,7 @@ def socket_ceiling(size: int, count: int, reps: int, uds: bool = False) -> tuple
             where = proc.stdout.readline().strip()
             if uds:
                 sock = socket.socket(socket.AF_UNIX)
-                wire.tune_unix_socket(sock)
+                sockets.tune_unix_socket(sock)
                 sock.connect(where)
             else:
                 sock = socket.create_connection(("127.0.0.1", int(where)))
@@ -195,11 +196,11 @@ async def rest_figures(
     remote worker loads) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
     the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
     latency for 128 chained hashes: ``lookup_ms`` as a remote worker asks (the data plane's own
-    client, ``gateway.wire``), ``lookup_ms_httpx`` through a general-purpose client. ``uds``: the
+    client, ``gateway.remote.wire``), ``lookup_ms_httpx`` through a general-purpose client. ``uds``: the
     server also listens on a Unix socket and every call goes there (``kvgate serve --uds``), and
     ``get_keyed_shm`` is the keyed fetch with a shared-memory region lent (``gateway.server.shm``:
     the envelopes are copied into it by the server and read there, only their heads cross)."""
-    from gateway import dbschema
+    from gateway.services import dbschema
     from tenancy.devissuer import DevIssuer
 
     state = base / ("rest-uds" if uds else "rest")
@@ -270,7 +271,7 @@ async def rest_figures(
                                 pass
 
                 def put_frame(ex: wire.Exchange, headers: list[tuple[str, str]]) -> None:
-                    """As ``gateway.remote`` uploads: the index, then each envelope from its buffer."""
+                    """As ``gateway.remote.client`` uploads: the index, then each envelope from its buffer."""
                     index = frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
                     try:
                         ex.start("PUT", "/v1/chunks", headers, [index, *[body] * len(hashes)])
@@ -283,7 +284,7 @@ async def rest_figures(
                     await pool.run(put_frame, _wire_headers(capability, "application/octet-stream"))
 
                 def fetch(ex: wire.Exchange, headers: list[tuple[str, str]], keyed: bool, region: Any = None) -> None:
-                    """As ``gateway.remote`` loads: each envelope received into a buffer of its own
+                    """As ``gateway.remote.client`` loads: each envelope received into a buffer of its own
                     (or, in ``region``'s window, read where the server put it)."""
                     window = region.lend() if region is not None else None
                     request: dict[str, Any] = {"hashes": hashes, "keys": keyed}
@@ -304,10 +305,10 @@ async def rest_figures(
                             else:
                                 _h, status, length = frames.parse_item_head(ex.read(frames.ITEM_HEAD))
                             if window is not None and status == frames.IN_REGION:
-                                window.take(length)  # as gateway.remote takes it: a view, nothing received
+                                window.take(length)  # as gateway.remote.client takes it: a view, nothing received
                                 continue
                             assert status == frames.OK, status
-                            ex.readinto(wire.receive_buffers.take(length))  # as gateway.remote receives
+                            ex.readinto(wire.receive_buffers.take(length))  # as gateway.remote.client receives
                         ex.at_end()
                     finally:
                         ex.close()
@@ -350,7 +351,7 @@ async def rest_figures(
             lookup_headers = _wire_headers(capability, "application/json")
 
             def lookup(ex: wire.Exchange) -> None:
-                """As ``gateway.remote`` asks: one POST on the data plane's own client."""
+                """As ``gateway.remote.client`` asks: one POST on the data plane's own client."""
                 try:
                     ex.start("POST", "/v1/lookup", lookup_headers, [body])
                     got = json.loads(ex.read_rest())

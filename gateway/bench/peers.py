@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from gateway.clierrors import CliError
+from gateway.cli.errors import CliError
 
 __all__ = [
     "DEFAULT_LMCACHE_PYTHON", "DEFAULT_LMCACHE_RUNNER", "PeerConfig", "PeerFailed", "comparisons", "run_lmcache",

@@ -29,7 +29,6 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from gateway import dbschema
 from gateway.bench import net as bench_net
 from gateway.bench import suite as bench_suite
 from gateway.bench.baselines import plaintext_runtime
@@ -37,7 +36,8 @@ from gateway.bench.ceilings import Ceilings, measure_ceilings
 from gateway.bench.common import GEOMETRY, MODEL, percentiles_ms
 from gateway.bench.peers import PeerConfig, run_lmcache
 from gateway.config import Settings
-from gateway.runtime import open_runtime
+from gateway.services import dbschema
+from gateway.services.runtime import open_runtime
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from gateway import dbschema
 from gateway.bench import attack as bench_attack
 from gateway.bench import workloads as bench_workloads
 from gateway.bench.common import GEOMETRY, MODEL, percentiles_ms
 from gateway.bench.peers import comparisons
 from gateway.config import Settings
-from gateway.runtime import Runtime, open_runtime
+from gateway.services import dbschema
+from gateway.services.runtime import Runtime, open_runtime
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier

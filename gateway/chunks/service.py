@@ -1,9 +1,9 @@
 """``ChunkService``: authorize, namespace, storage keys, tiers, integrity handling, audit; once,
 for the embedded data plane (``gateway.datapath.stores.TierStore``) and the server's chunk
-routes (``gateway.envelopes``, ``gateway.batches``) alike.
+routes (``gateway.chunks.envelopes``, ``gateway.chunks.batches``) alike.
 
 Every way a request can fail before it reaches a tier has one answer in both modes: a capability
-refused is ``AccessDenied`` (audited by ``gateway.access``); an unknown or disabled tenant is
+refused is ``AccessDenied`` (audited by ``gateway.services.access``); an unknown or disabled tenant is
 ``AccessDenied`` too, counted as a denial; a KEK that cannot unwrap the namespace now is
 ``KeysUnavailable`` (a miss in process, a 503 from the server); a database that does not answer
 is ``DependencyUnavailable``. Tier errors are classified by ``storage.types.failure_reason``.
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.errors import KekError, KeyUnavailable
-from gateway.access import Access
 from gateway.errors import AccessDenied, TenantUnavailable
-from gateway.namespaces import NamespaceResolver, keys_digest
+from gateway.services.access import Access
+from gateway.services.namespaces import NamespaceResolver, keys_digest
 from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound, TierError
 from tenancy.namespaces import NamespaceKeys

@@ -2,7 +2,7 @@
 
     TierStore   (embedded) this process's tiers through the chunk service (``gateway.chunks``):
                 the capability verified, the namespace resolved, keys from the keyring
-    HttpStore   (remote, ``gateway.remote``) a kvgate server, which runs the same chunk service
+    HttpStore   (remote, ``gateway.remote.client``) a kvgate server, which runs the same chunk service
                 and issues one key per envelope: the worker never holds the tenant's data key
 
 A store opens a ``ChunkSession`` per request (the capability checked for one operation, the

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, model_validator
 from audit import AuditExport, ExportError
 from audit.checkpointer import Checkpointer, CheckpointTampered
 from audit.signing import AuditSigner
-from gateway.envelopes import parse_hash
+from gateway.chunks.envelopes import parse_hash
 from gateway.errors import Conflict, InvalidRequest
 from gateway.server.deps import (
     Authorize,

@@ -16,13 +16,13 @@ from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from gateway.config import Settings
-from gateway.runtime import open_runtime
 from gateway.server import admin_routes, data
 from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
 from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.shm import Regions
 from gateway.server.telemetry import Telemetry
+from gateway.services.runtime import open_runtime
 from storage.base import Tier
 from storage.manager import TierManager
 from tenancy.oidc import IssuerConfig, OidcVerifier

@@ -2,11 +2,11 @@
 
 A prefix moves in one request each way: ``PUT /v1/chunks`` takes a frame of envelopes and stores
 all of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes
-back, each envelope as its tier hands it over (frames: ``gateway.frames``; buffers and the
-prefix walk: ``gateway.batches``). One chunk per request (``/v1/chunks/{hash}``) is kept for
+back, each envelope as its tier hands it over (frames: ``gateway.protocol.frames``; buffers and the
+prefix walk: ``gateway.chunks.batches``). One chunk per request (``/v1/chunks/{hash}``) is kept for
 tools. ``POST /v1/keys/envelopes`` issues the keys a remote worker seals and opens envelopes with,
 ``POST /v1/chunks/integrity-failures`` takes its report of one that failed to open
-(``gateway.envelopes``).
+(``gateway.chunks.envelopes``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from fastapi import APIRouter, Body, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
-from gateway import batches, frames
+from gateway.chunks import batches
 from gateway.errors import BadFrame, InvalidRequest, TooLarge
+from gateway.protocol import frames
 from gateway.server import rawbody, rawchunks, shm
 from gateway.server.deps import (
     Authorize,
@@ -59,7 +60,7 @@ _BATCH_BODY = {
     "requestBody": {
         "required": True,
         "description": "integers little endian: b'KVB1', count u32, count x (chained hash 32 bytes, "
-        "envelope length u64), then the envelopes concatenated in that order (gateway.frames)",
+        "envelope length u64), then the envelopes concatenated in that order (gateway.protocol.frames)",
         "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
     }
 }
@@ -67,7 +68,7 @@ _BATCH_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
         "description": "b'KVB1', then per chunk of the stored prefix: chained hash 32 bytes, status u8 (0 ok), "
         "length u64, the envelope; the first chunk not stored ends it with status 1 (missing) or 2 "
-        "(a tier could not answer) and length 0 (gateway.frames). With keys: b'KVK1', chunk_tokens u32, "
+        "(a tier could not answer) and length 0 (gateway.protocol.frames). With keys: b'KVK1', chunk_tokens u32, "
         "tenant and namespace (u16 lengths, UTF-8), then per item: chained hash 32, status u8, key version u32, "
         "salt 32, key 32, storage key 32, length u64, the envelope; status 3: key version destroyed, "
         "4: a header that does not parse, sent without a key",
@@ -260,7 +261,7 @@ def _content_length(request: Request, limit: int) -> int:
     responses=problem_responses(400),
 )
 async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Response:
-    """Store a batch of envelopes (a frame, ``gateway.frames``): all of them, or none.
+    """Store a batch of envelopes (a frame, ``gateway.protocol.frames``): all of them, or none.
 
     The index is read and checked first (count, sizes, the total against ``Content-Length``,
     the capability for every hash); then each envelope is read straight into the buffer that
@@ -300,7 +301,7 @@ _ENDED = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE, 
 
 @router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
 async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
-    """The stored prefix of ``hashes``, streamed as a frame (``gateway.frames``): each envelope
+    """The stored prefix of ``hashes``, streamed as a frame (``gateway.protocol.frames``): each envelope
     is written from its tier's buffer as soon as it is had, and the next is read from its tier
     only once the previous one was handed to the connection (a slow reader holds the server
     to about one envelope). The capability is checked for every hash before anything is read.

@@ -22,13 +22,13 @@ from fastapi import Depends, Header, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from audit.types import Actions, Actor, AuditEvent, Target
+from gateway.chunks.envelopes import EnvelopePlane
 from gateway.config import Settings
-from gateway.envelopes import EnvelopePlane
 from gateway.errors import RateLimited, Unauthenticated
-from gateway.runtime import Runtime
 from gateway.server.listen import failure_key
 from gateway.server.shm import Regions
 from gateway.server.telemetry import Telemetry
+from gateway.services.runtime import Runtime
 from tenancy.capabilities import read_unverified
 from tenancy.errors import AuthenticationFailed, CapabilityDenied, PermissionDenied
 from tenancy.names import NAME_MAX, NAME_PATTERN

@@ -26,13 +26,13 @@ import h11
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from gateway import frames
 from gateway.config import Settings
+from gateway.protocol import frames
+from gateway.protocol.sockets import tune_unix_socket
 from gateway.server import rawlookup
 from gateway.server.listen import peer_source
 from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
-from gateway.wire import tune_unix_socket
 
 __all__ = ["Gatekeeper", "RequestHeads", "body_limit", "bounded_h11", "uvicorn_options"]
 
@@ -46,7 +46,7 @@ def body_limit(method: str, path: str, settings: Settings) -> int:
     """The most body bytes a route takes (0: it takes none)."""
     if method == "PUT" and path.startswith("/v1/chunks/"):
         return settings.max_chunk_bytes
-    if method == "PUT" and path == "/v1/chunks":  # a batch frame (gateway.frames): at least one whole chunk
+    if method == "PUT" and path == "/v1/chunks":  # a batch frame (gateway.protocol.frames): at least one whole chunk
         return max(settings.max_batch_bytes, settings.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
     if method != "POST" or path.endswith("/keys/rotate"):
         return 0  # GET, HEAD, DELETE, and a rotation (its tenant is in the path) take no body

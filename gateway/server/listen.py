@@ -3,7 +3,7 @@
 A kvgate server beside its vLLM workers serves the same API on a Unix socket as on its TCP port:
 same routes, authentication, capability checks and audit; only the transport differs, and a Unix
 socket skips the TCP stack's per-segment work. Both ends ask for socket buffers of
-``gateway.wire.SOCKET_BUFFER_BYTES`` (the kernel caps it at ``wmem_max``/``rmem_max``).
+``gateway.remote.wire.SOCKET_BUFFER_BYTES`` (the kernel caps it at ``wmem_max``/``rmem_max``).
 
 ``unix_listener`` replaces a stale socket at the path and refuses anything else there; the socket
 gets ``uds_mode`` (0660) and is unlinked on exit unless a new server has taken the path over. Put
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gateway.errors import InvalidRequest
-from gateway.wire import tune_unix_socket
+from gateway.protocol.sockets import tune_unix_socket
 
 __all__ = ["UnixListener", "failure_key", "peer_source", "unix_listener"]
 

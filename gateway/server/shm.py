@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
-from gateway.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
+from gateway.protocol.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
 __all__ = ["ALIGN", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "make_region", "send_with_fd"]
 
@@ -59,7 +59,7 @@ class Region:
     busy: int = 0  # fetches writing into it now (or about to)
     last_used: float = 0.0
     closed: bool = False
-    populated: int = -1  # bytes faulted in ahead of the copies once that ended (gateway.shmpages); -1 before
+    populated: int = -1  # bytes faulted in ahead of the copies once that ended (gateway.protocol.shmpages); -1 before
 
     def close(self) -> None:
         """Free its pages (whoever still maps them: the worker's descriptor keeps holes) and unmap."""
@@ -252,7 +252,7 @@ def make_region(size: int) -> tuple[mmap.mmap, int]:
     """A sealed memfd of ``size`` bytes and its read-write mapping: ``(mapping, fd)``.
     ``ShmUnavailable`` where the system refuses one (no descriptors or memory left).
 
-    Not populated here (``gateway.shmpages`` says why): populating a whole region when a
+    Not populated here (``gateway.protocol.shmpages`` says why): populating a whole region when a
     tenant's worker first stores would hold that store back."""
     try:
         fd = os.memfd_create("kvgate-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)

@@ -165,7 +165,7 @@ class EmbeddedBackend:
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
-        from gateway.runtime import open_runtime
+        from gateway.services.runtime import open_runtime
 
         self.runtime = await open_runtime(self.settings, auto_migrate=True)
 
@@ -225,19 +225,19 @@ class RemoteBackend:
         self.url, self._token, self.chunk_tokens, self.uds = url, token, chunk_tokens, uds
         self.store_nice = store_nice
         self.shm_bytes = shm_bytes
-        self._shm: Any = None  # the regions every client of this worker shares (gateway.shmclient)
+        self._shm: Any = None  # the regions every client of this worker shares (gateway.remote.shm)
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
         self._http: Any = None
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
-        from gateway.remote import http_client
+        from gateway.remote.client import http_client
 
         self._http = http_client(self.loop.timeout_s, uds=self.uds)
 
     def _client(self, cap: str) -> Any:
-        from gateway.remote import RemoteGateway
+        from gateway.remote.client import RemoteGateway
         from tenancy.capabilities import read_unverified
 
         client = self._clients.get(cap)
@@ -250,7 +250,7 @@ class RemoteBackend:
                 return cap
 
         if self.shm_bytes and self._shm is None:
-            from gateway.shmclient import RegionCache
+            from gateway.remote.shm import RegionCache
 
             self._shm = RegionCache(self.shm_bytes)
         client = _Fixed(
@@ -310,7 +310,7 @@ def start(backend: Backend, open_timeout_s: float = 120.0) -> None:
     except BaseException as exc:
         close(backend)
         if isinstance(exc, Exception) and not isinstance(exc, ConnectorConfigError):
-            from gateway.clierrors import explain
+            from gateway.cli.errors import explain
 
             raise ConnectorConfigError(f"kvgate could not open its state: {explain(exc)}") from exc
         raise

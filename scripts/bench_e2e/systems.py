@@ -115,9 +115,9 @@ def _connector(extra: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _embedded_caps(settings: dict[str, Any], tenants: list[str]) -> dict[str, str]:
-    from gateway import dbschema
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services import dbschema
+    from gateway.services.runtime import open_runtime
 
     Path(settings["state_dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
     await asyncio.to_thread(dbschema.upgrade, Settings(**settings).db_url)

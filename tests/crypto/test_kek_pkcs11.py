@@ -175,7 +175,7 @@ def test_wrong_pin_and_missing_parts_fail_cleanly(hsm: dict) -> None:
 
 async def test_rotation_to_a_new_kek_in_the_token(hsm: dict, tmp_path: Path) -> None:
     from crypto.kek_pkcs11 import generate_pkcs11_kek
-    from gateway.kekrotate import rotate_from_settings
+    from gateway.services.kekrotate import rotate_from_settings
     from tests.support.gw import settings_for
 
     g = small_geometry()

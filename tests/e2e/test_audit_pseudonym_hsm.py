@@ -9,12 +9,7 @@ The token is set up in subprocesses only: SoftHSM2 reads SOFTHSM2_CONF once per 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -22,35 +17,15 @@ import pytest
 
 from audit.verify import verify_export
 from tests.support.killed_server import ServeProcess
-from tests.support.paths import REPO
-from tests.support.softhsm import MODULE_PATHS, _missing
+from tests.support.softhsm import token_in_subprocesses
 
 UNTIL = "2999-01-01T00:00:00+00:00"
 
 
 def _token(root: Path) -> dict[str, str]:
     """A SoftHSM2 token with a KEK and an audit key pair; the server settings that name them."""
-    module = next((p for p in MODULE_PATHS if p and Path(p).is_file()), None)
-    util = shutil.which("softhsm2-util")
-    if module is None or util is None or importlib.util.find_spec("pkcs11") is None:
-        _missing("SoftHSM2 or python-pkcs11 is not installed")
-    (root / "tokens").mkdir(parents=True)
-    conf = root / "softhsm2.conf"
-    conf.write_text(f"directories.tokendir = {root / 'tokens'}\nobjectstore.backend = file\nlog.level = ERROR\n")
-    env = {**os.environ, "SOFTHSM2_CONF": str(conf)}
-    subprocess.run([util, "--init-token", "--free", "--label", "kvgate", "--pin", "1111", "--so-pin", "so-1111"],
-                   check=True, capture_output=True, env=env)
-    subprocess.run(
-        [sys.executable, "-c",
-         "from crypto.kek import Secret; from crypto.kek_pkcs11 import generate_pkcs11_kek;"
-         "from crypto.signer_pkcs11 import generate_pkcs11_signing_key;"
-         f"generate_pkcs11_kek({module!r}, 'kvgate', Secret(b'1111'), 'kek-1');"
-         f"generate_pkcs11_signing_key({module!r}, 'kvgate', Secret(b'1111'), 'audit-1')"],
-        check=True, capture_output=True, env=env, cwd=str(REPO),
-    )
     return {
-        "SOFTHSM2_CONF": str(conf), "KVGATE_KEK_PROVIDER": "pkcs11", "KVGATE_PKCS11_MODULE": module,
-        "KVGATE_PKCS11_TOKEN_LABEL": "kvgate", "KVGATE_PKCS11_PIN": "1111", "KVGATE_PKCS11_KEY_LABEL": "kek-1",
+        **token_in_subprocesses(root, "kvgate", signing_label="audit-1"), "KVGATE_PKCS11_PIN": "1111",
         "KVGATE_AUDIT_SIGNER": "pkcs11", "KVGATE_AUDIT_PKCS11_KEY_LABEL": "audit-1",
     }
 

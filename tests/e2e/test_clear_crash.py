@@ -75,7 +75,7 @@ REQUESTED_SCRIPT = textwrap.dedent(
     import asyncio, os, sys
     sys.path.insert(0, {root!r})
     from audit.types import Actor
-    from gateway.admin import Admin
+    from gateway.services.admin import Admin
     from tests.support.gw import gateway_runtime
     from tenancy.keyring import Keyring
     from tenancy.registry import Registry

@@ -57,8 +57,8 @@ def test_state_files_are_created_owner_only(tmp_path: Path, umask_022: None):
 
 @pytest.mark.parametrize("target,mode", [("kvgate.db", 0o644), (".", 0o755), ("kek.key", 0o640), ("audit-spool", 0o755)])
 def test_a_start_refuses_loose_state(tmp_path: Path, umask_022: None, target: str, mode: int):
-    from gateway.runtime import open_runtime
-    from gateway.statefiles import InsecureStateFiles
+    from gateway.services.runtime import open_runtime
+    from gateway.services.statefiles import InsecureStateFiles
     from tests.support.server_fixture import _migrate, server_settings
 
     settings = server_settings(tmp_path / "state", 1)
@@ -86,7 +86,7 @@ def test_a_start_refuses_loose_state(tmp_path: Path, umask_022: None, target: st
 def test_cli_reports_loose_state_clearly(tmp_path: Path, umask_022: None, monkeypatch: pytest.MonkeyPatch):
     from typer.testing import CliRunner
 
-    from gateway.cli import app
+    from gateway.cli.main import app
 
     state = tmp_path / "state"
     monkeypatch.setenv("KVGATE_STATE_DIR", str(state))

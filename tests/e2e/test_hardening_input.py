@@ -188,7 +188,7 @@ async def test_lookalike_tenants_cannot_be_created(live_any: LiveServer):
 def test_cli_refuses_bad_names(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from gateway.cli import app
+    from gateway.cli.main import app
 
     monkeypatch.setenv("KVGATE_STATE_DIR", str(tmp_path / "state"))
     runner = CliRunner()

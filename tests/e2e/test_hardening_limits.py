@@ -210,7 +210,7 @@ async def test_a_batched_upload_that_stops_inside_an_envelope_times_out_and_stor
     that sends the index and part of an envelope, then nothing, still gets a 408 within the body
     timeout, its connection is closed, and no chunk and no reservation is left. Control: the same
     frame sent whole is stored."""
-    from gateway import frames
+    from gateway.protocol import frames
 
     a, tok, cap = await _tenant(live)
     h, env = random_hash(), fake_envelope(300_000)

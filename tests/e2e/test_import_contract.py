@@ -66,7 +66,7 @@ def test_audit_verify_loads_neither_torch_nor_sqlalchemy(tmp_path: Path) -> None
     got = _run(
         f"""
 import json, sys
-from gateway.cli import main
+from gateway.cli.main import main
 sys.argv = ["kvgate", "audit", "verify", {str(tmp_path / "a.jsonl")!r}, "--public-key", {str(tmp_path / "pub.pem")!r}]
 try:
     main()

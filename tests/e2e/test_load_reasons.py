@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from gateway.config import Settings
-from gateway.runtime import open_runtime
+from gateway.services.runtime import open_runtime
 from storage.memory import MemoryTier
 from storage.redis import RedisTier
 from tests.support.gw import ALL_OPS, model_for, random_cache, settings_for, small_geometry, zero_cache
@@ -19,7 +19,7 @@ N_BLOCKS, TOKENS = 64, list(range(500, 500 + 64))  # 4 chunks of 16
 
 
 async def _runtime(tmp_path, tiers):
-    from gateway import dbschema
+    from gateway.services import dbschema
 
     settings = settings_for(tmp_path)
     await __import__("asyncio").to_thread(dbschema.upgrade, settings.db_url)
@@ -117,7 +117,7 @@ async def test_a_stalled_redis_in_front_of_disk_is_answered_by_the_disk(tmp_path
     runtime (opened before the store, sharing the disk root) looks up. With the redis-server
     SIGSTOP'd by pid, the lookup is answered by the disk tier, and the load the disk serves is
     counted and logged as degraded. Positive control: the same lookup and load with Redis running."""
-    from gateway import dbschema
+    from gateway.services import dbschema
 
     settings = settings_for(tmp_path, tiers=["redis", "disk"], redis_url=server.url,
                             redis_prefix="kvgate-stall:", tier_lookup_timeout_s=0.1, tier_read_timeout_s=0.1)
@@ -154,7 +154,7 @@ async def test_a_remote_worker_gets_the_servers_tier_reason_and_the_server_count
     """`kvgate serve` with tiers ["redis"], a remote worker loading: with the redis-server
     SIGSTOP'd the load says tier_timeout, killed tier_unavailable (not miss), and the server's
     /metrics counts each by that reason. Positive control: a full load while Redis runs."""
-    from gateway.remote import RemoteGateway
+    from gateway.remote.client import RemoteGateway
     from tests.support.server_fixture import running_server
 
     g = small_geometry()

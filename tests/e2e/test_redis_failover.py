@@ -25,9 +25,9 @@ import pytest
 import torch
 import yaml
 
-from gateway import frames
 from gateway.errors import GatewayError
-from gateway.remote import RemoteGateway
+from gateway.protocol import frames
+from gateway.remote.client import RemoteGateway
 from gateway.types import RetrieveResult
 from storage._cluster_client import node_of
 from storage.redis_cluster import RedisClusterTier

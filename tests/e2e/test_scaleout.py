@@ -13,7 +13,7 @@ import pytest
 
 from audit import create_audit_engine, verify_database
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
-from gateway import dbschema
+from gateway.services import dbschema
 from tenancy.devissuer import DevIssuer
 from tests.support.services import free_port
 

@@ -22,7 +22,7 @@ import time
 
 async def _clear(settings: dict, tenant: str, namespace: str) -> str:
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services.runtime import open_runtime
 
     rt = await open_runtime(Settings(**settings))
     try:
@@ -37,7 +37,7 @@ def tiny_kv_model():
     engine's caches are in vLLM's CPU layout, so its chunks are in the CPU chunk format."""
     import torch
 
-    from gateway.core import KVModel
+    from gateway.services.core import KVModel
     from kernels.layouts import KVGeometry, KVLayout
 
     g = KVGeometry(num_layers=2, num_kv_heads=2, head_size=32, dtype=torch.float32, block_size=32,
@@ -51,7 +51,7 @@ async def _tamper(settings: dict, tokens: list[int], chunk: int, how: str) -> No
     ``corrupt_head``: leave a Redis head that EXISTS but does not parse (a torn or foreign
     value), and delete every other tier's copy, so a lookup sees the chunk and its load fails."""
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services.runtime import open_runtime
     from storage.types import ChunkNotFound
     rt = await open_runtime(Settings(**settings))
     try:

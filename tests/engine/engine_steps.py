@@ -35,9 +35,9 @@ def _run(plan: dict, workdir: Path, name: str) -> list[dict]:
     return json.loads(out.read_text())
 
 async def _setup(settings: dict) -> dict[str, str]:
-    from gateway import dbschema
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services import dbschema
+    from gateway.services.runtime import open_runtime
 
     Path(settings["state_dir"]).mkdir(parents=True, exist_ok=True, mode=0o700)
     await asyncio.to_thread(dbschema.upgrade, Settings(**settings).db_url)

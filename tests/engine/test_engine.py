@@ -40,7 +40,7 @@ CHUNK, BLOCK, MODEL_NAME = 64, 32, "tiny-llama"
 def _model(geometry_dtype: str = "float32"):
     import torch
 
-    from gateway.core import KVModel
+    from gateway.services.core import KVModel
     from kernels.layouts import KVGeometry, KVLayout
 
     # the CPU engine's caches are in vLLM's CPU layout: the connector stores the CPU chunk format
@@ -51,7 +51,7 @@ def _model(geometry_dtype: str = "float32"):
 async def _tamper(settings: dict, tokens: list[int]) -> int:
     """Flip a ciphertext bit of chunk 1 of ``tokens`` (tenant acme) in every tier holding it."""
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services.runtime import open_runtime
     from storage.types import ChunkNotFound
 
     rt = await open_runtime(Settings(**settings))
@@ -73,7 +73,7 @@ async def _tamper(settings: dict, tokens: list[int]) -> int:
 
 async def _audit_actions(settings: dict) -> list[str]:
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services.runtime import open_runtime
 
     rt = await open_runtime(Settings(**settings))
     try:
@@ -135,7 +135,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory):
 def _a2_cap(settings: dict) -> str:
     """A fresh capability for acme after the clear (the clear revoked the ones minted before)."""
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services.runtime import open_runtime
 
     async def mint() -> str:
         rt = await open_runtime(Settings(**settings))

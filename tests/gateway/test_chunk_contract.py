@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gateway.errors import AccessDenied
-from gateway.remote import RemoteGateway
+from gateway.remote.client import RemoteGateway
 from gateway.types import LookupResult, RetrieveResult, StoreResult
 from tests.support import server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache

@@ -124,7 +124,7 @@ def test_audit_checkpoint_and_verify_against_it(tmp_path):
     assert bad.returncode == 1 and "truncated" in bad.stdout
     # the auditor's tool imports neither SQLAlchemy nor torch
     code = (
-        "import sys; from gateway.cli import app\n"
+        "import sys; from gateway.cli.main import app\n"
         "try:\n    app(['audit', 'verify', sys.argv[1], '--public-key', sys.argv[2], '--checkpoint', sys.argv[3]])\n"
         "except SystemExit:\n    pass\n"
         "print('heavy:', sorted(m for m in ('sqlalchemy', 'torch', 'fastapi') if m in sys.modules))"

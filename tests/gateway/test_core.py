@@ -337,14 +337,14 @@ async def test_spans_for_store_load_and_clear_carry_no_tenant_name(tmp_path, mon
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    import gateway.admin
-    import gateway.core
+    import gateway.services.admin
+    import gateway.services.core
 
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    monkeypatch.setattr(gateway.core, "_tracer", provider.get_tracer("test"))
-    monkeypatch.setattr(gateway.admin, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(gateway.services.core, "_tracer", provider.get_tracer("test"))
+    monkeypatch.setattr(gateway.services.admin, "_tracer", provider.get_tracer("test"))
     g = small_geometry()
     model = model_for(g)
     async with gateway_runtime(tmp_path) as rt:

@@ -18,7 +18,7 @@ from tests.support.oidc_issuer import LocalIssuer
 from tests.support.paths import REPO
 from tests.support.redis_server import Server
 from tests.support.services import REDIS_URL, _need, free_port
-from tests.support.softhsm import MODULE_PATHS, _missing
+from tests.support.softhsm import token_in_subprocesses
 
 pytestmark = [pytest.mark.slow]
 KVGATE = [sys.executable, "-m", "gateway"]
@@ -90,27 +90,7 @@ def test_unmigrated_postgres_names_kvgate_migrate(tmp_path, fresh_pg_url):
 
 
 def _own_token(root: Path) -> dict[str, str]:
-    """A SoftHSM2 token of this test's own, set up entirely in subprocesses: SoftHSM2 reads
-    SOFTHSM2_CONF once per process, so loading it here would pin this process to our token
-    directory and break tests/crypto/test_kek_pkcs11.py's tokens later in the same run."""
-    import importlib.util
-    import shutil
-
-    module = next((p for p in MODULE_PATHS if p and Path(p).is_file()), None)
-    util = shutil.which("softhsm2-util")
-    if module is None or util is None or importlib.util.find_spec("pkcs11") is None:
-        _missing("SoftHSM2 or python-pkcs11 is not installed")
-    (root / "tokens").mkdir(parents=True)
-    conf = root / "softhsm2.conf"
-    conf.write_text(f"directories.tokendir = {root / 'tokens'}\nobjectstore.backend = file\nlog.level = ERROR\n")
-    env = {**os.environ, "SOFTHSM2_CONF": str(conf)}
-    subprocess.run([util, "--init-token", "--free", "--label", "doctor", "--pin", "1111", "--so-pin", "so-1111"],
-                   check=True, capture_output=True, env=env)
-    subprocess.run([sys.executable, "-c", "from crypto.kek import Secret; from crypto.kek_pkcs11 import generate_pkcs11_kek;"
-                    f"generate_pkcs11_kek({module!r}, 'doctor', Secret(b'1111'), 'kek-1')"],
-                   check=True, capture_output=True, env=env, cwd=str(REPO))
-    return {"SOFTHSM2_CONF": str(conf), "KVGATE_KEK_PROVIDER": "pkcs11", "KVGATE_PKCS11_MODULE": module,
-            "KVGATE_PKCS11_TOKEN_LABEL": "doctor", "KVGATE_PKCS11_KEY_LABEL": "kek-1"}
+    return token_in_subprocesses(root, "doctor")
 
 
 def test_wrong_kek_pin(tmp_path):

@@ -1,4 +1,4 @@
-"""The batch frame (gateway.frames): what parses, and every malformed frame refused as BadFrame."""
+"""The batch frame (gateway.protocol.frames): what parses, and every malformed frame refused as BadFrame."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway import frames
 from gateway.errors import BadFrame, InvalidRequest
+from gateway.protocol import frames
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 

@@ -27,7 +27,7 @@ from crypto.contexts import ns_salt_context as salt_context
 from crypto.errors import KekError, KeyUnavailable
 from crypto.kek import LocalFileKek
 from gateway.config import Settings
-from gateway.kekrotate import ROTATE_ACTION, rotate_kek
+from gateway.services.kekrotate import ROTATE_ACTION, rotate_kek
 from tenancy.keyring import Keyring, dek_context
 from tenancy.models import DataKey, Tenant
 from tenancy.registry import Registry
@@ -304,7 +304,7 @@ def test_make_kek_reports_a_missing_module_as_kek_error(tmp_path: Path) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail("python-pkcs11 is not installed (CI must install kvgate[pkcs11])")
         pytest.skip("python-pkcs11 is not installed")
-    from gateway.runtime import make_kek
+    from gateway.services.runtime import make_kek
 
     s = Settings(state_dir=tmp_path, kek_provider="pkcs11", pkcs11_module=tmp_path / "nope.so",
                  pkcs11_token_label="kv", pkcs11_pin="1234")

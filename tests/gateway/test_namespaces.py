@@ -7,8 +7,8 @@ import hashlib
 import hmac
 import os
 
-import gateway.namespaces as namespaces
-from gateway.namespaces import NamespaceResolver
+import gateway.services.namespaces as namespaces
+from gateway.services.namespaces import NamespaceResolver
 from tenancy.namespaces import NamespaceDeriver
 
 

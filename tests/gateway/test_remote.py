@@ -14,9 +14,9 @@ import torch
 
 from crypto.envelope import ChunkCipher, EnvelopeContext, IssuedKey, read_header
 from crypto.errors import DecryptionFailed
-from gateway import frames
 from gateway.errors import AccessDenied, BadFrame, InvalidRequest
-from gateway.remote import RemoteGateway, RemoteUnavailable
+from gateway.protocol import frames
+from gateway.remote.client import RemoteGateway, RemoteUnavailable
 from tenancy.capabilities import read_unverified
 from tests.support import server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -367,7 +367,7 @@ def _requests(log: list[str]):
 async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
     """Puts go out as framed batches (here forced to two envelopes each, so three batches overlap
     the sealing), a load is one streamed fetch: no per-chunk request either way."""
-    import gateway.remote as remote
+    import gateway.remote.client as remote
 
     monkeypatch.setattr(remote, "_BATCH_ITEMS", 2)
     live = live_server
@@ -379,7 +379,7 @@ async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monke
     log: list[str] = []
     async with httpx.AsyncClient(timeout=30, event_hooks={"request": [_requests(log)]}) as http:
         async with _remote(live, a, http=http) as ra:
-            wire = ra._wire.requests  # the data plane's own client (gateway.wire)
+            wire = ra._wire.requests  # the data plane's own client (gateway.remote.wire)
             assert (await ra.store(model, tokens, src, block_ids=BLOCKS6, skip_existing=False)).stored == 6
             assert [r for r in log if "/chunks" in r] == []
             assert wire == ["PUT /v1/chunks"] * 3
@@ -398,8 +398,8 @@ async def test_a_loads_envelopes_are_let_go_as_they_are_opened(live_server: Live
     prompt's later envelopes reuse the first ones' buffers (fresh memory faults in page by page:
     an 8K-token load ran 2x slower). Opened one chunk at a time: when chunk k is opened, the
     buffers of chunks 0..k-1 are back (the load's answer is right, the positive control)."""
-    from gateway import wire
     from gateway.datapath.plane import DataPlane
+    from gateway.remote import wire
 
     live = live_server
     g = small_geometry()
@@ -704,7 +704,7 @@ async def test_the_fetch_charges_the_key_budget_before_it_sends_anything(live_se
             plane.max_keys_per_capability = saved
 
 
-# -- the data plane's own client (gateway.wire) -----------------------------------------------------
+# -- the data plane's own client (gateway.remote.wire) -----------------------------------------------------
 def _hang_up(*socks) -> None:
     import socket
 
@@ -827,7 +827,7 @@ async def test_a_store_cancelled_mid_upload_stores_nothing_and_frees_the_connect
     import time
     from urllib.parse import urlsplit
 
-    import gateway.remote as remote
+    import gateway.remote.client as remote
 
     live = live_server
     g = small_geometry()

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.remote import RemoteGateway
-from gateway.wire import WirePool
+from gateway.remote.client import RemoteGateway
+from gateway.remote.wire import WirePool
 from kernels.paged import PagedKV
 from tests.support import server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache

@@ -1,4 +1,4 @@
-"""Shared-memory loads on the server's Unix socket (``gateway.server.shm``, ``gateway.shmclient``).
+"""Shared-memory loads on the server's Unix socket (``gateway.server.shm``, ``gateway.remote.shm``).
 
 The server is the real CLI in its own process (``test_uds``'s fixture). Each property is tried as
 a worker on the same host would try it, beside its positive control: a region lends its bytes
@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from gateway import shmpages
-from gateway.remote import RemoteGateway
+from gateway.protocol import shmpages
+from gateway.remote.client import RemoteGateway
+from gateway.remote.shm import ShmRegion, Window
 from gateway.server.shm import Regions
-from gateway.shmclient import ShmRegion, Window
 from tenancy.devissuer import DevIssuer
 from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache

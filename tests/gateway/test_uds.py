@@ -21,9 +21,9 @@ import pytest
 import torch
 
 from gateway.errors import InvalidRequest
-from gateway.remote import RemoteGateway
+from gateway.protocol.sockets import SOCKET_BUFFER_BYTES, tune_unix_socket
+from gateway.remote.client import RemoteGateway
 from gateway.server.listen import unix_listener
-from gateway.wire import SOCKET_BUFFER_BYTES, tune_unix_socket
 from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
 from tests.support.uds_server import BLOCKS, NOWHERE, NUM_BLOCKS, N, Served, create_tenant, serve, stop, wait_up
@@ -56,7 +56,7 @@ async def test_remote_mode_through_the_socket_keeps_tenants_apart(served: Served
         dst_b = zero_cache(g, NUM_BLOCKS)
         assert (await wb.retrieve(model, tokens, dst_b, block_ids=BLOCKS)).loaded_tokens == 0
         assert all(not t.any() for t in dst_b)
-        # the data plane (gateway.wire) went through the socket too, not only the control calls
+        # the data plane (gateway.remote.wire) went through the socket too, not only the control calls
         assert any(r.startswith("PUT /v1/chunks") for r in wa._wire.requests)
         assert any(r.startswith("POST /v1/chunks/fetch") for r in wa._wire.requests)
 

@@ -1,4 +1,4 @@
-"""The data plane's own HTTP/1.1 client (gateway.wire) against scripted servers: Content-Length and
+"""The data plane's own HTTP/1.1 client (gateway.remote.wire) against scripted servers: Content-Length and
 chunked bodies received into the caller's buffers, keep-alive within a bounded pool, TLS with
 certificate and host checks, timeouts, and every torn or malformed response a typed error on a
 connection that is never reused."""
@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from gateway.errors import InvalidRequest
-from gateway.wire import Exchange, RemoteUnavailable, TornResponse, WirePool
+from gateway.remote.wire import Exchange, RemoteUnavailable, TornResponse, WirePool
 
 Handler = Callable[[socket.socket, int], None]  # (connection, its number), one thread per connection
 
@@ -320,7 +320,7 @@ def test_a_receive_buffer_is_used_again_only_once_nothing_holds_it():
     import numpy as np
     import torch
 
-    from gateway.wire import ReceiveBuffers
+    from gateway.remote.wire import ReceiveBuffers
 
     bufs = ReceiveBuffers(max_bytes=1 << 20)
     first = bufs.take(4096)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from gateway.runtime import open_runtime
+from gateway.services.runtime import open_runtime
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
 from storage.redis import RedisTier

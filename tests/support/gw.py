@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from gateway import dbschema
 from gateway.config import Settings
-from gateway.core import KVModel
-from gateway.runtime import Runtime, open_runtime
+from gateway.services import dbschema
+from gateway.services.core import KVModel
+from gateway.services.runtime import Runtime, open_runtime
 from kernels.layouts import KVGeometry, KVLayout
 from kernels.pack import pack, slots_from_block_ids
 

@@ -33,12 +33,12 @@ import httpx
 import pytest
 import uvicorn
 
-from gateway import dbschema
 from gateway.config import Settings
-from gateway.runtime import Runtime
 from gateway.server.app import DEV_ISSUER_PATH, create_app
 from gateway.server.deps import FailureLimiter, ServerState
 from gateway.server.gatekeeper import uvicorn_options
+from gateway.services import dbschema
+from gateway.services.runtime import Runtime
 from tenancy.devissuer import DevIssuer
 from tests.support.services import free_port
 

@@ -11,9 +11,10 @@ from sqlalchemy import inspect
 
 from crypto.errors import KeyUnavailable
 from crypto.kek import LocalFileKek
-from gateway import dbschema, errors
-from gateway.dbschema import SchemaBehind
-from gateway.runtime import open_runtime
+from gateway import errors
+from gateway.services import dbschema
+from gateway.services.dbschema import SchemaBehind
+from gateway.services.runtime import open_runtime
 from tenancy.keyring import Keyring
 from tenancy.registry import Registry, TenantExists
 from tests.support.gw import ALL_OPS, gateway_runtime, migrate, model_for, random_cache, settings_for, small_geometry, zero_cache

@@ -9,11 +9,11 @@ import asyncio
 
 import torch
 
-from gateway import dbschema
 from gateway.bench.baselines import plaintext_runtime, shared_tenant_runtime
 from gateway.config import Settings
-from gateway.core import KVModel
-from gateway.runtime import open_runtime
+from gateway.services import dbschema
+from gateway.services.core import KVModel
+from gateway.services.runtime import open_runtime
 from kernels.layouts import KVGeometry, KVLayout
 from storage.memory import MemoryTier
 

@@ -34,11 +34,11 @@ def _py(code: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess
 
 
 def _kvgate(*args: str) -> str:
-    return f"import sys; sys.argv = ['kvgate', *{list(args)!r}]\nfrom gateway.cli import main\nmain()\n"
+    return f"import sys; sys.argv = ['kvgate', *{list(args)!r}]\nfrom gateway.cli.main import main\nmain()\n"
 
 
 def test_importing_the_cli_does_not_import_the_bench(tmp_path):
-    code = ("import sys, gateway.cli\n"
+    code = ("import sys, gateway.cli.main\n"
             "print(sorted(m for m in sys.modules if m == 'gateway.bench' or m.startswith('gateway.bench.')))\n"
             "import gateway.bench.run\n"  # positive control: the probe sees the package once imported
             "print('gateway.bench' in sys.modules)\n")

@@ -49,7 +49,7 @@ def test_quick_bench_json_schema(tmp_path):
     """With an LMCache environment (``KVGATE_BENCH_LMCACHE_PYTHON``, or ``.venv-lmcache`` here) the
     comparison must run; without one, ``--no-peers`` skips it on purpose and says so."""
     from gateway.bench.peers import DEFAULT_LMCACHE_PYTHON
-    from gateway.cli import app
+    from gateway.cli.main import app
 
     out = tmp_path / "bench.json"
     has_peer = bool(os.environ.get("KVGATE_BENCH_LMCACHE_PYTHON")) or DEFAULT_LMCACHE_PYTHON.exists()

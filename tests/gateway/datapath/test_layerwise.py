@@ -138,9 +138,9 @@ def test_a_tampered_segment_ends_the_prefix_and_nothing_of_it_or_after_it_stays(
 
 
 async def test_retrieve_on_layers_through_the_gateway_matches_a_whole_load(tmp_path):
-    from gateway import dbschema
     from gateway.config import Settings
-    from gateway.runtime import open_runtime
+    from gateway.services import dbschema
+    from gateway.services.runtime import open_runtime
     from gateway.types import KVModel
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from gateway import frames
+from gateway.protocol import frames
 from tenancy.capabilities import attenuate
 from tests.support import server_fixture
 from tests.support.server_fixture import LiveServer, assert_problem, fake_envelope, random_hash

@@ -25,10 +25,10 @@ from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
 from gateway import errors
-from gateway.access import Access
 from gateway.errors import InvalidRequest, TenantUnavailable
-from gateway.invalidation import Invalidation
-from gateway.namespaces import NamespaceResolver
+from gateway.services.access import Access
+from gateway.services.invalidation import Invalidation
+from gateway.services.namespaces import NamespaceResolver
 from gateway.types import ClearResult, check_name
 from storage.manager import TierManager
 from storage.types import ChunkKey
@@ -43,7 +43,7 @@ from tenancy.registry import (
 )
 
 if TYPE_CHECKING:
-    from gateway.broadcast import Broadcaster
+    from gateway.services.broadcast import Broadcaster
 
 __all__ = ["Admin"]
 

@@ -8,7 +8,7 @@ that ran the clear). A subscriber that may have missed events forgets every cach
 
 from __future__ import annotations
 
-from gateway.namespaces import NamespaceResolver
+from gateway.services.namespaces import NamespaceResolver
 from storage.manager import TierManager
 from tenancy.keyring import Keyring
 

@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.clierrors import explain, redact_url
+from gateway.cli.errors import explain, redact_url
 from gateway.config import Settings
 
 __all__ = ["Check", "run_checks"]
@@ -75,7 +75,7 @@ def _files(settings: Settings) -> list[Check]:
 async def _database(settings: Settings) -> Check:
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from gateway.dbschema import SchemaBehind, check_schema
+    from gateway.services.dbschema import SchemaBehind, check_schema
 
     url = settings.db_url
     shown = redact_url(url)
@@ -124,7 +124,7 @@ async def _redis(settings: Settings) -> Check | None:
 
 
 def _kek(settings: Settings) -> Check:
-    from gateway.runtime import make_kek
+    from gateway.services.runtime import make_kek
 
     if settings.kek_provider == "file" and not settings.kek_path.exists():
         return Check(
@@ -183,7 +183,7 @@ async def _issuers(settings: Settings) -> list[Check]:
 def _signing_key(settings: Settings) -> Check:
     kind = settings.audit_signer_kind
     if kind != "file":  # the key pair in the HSM or KMS: open it and sign a probe
-        from gateway.auditing import close_signer, make_audit_signer
+        from gateway.services.auditing import close_signer, make_audit_signer
 
         try:
             signer = make_audit_signer(settings)

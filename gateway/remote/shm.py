@@ -29,8 +29,8 @@ import h11
 import numpy as np
 
 from gateway.errors import BadFrame, GatewayError
-from gateway.shmpages import POPULATE_READ, aligned, populate_behind
-from gateway.wire import RemoteUnavailable, TornResponse, WirePool
+from gateway.protocol.shmpages import POPULATE_READ, aligned, populate_behind
+from gateway.remote.wire import RemoteUnavailable, TornResponse, WirePool
 
 __all__ = ["RegionCache", "ShmRegion", "Window", "attach"]
 
@@ -117,7 +117,7 @@ class ShmRegion:
         self.populated = -1  # bytes mapped ahead of the loads once populating ended; -1 before
 
     def populate_behind(self) -> None:
-        """Map the region's pages on a nice-19 thread (``gateway.shmpages``), stopping if it is
+        """Map the region's pages on a nice-19 thread (``gateway.protocol.shmpages``), stopping if it is
         tainted (dropped)."""
 
         def done(n: int) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from gateway.errors import ChunkMissing
-from gateway.namespaces import keys_digest
+from gateway.services.namespaces import keys_digest
 from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound
 from tenancy.registry import Registry

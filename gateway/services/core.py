@@ -7,7 +7,7 @@ works only inside the capability's tenant and namespace:
     paged KV --pack--> staging --seal (AES-256-GCM envelope, AAD binds identity)--> tiers
     tiers --open (every tag checked)--> staging --unpack--> paged KV
 
-``Gateway`` is a facade over services built in ``gateway.runtime`` and handed in: ``Access``
+``Gateway`` is a facade over services built in ``gateway.services.runtime`` and handed in: ``Access``
 (capabilities minted and verified, denials audited), ``NamespaceResolver`` (namespace and storage
 keys), ``Keyring`` (data keys), ``Pins``, ``TierManager`` and ``DataPlane`` (``gateway/datapath/``).
 The data path (torch) is imported when the first data operation runs, never by the control plane.
@@ -24,12 +24,12 @@ from opentelemetry import trace
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
 from crypto.kek import KekProvider
-from gateway.access import Access
 from gateway.chunking import InvalidTokens, chain_hashes
 from gateway.chunks.service import ChunkService
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
-from gateway.namespaces import NamespaceResolver, keys_digest
-from gateway.pins import Pins
+from gateway.services.access import Access
+from gateway.services.namespaces import NamespaceResolver, keys_digest
+from gateway.services.pins import Pins
 from gateway.types import (
     ClearResult,
     KVModel,

@@ -22,7 +22,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gateway.clierrors import redact_url
+from gateway.cli.errors import redact_url
 from gateway.config import Settings
 from gateway.errors import GatewayError
 
@@ -121,7 +121,7 @@ async def open_kek(settings: Settings) -> KekProvider:
     wrapped key; refused (``KekNotForRegistry``) where the registry's keys were wrapped by
     another KEK. HSM and KMS providers are opened as configured (their blobs name their key)."""
     from crypto.kek import LocalFileKek
-    from gateway.runtime import make_kek
+    from gateway.services.runtime import make_kek
     from tenancy.registry import Registry
 
     if settings.kek_provider != "file":

@@ -185,9 +185,9 @@ async def rotate_from_settings(
     """``kvgate keys rotate-kek``: the configured KEK is the new one; old key files (a move off
     the development provider, or between key files) are given as ``previous_kek_files``."""
     from audit.writer import AuditWriter
-    from gateway.dbschema import check_schema
-    from gateway.runtime import make_kek
-    from gateway.statefiles import open_kek
+    from gateway.services.dbschema import check_schema
+    from gateway.services.runtime import make_kek
+    from gateway.services.statefiles import open_kek
 
     previous = [LocalFileKek(p, create=False) for p in previous_kek_files]
     # a new key file is created only beside the old ones that unwrap the registry's keys

@@ -26,12 +26,12 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import SALT_BYTES, read_header
 from crypto.errors import DecryptionFailed, KeyUnavailable
 from crypto.segments import derive_segment_key
-from gateway.access import Access
 from gateway.chunks.service import ChunkService
 from gateway.datapath.stores import prefix_hits
 from gateway.errors import ChunkMissing, InvalidRequest, KeyBudgetSpent
-from gateway.namespaces import NamespaceResolver
-from gateway.pins import Pins
+from gateway.services.access import Access
+from gateway.services.namespaces import NamespaceResolver
+from gateway.services.pins import Pins
 from storage.manager import TierManager
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk, failure_reason
 from tenancy.errors import DependencyUnavailable
@@ -117,7 +117,7 @@ class EnvelopePlane:
 
     async def keys_for(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
         """The capability verified for ``op`` on every hash (its chunk allowlist included) and
-        the hashes' storage keys in its namespace (the batched routes, ``gateway.batches``)."""
+        the hashes' storage keys in its namespace (the batched routes, ``gateway.chunks.batches``)."""
         return await self._authorized(token, op, hashes)
 
     async def lookup(self, token: str, hashes: Sequence[str]) -> LookupAnswer:
@@ -287,7 +287,7 @@ class KeyIssue:
     event with the count; ``cancel`` (nothing left the server) refunds it all and audits nothing.
 
     ``POST /v1/keys/envelopes`` issues a list of keys in one; ``POST /v1/chunks/fetch`` with keys
-    issues each envelope's key as the prefix walk reaches it (``gateway.batches``)."""
+    issues each envelope's key as the prefix walk reaches it (``gateway.chunks.batches``)."""
 
     def __init__(
         self, plane: EnvelopePlane, cap: Capability, ns: NamespaceKeys, purpose: Literal["seal", "open"],

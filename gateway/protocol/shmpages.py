@@ -1,5 +1,5 @@
 """What the server's and the worker's sides of a shared-memory region (``gateway.server.shm``,
-``gateway.shmclient``) agree on: where envelopes start in it, and how its pages are faulted in.
+``gateway.remote.shm``) agree on: where envelopes start in it, and how its pages are faulted in.
 
 Alignment. Each envelope starts on a cache line (``ALIGN``): the server places them so, the
 worker finds them so.

@@ -1,5 +1,5 @@
 """The remote data plane's own HTTP/1.1 client: ``PUT /v1/chunks`` and ``POST /v1/chunks/fetch``
-at wire speed, for ``gateway.remote``; everything else a worker says to a server goes through httpx.
+at wire speed, for ``gateway.remote.client``; everything else a worker says to a server goes through httpx.
 A response body is received with ``socket.recv_into`` straight into the buffer that keeps each
 envelope (one copy, by the kernel), an upload is ``socket.sendall`` of the sealer's own buffers.
 
@@ -9,7 +9,7 @@ responses (an error body may be read to the end of the connection); keep-alive w
 (``connections``, ``idle_s``; a reused connection closed before any answer is retried once); a
 timeout on each connect, send and receive (``timeout_s``); ``RemoteUnavailable`` for a connection
 refused, reset or timed out, and its subclass ``TornResponse`` for a response that breaks HTTP/1.1
-(its connection is never reused). Every call blocks; ``gateway.remote`` runs it in a worker thread
+(its connection is never reused). Every call blocks; ``gateway.remote.client`` runs it in a worker thread
 so receiving overlaps opening (``recv_into``/``sendall`` release the GIL). ``Exchange.abort`` may
 be called from any thread: it shuts the socket down, so a blocked call ends at once.
 Design notes: docs/architecture.md, section 5."""
@@ -31,10 +31,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
+from gateway.protocol.sockets import tune_unix_socket
 
 __all__ = [
-    "SOCKET_BUFFER_BYTES", "Exchange", "ReceiveBuffers", "RemoteUnavailable", "TornResponse", "WirePool", "receive_buffers",
-    "tune_unix_socket",
+    "Exchange", "ReceiveBuffers", "RemoteUnavailable", "TornResponse", "WirePool", "receive_buffers",
 ]
 
 _SMALL = 256 << 10  # the connection's own receive buffer: heads, chunk-size lines, small reads
@@ -44,21 +44,6 @@ _MAX_HEADERS = 100
 _ERROR_BODY = 64 << 10  # the most of an error response's body kept (for the message)
 _SEND_SLICE = 8 << 20  # sendall's timeout bounds a whole call: a body goes out in slices of this size
 T = TypeVar("T")
-
-
-# a Unix stream socket's send and receive buffers (gateway.server.listen says why)
-SOCKET_BUFFER_BYTES = 1 << 20
-
-
-def tune_unix_socket(sock: socket.socket | None) -> None:
-    """Large send and receive buffers on a Unix stream socket (nothing on any other socket)."""
-    if sock is None or sock.family != socket.AF_UNIX:
-        return
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        except OSError:  # a kernel that refuses keeps its default: slower, still right
-            pass
 
 
 class RemoteUnavailable(GatewayError):

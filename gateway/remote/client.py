@@ -1,6 +1,6 @@
 """Remote mode: a worker that holds no tier credentials talks to a kvgate server.
 
-``RemoteGateway(base_url, bearer_token)`` mirrors ``gateway.core.Gateway``'s data operations
+``RemoteGateway(base_url, bearer_token)`` mirrors ``gateway.services.core.Gateway``'s data operations
 (``store`` / ``lookup`` / ``retrieve``; it mints and renews its own capability) and does on the
 worker everything that touches plaintext, with the core's own data path: this module is only
 the ``ChunkStore`` that speaks HTTP. A store asks once for its envelopes' keys
@@ -32,15 +32,15 @@ import httpx
 import torch
 
 from crypto.envelope import ChunkCipher, EnvelopeContext, EnvelopeKeys, IssuedKey
-from gateway import frames
 from gateway.chunking import Chunk
 from gateway.datapath.path import DataPath
 from gateway.datapath.plane import DataPlane
 from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
-from gateway.shmclient import RegionCache, ShmRegion, Window, attach
+from gateway.protocol import frames
+from gateway.remote.shm import RegionCache, ShmRegion, Window, attach
+from gateway.remote.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
-from gateway.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 from tenancy.capabilities import read_unverified
 
 __all__ = ["RemoteGateway", "RemoteUnavailable", "http_client"]
@@ -56,7 +56,7 @@ _BATCH_ITEMS = 1024  # ... or this many envelopes (the server takes up to max_ba
 _FETCH_ITEMS = 4096  # hashes per streamed fetch (the server's bound)
 _MAX_ENVELOPE = 1 << 32  # a response item larger than this is a broken frame, not an allocation
 _BATCH_MEDIA = "application/octet-stream"
-# the data plane's connection pools (gateway.wire) of a shared httpx client, per base URL: the
+# the data plane's connection pools (gateway.remote.wire) of a shared httpx client, per base URL: the
 # vLLM backend shares one client between the RemoteGateways of many capabilities
 _SHARED_POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, WirePool]] = weakref.WeakKeyDictionary()
 
@@ -120,7 +120,7 @@ class RemoteGateway:
         self._bearer = bearer_token
         self._own_http = http is None
         self._http = http or http_client(30.0, ssl_context=ssl_context, uds=uds)
-        # the data plane's own client (gateway.wire says why): the same timeout as the httpx client
+        # the data plane's own client (gateway.remote.wire says why): the same timeout as the httpx client
         timeout_s = self._http.timeout.read or 30.0
         if self._own_http:
             self._wire = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
@@ -188,7 +188,7 @@ class RemoteGateway:
     async def _wire_call(
         self, method: str, path: str, fn: Callable[..., tuple[int, Any]], *args: Any, retry: bool = True,
     ) -> Any:
-        """``fn(exchange, headers, *args)`` on the data plane's own client (``gateway.wire``), in one
+        """``fn(exchange, headers, *args)`` on the data plane's own client (``gateway.remote.wire``), in one
         of its threads: ``fn`` starts the request and reads the answer, returning ``(status,
         result)``. A 2xx is ``result``; the errors ``_send`` raises otherwise, after one retry with
         a fresh capability on a 401/403 (revoked by a clear, or its key budget spent) where

@@ -16,10 +16,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from gateway import dbschema
 from gateway.config import Settings
-from gateway.core import KVModel
-from gateway.runtime import Runtime, open_runtime
+from gateway.services import dbschema
+from gateway.services.core import KVModel
+from gateway.services.runtime import Runtime, open_runtime
 from kernels.layouts import KVGeometry, KVLayout
 
 __all__ = ["run_demo"]

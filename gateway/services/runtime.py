@@ -23,17 +23,17 @@ from audit.signing import AuditSigner
 from audit.writer import AuditWriter
 from crypto.contexts import secret_context
 from crypto.kek import KekProvider, LocalFileKek, Secret
-from gateway.access import Access
-from gateway.admin import Admin
-from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
-from gateway.broadcast import Broadcaster
+from gateway.chunks.envelopes import EnvelopePlane
 from gateway.config import Settings
-from gateway.core import Gateway
-from gateway.dbschema import check_schema
-from gateway.envelopes import EnvelopePlane
-from gateway.invalidation import Invalidation
-from gateway.namespaces import NamespaceResolver
-from gateway.pins import Pins
+from gateway.services.access import Access
+from gateway.services.admin import Admin
+from gateway.services.auditing import close_signer, make_audit_signer, make_checkpointer
+from gateway.services.broadcast import Broadcaster
+from gateway.services.core import Gateway
+from gateway.services.dbschema import check_schema
+from gateway.services.invalidation import Invalidation
+from gateway.services.namespaces import NamespaceResolver
+from gateway.services.pins import Pins
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.manager import TierManager
@@ -190,12 +190,12 @@ async def open_runtime(
     ``access`` the access service: seams a benchmark uses for its baselines. ``auto_migrate``: an
     embedded SQLite database is brought to the current schema here (nobody else shares it); any
     other database behind the schema raises SchemaBehind, which names `kvgate migrate`."""
-    from gateway.statefiles import open_kek, prepare_state
+    from gateway.services.statefiles import open_kek, prepare_state
 
     prepare_state(settings)  # 0700 / 0600, or InsecureStateFiles
     kek = await open_kek(settings)  # a key file only for the registry it wrapped, or KekNotForRegistry
     if auto_migrate and settings.db_url.startswith("sqlite"):
-        from gateway import dbschema
+        from gateway.services import dbschema
 
         await asyncio.to_thread(dbschema.upgrade, settings.db_url)
     registry = Registry.from_url(settings.db_url)

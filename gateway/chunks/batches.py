@@ -7,8 +7,8 @@ envelope's header before it stores any, then stores them all; a client gone, a t
 bad header leaves nothing in any tier, and a tier failing mid-batch refuses it whole (what it
 stored is removed; a copy on a tier that cannot be reached stays, counted as left).
 ``fetch_prefix`` is the download side, the prefix walk folded in: each chunk is yielded as its
-tier hands it over, with its opening key where asked (``gateway.envelopes.KeyIssue``), up to the
-first that is not stored (or whose key version is destroyed). Framing (``gateway.frames``) and
+tier hands it over, with its opening key where asked (``gateway.chunks.envelopes.KeyIssue``), up to the
+first that is not stored (or whose key version is destroyed). Framing (``gateway.protocol.frames``) and
 HTTP stay in ``gateway.server.data``.
 Design notes: docs/architecture.md, section 5.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from audit.types import Actor
 from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed
-from gateway.envelopes import EnvelopeKey, EnvelopePlane
+from gateway.chunks.envelopes import EnvelopeKey, EnvelopePlane
 from gateway.errors import BadFrame
 from gateway.logs import RateLimitedLogger
 from storage.memory import Reservation

@@ -31,7 +31,7 @@ def alembic_config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    from gateway.statefiles import ensure_private_sqlite
+    from gateway.services.statefiles import ensure_private_sqlite
 
     ensure_private_sqlite(url)  # SQLite would create the database 0644
     from alembic import command

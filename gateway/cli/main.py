@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from audit.checkpointer import Checkpointer
     from audit.signing import AuditSigner
     from audit.writer import AuditWriter
-    from gateway.runtime import Runtime
+    from gateway.services.runtime import Runtime
 
 _T = TypeVar("_T")
 
@@ -80,14 +80,14 @@ def _fail(exc: BaseException) -> typer.Exit:
     """Print the one line for ``exc`` (cause and fix) on stderr; the Exit(2) to raise."""
     from rich.markup import escape
 
-    from gateway.clierrors import explain
+    from gateway.cli.errors import explain
 
     Console(stderr=True).print(f"[red]kvgate:[/red] {escape(explain(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(2)
 
 
 async def _with_runtime(settings: Settings, fn: Callable[[Runtime], Awaitable[_T]]) -> _T:
-    from gateway.runtime import open_runtime
+    from gateway.services.runtime import open_runtime
 
     try:  # Postgres behind the schema: SchemaBehind names `kvgate migrate`; loose modes: chmod
         rt = await open_runtime(settings, auto_migrate=True)
@@ -107,8 +107,8 @@ def migrate(
     downgrade: Annotated[bool, typer.Option(help="downgrade to --revision (default base)")] = False,
 ) -> None:
     """Upgrade (or downgrade) the registry and audit schema."""
-    from gateway import dbschema
-    from gateway.statefiles import InsecureStateFiles, prepare_state
+    from gateway.services import dbschema
+    from gateway.services.statefiles import InsecureStateFiles, prepare_state
 
     settings = _settings()
     try:
@@ -132,7 +132,7 @@ def demo(
     state_dir: Annotated[Optional[Path], typer.Option(help="state directory (default: a fresh temporary one)")] = None,
 ) -> None:
     """Run the whole story on the embedded default: isolation, integrity, secure clear, figures."""
-    from gateway.demo import run_demo
+    from gateway.cli.demo import run_demo
 
     ok = asyncio.run(run_demo(tokens=tokens, layers=layers, kv_heads=kv_heads, head_size=head_size,
                               block_size=block_size, state_dir=state_dir, console=console))
@@ -155,7 +155,7 @@ def bench(
 ) -> None:
     """Store and load throughput through the gateway core beside ceilings measured in the same run,
     and beside LMCache on the same bytes (a peer that fails to run fails the command)."""
-    from gateway.clierrors import require_extra
+    from gateway.cli.errors import require_extra
 
     try:
         require_extra("scipy")  # the bench extra, checked before the bench package is imported
@@ -201,7 +201,7 @@ def serve(
     asyncio.run(_with_runtime(settings, _noop))
     _check_port_free(h, p)
     from gateway.server.gatekeeper import uvicorn_options
-    from gateway.serverinfo import publish_server, unpublish_server
+    from gateway.services.serverinfo import publish_server, unpublish_server
 
     publish_server(settings, h, p)
     # uvicorn re-raises SIGTERM after its graceful shutdown; exit normally instead, so the
@@ -224,7 +224,7 @@ def _serve_with_uds(app: Any, host: str, port: int, path: Path, mode: int, optio
     """uvicorn on host:port and on the Unix socket ``path`` at once (one server, two listeners)."""
     import uvicorn
 
-    from gateway.clierrors import CliError
+    from gateway.cli.errors import CliError
     from gateway.errors import InvalidRequest
     from gateway.server.listen import unix_listener
 
@@ -250,7 +250,7 @@ def doctor() -> None:
     signing key; a table of what is fine and what is not, with the fix. Exit 1 if anything fails."""
     from rich.markup import escape
 
-    from gateway.doctor import FAIL, WARN, run_checks
+    from gateway.cli.doctor import FAIL, WARN, run_checks
 
     checks = asyncio.run(run_checks(load_settings))
     # long URLs and paths fold onto the next line instead of being cut on a narrow terminal
@@ -277,7 +277,7 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as exc:
-            from gateway.clierrors import CliError
+            from gateway.cli.errors import CliError
 
             raise CliError(f"cannot listen on {host}:{port} ({exc.strerror}): another process uses it; pick --port") from None
 
@@ -291,7 +291,7 @@ def token_mint(
 ) -> None:
     """Mint an access token from the development issuer (refused in production)."""
     from gateway.server.app import dev_issuer_for
-    from gateway.serverinfo import published_public_url
+    from gateway.services.serverinfo import published_public_url
 
     settings = _settings()
     url = published_public_url(settings)  # the running `kvgate serve` of this state dir, if any
@@ -348,8 +348,8 @@ def keys_rotate_kek(
     """Rewrap every data key, gateway secret and namespace salt under the configured KEK (resumable;
     chunk envelopes are not touched). Exit 1 if some rows could not be rewrapped: run it again."""
     from crypto.errors import KekError
-    from gateway.dbschema import SchemaBehind
-    from gateway.kekrotate import rotate_from_settings
+    from gateway.services.dbschema import SchemaBehind
+    from gateway.services.kekrotate import rotate_from_settings
 
     settings = _settings()
     try:
@@ -399,7 +399,7 @@ def _parse_time(value: str | None) -> datetime | None:
 async def _audit_parts(settings: Settings) -> AsyncIterator[tuple[AuditWriter, AuditSigner, Checkpointer]]:
     """The audit writer, signer and checkpointer of the CLI's audit commands (no tiers, no core)."""
     from audit import AuditWriter
-    from gateway.auditing import close_signer, make_audit_signer, make_checkpointer
+    from gateway.services.auditing import close_signer, make_audit_signer, make_checkpointer
 
     writer = AuditWriter(settings.db_url, spool_dir=settings.state_dir / "audit-spool")
     await writer.start()

@@ -16,8 +16,8 @@ import logging
 import os
 from typing import Any
 
-from gateway.access import Access
-from gateway.invalidation import Invalidation
+from gateway.services.access import Access
+from gateway.services.invalidation import Invalidation
 from storage.events import RedisEventChannel
 
 __all__ = ["Broadcaster"]
