@@ -1,6 +1,6 @@
 """Alembic environment: one history for the registry (tenancy) and audit tables, run on Postgres
 (asyncpg) and SQLite (aiosqlite) alike. The URL comes from the Config's ``sqlalchemy.url``,
-which ``gateway.dbschema`` sets from the kvgate settings."""
+which ``gateway.services.dbschema`` sets from the kvgate settings."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _run(connection: Connection) -> None:
 
 async def _run_async() -> None:
     url = config.get_main_option("sqlalchemy.url")
-    if url is None:  # gateway.dbschema always sets it
+    if url is None:  # gateway.services.dbschema always sets it
         raise RuntimeError("the Alembic config has no sqlalchemy.url")
     engine = create_async_engine(url)
     try:

@@ -1,6 +1,6 @@
 """A cluster event channel over Redis pub/sub: publish and receive small opaque messages.
 
-The gateway decides what the messages mean (gateway.broadcast); this module only moves bytes, so
+The gateway decides what the messages mean (gateway.services.broadcast); this module only moves bytes, so
 redis-py stays inside ``storage``. A subscriber whose connection drops reconnects with backoff and
 is told (``on_reconnect``) that it may have missed messages.
 

@@ -1,7 +1,7 @@
 """An append-only Redis stream of small opaque records (``XADD``), read back newest first.
 
 The gateway uses it to keep a second copy of the audit log's signed checkpoints outside the
-audit database (gateway.auditing); this module only moves bytes, so redis-py stays inside
+audit database (gateway.services.auditing); this module only moves bytes, so redis-py stays inside
 ``storage``. Errors become :class:`StreamUnavailable`.
 """
 

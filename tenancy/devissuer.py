@@ -10,7 +10,7 @@ returns the discovery document and JWKS that the gateway server serves in develo
 go through exactly the verification path production tokens do.
 
 It refuses to exist in production: ``DevIssuer(..., production=True)`` raises ``DevIssuerError``.
-``kvgate token mint --tenant T --roles R...`` (in ``gateway.cli``) is a thin wrapper over
+``kvgate token mint --tenant T --roles R...`` (in ``gateway.cli.main``) is a thin wrapper over
 ``DevIssuer.mint``.
 """
 

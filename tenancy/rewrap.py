@@ -1,7 +1,7 @@
 """Registry queries for a KEK rotation: every wrapped data key, gateway secret and namespace
 salt, read in batches and rewrapped with conditional UPDATEs (a row changed meanwhile, a key
 destroyed during the rotation say, is left alone). SQLAlchemy stays in the packages that own
-tables; ``gateway.kekrotate`` drives the rotation."""
+tables; ``gateway.services.kekrotate`` drives the rotation."""
 
 from __future__ import annotations
 
