@@ -48,11 +48,13 @@ def _bindable(port: int) -> bool:
 
 
 def _free_ports(n: int) -> list[int]:
-    """Ports below 55536 whose cluster bus port (+10000) is free too (redis-server's rule)."""
+    """Free ports whose cluster bus port (+10000) is free too (redis-server's rule), both below
+    the kernel's ephemeral range (32768 and up on Linux), where an outgoing connection of the
+    same test run could take one between this check and redis-server's bind."""
     rng = random.Random()
     found: list[int] = []
     while len(found) < n:
-        port = rng.randrange(20000, 45000)
+        port = rng.randrange(12000, 22700)
         if port not in found and port + 10000 not in found and _bindable(port) and _bindable(port + 10000):
             found.append(port)
     return found
@@ -153,13 +155,20 @@ def start_cluster(node_timeout_ms: int = NODE_TIMEOUT_MS) -> Cluster:
     """Six nodes, three masters with one replica each, cluster_state:ok on every node."""
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         raise FileNotFoundError("redis-server and redis-cli are needed for a test cluster")
-    cluster = Cluster(_free_ports(6), Path(tempfile.mkdtemp(prefix="kvgate-cluster-")),
-                      node_timeout_ms=node_timeout_ms)
-    try:
+    for attempt in range(3):  # a port taken between the check and the bind: start again elsewhere
+        cluster = Cluster(_free_ports(6), Path(tempfile.mkdtemp(prefix="kvgate-cluster-")),
+                          node_timeout_ms=node_timeout_ms)
         for port in cluster.ports:
             cluster._start(port)
-        for port in cluster.ports:
-            _wait_ping(port)
+        try:
+            for port in cluster.ports:
+                _wait_ping(port)
+            break
+        except RuntimeError:
+            cluster.stop()
+            if attempt == 2:
+                raise
+    try:
         out = subprocess.run(
             ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in cluster.ports),
              "--cluster-replicas", "1", "--cluster-yes"], capture_output=True, text=True, timeout=60, check=False)
