@@ -21,7 +21,9 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.getcwd())
 
@@ -29,12 +31,21 @@ from tests.support.server_fixture import fake_envelope, random_hash, running_ser
 
 
 def _raw(port: int, data: bytes, wait: float = 3.0) -> str:
+    """Send ``data`` on a fresh connection; the status line that comes back (or what happened)."""
     s = socket.create_connection(("127.0.0.1", port), timeout=wait)
     t0 = time.monotonic()
     try:
-        s.sendall(data)
-        got = s.recv(200)
-        return (got.split(b"\r\n", 1)[0].decode(errors="replace") or "closed") + f" after {time.monotonic() - t0:.1f} s"
+        try:
+            s.sendall(data)
+        except OSError as exc:
+            return f"{type(exc).__name__} while sending after {time.monotonic() - t0:.1f} s"
+        got = b""
+        while b"\r\n" not in got:
+            part = s.recv(4096)
+            if not part:
+                break
+            got += part
+        return (got.split(b"\r\n", 1)[0].decode(errors="replace") or "closed, no answer") + f" after {time.monotonic() - t0:.1f} s"
     except TimeoutError:
         return f"no answer within {wait:.0f} s"
     except OSError as exc:
@@ -111,17 +122,21 @@ async def probes(live) -> list[tuple[str, str, str]]:
     return out
 
 
-def main() -> None:
+def report(probes: Callable[[Any], Awaitable[list[tuple[str, str, str]]]]) -> None:
+    """Run ``probes`` against a fresh live server of this tree and print what each request got."""
     old = os.umask(0o022)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            state = Path(tmp) / "state"
-            with running_server(state) as live:
+            with running_server(Path(tmp) / "state") as live:
                 rows = asyncio.run(probes(live))
     finally:
         os.umask(old)
     for point, sent, got in rows:
         print(f"[{point}] {sent}\n      -> {got}")
+
+
+def main() -> None:
+    report(probes)
 
 
 if __name__ == "__main__":

@@ -11,43 +11,16 @@ before the change and after, and compare.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import socket
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, os.getcwd())
 
-from tests.support.server_fixture import fake_envelope, random_hash, running_server
+from hardening_probe import _raw, report
 
-
-def _raw(port: int, data: bytes, wait: float = 5.0) -> str:
-    """Send ``data`` on a fresh connection; the status line that comes back (or what happened)."""
-    s = socket.create_connection(("127.0.0.1", port), timeout=wait)
-    t0 = time.monotonic()
-    try:
-        try:
-            s.sendall(data)
-        except OSError as exc:
-            return f"{type(exc).__name__} while sending after {time.monotonic() - t0:.1f} s"
-        got = b""
-        while b"\r\n" not in got:
-            part = s.recv(4096)
-            if not part:
-                break
-            got += part
-        return (got.split(b"\r\n", 1)[0].decode(errors="replace") or "closed, no answer") + f" after {time.monotonic() - t0:.1f} s"
-    except TimeoutError:
-        return f"no answer within {wait:.0f} s"
-    except OSError as exc:
-        return f"{type(exc).__name__} after {time.monotonic() - t0:.1f} s"
-    finally:
-        s.close()
+from tests.support.server_fixture import fake_envelope, random_hash
 
 
 async def _status(coro) -> str:
@@ -115,15 +88,7 @@ async def probes(live) -> list[tuple[str, str, str]]:
 
 
 def main() -> None:
-    old = os.umask(0o022)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            with running_server(Path(tmp) / "state") as live:
-                rows = asyncio.run(probes(live))
-    finally:
-        os.umask(old)
-    for point, sent, got in rows:
-        print(f"[{point}] {sent}\n      -> {got}")
+    report(probes)
 
 
 if __name__ == "__main__":
