@@ -22,7 +22,6 @@ import json
 import logging
 import ssl
 import time
-import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,11 +38,12 @@ from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Rese
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
 from gateway.protocol import frames
 from gateway.remote.shm import RegionCache, ShmRegion, Window, attach
+from gateway.remote.status import check, error_for
 from gateway.remote.wire import Exchange, RemoteUnavailable, WirePool, receive_buffers
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from tenancy.capabilities import read_unverified
 
-__all__ = ["RemoteGateway", "RemoteUnavailable", "http_client"]
+__all__ = ["Connections", "RemoteGateway", "RemoteUnavailable", "http_client"]
 
 _MARGIN_S = 15.0  # renew a capability this long before it expires
 _SHM_RETRY_S = 30.0  # after a region was refused, ask again this much later
@@ -56,9 +56,6 @@ _BATCH_ITEMS = 1024  # ... or this many envelopes (the server takes up to max_ba
 _FETCH_ITEMS = 4096  # hashes per streamed fetch (the server's bound)
 _MAX_ENVELOPE = 1 << 32  # a response item larger than this is a broken frame, not an allocation
 _BATCH_MEDIA = "application/octet-stream"
-# the data plane's connection pools (gateway.remote.wire) of a shared httpx client, per base URL: the
-# vLLM backend shares one client between the RemoteGateways of many capabilities
-_SHARED_POOLS: weakref.WeakKeyDictionary[httpx.AsyncClient, dict[str, WirePool]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(slots=True)
@@ -76,15 +73,44 @@ def http_client(timeout_s: float, *, ssl_context: ssl.SSLContext | None = None, 
     return httpx.AsyncClient(timeout=timeout_s, limits=limits, verify=verify, transport=transport)
 
 
+class Connections:
+    """A worker's connections to one kvgate server: the httpx client of its control calls
+    (``http``) and the data plane's connection pool (``wire``, ``gateway.remote.wire``). Whoever
+    makes it closes it (``aclose``); the ``RemoteGateway``s it is handed to share it and leave it
+    open (the vLLM backend shares one between the clients of many capabilities). ``http``: an
+    httpx client of the caller's (closed with this object) instead of ``http_client``'s."""
+
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 30.0, ssl_context: ssl.SSLContext | None = None,
+        uds: str | None = None, http: httpx.AsyncClient | None = None,
+    ) -> None:
+        if uds is not None and not uds:
+            raise InvalidRequest("uds must be the path of the server's Unix socket (or None)")
+        self.base_url = base_url.rstrip("/")
+        self.uds = uds
+        self.http = http or http_client(timeout_s, ssl_context=ssl_context, uds=uds)
+        self.wire = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        self.wire.close()
+        await self.http.aclose()
+
+
 class RemoteGateway:
-    """A worker's client of a kvgate server. ``http`` may be shared (then it is not closed here)."""
+    """A worker's client of a kvgate server. ``connections`` may be shared (then it is not closed here)."""
 
     def __init__(
         self,
         base_url: str,
         bearer_token: str,
         *,
-        http: httpx.AsyncClient | None = None,
+        connections: Connections | None = None,
         namespace: str = "default",
         chunk_tokens: int = 256,
         ops: Sequence[str] = ("lookup", "get", "put"),
@@ -101,8 +127,9 @@ class RemoteGateway:
     ) -> None:
         """``uds``: reach the server through its Unix socket at that path (a server on this host,
         ``kvgate serve --uds``), every call: the control calls over httpx and the data plane
-        alike; ``base_url`` still names it. A shared ``http`` client must already be one that
-        goes there (``RemoteBackend`` builds it so). ``store_nice``: the nice value of the threads
+        alike; ``base_url`` still names it. Shared ``connections`` must already go there
+        (``RemoteBackend`` builds them so); without them the client makes and closes its own.
+        ``store_nice``: the nice value of the threads
         that seal stores (``gateway.datapath.path``). ``shm_bytes`` (with ``uds``): the size of
         the shared-memory region loads borrow (0: none; the module docstring says how); clients of
         one process share their regions (one per tenant) through ``shm_cache``."""
@@ -118,18 +145,10 @@ class RemoteGateway:
         self.ops = sorted(set(ops))
         self.capability_ttl = capability_ttl
         self._bearer = bearer_token
-        self._own_http = http is None
-        self._http = http or http_client(30.0, ssl_context=ssl_context, uds=uds)
-        # the data plane's own client (gateway.remote.wire says why): the same timeout as the httpx client
-        timeout_s = self._http.timeout.read or 30.0
-        if self._own_http:
-            self._wire = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
-        else:
-            pools = _SHARED_POOLS.setdefault(self._http, {})
-            where = f"{self.base_url} {uds or ''}"
-            if where not in pools:
-                pools[where] = WirePool(self.base_url, timeout_s=timeout_s, connections=_CONNECTIONS, ssl_context=ssl_context, uds=uds)
-            self._wire = pools[where]
+        self._own_connections = connections is None
+        self._connections = connections or Connections(self.base_url, ssl_context=ssl_context, uds=uds)
+        self._http = self._connections.http
+        self._wire = self._connections.wire
         self._plane = DataPlane(
             DataPath(
                 ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes,
@@ -153,9 +172,8 @@ class RemoteGateway:
             task.cancel()
         self._forget()
         self._plane.datapath.close()
-        if self._own_http:
-            self._wire.close()
-            await self._http.aclose()
+        if self._own_connections:
+            await self._connections.aclose()
 
     # -- HTTP --------------------------------------------------------------------------------
     async def _send(self, method: str, path: str, *, cap: bool = True, **kw: Any) -> httpx.Response:
@@ -166,12 +184,7 @@ class RemoteGateway:
             r = await self._http.request(method, self.base_url + path, headers=headers, **kw)
         except httpx.HTTPError as exc:
             raise RemoteUnavailable(f"{method} {path}: {type(exc).__name__}") from None
-        if r.status_code in (401, 403):
-            raise AccessDenied(f"{method} {path}: {r.status_code}")
-        if r.status_code in (413, 422):
-            raise InvalidRequest(f"{method} {path}: {r.status_code} {r.text[:200]}")
-        if r.status_code == 429 or r.status_code >= 500:
-            raise RemoteUnavailable(f"{method} {path}: {r.status_code}")
+        check(r.status_code, f"{method} {path}", r.text)
         return r
 
     async def _retrying(self, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -190,22 +203,20 @@ class RemoteGateway:
     ) -> Any:
         """``fn(exchange, headers, *args)`` on the data plane's own client (``gateway.remote.wire``), in one
         of its threads: ``fn`` starts the request and reads the answer, returning ``(status,
-        result)``. A 2xx is ``result``; the errors ``_send`` raises otherwise, after one retry with
-        a fresh capability on a 401/403 (revoked by a clear, or its key budget spent) where
-        ``retry`` (never for an upload: its envelopes were sealed for the revoked scope)."""
+        result)``. A 2xx is ``result``; otherwise the error of ``gateway.remote.status``'s table,
+        after one retry with a fresh capability on an ``AccessDenied`` (revoked by a clear, or its
+        key budget spent) where ``retry`` (never for an upload: its envelopes were sealed for the
+        revoked scope)."""
         for attempt in (0, 1) if retry else (1,):
             headers = self._data_headers(await self.capability(), _BATCH_MEDIA if method == "PUT" else "application/json")
             status, result = await self._wire.run(fn, headers, *args)
-            if 200 <= status < 300:
+            error = error_for(status, f"{method} {path}", str(result))
+            if error is None:
                 return result
-            if status in (401, 403):
-                if attempt == 0:
-                    self._forget()
-                    continue
-                raise AccessDenied(f"{method} {path}: {status}")
-            if status in (400, 413, 422):
-                raise InvalidRequest(f"{method} {path}: {status} {str(result)[:200]}")
-            raise RemoteUnavailable(f"{method} {path}: {status}")
+            if isinstance(error, AccessDenied) and attempt == 0:
+                self._forget()
+                continue
+            raise error
         raise AssertionError("unreachable")
 
     def _forget(self) -> None:

@@ -6,7 +6,7 @@
                       its threads and wants plain return values, so an operation is submitted
                       with ``call`` and waited for with a timeout, or with ``submit`` (stores)
                       and not waited for: its future ends, with the same timeout, on the loop
-    EmbeddedBackend   open_runtime(Settings(**kvgate_settings)): registry, KEK, tiers, audit
+    EmbeddedBackend   open_embedded(Settings(**kvgate_settings)): registry, KEK, tiers, audit
     RemoteBackend     a RemoteGateway per capability (``remote_url``, a service bearer token)
     backend_for       the process's backend for a ``ConnectorConfig``, shared by every connector
                       of the process with that configuration (a single-process engine's two
@@ -165,9 +165,9 @@ class EmbeddedBackend:
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
-        from gateway.services.runtime import open_runtime
+        from gateway.services.runtime import open_embedded
 
-        self.runtime = await open_runtime(self.settings, auto_migrate=True)
+        self.runtime = await open_embedded(self.settings, auto_migrate=True)
 
     async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult:
         result: LookupResult = await self.runtime.gateway.lookup(cap, model, tokens)
@@ -228,13 +228,13 @@ class RemoteBackend:
         self._shm: Any = None  # the regions every client of this worker shares (gateway.remote.shm)
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
-        self._http: Any = None
+        self._connections: Any = None  # the httpx client and data-plane pool every client shares
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
-        from gateway.remote.client import http_client
+        from gateway.remote.client import Connections
 
-        self._http = http_client(self.loop.timeout_s, uds=self.uds)
+        self._connections = Connections(self.url, timeout_s=self.loop.timeout_s, uds=self.uds)
 
     def _client(self, cap: str) -> Any:
         from gateway.remote.client import RemoteGateway
@@ -254,7 +254,7 @@ class RemoteBackend:
 
             self._shm = RegionCache(self.shm_bytes)
         client = _Fixed(
-            self.url, self._token, http=self._http, namespace=read_unverified(cap).namespace,
+            self.url, self._token, connections=self._connections, namespace=read_unverified(cap).namespace,
             chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice, shm_bytes=self.shm_bytes,
             shm_cache=self._shm,
         )
@@ -291,8 +291,8 @@ class RemoteBackend:
 
     async def aclose(self) -> None:
         self._clients.clear()
-        if self._http is not None:
-            await self._http.aclose()
+        if self._connections is not None:
+            await self._connections.aclose()
 
 
 # -- one backend per configuration and process ------------------------------------------------

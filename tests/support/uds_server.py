@@ -1,5 +1,5 @@
 """A real ``kvgate serve --uds`` in its own process, for the tests of remote mode through the
-server's Unix socket (``tests/gateway/test_uds.py``, ``test_shm.py``, ``tests/engine/test_remote_shm.py``).
+server's Unix socket (``tests/gateway/remote/test_uds.py``, ``test_shm.py``, ``tests/engine/test_remote_shm.py``).
 
 The workers' base URL (``NOWHERE``) names a host nothing listens on, so every call of theirs that
 works went through the socket. The server runs with the memory tier and shared memory on (1 GiB),

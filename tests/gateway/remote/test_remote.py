@@ -16,7 +16,7 @@ from crypto.envelope import ChunkCipher, EnvelopeContext, IssuedKey, read_header
 from crypto.errors import DecryptionFailed
 from gateway.errors import AccessDenied, BadFrame, InvalidRequest
 from gateway.protocol import frames
-from gateway.remote.client import RemoteGateway, RemoteUnavailable
+from gateway.remote.client import Connections, RemoteGateway, RemoteUnavailable
 from tenancy.capabilities import read_unverified
 from tests.support import server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -377,8 +377,9 @@ async def test_a_prefix_moves_in_batched_requests(live_server: LiveServer, monke
     src = random_cache(g, NUM_BLOCKS, seed=11)
     tokens = list(range(100, 100 + SIX))
     log: list[str] = []
-    async with httpx.AsyncClient(timeout=30, event_hooks={"request": [_requests(log)]}) as http:
-        async with _remote(live, a, http=http) as ra:
+    http = httpx.AsyncClient(timeout=30, event_hooks={"request": [_requests(log)]})
+    async with Connections(live.base_url, http=http) as connections:
+        async with _remote(live, a, connections=connections) as ra:
             wire = ra._wire.requests  # the data plane's own client (gateway.remote.wire)
             assert (await ra.store(model, tokens, src, block_ids=BLOCKS6, skip_existing=False)).stored == 6
             assert [r for r in log if "/chunks" in r] == []
@@ -879,7 +880,7 @@ async def test_remote_mode_over_https_with_the_servers_certificate_checked(live_
     import ssl
     from urllib.parse import urlsplit
 
-    from tests.gateway.test_wire import _certificate
+    from tests.gateway.remote.test_wire import _certificate
 
     cert, key = _certificate(tmp_path)
     server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
