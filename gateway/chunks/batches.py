@@ -16,7 +16,6 @@ Design notes: docs/architecture.md, section 5.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 
@@ -26,10 +25,11 @@ from audit.types import Actor
 from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed
 from gateway.chunks.envelopes import EnvelopeKey, EnvelopePlane
+from gateway.chunks.service import ChunkStats, FetchFailed, NamespaceChunks
 from gateway.errors import BadFrame
 from gateway.logs import RateLimitedLogger
 from storage.memory import Reservation
-from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, failure_reason
+from storage.types import StoredChunk, TierError, failure_reason
 
 __all__ = ["PrefixItem", "UploadBatch", "fetch_prefix", "open_upload"]
 
@@ -40,22 +40,15 @@ _degraded_log = RateLimitedLogger(log)  # an outage degrades every fetch: one li
 class UploadBatch:
     """The buffers of one upload batch (``views``, in index order), all stored or none."""
 
-    def __init__(self, plane: EnvelopePlane, keys: Sequence[ChunkKey], sizes: Sequence[int]) -> None:
-        self._plane = plane
-        self._keys = list(keys)
+    def __init__(self, opened: NamespaceChunks, sizes: Sequence[int]) -> None:
+        self._opened = opened
         self._slots: list[Reservation | None] = []
         self.sizes = list(sizes)
         self.views: list[memoryview] = []  # a committed extent's view is released by the tier
         self._done = False
-        tiers = plane.tiers
         try:
-            for key, n in zip(keys, sizes):
-                slot: Reservation | None = None
-                if tiers.can_reserve:
-                    try:
-                        slot = tiers.reserve(key, n)
-                    except (TierError, TypeError, ValueError):  # no room (or pinned out): a buffer
-                        slot = None
+            for i, n in enumerate(self.sizes):
+                slot = opened.reserve(i, n)  # None where there is no room: a buffer of its own
                 self._slots.append(slot)
                 self.views.append(slot.view if slot is not None else np.empty(n, dtype=np.uint8).data.cast("B"))
         except BaseException:
@@ -76,39 +69,29 @@ class UploadBatch:
                 self.abort()
                 raise BadFrame(f"item {k}: the envelope length does not match its header")
         self._done = True
-        tiers = self._plane.tiers
+        opened = self._opened
         written: list[list[str]] = []
         try:
-            for k, (key, slot, view) in enumerate(zip(self._keys, self._slots, self.views)):
+            for k, (slot, view) in enumerate(zip(self._slots, self.views)):
                 if slot is not None:
                     self._slots[k] = None
-                    got = [tiers.names[0]] if await tiers.commit(slot) else []  # slower tiers: written behind it
+                    got = await opened.commit(slot)
                 else:
-                    got = await tiers.put(key, view.toreadonly())
+                    got = await opened.put(k, view.toreadonly())
                 written.append(got)
         except TierError:
             # no tier took envelope k: the batch is refused whole, so what it stored is removed
             # (and envelope k, whose write may have landed before the tier failed)
-            await self._roll_back(len(written) + 1)
+            upto = len(written) + 1
+            if left := await opened.roll_back(range(upto)):
+                log.warning("a refused batch left %d of its %d envelopes in a tier that could not be reached", left, upto)
             raise
         finally:
             self._release()
-        stats = self._plane.stats
         for got, n in zip(written, self.sizes):
             if got:
-                stats["chunks_stored"] += 1
-                stats["bytes_in"] += n
+                opened.counts.stored(1, n)
         return written
-
-    async def _roll_back(self, upto: int) -> None:
-        """Remove the batch's first ``upto`` envelopes from every tier, best effort: one on a tier
-        that cannot be reached now stays (whole, and only its writer's namespace can load it)."""
-        stats = self._plane.stats
-        left = await self._plane.tiers.delete_many(self._keys[:upto])
-        stats["store_rollback_removed"] += upto - len(left)
-        stats["store_rollback_left"] += len(left)
-        if left:
-            log.warning("a refused batch left %d of its %d envelopes in a tier that could not be reached", len(left), upto)
 
     def abort(self) -> None:
         """Give every reserved extent back; nothing of the batch is stored."""
@@ -119,17 +102,17 @@ class UploadBatch:
         for k, slot in enumerate(self._slots):
             if slot is not None:
                 self._slots[k] = None
-                self._plane.tiers.abort(slot)
+                self._opened.abort(slot)
 
 
 async def open_upload(plane: EnvelopePlane, token: str, items: Sequence[tuple[bytes, int]]) -> UploadBatch:
     """An upload batch of ``(chained hash, envelope length)`` items, after the capability was
     checked for op ``put`` on every hash (AccessDenied: nothing read, nothing reserved)."""
-    _cap, keys = await plane.keys_for(token, "put", [h.hex() for h, _n in items])
+    opened = await plane.opened(token, "put", [h.hex() for h, _n in items])
     for _h, n in items:
         if n > plane.max_chunk_bytes:
             raise BadFrame("an envelope is larger than the configured limit")
-    return UploadBatch(plane, keys, [n for _h, n in items])
+    return UploadBatch(opened, [n for _h, n in items])
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,53 +135,52 @@ async def fetch_prefix(
     """The stored prefix of ``hashes``, chunk by chunk as each tier hands it over; the capability
     is checked for op ``get`` on every hash (and, with ``keys``, the key budget charged) before
     the first is read."""
-    cap, chunk_keys = await plane.keys_for(token, "get", hashes)
-    issue = await plane.begin_issue(cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch") if keys else None
-    stats = plane.stats
+    opened = await plane.opened(token, "get", hashes)
+    issue = None
+    if keys:
+        issue = await plane.begin_issue(opened.cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch", ns=opened.ns)
+    counts = opened.counts
     passed_over: list[TierError] = []  # faster tiers that failed before a slower one served
     try:
-        for h, key in zip(hashes, chunk_keys):
+        for i, h in enumerate(hashes):
             chained = bytes.fromhex(h)
             try:
-                found, failed = await plane.tiers.get_checked(key)
-            except ChunkNotFound as exc:
-                yield _ended(stats, chained, failure_reason(exc.tier_errors) or "missing")
+                got = await opened.fetch(i)
+            except FetchFailed as exc:
+                yield _ended(counts, chained, exc.reason)
                 return
-            except TierError as exc:
-                yield _ended(stats, chained, failure_reason([exc]))
-                return
-            passed_over += failed
+            found = got.chunk
+            passed_over += got.passed_over
             opening: EnvelopeKey | None = None
             if issue is not None:
                 try:
                     header = read_header(found.data)
                 except DecryptionFailed:  # handed over keyless: it fails to open, and ends the walk
-                    _count_out(stats, found)
+                    _count_out(counts, found)
                     yield PrefixItem(chained, found, "unkeyed")
                     return
                 opening = await issue.open(h, chained, header.key_version, header.salt)
                 if opening.key is None:  # its key version is destroyed: a miss, the end of the prefix
-                    yield _ended(stats, chained, "key_unavailable")
+                    yield _ended(counts, chained, "key_unavailable")
                     return
-            _count_out(stats, found)
+            _count_out(counts, found)
             yield PrefixItem(chained, found, key=opening)
     finally:
         if issue is not None:
             issue.close()  # one key.issue event per fetch, with the keys that were issued
         degraded = failure_reason(passed_over)
         if degraded:
-            stats[f"load_degraded_{degraded}"] += 1
+            counts.load_degraded(degraded)
             _degraded_log.warning("a fetch was served by a slower tier because a faster one failed: %s", degraded)
 
 
-def _ended(stats: Counter[str], chained: bytes, reason: str) -> PrefixItem:
-    """The item that ends a walk, counted as a load that ended early (``missing`` is a ``miss``)."""
-    stats["load_misses"] += 1
-    stats["load_failed_" + ("miss" if reason == "missing" else reason)] += 1
-    return PrefixItem(chained, None, reason)
+def _ended(counts: ChunkStats, chained: bytes, reason: str) -> PrefixItem:
+    """The item that ends a walk (``reason`` as ``FetchFailed``'s, or ``key_unavailable``; a miss
+    is ``missing`` in the item), counted as a load that ended early."""
+    counts.load_ended(reason)
+    return PrefixItem(chained, None, "missing" if reason == "miss" else reason)
 
 
-def _count_out(stats: Counter[str], found: StoredChunk) -> None:
-    stats["load_hits"] += 1
-    stats["chunks_loaded"] += 1
-    stats["bytes_out"] += found.nbytes
+def _count_out(counts: ChunkStats, found: StoredChunk) -> None:
+    counts.load_hit()
+    counts.loaded(1, found.nbytes)

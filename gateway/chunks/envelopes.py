@@ -26,14 +26,13 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import SALT_BYTES, read_header
 from crypto.errors import DecryptionFailed, KeyUnavailable
 from crypto.segments import derive_segment_key
-from gateway.chunks.service import ChunkService
-from gateway.datapath.stores import prefix_hits
+from gateway.chunks.service import ChunkService, FetchFailed, NamespaceChunks
 from gateway.errors import ChunkMissing, InvalidRequest, KeyBudgetSpent
 from gateway.services.access import Access
 from gateway.services.namespaces import NamespaceResolver
 from gateway.services.pins import Pins
 from storage.manager import TierManager
-from storage.types import ChunkKey, ChunkNotFound, StoredChunk, failure_reason
+from storage.types import ChunkKey, StoredChunk
 from tenancy.errors import DependencyUnavailable
 from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
@@ -110,34 +109,36 @@ class EnvelopePlane:
         self._salt_source = salt_source
         self._issued: dict[str, tuple[int, float]] = {}  # capability id -> (keys issued, expires at)
 
-    async def _authorized(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
+    async def opened(self, token: str, op: str, hashes: Sequence[str]) -> NamespaceChunks:
+        """The hashes (64 lowercase hex characters each) in the namespace of ``token``, verified
+        for ``op`` on every one (its chunk allowlist included): the chunk service's session."""
         chained = [parse_hash(h) for h in hashes]
-        cap = self.chunks.authorize(token, op, hashes)
-        return cap, (await self.chunks.open(cap, chained)).keys
+        return await self.chunks.session(token, op, chained)
+
+    async def _authorized(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
+        opened = await self.opened(token, op, hashes)
+        return opened.cap, opened.keys
 
     async def keys_for(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
-        """The capability verified for ``op`` on every hash (its chunk allowlist included) and
-        the hashes' storage keys in its namespace (the batched routes, ``gateway.chunks.batches``)."""
+        """The capability verified for ``op`` on every hash and the hashes' storage keys in its
+        namespace."""
         return await self._authorized(token, op, hashes)
 
     async def lookup(self, token: str, hashes: Sequence[str]) -> LookupAnswer:
         """Prefix walk over chained hashes: how many leading chunks are stored, and where."""
         if not hashes:
             raise InvalidRequest("hashes must not be empty")
-        _cap, keys = await self._authorized(token, "lookup", hashes)
-        where, errors = await self.tiers.locate_many(keys)  # one batched check per tier, not per chunk
-        hits = prefix_hits([bool(w) for w in where])
-        degraded = failure_reason(errors) if hits < len(keys) else ""  # a tier that could not answer may hold the rest
-        if degraded:
-            self.stats[f"lookup_degraded_{degraded}"] += 1
-        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
-        return LookupAnswer(hits, where[:hits])
+        opened = await self.opened(token, "lookup", hashes)
+        found = await opened.locate(where=True)  # one batched check per tier, not per chunk
+        hits = found.hits
+        self.chunks.counts.lookup(hits, found.degraded)
+        return LookupAnswer(hits, found.locations[:hits])
 
     async def put(self, token: str, chunk_hash: str, envelope: memoryview) -> list[str]:
         """Store an envelope the worker sealed; returns the tiers that took it. Only its header is
         checked here (the server holds no plaintext and does not need to decrypt); a bad envelope
         fails authentication at load."""
-        _cap, (key,) = await self._authorized(token, "put", [chunk_hash])
+        opened = await self.opened(token, "put", [chunk_hash])
         if envelope.nbytes > self.max_chunk_bytes:
             raise InvalidRequest("envelope larger than the configured limit")
         try:
@@ -146,21 +147,19 @@ class EnvelopePlane:
             raise InvalidRequest("not a kvgate envelope") from None
         if header.envelope_length != envelope.nbytes:
             raise InvalidRequest("envelope length does not match its header")
-        written = await self.tiers.put(key, envelope)
-        self.stats["chunks_stored"] += 1
-        self.stats["bytes_in"] += envelope.nbytes
+        written = await opened.put(0, envelope)
+        self.chunks.counts.stored(1, envelope.nbytes)
         return written
 
     async def get(self, token: str, chunk_hash: str) -> StoredChunk:
-        _cap, (key,) = await self._authorized(token, "get", [chunk_hash])
+        opened = await self.opened(token, "get", [chunk_hash])
         try:
-            found = await self.tiers.get(key)
-        except ChunkNotFound:
-            self.stats["load_misses"] += 1
+            found = (await opened.fetch(0)).chunk
+        except FetchFailed as exc:
+            self.chunks.counts.load_ended(exc.reason)
             raise ChunkMissing("not found") from None
-        self.stats["load_hits"] += 1
-        self.stats["chunks_loaded"] += 1
-        self.stats["bytes_out"] += found.nbytes
+        self.chunks.counts.load_hit()
+        self.chunks.counts.loaded(1, found.nbytes)
         return found
 
     async def head(self, token: str, chunk_hash: str) -> list[str]:
@@ -176,8 +175,8 @@ class EnvelopePlane:
         """A worker's report that an envelope it loaded under this capability (op ``get``) failed
         authentication: audited as ``integrity.failure``, and the stored copy dropped where it is
         the envelope of that digest (never a good copy stored since); whether one was dropped."""
-        cap, (key,) = await self._authorized(token, "get", [chunk_hash])
-        return await self.chunks.integrity_failure(cap, key, actor=actor, envelope_sha256=envelope_sha256)
+        opened = await self.opened(token, "get", [chunk_hash])
+        return await opened.integrity_failure(0, actor=actor, envelope_sha256=envelope_sha256)
 
     async def delete(self, token: str, chunk_hash: str) -> None:
         """Remove one chunk of the capability's namespace (an explicit eviction by its writer)."""
@@ -214,17 +213,19 @@ class EnvelopePlane:
 
     async def begin_issue(
         self, cap: Capability, purpose: Literal["seal", "open"], n: int, *, actor: Actor | None = None,
-        route: str = "/v1/keys/envelopes",
+        route: str = "/v1/keys/envelopes", ns: NamespaceKeys | None = None,
     ) -> KeyIssue:
         """Start issuing up to ``n`` keys under a verified capability: its namespace keys are
-        resolved and ``n`` keys charged against its budget (``KeyBudgetSpent``, counted as a
-        denial and audited, where that would pass the bound). The caller closes the issue."""
-        ns = await self.chunks.namespace(cap)
+        resolved (unless given) and ``n`` keys charged against its budget (``KeyBudgetSpent``,
+        counted as a denial and audited, where that would pass the bound). The caller closes the
+        issue."""
+        if ns is None:
+            ns = await self.chunks.namespace(cap)
         who = actor or Actor(tenant=cap.tenant, token_id=cap.cap_id)
         try:
             total = self._charge(cap, n)
         except KeyBudgetSpent:
-            self.stats["denials"] += 1
+            self.chunks.counts.denied()
             self.audit.emit(
                 AuditEvent(
                     Actions.KEY_ISSUE, outcome="denied", actor=who,
@@ -257,7 +258,7 @@ class EnvelopePlane:
         if any(len(salt) != SALT_BYTES for _v, salt in refs):
             raise InvalidRequest(f"a salt is {SALT_BYTES} bytes")
         chained = [parse_hash(h) for h in hashes]
-        cap = self.access.authorize(token, "put" if purpose == "seal" else "get", chunks=list(hashes))
+        cap = self.chunks.authorize(token, "put" if purpose == "seal" else "get", hashes)
         issue = await self.begin_issue(cap, purpose, len(hashes), actor=actor)
         try:
             if purpose == "seal":
@@ -282,8 +283,8 @@ class EnvelopePlane:
 class KeyIssue:
     """The envelope keys of one request under one capability (``EnvelopePlane.begin_issue``):
     charged against the capability's budget up front, derived one envelope at a time, and closed
-    once. ``close`` refunds what was charged and not issued, counts what was (``stats``:
-    ``envelope_keys_issued`` and ``envelope_keys_issued_<purpose>``) and audits one ``key.issue``
+    once. ``close`` refunds what was charged and not issued, counts what was
+    (``ChunkStats.keys_issued``) and audits one ``key.issue``
     event with the count; ``cancel`` (nothing left the server) refunds it all and audits nothing.
 
     ``POST /v1/keys/envelopes`` issues a list of keys in one; ``POST /v1/chunks/fetch`` with keys
@@ -356,8 +357,7 @@ class KeyIssue:
         self._done = True
         plane, cap, issued = self._plane, self.cap, self.issued
         plane._refund(cap, self._charged - issued)
-        plane.stats["envelope_keys_issued"] += issued
-        plane.stats[f"envelope_keys_issued_{self.purpose}"] += issued
+        plane.chunks.counts.keys_issued(self.purpose, issued)
         plane.audit.emit(
             AuditEvent(
                 Actions.KEY_ISSUE,

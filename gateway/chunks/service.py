@@ -1,17 +1,18 @@
-"""``ChunkService``: authorize, namespace, storage keys, tiers, integrity handling, audit; once,
+"""``ChunkService``: authorize, namespace, storage keys, tiers, integrity handling, counters; once,
 for the embedded data plane (``gateway.datapath.stores.TierStore``) and the server's chunk
 routes (``gateway.chunks.envelopes``, ``gateway.chunks.batches``) alike.
 
-Every way a request can fail before it reaches a tier has one answer in both modes: a capability
-refused is ``AccessDenied`` (audited by ``gateway.services.access``); an unknown or disabled tenant is
-``AccessDenied`` too, counted as a denial; a KEK that cannot unwrap the namespace now is
-``KeysUnavailable`` (a miss in process, a 503 from the server); a database that does not answer
-is ``DependencyUnavailable``. Tier errors are classified by ``storage.types.failure_reason``.
+``session`` (or ``open`` for a verified capability) hands out a ``NamespaceChunks``: one request's
+chunks in one namespace, with the one prefix walk (``locate``), the one fetch that names why a
+chunk could not be had (``fetch``: ``miss``, ``tier_timeout``, ``tier_unavailable``), the one
+store path (``reserve``/``commit``/``abort``/``put``, ``roll_back``) and integrity handling.
 
-``integrity_failure`` handles a stored envelope that failed authentication on the worker: an
-``integrity.failure`` audit event and every copy dropped, under the capability that loaded it
-(op ``get``). A reporter that names the envelope's digest drops only that copy, never a good one
-stored since.
+Every way a request fails before a tier has one answer in both modes: a capability refused or an
+unknown or disabled tenant is ``AccessDenied`` (counted as a denial); a KEK that cannot unwrap the
+namespace now is ``KeysUnavailable`` (a miss in process, a 503 from the server); a database that
+does not answer is ``DependencyUnavailable``. ``integrity_failure``: an ``integrity.failure``
+audit event and the bad copy dropped, under the loading capability (op ``get``); with the
+envelope's digest, never a good copy stored since. ``ChunkStats`` names every counter.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hashlib
 import hmac
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.errors import KekError, KeyUnavailable
@@ -28,11 +29,15 @@ from gateway.errors import AccessDenied, TenantUnavailable
 from gateway.services.access import Access
 from gateway.services.namespaces import NamespaceResolver, keys_digest
 from storage.manager import TierManager
-from storage.types import ChunkKey, ChunkNotFound, TierError
+from storage.memory import Reservation
+from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, failure_reason
 from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
 
-__all__ = ["ChunkService", "KeysUnavailable", "Opened"]
+__all__ = [
+    "ChunkService", "ChunkStats", "FetchFailed", "Found", "KeysUnavailable", "Located", "NamespaceChunks",
+    "prefix_hits",
+]
 
 
 class KeysUnavailable(Exception):
@@ -42,13 +47,113 @@ class KeysUnavailable(Exception):
     dependency = "the key provider"
 
 
-@dataclass(frozen=True, slots=True)
-class Opened:
-    """A verified capability, its namespace's keys and the storage keys of the chunks asked for."""
+class FetchFailed(Exception):
+    """A chunk could not be fetched: ``reason`` is ``miss``, ``tier_timeout`` or
+    ``tier_unavailable``; ``unavailable`` where no tier answered at all (not even with a miss)."""
 
-    cap: Capability
-    ns: NamespaceKeys
-    keys: list[ChunkKey]
+    def __init__(self, reason: str, *, unavailable: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.unavailable = unavailable
+
+
+def prefix_hits(present: Sequence[bool]) -> int:
+    """The prefix walk: how many leading chunks are present (it stops at the first miss)."""
+    for i, p in enumerate(present):
+        if not p:
+            return i
+    return len(present)
+
+
+@dataclass(slots=True)
+class Located:
+    """What the tiers hold of a request's chunks: ``present`` per chunk, the ``errors`` of tiers
+    that could not answer (a chunk they hold reads as absent), ``locations`` the tiers of each
+    chunk where they were asked for. ``hits`` and ``degraded`` are the prefix walk's answer."""
+
+    present: list[bool]
+    errors: list[BaseException] = field(default_factory=list)
+    locations: list[list[str]] = field(default_factory=list)
+
+    @property
+    def hits(self) -> int:
+        return prefix_hits(self.present)
+
+    @property
+    def degraded(self) -> str:
+        """Why the walk may have ended short (``tier_timeout``/``tier_unavailable``: a tier that
+        could not answer may hold the rest); ``""`` where it did not end short or none failed."""
+        return failure_reason(self.errors) if self.hits < len(self.present) else ""
+
+
+@dataclass(slots=True)
+class Found:
+    chunk: StoredChunk
+    passed_over: list[TierError]  # faster tiers that failed before this one served it
+
+
+class ChunkStats:
+    """Every counter of the chunk path, each name written once here (both tier sides and the data
+    plane of either mode count through one of these)."""
+
+    def __init__(self, stats: Counter[str]) -> None:
+        self.stats = stats
+
+    def denied(self) -> None:
+        self.stats["denials"] += 1
+
+    def key_unavailable(self) -> None:
+        self.stats["key_unavailable"] += 1
+
+    def lookup(self, hits: int, degraded: str = "") -> None:
+        """One lookup answered (``degraded``: why it may be short)."""
+        if degraded:
+            self.stats[f"lookup_degraded_{degraded}"] += 1
+        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
+
+    def load_ended(self, reason: str) -> None:
+        """A load that ended before the prefix it asked for: ``miss``, ``integrity``,
+        ``tier_timeout``, ``tier_unavailable`` or ``key_unavailable``."""
+        self.stats["load_misses"] += 1
+        self.stats[f"load_failed_{reason}"] += 1
+
+    def load_hit(self) -> None:
+        self.stats["load_hits"] += 1
+
+    def load_degraded(self, reason: str) -> None:
+        """A load a slower tier served because a faster one failed (``reason`` as ``lookup``)."""
+        if reason:
+            self.stats[f"load_degraded_{reason}"] += 1
+
+    def loaded(self, chunks: int, nbytes: int = 0) -> None:
+        self.stats["chunks_loaded"] += chunks
+        self.stats["bytes_out"] += nbytes
+
+    def loaded_bytes(self, nbytes: int) -> None:
+        self.stats["bytes_out"] += nbytes
+
+    def stored(self, chunks: int, nbytes: int) -> None:
+        self.stats["chunks_stored"] += chunks
+        self.stats["bytes_in"] += nbytes
+
+    def store_failed(self, chunks: int) -> None:
+        self.stats["store_failures"] += chunks
+
+    def rolled_back(self, removed: int, left: int) -> None:
+        self.stats["store_rollback_removed"] += removed
+        self.stats["store_rollback_left"] += left
+
+    def integrity_failure(self) -> None:
+        """An envelope that failed authentication where it was opened."""
+        self.stats["integrity_failures"] += 1
+
+    def integrity_reported(self) -> None:
+        """An integrity failure handled by the chunk service (audited, its copy dropped)."""
+        self.stats["integrity_failures_reported"] += 1
+
+    def keys_issued(self, purpose: str, n: int) -> None:
+        self.stats["envelope_keys_issued"] += n
+        self.stats[f"envelope_keys_issued_{purpose}"] += n
 
 
 class ChunkService:
@@ -61,6 +166,7 @@ class ChunkService:
         self.tiers = tiers
         self.audit = audit
         self.stats = stats
+        self.counts = ChunkStats(stats)
 
     def authorize(self, token: str, op: str, chunk_hashes: Sequence[str]) -> Capability:
         """The capability verified for ``op`` on every chunk (its chunk allowlist included)."""
@@ -71,15 +177,21 @@ class ChunkService:
         try:
             return await self.resolver.keys(cap.tenant, cap.namespace)
         except TenantUnavailable:  # unknown, or disabled after the capability was minted
-            self.stats["denials"] += 1
+            self.counts.denied()
             raise AccessDenied("tenant unavailable") from None
         except (KekError, KeyUnavailable) as exc:
-            self.stats["key_unavailable"] += 1
+            self.counts.key_unavailable()
             raise KeysUnavailable("the key-encryption key cannot unwrap this namespace now") from exc
 
-    async def open(self, cap: Capability, chained_hashes: Sequence[bytes]) -> Opened:
+    async def open(self, cap: Capability, chained_hashes: Sequence[bytes]) -> NamespaceChunks:
+        """The chunks of ``chained_hashes`` in the namespace of a verified capability."""
         ns = await self.namespace(cap)
-        return Opened(cap, ns, self.resolver.chunk_keys(ns, chained_hashes))
+        return NamespaceChunks(self, cap, ns, self.resolver.chunk_keys(ns, chained_hashes))
+
+    async def session(self, token: str, op: str, chained_hashes: Sequence[bytes]) -> NamespaceChunks:
+        """``token`` verified for ``op`` on every chunk, then ``open``."""
+        cap = self.authorize(token, op, [h.hex() for h in chained_hashes])
+        return await self.open(cap, chained_hashes)
 
     async def integrity_failure(
         self, cap: Capability, key: ChunkKey, *, tier: str | None = None, index: int | None = None,
@@ -88,7 +200,7 @@ class ChunkService:
         """Audit an envelope that failed authentication and drop its copies; whether any was
         dropped. With ``envelope_sha256`` only a stored copy with that digest is dropped. ``tier``:
         where the bad copy came from (default: the tier that holds it now)."""
-        self.stats["integrity_failures_reported"] += 1
+        self.counts.integrity_reported()
         dropped, kept = False, ""
         try:
             if envelope_sha256 is not None:
@@ -120,3 +232,75 @@ class ChunkService:
             )
         )
         return dropped
+
+
+class NamespaceChunks:
+    """One request's chunks in one namespace (``ChunkService.open``): chunk ``i`` is the ``i``-th
+    chained hash it was opened with, stored under ``keys[i]``."""
+
+    def __init__(self, service: ChunkService, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
+        self.service = service
+        self.tiers = service.tiers
+        self.counts = service.counts
+        self.cap = cap
+        self.ns = ns
+        self.keys = keys
+
+    async def locate(self, *, where: bool = False) -> Located:
+        """What the tiers hold (``Located``: the prefix walk). ``where``: each chunk's tiers too
+        (every tier asked at once); else the tiers are asked fastest first, only for what is not
+        found yet."""
+        if where:
+            locations, errors = await self.tiers.locate_many(self.keys)
+            return Located([bool(w) for w in locations], list(errors), locations)
+        present, errors = await self.tiers.contains_many_checked(self.keys)
+        return Located(list(present), list(errors))
+
+    async def fetch(self, i: int) -> Found:
+        """Chunk ``i`` from the first tier that has it; FetchFailed with the reason where none
+        does (a tier that failed on the way is the reason, not the miss)."""
+        try:
+            found, passed_over = await self.tiers.get_checked(self.keys[i])
+        except ChunkNotFound as exc:
+            raise FetchFailed(failure_reason(exc.tier_errors) or "miss") from None
+        except TierError as exc:
+            raise FetchFailed(failure_reason([exc]), unavailable=True) from None
+        return Found(found, passed_over)
+
+    def reserve(self, i: int, nbytes: int) -> Reservation | None:
+        """An extent of the fastest tier to put chunk ``i``'s envelope in, or None (no room, or
+        a tier that hands none out: then ``put``)."""
+        if not self.tiers.can_reserve:
+            return None
+        try:
+            return self.tiers.reserve(self.keys[i], nbytes)
+        except (TierError, TypeError, ValueError):  # full (or pinned out)
+            return None
+
+    async def commit(self, slot: Reservation) -> list[str]:
+        """Publish a reserved extent; the tier that took it (slower tiers are written behind it),
+        none where a clear or close cancelled it."""
+        return [self.tiers.names[0]] if await self.tiers.commit(slot) else []
+
+    def abort(self, slot: Reservation) -> None:
+        self.tiers.abort(slot)
+
+    async def put(self, i: int, envelope: memoryview) -> list[str]:
+        """Store chunk ``i``'s envelope; the tiers that took it (TierError where none did)."""
+        return await self.tiers.put(self.keys[i], envelope)
+
+    async def roll_back(self, indices: Sequence[int]) -> int:
+        """Remove these chunks from every tier, best effort; how many a tier that could not be
+        reached may still hold (whole, and only this namespace can load them). Counted."""
+        left = await self.tiers.delete_many([self.keys[i] for i in indices])
+        self.counts.rolled_back(len(indices) - len(left), len(left))
+        return len(left)
+
+    async def integrity_failure(
+        self, i: int, *, tier: str | None = None, actor: Actor | None = None, envelope_sha256: bytes | None = None,
+        index: int | None = None,
+    ) -> bool:
+        """Chunk ``i``'s envelope failed authentication (``ChunkService.integrity_failure``)."""
+        return await self.service.integrity_failure(
+            self.cap, self.keys[i], tier=tier, index=index, actor=actor, envelope_sha256=envelope_sha256,
+        )

@@ -29,19 +29,11 @@ import torch
 from crypto.envelope import EnvelopeKeys
 from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from gateway.chunking import Chunk
+from gateway.chunks.service import ChunkStats
 from gateway.datapath.path import DataPath
 from gateway.datapath.plan import TokensLike, chunks_of, request_slots
 from gateway.datapath.sealers import OnLayers, OpenJob, SealJob
-from gateway.datapath.stores import (
-    ChunkSession,
-    ChunkStore,
-    Fetched,
-    FetchFailed,
-    KeyRef,
-    KeysUnavailable,
-    Reserved,
-    prefix_hits,
-)
+from gateway.datapath.stores import ChunkSession, ChunkStore, Fetched, FetchFailed, KeyRef, KeysUnavailable, Reserved
 from gateway.errors import AccessDenied, InvalidRequest
 from gateway.logs import RateLimitedLogger
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
@@ -83,6 +75,7 @@ class DataPlane:
         self.datapath = datapath
         self.chunk_tokens = chunk_tokens
         self.stats = stats
+        self.counts = ChunkStats(stats)
 
     def chunks(self, model: KVModel, tokens: TokensLike) -> list[Chunk]:
         return chunks_of(model, tokens, self.chunk_tokens)
@@ -106,20 +99,14 @@ class DataPlane:
         try:
             session = await store.session(token, "lookup", chunks)
         except KeysUnavailable:
-            self.stats["lookup_misses"] += 1
-            self.stats["lookup_degraded_key_unavailable"] += 1
+            self.counts.lookup(0, "key_unavailable")
             return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=len(chunks), degraded="key_unavailable")
         try:
             found = await session.presence()
         finally:
             await session.aclose()
-        hits = prefix_hits(found.present)
-        degraded = ""
-        if hits < len(chunks):  # a tier that could not answer may hold the rest
-            degraded = failure_reason(found.errors)
-            if degraded:
-                self.stats[f"lookup_degraded_{degraded}"] += 1
-        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
+        hits, degraded = found.hits, found.degraded  # the prefix walk (gateway.chunks.service.Located)
+        self.counts.lookup(hits, degraded)
         return LookupResult(
             hit_tokens=chunks[hits - 1].end if hits else 0, hit_chunks=hits, total_chunks=len(chunks),
             degraded=degraded, locations=found.locations,
@@ -144,7 +131,7 @@ class DataPlane:
         try:
             session = await store.session(token, "put", chunks)
         except KeysUnavailable:  # nothing can be sealed now; the engine goes on
-            self.stats["store_failures"] += len(chunks)
+            self.counts.store_failed(len(chunks))
             return StoreResult(tokens=chunks[-1].end, chunks=len(chunks), stored=0, skipped=0, bytes_stored=0)
         todo = list(range(len(chunks)))
         try:
@@ -161,8 +148,7 @@ class DataPlane:
                 stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
         finally:
             await session.aclose()
-        self.stats["chunks_stored"] += stored
-        self.stats["bytes_in"] += stored_bytes
+        self.counts.stored(stored, stored_bytes)
         return StoreResult(
             tokens=chunks[-1].end, chunks=len(chunks), stored=stored, skipped=len(chunks) - len(todo),
             bytes_stored=stored_bytes,
@@ -179,8 +165,8 @@ class DataPlane:
         except (KekError, KeyUnavailable):  # the KEK provider is unreachable: store nothing
             got = []
         if len(got) < len(todo):  # keys ran out (or could not be had): store less
-            self.stats["store_failures"] += len(todo) - len(got)
-            self.stats["key_unavailable"] += 1
+            self.counts.store_failed(len(todo) - len(got))
+            self.counts.key_unavailable()
             todo = todo[: len(got)]
         jobs = [
             SealJob(slots[chunks[i].start : chunks[i].end], keys, session.context(i, model, version))
@@ -220,7 +206,7 @@ class DataPlane:
                         await session.put(todo[k], env)
                     stored += nbytes
                 except TierError:  # no tier took it: the cache loses this chunk, the engine goes on
-                    self.stats["store_failures"] += 1
+                    self.counts.store_failed(1)
             return stored
 
         # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
@@ -283,8 +269,7 @@ class DataPlane:
         try:
             session = await store.session(token, "get", chunks)
         except KeysUnavailable:
-            self.stats["load_misses"] += 1
-            self.stats["load_failed_key_unavailable"] += 1
+            self.counts.load_ended("key_unavailable")
             return RetrieveResult(
                 loaded_tokens=0, loaded_chunks=0, integrity_failures=0, unavailable=1, reason="key_unavailable"
             )
@@ -297,14 +282,15 @@ class DataPlane:
         reason = ""
         if loaded < len(chunks):
             reason = ended.get(loaded, "miss")
-            self.stats[f"load_failed_{reason}"] += 1
+            self.counts.load_ended(reason)
             log.info("load ended at chunk %d of %d: %s", loaded, len(chunks), reason)  # callers warn
         degraded = failure_reason(passed_over) if loaded else ""
         if degraded:
-            self.stats[f"load_degraded_{degraded}"] += 1
+            self.counts.load_degraded(degraded)
             _degraded_log.warning("load served by a slower tier because a faster one failed: %s", degraded)
-        self.stats["chunks_loaded"] += loaded
-        self.stats["load_misses" if loaded < len(chunks) else "load_hits"] += 1
+        self.counts.loaded(loaded)
+        if not reason:
+            self.counts.load_hit()
         return RetrieveResult(
             loaded_tokens=base + chunks[loaded - 1].end if loaded else 0,
             loaded_chunks=loaded,
@@ -344,10 +330,10 @@ class DataPlane:
                 bad = batch[loaded]
                 stats["failures"] += 1
                 ended[bad] = "integrity"
-                self.stats["integrity_failures"] += 1
+                self.counts.integrity_failure()
                 log.warning("integrity failure on a chunk in tier %s; treated as a miss", tiers[bad])
                 await session.integrity_failure(bad, tiers[bad], hashlib.sha256(jobs[loaded].envelope).digest())
-            self.stats["bytes_out"] += sum(j.envelope.nbytes for j in jobs[:loaded])
+            self.counts.loaded_bytes(sum(j.envelope.nbytes for j in jobs[:loaded]))
             return loaded
 
         session.prefetch(range(len(chunks)))
@@ -417,7 +403,7 @@ class DataPlane:
             ref, key = refs[k], keys[k]
             if key is None:
                 stats["unavailable"] += 1
-                self.stats["key_unavailable"] += 1
+                self.counts.key_unavailable()
                 ended[i] = "key_unavailable"
                 break
             ctx = session.context(i, model, 0 if ref is None else ref[0])

@@ -17,7 +17,7 @@ envelope). Each answer is an ``EnvelopeKeys`` per chunk: a ``DataKey`` in proces
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from opentelemetry import trace
@@ -25,33 +25,13 @@ from opentelemetry import trace
 from crypto.envelope import DataKey, EnvelopeContext, EnvelopeKeys
 from crypto.errors import KekError, KeyUnavailable
 from gateway.chunking import Chunk
-from gateway.chunks.service import ChunkService, KeysUnavailable
+from gateway.chunks.service import ChunkService, FetchFailed, KeysUnavailable, Located, NamespaceChunks
 from gateway.types import KVModel
-from storage.types import ChunkKey, ChunkNotFound, TierError, failure_reason
 from tenancy.keyring import Keyring
-from tenancy.namespaces import NamespaceKeys
-from tenancy.types import Capability
 
 __all__ = [
-    "ChunkSession", "ChunkStore", "Fetched", "KeyRef", "KeysUnavailable", "Presence", "TierStore", "prefix_hits",
+    "ChunkSession", "ChunkStore", "FetchFailed", "Fetched", "KeyRef", "KeysUnavailable", "Presence", "TierStore",
 ]
-
-
-def prefix_hits(present: Sequence[bool]) -> int:
-    """The prefix walk: how many leading chunks are present (it stops at the first miss)."""
-    for i, p in enumerate(present):
-        if not p:
-            return i
-    return len(present)
-
-
-class FetchFailed(Exception):
-    """A chunk could not be fetched: ``reason`` is miss, tier_timeout or tier_unavailable."""
-
-    def __init__(self, reason: str, *, unavailable: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.unavailable = unavailable
 
 
 @dataclass(slots=True)
@@ -69,12 +49,8 @@ class Reserved:
     token: Any
 
 
-@dataclass(slots=True)
-class Presence:
-    present: list[bool]
-    errors: list[BaseException] = field(default_factory=list)
-    locations: list[list[str]] = field(default_factory=list)
-
+Presence = Located
+"""What the tiers hold of a session's chunks, and the prefix walk over it (``gateway.chunks``)."""
 
 KeyRef = tuple[int, bytes]
 """``(key version, salt)`` read from an envelope's header."""
@@ -115,26 +91,25 @@ class ChunkStore(Protocol):
 
 
 class TierStore:
-    """The tiers of this process through the chunk service (embedded mode)."""
+    """The tiers of this process through the chunk service (embedded mode): a session is the
+    service's ``NamespaceChunks`` plus the keyring's data keys."""
 
     def __init__(self, chunks: ChunkService, keyring: Keyring) -> None:
         self.chunks = chunks
         self.keyring = keyring
-        self.tiers = chunks.tiers
 
     async def session(self, token: str, op: str, chunks: Sequence[Chunk]) -> _TierSession:
-        cap = self.chunks.authorize(token, op, [c.chained_hash.hex() for c in chunks])
-        opened = await self.chunks.open(cap, [c.chained_hash for c in chunks])
+        opened = await self.chunks.session(token, op, [c.chained_hash for c in chunks])
         trace.get_current_span().set_attribute("kvgate.tenant", opened.ns.owner[:16])  # opaque, not the name
-        return _TierSession(self, cap, opened.ns, opened.keys)
+        return _TierSession(opened, self.keyring)
 
 
 class _TierSession:
-    def __init__(self, store: TierStore, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
-        self.store = store
-        self.cap = cap
-        self.ns = ns
-        self.keys = keys
+    def __init__(self, opened: NamespaceChunks, keyring: Keyring) -> None:
+        self.opened = opened
+        self.keyring = keyring
+        self.cap = opened.cap
+        self.ns = opened.ns
 
     @property
     def owner(self) -> str:
@@ -144,20 +119,19 @@ class _TierSession:
         return EnvelopeContext(
             tenant=self.cap.tenant,
             namespace=self.cap.namespace,
-            storage_key=self.keys[i].digest,
+            storage_key=self.opened.keys[i].digest,
             model_fingerprint=model.fingerprint_digest,
             key_version=version,
         )
 
     async def presence(self) -> Presence:
-        present, errors = await self.store.tiers.contains_many_checked(self.keys)
-        return Presence(list(present), list(errors))
+        return await self.opened.locate()
 
     async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
         out: list[tuple[int, EnvelopeKeys]] = []
         for _ in indices:  # one invocation of the data key per envelope, counted by the keyring
             try:
-                version, dek = await self.store.keyring.encryption_key(self.cap.tenant)
+                version, dek = await self.keyring.encryption_key(self.cap.tenant)
             except (KekError, KeyUnavailable):
                 if not out:
                     raise
@@ -170,7 +144,7 @@ class _TierSession:
         for _i, (version, _salt) in refs:
             if version not in by_version:
                 try:
-                    dek = await self.store.keyring.decryption_key(self.cap.tenant, version)
+                    dek = await self.keyring.decryption_key(self.cap.tenant, version)
                 except (KekError, KeyUnavailable):
                     by_version[version] = None
                 else:
@@ -181,43 +155,29 @@ class _TierSession:
         return None  # tier reads are issued when the plane asks
 
     async def fetch(self, i: int) -> Fetched:
-        try:
-            found, passed_over = await self.store.tiers.get_checked(self.keys[i])
-        except ChunkNotFound as exc:
-            # the manager says "all" missed; a tier that failed on the way is the reason
-            raise FetchFailed(failure_reason(exc.tier_errors) or "miss") from None
-        except TierError as exc:
-            raise FetchFailed(failure_reason([exc]), unavailable=True) from None
-        return Fetched(found.data, found.tier, passed_over)
+        got = await self.opened.fetch(i)
+        return Fetched(got.chunk.data, got.chunk.tier, got.passed_over)
 
     async def put(self, i: int, envelope: memoryview) -> None:
-        await self.store.tiers.put(self.keys[i], envelope)
+        await self.opened.put(i, envelope)
 
     async def flush(self) -> None:
         return None  # every put is stored when it returns
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
-        tiers = self.store.tiers
-        if not tiers.can_reserve:
-            return None
-        try:
-            res = tiers.reserve(self.keys[i], nbytes)
-        except (TierError, TypeError, ValueError):  # full (or pinned out): seal, then put
-            return None
-        return Reserved(res.view, res)
+        slot = self.opened.reserve(i, nbytes)
+        return None if slot is None else Reserved(slot.view, slot)
 
     async def commit(self, reserved: Reserved) -> bool:
-        return await self.store.tiers.commit(reserved.token)
+        return bool(await self.opened.commit(reserved.token))
 
     def abort(self, reserved: Reserved) -> None:
-        self.store.tiers.abort(reserved.token)
+        self.opened.abort(reserved.token)
 
     async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
         """A stored envelope failed authentication: audited and its copy dropped (the chunk
         service), so the engine's recompute stores a good one."""
-        await self.store.chunks.integrity_failure(
-            self.cap, self.keys[i], tier=tier, index=i, envelope_sha256=envelope_sha256,
-        )
+        await self.opened.integrity_failure(i, tier=tier, index=i, envelope_sha256=envelope_sha256)
 
     async def aclose(self) -> None:
         return None
