@@ -22,7 +22,7 @@ import torch
 from gateway.bench import GEOMETRY, MODEL
 from gateway.config import Settings
 from gateway.services import dbschema
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from storage.memory import MemoryTier
 
 
@@ -41,9 +41,9 @@ async def main(admin_url: str) -> None:
     try:
         await asyncio.to_thread(dbschema.upgrade, url)
         base = Path(tempfile.mkdtemp())
-        rt = await open_runtime(Settings(state_dir=base, database_url=url, tiers=["memory"], chunk_tokens=256),
-                                tiers=[MemoryTier(2 << 30)])
-        real = rt.gateway.audit
+        rt = await open_embedded(Settings(state_dir=base, database_url=url, tiers=["memory"], chunk_tokens=256),
+                                 tiers=[MemoryTier(2 << 30)])
+        real = rt.audit
         await rt.admin.create_tenant("t")
         cap = await rt.gateway.mint_capability("t", "default", ["put", "get", "lookup"], 600)
         n_tokens = 256 * 8
@@ -55,7 +55,7 @@ async def main(admin_url: str) -> None:
         times: dict[tuple[str, str], list[float]] = {}
         for _ in range(9):
             for label, sink in (("on", real), ("off", DropSink())):
-                rt.gateway.audit = sink
+                rt.access.audit = rt.chunks.audit = sink  # the services that audit data operations
                 t0 = time.perf_counter()
                 await rt.gateway.store(cap, MODEL, prompt, layers, block_ids=blocks, skip_existing=False)
                 times.setdefault((label, "store"), []).append(time.perf_counter() - t0)
@@ -67,7 +67,7 @@ async def main(admin_url: str) -> None:
                     await rt.gateway.lookup("garbage", MODEL, prompt)
                 except Exception:
                     pass
-        rt.gateway.audit = real
+        rt.access.audit = rt.chunks.audit = real
         for op in ("store", "load"):
             on = nbytes / statistics.median(times[("on", op)]) / 1e9
             off = nbytes / statistics.median(times[("off", op)]) / 1e9

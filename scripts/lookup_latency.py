@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gateway.bench import MODEL
 from gateway.config import Settings
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
@@ -35,16 +35,16 @@ async def main(tiers: list[str], reps: int, profile: bool) -> None:
                 made.append(MemoryTier(1 << 30))
             else:
                 made.append(await DiskTier.open(base / "disk", fsync=False))
-        rt = await open_runtime(Settings(state_dir=base, tiers=tiers, chunk_tokens=256), tiers=made, auto_migrate=True)
+        rt = await open_embedded(Settings(state_dir=base, tiers=tiers, chunk_tokens=256), tiers=made, auto_migrate=True)
         try:
             await rt.admin.create_tenant("bench-lookup")
             cap = await rt.gateway.mint_capability("bench-lookup", "default", ["lookup"], 600)
             tokens = list(range(32768))
             keys = await rt.gateway.keys_for("bench-lookup", "default", MODEL, tokens)
             for k in keys:
-                await rt.gateway.tiers.put(k, b"x")
-            if hasattr(rt.gateway.tiers, "flush"):
-                await rt.gateway.tiers.flush()
+                await rt.tiers.put(k, b"x")
+            if hasattr(rt.tiers, "flush"):
+                await rt.tiers.flush()
             lat, cpu = [], []
             for i in range(reps + 20):
                 t0, c0 = time.perf_counter(), time.thread_time()

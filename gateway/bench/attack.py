@@ -32,7 +32,7 @@ from gateway.bench.baselines import shared_tenant_runtime
 from gateway.config import Settings
 from gateway.services import dbschema
 from gateway.services.core import KVModel
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from kernels.layouts import KVGeometry, KVLayout
 from storage.base import Tier
 from storage.memory import MemoryTier
@@ -87,7 +87,7 @@ async def run_attack(
     if target == "shared-baseline":  # the baseline: isolation OFF
         rt = await shared_tenant_runtime(settings, tiers=tiers, pseudo_tenant=_SHARED)
     else:
-        rt = await open_runtime(settings, tiers=tiers)
+        rt = await open_embedded(settings, tiers=tiers)
     try:
         for t in ("tenant-a", "tenant-b"):
             await rt.admin.create_tenant(t)

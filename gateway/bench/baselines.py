@@ -22,7 +22,7 @@ from dataclasses import replace
 from audit.types import AuditSink
 from gateway.config import Settings
 from gateway.services.access import Access
-from gateway.services.runtime import Runtime, open_runtime
+from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from storage.base import Tier
 from tenancy.capabilities import CapabilityAuthority
 from tenancy.registry import Registry
@@ -47,7 +47,7 @@ class SharedTenantAccess(Access):
         return replace(cap, tenant=TenantId(self.pseudo_tenant), namespace=Namespace("default"))
 
 
-async def plaintext_runtime(settings: Settings, *, tiers: list[Tier]) -> Runtime:
+async def plaintext_runtime(settings: Settings, *, tiers: list[Tier]) -> EmbeddedRuntime:
     """A runtime whose data path stores and loads plaintext (benchmark baseline only): the same
     data path, buffers and threads, with the plaintext codec in place of AES-256-GCM."""
     from gateway.bench.plaintext import PlaintextCodec
@@ -59,10 +59,10 @@ async def plaintext_runtime(settings: Settings, *, tiers: list[Tier]) -> Runtime
             device_cipher=settings.device_cipher, device_aes=settings.device_aes,
         )
 
-    return await open_runtime(settings, tiers=tiers, datapath=datapath)
+    return await open_embedded(settings, tiers=tiers, datapath=datapath)
 
 
-async def shared_tenant_runtime(settings: Settings, *, tiers: list[Tier], pseudo_tenant: str) -> Runtime:
+async def shared_tenant_runtime(settings: Settings, *, tiers: list[Tier], pseudo_tenant: str) -> EmbeddedRuntime:
     """A runtime with isolation OFF: every verified capability, of whichever tenant, is served
     from ``pseudo_tenant``'s namespace (created here), as in a shared cache without namespaces
     (benchmark baseline only: the timing attack's ``shared-baseline``)."""
@@ -70,7 +70,7 @@ async def shared_tenant_runtime(settings: Settings, *, tiers: list[Tier], pseudo
     def access(authority: CapabilityAuthority, registry: Registry, audit: AuditSink, stats: Counter[str]) -> Access:
         return SharedTenantAccess(pseudo_tenant, authority, registry, audit, stats)
 
-    rt = await open_runtime(settings, tiers=tiers, access=access)
+    rt = await open_embedded(settings, tiers=tiers, access=access)
     try:
         await rt.admin.create_tenant(pseudo_tenant)
     except BaseException:

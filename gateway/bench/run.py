@@ -37,7 +37,7 @@ from gateway.bench.common import GEOMETRY, MODEL, percentiles_ms
 from gateway.bench.peers import PeerConfig, run_lmcache
 from gateway.config import Settings
 from gateway.services import dbschema
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
@@ -69,7 +69,7 @@ async def _gateway_figures(
     else:
         shutil.rmtree(base / "bench-disk", ignore_errors=True)
         tiers = [await DiskTier.open(base / "bench-disk", fsync=True)]
-    rt = await (open_runtime(settings, tiers=tiers) if encrypted else plaintext_runtime(settings, tiers=tiers))
+    rt = await (open_embedded(settings, tiers=tiers) if encrypted else plaintext_runtime(settings, tiers=tiers))
     try:
         tenant = f"bench-{tier}-{int(encrypted)}-{chunk_tokens}-{threads}"
         await rt.admin.create_tenant(tenant)
@@ -100,22 +100,22 @@ async def _gateway_figures(
         return total / store_s / 1e9, total / load_s / 1e9
     finally:
         if tier == "redis":
-            for t in rt.gateway.tiers.tiers:
-                await t.delete_owner(rt.gateway.deriver.owner_label(tenant))
+            for t in rt.tiers.tiers:
+                await t.delete_owner(rt.deriver.owner_label(tenant))
         await rt.aclose()
 
 
 async def _lookup_latency(base: Path, db_url: str, reps: int = 300) -> dict[str, float]:
     """In-process lookup of a 32K-token prefix (128 chunks of 256 tokens), all stored: p50/p99 ms."""
     settings = Settings(state_dir=base, database_url=db_url, tiers=["memory"], chunk_tokens=256)
-    rt = await open_runtime(settings, tiers=[MemoryTier(1 << 30)])
+    rt = await open_embedded(settings, tiers=[MemoryTier(1 << 30)])
     try:
         await rt.admin.create_tenant("bench-lookup")
         cap = await rt.gateway.mint_capability("bench-lookup", "default", ["lookup", "put"], 600)
         tokens = list(range(32768))
         keys = await rt.gateway.keys_for("bench-lookup", "default", MODEL, tokens)
         for k in keys:  # presence is all a lookup reads
-            await rt.gateway.tiers.put(k, b"x")
+            await rt.tiers.put(k, b"x")
         lat = []
         for _ in range(reps):
             t0 = time.perf_counter()

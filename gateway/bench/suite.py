@@ -29,7 +29,7 @@ from gateway.bench.common import GEOMETRY, MODEL, percentiles_ms
 from gateway.bench.peers import comparisons
 from gateway.config import Settings
 from gateway.services import dbschema
-from gateway.services.runtime import Runtime, open_runtime
+from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
@@ -42,14 +42,14 @@ def jain_index(xs: list[float]) -> float:
     return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs)) if xs and any(xs) else 0.0
 
 
-async def _runtime(base: Path, name: str, tiers: list[Tier], chunk_tokens: int = 16) -> Runtime:
+async def _runtime(base: Path, name: str, tiers: list[Tier], chunk_tokens: int = 16) -> EmbeddedRuntime:
     state = base / name
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True, mode=0o700)
     url = f"sqlite+aiosqlite:///{state / 'bench.db'}"
     await asyncio.to_thread(dbschema.upgrade, url)
     settings = Settings(state_dir=state, database_url=url, chunk_tokens=chunk_tokens, cpu_threads=2, tiers=["memory"])
-    return await open_runtime(settings, tiers=tiers)
+    return await open_embedded(settings, tiers=tiers)
 
 
 async def concurrency(base: Path, tenant_counts: list[int], chunks_per_tenant: int) -> list[dict[str, Any]]:
@@ -76,7 +76,7 @@ async def concurrency(base: Path, tenant_counts: list[int], chunks_per_tenant: i
             row: dict[str, Any] = {"tenants": n, "tenant_bytes": tenant_bytes, "encrypted": True, "chunk_bytes": GEOMETRY.chunk_nbytes(16)}
             for op in ("store", "load"):
                 async def one(
-                    i: int, op: str = op, rt: Runtime = rt, caps: list[str] = caps, prompts: list[Any] = prompts
+                    i: int, op: str = op, rt: EmbeddedRuntime = rt, caps: list[str] = caps, prompts: list[Any] = prompts
                 ) -> float:
                     t0 = time.perf_counter()
                     if op == "store":
@@ -122,7 +122,7 @@ async def lookup_by_tier(base: Path, tiers: list[str], redis_url: str | None, re
             tokens = list(range(32768))
             keys = await rt.gateway.keys_for("bench-lookup", "default", MODEL, tokens)
             for k in keys:  # presence is all a lookup reads
-                await rt.gateway.tiers.put(k, b"x")
+                await rt.tiers.put(k, b"x")
             lat = []
             for i in range(reps + 10):
                 t0 = time.perf_counter()

@@ -30,7 +30,7 @@ import torch
 from gateway.config import Settings
 from gateway.services import dbschema
 from gateway.services.core import KVModel
-from gateway.services.runtime import Runtime, open_runtime
+from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from kernels.layouts import KVGeometry, KVLayout
 from storage.memory import MemoryTier
 
@@ -56,7 +56,7 @@ class _Tally:
 class _Engine:
     """What a worker does per request: lookup, load the stored prefix, store the whole context."""
 
-    def __init__(self, rt: Runtime, model: KVModel, max_tokens: int) -> None:
+    def __init__(self, rt: EmbeddedRuntime, model: KVModel, max_tokens: int) -> None:
         self.rt, self.model = rt, model
         g = model.geometry
         blocks_n = -(-max_tokens // g.block_size)
@@ -99,14 +99,14 @@ class _Engine:
         ]
 
 
-async def _runtime(base: Path, name: str, tier: MemoryTier) -> Runtime:
+async def _runtime(base: Path, name: str, tier: MemoryTier) -> EmbeddedRuntime:
     state = base / name
     shutil.rmtree(state, ignore_errors=True)
     state.mkdir(parents=True, mode=0o700)
     url = f"sqlite+aiosqlite:///{state / 'bench.db'}"
     await asyncio.to_thread(dbschema.upgrade, url)
     settings = Settings(state_dir=state, database_url=url, chunk_tokens=256, cpu_threads=2, tiers=["memory"])
-    return await open_runtime(settings, tiers=[tier])
+    return await open_embedded(settings, tiers=[tier])
 
 
 def _words(rng: random.Random, n: int) -> list[int]:
@@ -193,7 +193,7 @@ async def eviction_flood(
                 for p in working:
                     await eng.request("tenant-a", p)
             rows = {r["tenant"]: r for r in eng.report("eviction-flood")}
-            memory = rt.gateway.tiers.tier("memory")
+            memory = rt.tiers.tier("memory")
             assert isinstance(memory, MemoryTier)
             stats = memory.stats()
             out.append({

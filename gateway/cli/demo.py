@@ -19,7 +19,7 @@ from rich.table import Table
 from gateway.config import Settings
 from gateway.services import dbschema
 from gateway.services.core import KVModel
-from gateway.services.runtime import Runtime, open_runtime
+from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from kernels.layouts import KVGeometry, KVLayout
 
 __all__ = ["run_demo"]
@@ -46,7 +46,7 @@ def _progress(console: Console) -> Progress:
 
 
 async def _store(
-    rt: Runtime, cap: str, model: KVModel, tokens: Sequence[int], kv: list[torch.Tensor], blocks: torch.Tensor,
+    rt: EmbeddedRuntime, cap: str, model: KVModel, tokens: Sequence[int], kv: list[torch.Tensor], blocks: torch.Tensor,
     console: Console, label: str,
 ) -> float:
     t0 = time.perf_counter()
@@ -77,7 +77,7 @@ async def run_demo(
                   f"in chunks of {settings.chunk_tokens} tokens ({chunk_bytes / 2**20:.1f} MiB)")
     try:
         await asyncio.to_thread(dbschema.upgrade, settings.db_url)
-        rt = await open_runtime(settings)
+        rt = await open_embedded(settings)
         num_blocks = -(-tokens // block_size) + 8
         gen = torch.Generator().manual_seed(7)
         prompt = torch.randint(0, 32000, (tokens,), generator=gen).tolist()
@@ -118,8 +118,8 @@ async def run_demo(
 
         console.print("\n[bold]3. An envelope tampered with on disk[/bold]")
         await rt.aclose()  # restart: the memory tier is gone, the disk tier reindexes
-        rt = await open_runtime(settings)
-        disk = rt.gateway.tiers.tier("disk")
+        rt = await open_embedded(settings)
+        disk = rt.tiers.tier("disk")
         keys = await rt.gateway.keys_for("acme", "default", model, prompt)
         victim = keys[len(keys) // 2]
         raw = bytearray((await disk.get(victim)).data)
@@ -130,7 +130,7 @@ async def run_demo(
         got = await rt.gateway.retrieve(cap_a, model, prompt, dst, block_ids=dst_blocks)
         check(got.integrity_failures == 1 and got.loaded_tokens < tokens,
               f"tamper detected: loaded {got.loaded_tokens} tokens, then a miss (integrity failures: {got.integrity_failures})")
-        check(rt.gateway.stats["integrity_failures"] == 1, "integrity failure counted (and audited)")
+        check(rt.stats["integrity_failures"] == 1, "integrity failure counted (and audited)")
 
         console.print("\n[bold]4. Secure clear of tenant acme[/bold]")
         before = await rt.gateway.lookup(cap_a, model, prompt)
@@ -154,7 +154,7 @@ async def run_demo(
         # on the store path (with write-behind, the disk copy is written after the store returns)
         mem_settings = Settings(state_dir=state_dir / "memory-only", tiers=["memory"], memory_bytes=8 << 30)
         await asyncio.to_thread(dbschema.upgrade, mem_settings.db_url)
-        rt = await open_runtime(mem_settings)
+        rt = await open_embedded(mem_settings)
         await rt.admin.create_tenant("acme")
         cap_m = await rt.gateway.mint_capability("acme", "default", ["lookup", "put"], 600)
         t_mem = await _store(rt, cap_m, model, prompt, src, src_blocks, console, "acme store, memory tier only")

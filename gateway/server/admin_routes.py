@@ -141,7 +141,7 @@ async def clear(call: ClearScope, state: StateDep) -> ClearResponse:
 async def move(call: MoveScope, state: StateDep) -> MoveResponse:
     body = call.body
     keys = await _keys(state, call.scope.tenant, body.namespace, body.hashes)
-    moved = await state.runtime.gateway.move(keys, body.source, body.destination, actor=call.scope.actor)
+    moved = await state.runtime.admin.move(keys, body.source, body.destination, actor=call.scope.actor)
     return MoveResponse(requested=len(keys), moved=moved)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse
 
+from gateway.chunks.envelopes import EnvelopePlane
 from gateway.config import Settings
 from gateway.server import admin_routes, data
 from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
@@ -87,7 +88,11 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             dev = dev_issuer_for(settings) if settings.dev_issuer else None
             verifier = OidcVerifier(_issuers(settings, dev))
-            plane = runtime.envelope_plane(max_chunk_bytes=settings.max_chunk_bytes)
+            plane = EnvelopePlane(  # the chunk routes' data plane, over the runtime's services
+                access=runtime.access, resolver=runtime.resolver, keyring=runtime.keyring, tiers=runtime.tiers,
+                pins=runtime.pins, audit=runtime.audit, stats=runtime.stats, chunks=runtime.chunks,
+                max_chunk_bytes=settings.max_chunk_bytes,
+            )
             state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes, populate=settings.shm_populate))
             _observe(state)
             app.state.kvgate = state
@@ -237,7 +242,7 @@ def _behind(tiers: TierManager) -> list[tuple[float, dict[str, str]]]:
 
 def _observe(state: ServerState) -> None:
     """Gauges read at scrape time from the core, the tiers and the audit writer."""
-    gw, audit, tel = state.runtime.gateway, state.runtime.audit, state.telemetry
+    gw, audit, tel = state.runtime, state.runtime.audit, state.telemetry
     counters: tuple[tuple[str, str, _Series], ...] = (
         ("kvgate_lookups", "lookup calls by result", lambda: [(gw.stats["lookup_hits"], {"result": "hit"}), (gw.stats["lookup_misses"], {"result": "miss"})]),
         ("kvgate_loads", "retrieve calls by result", lambda: [(gw.stats["load_hits"], {"result": "hit"}), (gw.stats["load_misses"], {"result": "miss"})]),

@@ -1,4 +1,4 @@
-"""Control operations on the gateway core: secure clear, key rotation, tenant lifecycle.
+"""Control operations: secure clear, key rotation, tenant lifecycle, moves between tiers.
 
 Secure clear is crypto-shredding plus deletion (docs/architecture.md, section 1), recorded around
 the work so a crash in between is found and finished at the next start:
@@ -28,10 +28,10 @@ from gateway import errors
 from gateway.errors import InvalidRequest, TenantUnavailable
 from gateway.services.access import Access
 from gateway.services.invalidation import Invalidation
-from gateway.services.namespaces import NamespaceResolver
+from gateway.services.namespaces import NamespaceResolver, keys_digest
 from gateway.types import ClearResult, check_name
 from storage.manager import TierManager
-from storage.types import ChunkKey
+from storage.types import ChunkKey, ChunkNotFound
 from tenancy.keyring import Keyring
 from tenancy.models import utcnow
 from tenancy.registry import (
@@ -66,6 +66,7 @@ class Admin:
         tiers: TierManager,
         invalidation: Invalidation,
         audit: AuditSink,
+        broadcaster: Broadcaster | None = None,
     ) -> None:
         self.registry = registry
         self.keyring = keyring
@@ -74,7 +75,7 @@ class Admin:
         self.tiers = tiers
         self.invalidation = invalidation
         self.audit = audit
-        self.broadcaster: Broadcaster | None = None  # when scale-out is configured
+        self.broadcaster = broadcaster  # when scale-out is configured
 
     async def _publish(self, kind: str, tenant: str, **fields: Any) -> None:
         if self.broadcaster is not None:
@@ -127,6 +128,30 @@ class Admin:
 
     async def _revoke_tenant(self, tenant: str, actor: Actor | None) -> float:
         return await self.access.revoke_tenant(tenant, actor)
+
+    # -- tiers -------------------------------------------------------------------------------
+    async def move(self, keys: Sequence[ChunkKey], src: str, dst: str, *, actor: Actor | None = None) -> int:
+        """Move chunks between tiers; returns how many moved (absent ones are skipped)."""
+        try:
+            self.tiers.tier(src), self.tiers.tier(dst)
+        except KeyError as exc:
+            raise InvalidRequest(str(exc)) from None
+        moved = 0
+        for key in keys:
+            try:
+                await self.tiers.move(key, src, dst)
+                moved += 1
+            except ChunkNotFound:
+                continue
+        await self._record(  # a control action: acknowledged only once its event is durable
+            AuditEvent(
+                Actions.MOVE,
+                actor=actor or Actor(),
+                target=Target(chunk_count=moved, chunk_digest=keys_digest(keys), tier_from=src, tier_to=dst),
+                details={"requested": len(keys)},
+            )
+        )
+        return moved
 
     # -- secure clear ------------------------------------------------------------------------
     async def clear(

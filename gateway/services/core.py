@@ -7,9 +7,10 @@ works only inside the capability's tenant and namespace:
     paged KV --pack--> staging --seal (AES-256-GCM envelope, AAD binds identity)--> tiers
     tiers --open (every tag checked)--> staging --unpack--> paged KV
 
-``Gateway`` is a facade over services built in ``gateway.services.runtime`` and handed in: ``Access``
-(capabilities minted and verified, denials audited), ``NamespaceResolver`` (namespace and storage
-keys), ``Keyring`` (data keys), ``Pins``, ``TierManager`` and ``DataPlane`` (``gateway/datapath/``).
+``Gateway`` runs the data operations over services built in ``gateway.services.runtime`` and
+handed in from its Runtime record: ``Access`` (capabilities), ``NamespaceResolver`` (namespace and
+storage keys), ``Keyring`` (data keys), ``Pins`` and ``ChunkService`` (the tier side), with its
+own ``DataPlane`` (``gateway/datapath/``). A server holds no Gateway: it never runs these.
 The data path (torch) is imported when the first data operation runs, never by the control plane.
 A chunk that fails authentication, whose key version is destroyed, or whose tier is unreachable
 is a miss: counted, audited where it is an integrity failure, and never handed to the engine."""
@@ -22,13 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
-from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
-from crypto.kek import KekProvider
+from audit.types import Actor
 from gateway.chunking import InvalidTokens, chain_hashes
 from gateway.chunks.service import ChunkService
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
 from gateway.services.access import Access
-from gateway.services.namespaces import NamespaceResolver, keys_digest
+from gateway.services.namespaces import NamespaceResolver
 from gateway.services.pins import Pins
 from gateway.types import (
     ClearResult,
@@ -37,12 +37,9 @@ from gateway.types import (
     RetrieveResult,
     StoreResult,
 )
-from storage.manager import TierManager
-from storage.types import ChunkKey, ChunkNotFound
-from tenancy.capabilities import CapabilityAuthority
+from storage.types import ChunkKey
 from tenancy.keyring import Keyring
-from tenancy.namespaces import NamespaceDeriver, NamespaceKeys
-from tenancy.registry import Registry
+from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
 
 if TYPE_CHECKING:
@@ -67,54 +64,37 @@ def chunks_of(model: KVModel, tokens: Any, chunk_tokens: int) -> list[Any]:
 
 
 class Gateway:
+    """The data operations over services built elsewhere (``gateway.services.runtime.gateway_over``
+    hands them in from the Runtime record); it owns only its data path and data plane."""
+
     def __init__(
         self,
         *,
-        registry: Registry,
         access: Access,
         resolver: NamespaceResolver,
         keyring: Keyring,
-        tiers: TierManager,
-        datapath: Callable[[], DataPath],
-        audit: AuditSink,
-        stats: Counter[str],
+        chunks: ChunkService,
         pins: Pins,
+        stats: Counter[str],
+        datapath: Callable[[], DataPath],
         chunk_tokens: int = 256,
-        store: Callable[[Gateway], ChunkStore] | None = None,
     ) -> None:
-        """``datapath``: builds the data path on first use (it loads torch). ``store``: the
-        ChunkStore data operations go through (default: this process's tiers, ``TierStore``)."""
-        self.registry = registry
+        """``datapath``: builds the data path on first use (it loads torch)."""
         self.access = access
         self.resolver = resolver
         self.keyring = keyring
-        self.tiers = tiers
-        self.audit = audit
-        self.stats = stats
+        self.chunks = chunks
         self.pins = pins
+        self.stats = stats
         self.chunk_tokens = chunk_tokens
         self._make_datapath = datapath
         self._datapath: DataPath | None = None
         self._plane: DataPlane | None = None
-        self._make_store = store
         self._store: ChunkStore | None = None
-        self.chunks = ChunkService(access=access, resolver=resolver, tiers=tiers, audit=audit, stats=stats)
-
-    # -- collaborators, for tests and tools that inspect them ---------------------------------
-    @property
-    def kek(self) -> KekProvider:
-        return self.resolver.kek
-
-    @property
-    def deriver(self) -> NamespaceDeriver:
-        return self.resolver.deriver
-
-    @property
-    def authority(self) -> CapabilityAuthority:
-        return self.access.authority
 
     @property
     def datapath(self) -> DataPath:
+        """This process's data path (built at the first data operation)."""
         if self._datapath is None:
             self._datapath = self._make_datapath()
         return self._datapath
@@ -129,13 +109,11 @@ class Gateway:
 
     @property
     def store_(self) -> ChunkStore:
+        """The ChunkStore data operations go through: this process's tiers (``TierStore``)."""
         if self._store is None:
-            if self._make_store is not None:
-                self._store = self._make_store(self)
-            else:
-                from gateway.datapath.stores import TierStore
+            from gateway.datapath.stores import TierStore
 
-                self._store = TierStore(self.chunks, self.keyring)
+            self._store = TierStore(self.chunks, self.keyring)
         return self._store
 
     # -- capabilities and namespaces -----------------------------------------------------------
@@ -181,7 +159,7 @@ class Gateway:
             })
             return res
 
-    # -- pins and admin helpers (no KV involved) ---------------------------------------------------
+    # -- pins and keys (no KV involved) ------------------------------------------------------
     async def pin(self, token: str, model: KVModel, tokens: Any, *, pin: bool = True) -> int:
         """Pin (or unpin) every stored chunk of ``tokens``; returns how many chunks were changed."""
         chunks = chunks_of(model, tokens, self.chunk_tokens)
@@ -200,31 +178,7 @@ class Gateway:
         ns = await self.resolver.keys(tenant, namespace)
         return self.resolver.chunk_keys(ns, [c.chained_hash for c in chunks])
 
-    async def move(self, keys: Sequence[ChunkKey], src: str, dst: str, *, actor: Actor | None = None) -> int:
-        """Move chunks between tiers; returns how many moved (absent ones are skipped)."""
-        try:
-            self.tiers.tier(src), self.tiers.tier(dst)
-        except KeyError as exc:
-            raise InvalidRequest(str(exc)) from None
-        moved = 0
-        for key in keys:
-            try:
-                await self.tiers.move(key, src, dst)
-                moved += 1
-            except ChunkNotFound:
-                continue
-        await record_durably(  # a control action: acknowledged only once its event is durable
-            self.audit,
-            AuditEvent(
-                Actions.MOVE,
-                actor=actor or Actor(),
-                target=Target(chunk_count=moved, chunk_digest=keys_digest(keys), tier_from=src, tier_to=dst),
-                details={"requested": len(keys)},
-            ),
-        )
-        return moved
-
     async def aclose(self) -> None:
-        await self.tiers.aclose()
+        """Close the data path (its threads); the services are the Runtime's to close."""
         if self._datapath is not None:
             self._datapath.close()

@@ -1,9 +1,11 @@
-"""Wiring: build the gateway core and its parts from Settings (nothing at import time).
+"""Wiring: build the services from Settings, once each (nothing at import time).
 
 ``open_runtime(settings)`` checks the schema (refusing to start on one that is behind), loads or
 creates the KEK-wrapped gateway secrets, opens the tiers, starts the audit writer, opens the
 audit signer and starts periodic checkpoints, resumes any interrupted secure clear, and returns
-a Runtime to close when done.
+the ``Runtime`` record of what it built, to close when done (the server holds one).
+``open_embedded`` adds the ``Gateway`` over those services, for a process that runs chunk traffic
+itself; ``gateway_over`` builds one over any Runtime.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import os
 import secrets
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +25,7 @@ from audit.signing import AuditSigner
 from audit.writer import AuditWriter
 from crypto.contexts import secret_context
 from crypto.kek import KekProvider, LocalFileKek, Secret
-from gateway.chunks.envelopes import EnvelopePlane
+from gateway.chunks.service import ChunkService
 from gateway.config import Settings
 from gateway.services.access import Access
 from gateway.services.admin import Admin
@@ -46,7 +48,7 @@ from tenancy.registry import Registry
 if TYPE_CHECKING:
     from gateway.datapath.path import DataPath
 
-__all__ = ["Runtime", "open_runtime", "make_kek", "make_datapath"]
+__all__ = ["EmbeddedRuntime", "Runtime", "gateway_over", "make_datapath", "make_kek", "open_embedded", "open_runtime"]
 
 
 def make_datapath(settings: Settings) -> DataPath:
@@ -119,18 +121,32 @@ async def _tiers(settings: Settings) -> list[Tier]:
     return tiers
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Runtime:
+    """The services of one process, each built once by ``open_runtime`` (docs/architecture.md,
+    section 2). A plain record: the server's routes, the admin commands and ``Gateway`` take what
+    they need from it; nothing here builds or looks up anything."""
+
     settings: Settings
     registry: Registry
-    gateway: Gateway
-    admin: Admin
+    kek: KekProvider
+    deriver: NamespaceDeriver
+    authority: CapabilityAuthority
+    access: Access
+    resolver: NamespaceResolver
+    keyring: Keyring
+    tiers: TierManager
+    pins: Pins
+    chunks: ChunkService
+    stats: Counter[str]
     audit: AuditWriter
+    invalidation: Invalidation
+    admin: Admin
     broadcaster: Broadcaster | None = None
     signer: AuditSigner | None = None
     checkpointer: Checkpointer | None = None
     checkpoint_task: asyncio.Task[None] | None = None
-    checkpoint_close: object | None = None  # closes the checkpoint stream mirror
+    checkpoint_close: Callable[[], Awaitable[None]] | None = None  # closes the checkpoint stream mirror
     # keys the pseudonyms of other tenants' actors in a tenant's own audit export (KEK-wrapped in
     # the registry: the same on every replica and after restarts, whatever signs the audit log)
     pseudonym_secret: Secret | None = None
@@ -144,37 +160,61 @@ class Runtime:
                 pass
         if self.broadcaster is not None:
             await self.broadcaster.aclose()
-        await self.gateway.aclose()
+        await self._close_data()
+        await self.tiers.aclose()
         await self.audit.aclose()
         if self.checkpoint_close is not None:
-            await self.checkpoint_close()  # type: ignore[operator]  # held as object: the stream mirror's close coroutine function
+            await self.checkpoint_close()
         if self.signer is not None:
             close_signer(self.signer)
         await self.registry.aclose()
-        close = getattr(self.gateway.kek, "close", None)  # an HSM session, say
+        close = getattr(self.kek, "close", None)  # an HSM session, say
         if close is not None:
             close()
 
-    # the services, for the server and tools (the gateway is a facade over the same objects)
-    @property
-    def access(self) -> Access:
-        return self.gateway.access
+    async def _close_data(self) -> None:
+        """What a subclass runs data operations with, closed before the tiers."""
 
-    @property
-    def resolver(self) -> NamespaceResolver:
-        return self.gateway.resolver
 
-    @property
-    def tiers(self) -> TierManager:
-        return self.gateway.tiers
+@dataclass(kw_only=True)
+class EmbeddedRuntime(Runtime):
+    """A Runtime and the ``Gateway`` over it: what a process that runs chunk traffic itself holds
+    (the embedded connector, the demo, benchmarks). The server holds a plain Runtime."""
 
-    def envelope_plane(self, *, max_chunk_bytes: int) -> EnvelopePlane:
-        """The remote data plane over this runtime's services (the server's chunk routes)."""
-        gw = self.gateway
-        return EnvelopePlane(
-            access=gw.access, resolver=gw.resolver, keyring=gw.keyring, tiers=gw.tiers, pins=gw.pins,
-            audit=gw.audit, stats=gw.stats, chunks=gw.chunks, max_chunk_bytes=max_chunk_bytes,
-        )
+    gateway: Gateway
+
+    @classmethod
+    def over(cls, rt: Runtime, gateway: Gateway) -> EmbeddedRuntime:
+        return cls(**{f.name: getattr(rt, f.name) for f in fields(Runtime)}, gateway=gateway)
+
+    async def _close_data(self) -> None:
+        await self.gateway.aclose()
+
+
+def gateway_over(rt: Runtime, *, datapath: Callable[[], DataPath] | None = None) -> Gateway:
+    """The data operations over ``rt``'s services; ``datapath`` builds the data path on first use
+    (default ``make_datapath(settings)``). The caller closes it (``Gateway.aclose``)."""
+    settings = rt.settings
+    return Gateway(
+        access=rt.access, resolver=rt.resolver, keyring=rt.keyring, chunks=rt.chunks, pins=rt.pins,
+        stats=rt.stats, datapath=datapath or (lambda: make_datapath(settings)), chunk_tokens=settings.chunk_tokens,
+    )
+
+
+AccessFactory = Callable[[CapabilityAuthority, Registry, AuditWriter, Counter[str]], Access]
+
+
+async def open_embedded(
+    settings: Settings,
+    *,
+    tiers: list[Tier] | None = None,
+    auto_migrate: bool = False,
+    datapath: Callable[[], DataPath] | None = None,
+    access: AccessFactory = Access,
+) -> EmbeddedRuntime:
+    """``open_runtime`` and the Gateway over it (``gateway_over``; ``datapath`` as there)."""
+    rt = await open_runtime(settings, tiers=tiers, auto_migrate=auto_migrate, access=access)
+    return EmbeddedRuntime.over(rt, gateway_over(rt, datapath=datapath))
 
 
 async def open_runtime(
@@ -182,14 +222,13 @@ async def open_runtime(
     *,
     tiers: list[Tier] | None = None,
     auto_migrate: bool = False,
-    datapath: Callable[[], DataPath] | None = None,
-    access: Callable[[CapabilityAuthority, Registry, AuditWriter, Counter[str]], Access] = Access,
+    access: AccessFactory = Access,
 ) -> Runtime:
-    """Open everything; ``tiers`` overrides the configured tiers (tests and benchmarks).
-    ``datapath`` builds the data path (default ``make_datapath(settings)``, on first use) and
-    ``access`` the access service: seams a benchmark uses for its baselines. ``auto_migrate``: an
-    embedded SQLite database is brought to the current schema here (nobody else shares it); any
-    other database behind the schema raises SchemaBehind, which names `kvgate migrate`."""
+    """Open everything; ``tiers`` overrides the configured tiers (tests and benchmarks) and
+    ``access`` builds the access service (a seam a benchmark uses for its baselines).
+    ``auto_migrate``: an embedded SQLite database is brought to the current schema here (nobody
+    else shares it); any other database behind the schema raises SchemaBehind, which names
+    `kvgate migrate`."""
     from gateway.services.statefiles import open_kek, prepare_state
 
     prepare_state(settings)  # 0700 / 0600, or InsecureStateFiles
@@ -231,31 +270,20 @@ async def open_runtime(
         write_mode="behind" if settings.tier_write_mode == "write_behind" else "through",
     )
     keyring = Keyring(registry, kek, invocation_limit=settings.invocation_limit, cache_ttl=settings.kek_cache_ttl_s)
-    resolver = NamespaceResolver(registry, kek, NamespaceDeriver(master))
+    deriver = NamespaceDeriver(master)
+    resolver = NamespaceResolver(registry, kek, deriver)
     checks = access(authority, registry, audit, stats)
     pins = Pins(tier_manager, registry, audit)
-    gateway = Gateway(
-        registry=registry,
-        access=checks,
-        resolver=resolver,
-        keyring=keyring,
-        tiers=tier_manager,
-        datapath=datapath or (lambda: make_datapath(settings)),
-        audit=audit,
-        stats=stats,
-        pins=pins,
-        chunk_tokens=settings.chunk_tokens,
-    )
+    chunks = ChunkService(access=checks, resolver=resolver, tiers=tier_manager, audit=audit, stats=stats)
     invalidation = Invalidation(resolver, keyring, tier_manager)
-    admin = Admin(
-        registry=registry, keyring=keyring, resolver=resolver, access=checks, tiers=tier_manager,
-        invalidation=invalidation, audit=audit,
-    )
     broadcaster = None
     if settings.redis_url:
         broadcaster = Broadcaster(invalidation, checks, settings.redis_url, prefix=settings.redis_prefix)
         await broadcaster.start()
-        admin.broadcaster = broadcaster
+    admin = Admin(
+        registry=registry, keyring=keyring, resolver=resolver, access=checks, tiers=tier_manager,
+        invalidation=invalidation, audit=audit, broadcaster=broadcaster,
+    )
     await admin.resume_clears()
     checkpointer, checkpoint_close = make_checkpointer(settings, audit.store, signer, audit)
     task = None
@@ -264,8 +292,10 @@ async def open_runtime(
             checkpointer.run_every(settings.audit_checkpoint_interval_s), name="kvgate-audit-checkpoints"
         )
     return Runtime(
-        settings, registry, gateway, admin, audit, broadcaster, signer, checkpointer, task, checkpoint_close,
-        pseudonym_secret=pseudonym_secret,
+        settings=settings, registry=registry, kek=kek, deriver=deriver, authority=authority, access=checks,
+        resolver=resolver, keyring=keyring, tiers=tier_manager, pins=pins, chunks=chunks, stats=stats, audit=audit,
+        invalidation=invalidation, admin=admin, broadcaster=broadcaster, signer=signer, checkpointer=checkpointer,
+        checkpoint_task=task, checkpoint_close=checkpoint_close, pseudonym_secret=pseudonym_secret,
     )
 
 

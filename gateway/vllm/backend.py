@@ -6,7 +6,7 @@
                       its threads and wants plain return values, so an operation is submitted
                       with ``call`` and waited for with a timeout, or with ``submit`` (stores)
                       and not waited for: its future ends, with the same timeout, on the loop
-    EmbeddedBackend   open_runtime(Settings(**kvgate_settings)): registry, KEK, tiers, audit
+    EmbeddedBackend   open_embedded(Settings(**kvgate_settings)): registry, KEK, tiers, audit
     RemoteBackend     a RemoteGateway per capability (``remote_url``, a service bearer token)
     backend_for       the process's backend for a ``ConnectorConfig``, shared by every connector
                       of the process with that configuration (a single-process engine's two
@@ -165,9 +165,9 @@ class EmbeddedBackend:
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
-        from gateway.services.runtime import open_runtime
+        from gateway.services.runtime import open_embedded
 
-        self.runtime = await open_runtime(self.settings, auto_migrate=True)
+        self.runtime = await open_embedded(self.settings, auto_migrate=True)
 
     async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult:
         result: LookupResult = await self.runtime.gateway.lookup(cap, model, tokens)

@@ -126,7 +126,7 @@ async def _embedded_caps(settings: dict[str, Any], tenants: list[str]) -> dict[s
         caps = {}
         for t in tenants:
             await rt.admin.create_tenant(t)
-            caps[t] = await rt.gateway.mint_capability(t, "default", OPS, CAP_TTL)
+            caps[t] = await rt.access.mint(t, "default", OPS, CAP_TTL)
         return caps
     finally:
         await rt.aclose()

@@ -113,31 +113,31 @@ async def test_disabled_key_turns_loads_into_misses(kms: dict, tmp_path: Path) -
     settings = {"kek_provider": "kms", "kms_key_id": arn, "kms_region": REGION,
                 "kms_endpoint_url": kms["endpoint"], "kms_key_state_ttl_s": 0.001}
     async with gateway_runtime(tmp_path, **settings) as rt:
-        assert rt.gateway.kek.key_id == f"kms:{arn}"
+        assert rt.kek.key_id == f"kms:{arn}"
         await rt.admin.create_tenant("acme")
         cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
         src, blocks, tokens = random_cache(g, NUM_BLOCKS), list(range(10)), list(range(40))
         assert (await rt.gateway.store(cap, model, tokens, src, block_ids=blocks)).stored == 3
-        rt.gateway.keyring.forget("acme")
+        rt.keyring.forget("acme")
         dst = zero_cache(g, NUM_BLOCKS)
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)).loaded_tokens == 40
         assert torch.equal(gathered(src, g, blocks, 40), gathered(dst, g, blocks, 40))
 
         kms["client"].disable_key(KeyId=arn.rsplit("/", 1)[1])  # moto wants the bare id
         await asyncio.sleep(0.01)
-        rt.gateway.keyring.forget("acme")
+        rt.keyring.forget("acme")
         dst = zero_cache(g, NUM_BLOCKS)
         got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)
         assert got.loaded_tokens == 0 and got.unavailable >= 1 and got.integrity_failures == 0
         assert all(not x.any() for x in dst)
         with pytest.raises(KekError, match="Disabled"):
-            rt.gateway.kek.health()
+            rt.kek.health()
         # nothing reaches the engine when even the namespace keys cannot be unwrapped
-        rt.gateway.forget_namespace("acme")
+        rt.resolver.forget("acme")
         assert (await rt.gateway.lookup(cap, model, tokens)).hit_tokens == 0
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)).loaded_tokens == 0
         stored = await rt.gateway.store(cap, model, tokens, src, block_ids=blocks, skip_existing=False)
-        assert stored.stored == 0 and rt.gateway.stats["store_failures"] >= 3
+        assert stored.stored == 0 and rt.stats["store_failures"] >= 3
 
         kms["client"].enable_key(KeyId=arn.rsplit("/", 1)[1])  # and back: loads hit again
         await asyncio.sleep(0.01)

@@ -228,7 +228,7 @@ async def test_token_that_disappears_turns_loads_into_misses(hsm: dict, tmp_path
         src, blocks, tokens = random_cache(g, NUM_BLOCKS), list(range(10)), list(range(40))
         assert (await rt.gateway.store(cap, model, tokens, src, block_ids=blocks)).stored == 3
         dst = zero_cache(g, NUM_BLOCKS)
-        rt.gateway.keyring.forget("acme")
+        rt.keyring.forget("acme")
         got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)
         assert got.loaded_tokens == 40  # positive control: the HSM unwraps the DEK again
         assert torch.equal(gathered(src, g, blocks, 40), gathered(dst, g, blocks, 40))
@@ -237,12 +237,12 @@ async def test_token_that_disappears_turns_loads_into_misses(hsm: dict, tmp_path
         aside = tmp_path / "token-aside"
         token_dir.rename(aside)  # the token goes away mid-run
         try:
-            rt.gateway.keyring.forget("acme")
+            rt.keyring.forget("acme")
             dst = zero_cache(g, NUM_BLOCKS)
             got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)
             assert got.loaded_tokens == 0 and got.unavailable >= 1 and got.integrity_failures == 0
             assert all(not x.any() for x in dst)  # nothing was written into the engine's cache
-            assert rt.gateway.stats["key_unavailable"] >= 1
+            assert rt.stats["key_unavailable"] >= 1
             got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)  # still a miss
             assert got.loaded_tokens == 0
         finally:

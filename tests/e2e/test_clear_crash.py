@@ -46,7 +46,7 @@ async def test_killed_mid_clear_is_resumed_at_the_next_start(tmp_path, db_url):
         for t in ("acme", "globex"):
             cap = await rt.gateway.mint_capability(t, "default", ALL_OPS, 600)
             await rt.gateway.store(cap, model, tokens, random_cache(g, 16), block_ids=list(range(12)))
-        acme_owner = rt.gateway.deriver.owner_label("acme")
+        acme_owner = rt.deriver.owner_label("acme")
 
     root = str(REPO)
     proc = await asyncio.to_thread(
@@ -57,7 +57,7 @@ async def test_killed_mid_clear_is_resumed_at_the_next_start(tmp_path, db_url):
     async with gateway_runtime(state, db_url, migrate_first=False) as rt:
         # resumed at start: the job is complete, acme's chunks are gone from every tier
         assert await rt.registry.incomplete_clear_jobs() == []
-        for tier in rt.gateway.tiers.tiers:
+        for tier in rt.tiers.tiers:
             assert not [k for k in await tier.list_keys() if k.owner == acme_owner]
         assert all(k.state == "destroyed" for k in await rt.registry.list_keys("acme"))
         fresh = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from gateway.config import Settings
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from storage.memory import MemoryTier
 from storage.redis import RedisTier
 from tests.support.gw import ALL_OPS, model_for, random_cache, settings_for, small_geometry, zero_cache
@@ -23,7 +23,7 @@ async def _runtime(tmp_path, tiers):
 
     settings = settings_for(tmp_path)
     await __import__("asyncio").to_thread(dbschema.upgrade, settings.db_url)
-    rt = await open_runtime(settings, tiers=tiers)
+    rt = await open_embedded(settings, tiers=tiers)
     await rt.admin.create_tenant("acme")
     cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
     return rt, cap
@@ -45,7 +45,7 @@ async def test_reasons_for_integrity_and_miss_beside_a_clean_load(tmp_path):
         ok = await rt.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(16)))
         assert (ok.loaded_chunks, ok.reason) == (4, "")  # positive control
         keys = await rt.gateway.keys_for("acme", "default", model, TOKENS)
-        tier = rt.gateway.tiers.tiers[0]
+        tier = rt.tiers.tiers[0]
         await tier.delete(keys[2])
         got = await rt.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(16)))
         assert (got.loaded_chunks, got.reason) == (2, "miss")
@@ -54,7 +54,7 @@ async def test_reasons_for_integrity_and_miss_beside_a_clean_load(tmp_path):
         await tier.put(keys[1], raw)
         got = await rt.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(16)))
         assert (got.loaded_chunks, got.reason, got.integrity_failures) == (1, "integrity", 1)
-        assert rt.gateway.stats["load_failed_miss"] == 1 and rt.gateway.stats["load_failed_integrity"] == 1
+        assert rt.stats["load_failed_miss"] == 1 and rt.stats["load_failed_integrity"] == 1
     finally:
         await rt.aclose()
 
@@ -76,7 +76,7 @@ async def test_a_paused_redis_is_a_timeout_and_a_dead_one_unavailable(tmp_path, 
             os.kill(server.proc.pid, signal.SIGCONT)
         assert (look.hit_tokens, look.degraded) == (0, "tier_timeout")
         assert (got.loaded_chunks, got.reason) == (0, "tier_timeout")
-        assert rt.gateway.stats["lookup_degraded_tier_timeout"] == 1
+        assert rt.stats["lookup_degraded_tier_timeout"] == 1
         timeouts = tier.stats().timeouts  # per operation; loads run one get per concurrent batch
         assert timeouts["contains"] == 1 and timeouts["get"] >= 1
         server.kill()
@@ -122,8 +122,8 @@ async def test_a_stalled_redis_in_front_of_disk_is_answered_by_the_disk(tmp_path
     settings = settings_for(tmp_path, tiers=["redis", "disk"], redis_url=server.url,
                             redis_prefix="kvgate-stall:", tier_lookup_timeout_s=0.1, tier_read_timeout_s=0.1)
     await __import__("asyncio").to_thread(dbschema.upgrade, settings.db_url)
-    worker = await open_runtime(settings)
-    scheduler = await open_runtime(settings)
+    worker = await open_embedded(settings)
+    scheduler = await open_embedded(settings)
     try:
         await worker.admin.create_tenant("acme")
         cap = await worker.gateway.mint_capability("acme", "default", ALL_OPS, 600)
@@ -142,7 +142,7 @@ async def test_a_stalled_redis_in_front_of_disk_is_answered_by_the_disk(tmp_path
             os.kill(server.proc.pid, signal.SIGCONT)
         assert (look.hit_chunks, look.degraded) == (4, "")  # the disk tier holds every chunk
         assert (got.loaded_chunks, got.reason, got.degraded) == (4, "", "tier_timeout")
-        assert worker.gateway.stats["load_degraded_tier_timeout"] == 1
+        assert worker.stats["load_degraded_tier_timeout"] == 1
         assert any("slower tier" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     finally:
         await scheduler.aclose()

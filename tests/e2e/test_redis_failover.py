@@ -147,7 +147,7 @@ async def test_a_master_killed_under_remote_loads_and_mid_batch(own_redis_cluste
         async with live.client() as http:
             a = await live.create_tenant(http, "acme")
             b = await live.create_tenant(http, "globex")
-        gw = live.runtime.gateway
+        gw = live.gateway
         ra = RemoteGateway(live.base_url, live.worker_token(a), chunk_tokens=16)
         rb = RemoteGateway(live.base_url, live.worker_token(b), chunk_tokens=16)
         async with ra, rb, live.client() as http:

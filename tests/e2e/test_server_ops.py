@@ -85,10 +85,10 @@ class _nothing:
 
 
 async def _owner_chunks(live: LiveServer, tenant: str) -> int:
-    gw = live.runtime.gateway
-    owner = gw.deriver.owner_label(tenant)
+    rt = live.runtime
+    owner = rt.deriver.owner_label(tenant)
     n = 0
-    for tier in gw.tiers.tiers:
+    for tier in rt.tiers.tiers:
         n += sum(1 for k in await tier.list_keys() if k.owner == owner)
     return n
 
@@ -173,17 +173,17 @@ async def test_metrics_move(live_server: LiveServer):
         assert (await http.post("/v1/lookup", json={"hashes": [h1]}, headers=live.headers("bad"))).status_code == 401
         assert (await http.post("/v1/lookup", json={"hashes": [h1]}, headers=live.headers(live.worker_token(a), "x"))).status_code == 403
         # an envelope moved to another chunk's place fails authentication in the core
-        core_cap = await live.call(live.runtime.gateway.mint_capability, a, "default", ALL_OPS, 600)
+        core_cap = await live.call(live.gateway.mint_capability, a, "default", ALL_OPS, 600)
         src = random_cache(g, 8)
         t1, t2 = list(range(16)), list(range(100, 116))
-        await live.call(live.runtime.gateway.store, core_cap, model, t1, src, block_ids=[0, 1, 2, 3])
-        (k1,) = await live.call(live.runtime.gateway.keys_for, a, "default", model, t1)
-        (k2,) = await live.call(live.runtime.gateway.keys_for, a, "default", model, t2)
-        blob = (await live.call(live.runtime.gateway.tiers.get, k1)).data
-        await live.call(live.runtime.gateway.tiers.put, k2, bytes(blob))
-        got = await live.call(live.runtime.gateway.retrieve, core_cap, model, t2, zero_cache(g, 8), block_ids=[0, 1, 2, 3])
+        await live.call(live.gateway.store, core_cap, model, t1, src, block_ids=[0, 1, 2, 3])
+        (k1,) = await live.call(live.gateway.keys_for, a, "default", model, t1)
+        (k2,) = await live.call(live.gateway.keys_for, a, "default", model, t2)
+        blob = (await live.call(live.runtime.tiers.get, k1)).data
+        await live.call(live.runtime.tiers.put, k2, bytes(blob))
+        got = await live.call(live.gateway.retrieve, core_cap, model, t2, zero_cache(g, 8), block_ids=[0, 1, 2, 3])
         assert got.integrity_failures == 1
-        await live.call(live.runtime.gateway.tiers.flush)  # write-behind: the disk copies land now
+        await live.call(live.runtime.tiers.flush)  # write-behind: the disk copies land now
         s1 = await _scrape(live, http)
 
     def grew(name: str, by: float = 1, **labels: str) -> None:

@@ -27,7 +27,7 @@ async def _clear(settings: dict, tenant: str, namespace: str) -> str:
     rt = await open_runtime(Settings(**settings))
     try:
         await rt.admin.clear(tenant)
-        return await rt.gateway.mint_capability(tenant, namespace, ["lookup", "get", "put"], 600)
+        return await rt.access.mint(tenant, namespace, ["lookup", "get", "put"], 600)
     finally:
         await rt.aclose()
 
@@ -51,12 +51,12 @@ async def _tamper(settings: dict, tokens: list[int], chunk: int, how: str) -> No
     ``corrupt_head``: leave a Redis head that EXISTS but does not parse (a torn or foreign
     value), and delete every other tier's copy, so a lookup sees the chunk and its load fails."""
     from gateway.config import Settings
-    from gateway.services.runtime import open_runtime
+    from gateway.services.runtime import open_embedded
     from storage.types import ChunkNotFound
-    rt = await open_runtime(Settings(**settings))
+    rt = await open_embedded(Settings(**settings))
     try:
         keys = await rt.gateway.keys_for("acme", "default", tiny_kv_model(), tokens)
-        for tier in rt.gateway.tiers.tiers:
+        for tier in rt.tiers.tiers:
             try:
                 raw = bytearray((await tier.get(keys[chunk])).data)
             except ChunkNotFound:

@@ -46,7 +46,7 @@ async def _setup(settings: dict) -> dict[str, str]:
         caps = {}
         for tenant, name in (("acme", "A"), ("globex", "B")):
             await rt.admin.create_tenant(tenant)
-            caps[name] = await rt.gateway.mint_capability(tenant, "default", ["lookup", "get", "put"], 600)
+            caps[name] = await rt.access.mint(tenant, "default", ["lookup", "get", "put"], 600)
         return caps
     finally:
         await rt.aclose()

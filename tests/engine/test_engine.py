@@ -51,14 +51,14 @@ def _model(geometry_dtype: str = "float32"):
 async def _tamper(settings: dict, tokens: list[int]) -> int:
     """Flip a ciphertext bit of chunk 1 of ``tokens`` (tenant acme) in every tier holding it."""
     from gateway.config import Settings
-    from gateway.services.runtime import open_runtime
+    from gateway.services.runtime import open_embedded
     from storage.types import ChunkNotFound
 
-    rt = await open_runtime(Settings(**settings))
+    rt = await open_embedded(Settings(**settings))
     try:
         keys = await rt.gateway.keys_for("acme", "default", _model(), tokens[: (len(tokens) - 1) // CHUNK * CHUNK])
         done = 0
-        for tier in rt.gateway.tiers.tiers:
+        for tier in rt.tiers.tiers:
             try:
                 raw = bytearray((await tier.get(keys[1])).data)
             except ChunkNotFound:
@@ -140,7 +140,7 @@ def _a2_cap(settings: dict) -> str:
     async def mint() -> str:
         rt = await open_runtime(Settings(**settings))
         try:
-            return await rt.gateway.mint_capability("acme", "default", ["lookup", "get", "put"], 600)
+            return await rt.access.mint("acme", "default", ["lookup", "get", "put"], 600)
         finally:
             await rt.aclose()
 

@@ -32,7 +32,7 @@ class Embedded:
     """The core of the live server's process, called as an embedded worker calls its own."""
 
     def __init__(self, live: LiveServer, tenant: str) -> None:
-        self.live, self.tenant, self.gw = live, tenant, live.runtime.gateway
+        self.live, self.tenant, self.gw = live, tenant, live.gateway
 
     async def _cap(self) -> str:
         return await self.live.call(self.gw.mint_capability, self.tenant, "default", ALL_OPS, 600)
@@ -100,15 +100,15 @@ async def _audit_rows(live: LiveServer, action: str) -> list[dict[str, Any]]:
 async def _tamper(live: LiveServer, tenant: str, model: Any, tokens: Sequence[int], index: int) -> None:
     """Flip one byte in the middle of chunk ``index``'s stored envelope, in the server's tiers (a
     tier that corrupts or swaps what it holds)."""
-    gw = live.runtime.gateway
+    gw, tiers = live.gateway, live.runtime.tiers
 
     async def flip() -> None:
         key = (await gw.keys_for(tenant, "default", model, tokens))[index]
-        found = await gw.tiers.get(key)
+        found = await tiers.get(key)
         blob = bytearray(found.data)
         blob[len(blob) // 2] ^= 0x01
-        await gw.tiers.delete(key)
-        await gw.tiers.put(key, memoryview(blob))
+        await tiers.delete(key)
+        await tiers.put(key, memoryview(blob))
 
     await live.call(flip)
 

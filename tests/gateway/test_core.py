@@ -73,8 +73,8 @@ async def test_write_upto_authenticates_whole_chunks_and_writes_only_the_tokens_
                 await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks, write_upto=bad)
         # chunk 2 tampered in every tier: the load from it fails although no token of it past 42 is written
         key = (await rt.gateway.keys_for("acme", "default", model, tokens))[2]
-        await rt.gateway.tiers.flush()  # the disk copy is written behind: let it land, then spoil both
-        for tier in rt.gateway.tiers.tiers:
+        await rt.tiers.flush()  # the disk copy is written behind: let it land, then spoil both
+        for tier in rt.tiers.tiers:
             raw = bytearray((await tier.get(key)).data)
             raw[-20] ^= 0x80
             await tier.put(key, raw)
@@ -133,14 +133,14 @@ async def test_tampered_envelope_on_disk_is_a_counted_audited_miss(tmp_path):
         keys = await rt.gateway.keys_for("acme", "default", model, tokens)
         # an attacker with write access to the tier rewrites the file consistently (the disk
         # tier's own checksum is for bit rot, not for attackers)
-        disk = rt.gateway.tiers.tier("disk")
+        disk = rt.tiers.tier("disk")
         raw = bytearray((await disk.get(keys[1])).data)
         raw[-20] ^= 0x80  # inside the last segment's ciphertext or tag
         await disk.put(keys[1], raw)
         dst = zero_cache(g, NUM_BLOCKS)
         got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)
         assert got.loaded_tokens == 16 and got.integrity_failures == 1
-        assert rt.gateway.stats["integrity_failures"] == 1
+        assert rt.stats["integrity_failures"] == 1
         await rt.audit.flush(10)
         actions = [r.event.action async for r in rt.audit.store.iter_records()]
         assert "integrity.failure" in actions
@@ -157,7 +157,7 @@ async def test_envelope_moved_to_another_key_fails(tmp_path):
         tokens = list(range(32))
         await rt.gateway.store(cap, model, tokens, random_cache(g, NUM_BLOCKS), block_ids=list(range(8)))
         k0, k1 = await rt.gateway.keys_for("acme", "default", model, tokens)
-        mem = rt.gateway.tiers.tier("memory")
+        mem = rt.tiers.tier("memory")
         await mem.put(k1, bytes((await mem.get(k0)).data))  # a valid envelope under the wrong key
         got = await rt.gateway.retrieve(cap, model, tokens, zero_cache(g, NUM_BLOCKS), block_ids=list(range(8)))
         assert got.loaded_tokens == 16 and got.integrity_failures == 1
@@ -195,9 +195,9 @@ async def test_bad_input_is_refused_and_stores_nothing(tmp_path, case):
             kw = {"slot_mapping": list(range(39))}
         with pytest.raises(InvalidRequest):
             await rt.gateway.store(cap, model, tokens, kv, **kw)
-        assert rt.gateway.stats["chunks_stored"] == 0
-        assert await rt.gateway.tiers.tier("memory").list_keys() == []
-        assert await rt.gateway.tiers.tier("disk").list_keys() == []
+        assert rt.stats["chunks_stored"] == 0
+        assert await rt.tiers.tier("memory").list_keys() == []
+        assert await rt.tiers.tier("disk").list_keys() == []
 
 
 async def test_unknown_tenant_and_bad_capabilities(tmp_path):
@@ -212,7 +212,7 @@ async def test_unknown_tenant_and_bad_capabilities(tmp_path):
         read_only = await rt.gateway.mint_capability("acme", "default", ["lookup"], 600)
         with pytest.raises(AccessDenied):
             await rt.gateway.store(read_only, model, list(range(16)), random_cache(g, NUM_BLOCKS), block_ids=range(4))
-        assert rt.gateway.stats["chunks_stored"] == 0
+        assert rt.stats["chunks_stored"] == 0
         await rt.audit.flush(10)
         denied = [r async for r in rt.audit.store.iter_records() if r.event.action == "authz.denied"]
         assert len(denied) == 2
@@ -229,7 +229,7 @@ async def test_secure_clear_tenant_and_namespace(tmp_path):
         src = random_cache(g, NUM_BLOCKS)
         for cap in (cap_a, cap_b, cap_a_ns):
             await rt.gateway.store(cap, model, tokens, src, block_ids=blocks)
-        envelope_before = bytes((await rt.gateway.tiers.get((await rt.gateway.keys_for("acme", "default", model, tokens))[0])).data)
+        envelope_before = bytes((await rt.tiers.get((await rt.gateway.keys_for("acme", "default", model, tokens))[0])).data)
 
         res = await rt.admin.clear("acme", "scratch")  # namespace clear
         assert res.epochs == {"scratch": 1} and res.destroyed_key_versions == []
@@ -244,14 +244,14 @@ async def test_secure_clear_tenant_and_namespace(tmp_path):
         fresh = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
         assert (await rt.gateway.lookup(fresh, model, tokens)).hit_tokens == 0
         assert (await rt.gateway.retrieve(fresh, model, tokens, zero_cache(g, NUM_BLOCKS), block_ids=blocks)).loaded_tokens == 0
-        owner = rt.gateway.deriver.owner_label("acme")
-        for tier in rt.gateway.tiers.tiers:
+        owner = rt.deriver.owner_label("acme")
+        for tier in rt.tiers.tiers:
             assert not [k for k in await tier.list_keys() if k.owner == owner]
         # the old ciphertext, put back, cannot be opened: its key version is destroyed
         from crypto.errors import KeyUnavailable
 
         with pytest.raises(KeyUnavailable):
-            await rt.gateway.keyring.decryption_key("acme", 1)
+            await rt.keyring.decryption_key("acme", 1)
         assert envelope_before[:3] == b"KVG"
         # globex was never affected
         assert (await rt.gateway.lookup(cap_b, model, tokens)).hit_tokens == 32
@@ -278,7 +278,7 @@ async def test_interrupted_clear_is_resumed_at_start(tmp_path):
         fresh = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
         assert (await rt.gateway.lookup(fresh, model, tokens)).hit_tokens == 0
         assert [k.state for k in await rt.registry.list_keys("acme")][0] == "destroyed"
-        assert await rt.gateway.tiers.tier("disk").list_keys() == []
+        assert await rt.tiers.tier("disk").list_keys() == []
 
 
 async def test_restart_hits_from_disk_and_pins_and_move(tmp_path):
@@ -292,23 +292,23 @@ async def test_restart_hits_from_disk_and_pins_and_move(tmp_path):
         assert await rt.gateway.pin(cap, model, tokens) == 2
     async with gateway_runtime(tmp_path, migrate_first=False) as rt:
         cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
-        assert await rt.gateway.tiers.tier("memory").list_keys() == []
+        assert await rt.tiers.tier("memory").list_keys() == []
         dst = zero_cache(g, NUM_BLOCKS)
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=list(range(8)))).loaded_tokens == 32
         assert torch.equal(gathered(src, g, list(range(8)), 32), gathered(dst, g, list(range(8)), 32))
         assert len(await rt.registry.list_pins("acme")) == 2
         keys = await rt.gateway.keys_for("acme", "default", model, tokens)
         # promoted into memory on the hit; move it back out to disk only
-        assert len(await rt.gateway.tiers.tier("memory").list_keys()) == 2
-        assert await rt.gateway.move(keys, "memory", "disk") == 2
-        assert await rt.gateway.tiers.tier("memory").list_keys() == []
+        assert len(await rt.tiers.tier("memory").list_keys()) == 2
+        assert await rt.admin.move(keys, "memory", "disk") == 2
+        assert await rt.tiers.tier("memory").list_keys() == []
 
 
 async def test_invocation_limit_forces_a_new_key_version(tmp_path):
     g = small_geometry()
     model = model_for(g)
     async with gateway_runtime(tmp_path, invocation_limit=3, tiers=["memory"]) as rt:
-        rt.gateway.keyring._block = 2
+        rt.keyring._block = 2
         (cap,) = await _setup(rt, "acme")
         tokens = list(range(16 * 8))
         src = random_cache(g, NUM_BLOCKS)

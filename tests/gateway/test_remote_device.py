@@ -98,9 +98,9 @@ async def test_a_device_worker_sends_only_ciphertext_and_interoperates(
         got = await cpu.retrieve(model, tokens, host, block_ids=BLOCKS)
         assert got.loaded_tokens == N and got.integrity_failures == 0
         assert gathered(host, g, BLOCKS, N).numpy().tobytes() == plain
-        cap = await live.call(live.runtime.gateway.mint_capability, a, "default", ALL_OPS, 600)
+        cap = await live.call(live.gateway.mint_capability, a, "default", ALL_OPS, 600)
         core = zero_cache(g, NUM_BLOCKS)
-        got = await live.call(live.runtime.gateway.retrieve, cap, model, tokens, core, block_ids=BLOCKS)
+        got = await live.call(live.gateway.retrieve, cap, model, tokens, core, block_ids=BLOCKS)
         assert got.loaded_tokens == N and gathered(core, g, BLOCKS, N).numpy().tobytes() == plain
 
         # the device worker opens what the CPU path stored (other tokens), back on its device

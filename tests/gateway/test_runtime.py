@@ -23,11 +23,11 @@ async def _faults_of_a_first_fill(tier: MemoryTier, n: int = 6) -> int:
 
 async def test_memory_prefault_setting_faults_the_arena_in_at_start(tmp_path) -> None:
     async with gateway_runtime(tmp_path / "cold", tiers=["memory"], memory_bytes=32 << 20) as rt:
-        tier = rt.gateway.tiers.tiers[0]
+        tier = rt.tiers.tiers[0]
         assert isinstance(tier, MemoryTier)
         cold = await _faults_of_a_first_fill(tier)
     async with gateway_runtime(tmp_path / "warm", tiers=["memory"], memory_bytes=32 << 20, memory_prefault=True) as rt:
-        tier = rt.gateway.tiers.tiers[0]
+        tier = rt.tiers.tiers[0]
         assert isinstance(tier, MemoryTier)
         warm = await _faults_of_a_first_fill(tier)
     assert cold > 1000, cold  # the control: 12 MiB into fresh 4 KiB pages (~3k faults)

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from storage.disk import DiskTier
 from storage.memory import MemoryTier
 from storage.redis import RedisTier
@@ -36,7 +36,7 @@ def _redis_server(port: int) -> subprocess.Popen:
 async def _open(tmp_path, tier_objects, **kw):
     settings = settings_for(tmp_path, **kw)
     await migrate(settings.db_url)
-    rt = await open_runtime(settings, tiers=tier_objects)
+    rt = await open_embedded(settings, tiers=tier_objects)
     await rt.admin.create_tenant("acme")
     await rt.admin.create_tenant("globex")
     return rt
@@ -67,7 +67,7 @@ async def test_redis_down_means_misses_within_the_timeout_and_hits_resume(tmp_pa
             assert elapsed < 0.5, elapsed
             assert all(not x.any() for x in dst)  # nothing (corrupt or otherwise) reached the cache
         stored = await rt.gateway.store(cap, MODEL, tokens, src, block_ids=blocks)  # no exception
-        assert stored.stored == 4 and rt.gateway.stats["store_failures"] >= 4
+        assert stored.stored == 4 and rt.stats["store_failures"] >= 4
         proc = _redis_server(port)  # back, empty (no persistence)
         await asyncio.sleep(0.4)  # the breaker's cooldown
         deadline = time.monotonic() + 5
@@ -119,7 +119,7 @@ async def test_write_back_tier_gets_its_copy_after_store_returns(tmp_path):
         src = random_cache(G, 32)
         tokens, blocks = list(range(64)), list(range(16))
         await rt.gateway.store(cap, MODEL, tokens, src, block_ids=blocks)
-        await rt.gateway.tiers.flush()
+        await rt.tiers.flush()
         assert len(await disk.list_keys()) == 4
     finally:
         await rt.aclose()
@@ -127,7 +127,7 @@ async def test_write_back_tier_gets_its_copy_after_store_returns(tmp_path):
     disk2 = DiskTier(tmp_path / "wb")
     await disk2.start()
     settings = settings_for(tmp_path, tiers=["memory", "disk"])
-    rt = await open_runtime(settings, tiers=[MemoryTier(64 << 20), disk2])
+    rt = await open_embedded(settings, tiers=[MemoryTier(64 << 20), disk2])
     try:
         cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
         dst = zero_cache(G, 32)

@@ -11,7 +11,7 @@ import torch
 from gateway.config import Settings
 from gateway.services import dbschema
 from gateway.services.core import KVModel
-from gateway.services.runtime import Runtime, open_runtime
+from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from kernels.layouts import KVGeometry, KVLayout
 from kernels.pack import pack, slots_from_block_ids
 
@@ -62,7 +62,7 @@ async def gateway_runtime(state_dir: Path, db_url: str | None = None, *, migrate
     settings = settings_for(state_dir, db_url, **kw)
     if migrate_first:
         await migrate(settings.db_url)
-    rt: Runtime = await open_runtime(settings)
+    rt: EmbeddedRuntime = await open_embedded(settings)
     try:
         yield rt
     finally:

@@ -11,8 +11,9 @@ fetching its own JWKS over real HTTP, exactly as in production) and yields a ``L
             cap = await live.capability(http, "acme")
             r = await http.post("/v1/lookup", json=..., headers=live.headers(live.worker_token("acme"), cap))
 
-``live.call(coro_fn, *args)`` runs a coroutine on the server's own loop (the in-process core:
-``live.runtime.gateway``), awaitable from the test's loop. ``live.stop()`` is uvicorn's graceful
+``live.call(coro_fn, *args)`` runs a coroutine on the server's own loop (where ``live.runtime``,
+the server's services, lives), awaitable from the test's loop; ``live.gateway`` runs data
+operations in process over those services (the server itself holds no Gateway). ``live.stop()`` is uvicorn's graceful
 shutdown (requests drained, lifespan closed, audit queue flushed); the context manager calls it.
 
 Also fixtures: ``live_server`` (SQLite, function scope) and ``live_server_pg`` (Postgres).
@@ -38,7 +39,8 @@ from gateway.server.app import DEV_ISSUER_PATH, create_app
 from gateway.server.deps import FailureLimiter, ServerState
 from gateway.server.gatekeeper import uvicorn_options
 from gateway.services import dbschema
-from gateway.services.runtime import Runtime
+from gateway.services.core import Gateway
+from gateway.services.runtime import Runtime, gateway_over
 from tenancy.devissuer import DevIssuer
 from tests.support.services import free_port
 
@@ -83,6 +85,7 @@ class LiveServer:
         self._server = server
         self._thread = thread
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._gateway: Gateway | None = None
 
     # -- identity ---------------------------------------------------------------------------
     def token(self, tenant: str, roles: Iterable[str] = WORKER, **kw: Any) -> str:
@@ -114,6 +117,13 @@ class LiveServer:
     @property
     def runtime(self) -> Runtime:
         return self.state.runtime
+
+    @property
+    def gateway(self) -> Gateway:
+        """Data operations in this process over the server's services (run them with ``call``)."""
+        if self._gateway is None:
+            self._gateway = gateway_over(self.runtime)
+        return self._gateway
 
     def set_auth_failure_limit(self, limit: int, window_s: float = 60.0) -> None:
         self.state.limiter = FailureLimiter(limit=limit, window_s=window_s)
@@ -155,6 +165,9 @@ class LiveServer:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Graceful shutdown: uvicorn drains, the lifespan closes the runtime (audit flushed)."""
+        if self._gateway is not None and self.loop is not None and self.running:
+            asyncio.run_coroutine_threadsafe(self._gateway.aclose(), self.loop).result(timeout)
+            self._gateway = None
         self._server.should_exit = True
         self._thread.join(timeout)
         if self._thread.is_alive():

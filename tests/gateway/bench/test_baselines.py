@@ -13,7 +13,7 @@ from gateway.bench.baselines import plaintext_runtime, shared_tenant_runtime
 from gateway.config import Settings
 from gateway.services import dbschema
 from gateway.services.core import KVModel
-from gateway.services.runtime import open_runtime
+from gateway.services.runtime import open_embedded
 from kernels.layouts import KVGeometry, KVLayout
 from storage.memory import MemoryTier
 
@@ -44,7 +44,7 @@ async def test_plaintext_baseline_stores_readable_kv_the_product_does_not(tmp_pa
     layers, blocks = _kv()
     probe = layers[0].flatten()[:64].numpy().tobytes()  # 128 bytes of the first layer's KV
     prompt = list(range(TOKENS))
-    for name, opener, readable in (("plain", plaintext_runtime, True), ("product", open_runtime, False)):
+    for name, opener, readable in (("plain", plaintext_runtime, True), ("product", open_embedded, False)):
         tier = MemoryTier(64 << 20)
         rt = await opener(await _settings(tmp_path, name), tiers=[tier])
         try:
@@ -70,7 +70,7 @@ async def test_shared_tenant_baseline_lets_b_load_a_the_product_does_not(tmp_pat
         if shared:
             rt = await shared_tenant_runtime(settings, tiers=tiers, pseudo_tenant="everyone")
         else:
-            rt = await open_runtime(settings, tiers=tiers)
+            rt = await open_embedded(settings, tiers=tiers)
         try:
             for t in ("a", "b"):
                 await rt.admin.create_tenant(t)

@@ -39,7 +39,7 @@ async def test_device_path_round_trip_and_interop_with_the_cpu_path(tmp_path, la
         assert torch.equal(gathered(src, g, blocks, 40), gathered(dst, g, blocks, 40))
         # a tampered envelope is a miss on the device path too, and nothing of it lands
         keys = await rt.gateway.keys_for("acme", "default", model, tokens)
-        mem = rt.gateway.tiers.tier("memory")
+        mem = rt.tiers.tier("memory")
         raw = bytearray((await mem.get(keys[1])).data)
         raw[-5] ^= 1
         await mem.put(keys[1], raw)

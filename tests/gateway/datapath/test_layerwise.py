@@ -140,14 +140,14 @@ def test_a_tampered_segment_ends_the_prefix_and_nothing_of_it_or_after_it_stays(
 async def test_retrieve_on_layers_through_the_gateway_matches_a_whole_load(tmp_path):
     from gateway.config import Settings
     from gateway.services import dbschema
-    from gateway.services.runtime import open_runtime
+    from gateway.services.runtime import open_embedded
     from gateway.types import KVModel
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'g.db'}"
     await asyncio.to_thread(dbschema.upgrade, url)
     g = KVGeometry(6, 2, 16, torch.float16, 4, KVLayout.KV_FIRST)
     model = KVModel("layered", g)
-    rt = await open_runtime(Settings(state_dir=tmp_path, database_url=url, chunk_tokens=8, cpu_threads=2, tiers=["memory"]))
+    rt = await open_embedded(Settings(state_dir=tmp_path, database_url=url, chunk_tokens=8, cpu_threads=2, tiers=["memory"]))
     try:
         await rt.admin.create_tenant("acme")
         cap = await rt.gateway.mint_capability("acme", "default", ["put", "get", "lookup"], 600)

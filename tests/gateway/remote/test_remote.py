@@ -40,7 +40,7 @@ def _remote(live: LiveServer, tenant: str, **kw) -> RemoteGateway:
 
 
 async def _core_cap(live: LiveServer, tenant: str) -> str:
-    return await live.call(live.runtime.gateway.mint_capability, tenant, "default", ALL_OPS, 600)
+    return await live.call(live.gateway.mint_capability, tenant, "default", ALL_OPS, 600)
 
 
 async def _both_directions(live: LiveServer) -> None:
@@ -49,7 +49,7 @@ async def _both_directions(live: LiveServer) -> None:
     a, b = await _tenants(live, "acme", "globex")
     src = random_cache(g, NUM_BLOCKS, seed=1)
     tokens = list(range(500, 500 + N))
-    gw = live.runtime.gateway
+    gw = live.gateway
     async with _remote(live, a) as ra, _remote(live, b) as rb:
         # REST store, in-process retrieve
         res = await ra.store(model, tokens, src, block_ids=BLOCKS)
@@ -114,11 +114,11 @@ async def test_moved_envelope_is_an_integrity_failure_on_both_sides(live_server:
         assert (await ra.retrieve(model, t1, dst, block_ids=BLOCKS)).loaded_tokens == 32
         # the core sees the same: a miss, counted
         assert (await http.put(f"/v1/chunks/{h2}", content=blob, headers=hdr)).status_code == 204
-        before = live.runtime.gateway.stats["integrity_failures"]
+        before = live.runtime.stats["integrity_failures"]
         dst2 = zero_cache(g, NUM_BLOCKS)
-        got = await live.call(live.runtime.gateway.retrieve, await _core_cap(live, a), model, t2, dst2, block_ids=BLOCKS)
+        got = await live.call(live.gateway.retrieve, await _core_cap(live, a), model, t2, dst2, block_ids=BLOCKS)
         assert (got.loaded_tokens, got.integrity_failures) == (0, 1)
-        assert live.runtime.gateway.stats["integrity_failures"] == before + 1
+        assert live.runtime.stats["integrity_failures"] == before + 1
 
 
 async def test_bad_input_and_denials(live_server: LiveServer, tmp_path):
@@ -250,7 +250,7 @@ async def test_destroyed_key_version_is_a_miss_for_the_remote_worker(live_server
         assert r.status_code == 200
         await ra.store(model, t_live, src, block_ids=BLOCKS)
         assert (await ra.retrieve(model, t_old, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS)).loaded_tokens == 32
-        assert await live.call(live.runtime.gateway.keyring.destroy, a, [v1]) == [v1]
+        assert await live.call(live.runtime.keyring.destroy, a, [v1]) == [v1]
         before = ra.stats["unavailable"]
         dst = zero_cache(g, NUM_BLOCKS)
         got = await ra.retrieve(model, t_old, dst, block_ids=BLOCKS)
@@ -333,7 +333,7 @@ async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_s
     (a,) = await _tenants(live, "acme")
     src = random_cache(g, NUM_BLOCKS, seed=9)
     tokens = list(range(N))
-    stats = live.runtime.gateway.stats
+    stats = live.runtime.stats
     async with _remote(live, a) as ra, live.client() as http:
         seal0, open0 = stats["envelope_keys_issued_seal"], stats["envelope_keys_issued_open"]
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
@@ -460,7 +460,7 @@ async def test_a_load_from_a_later_chunk_reads_only_the_chunks_from_there(live_s
         assert not gathered(dst, g, BLOCKS6[:12], 48).any()  # the engine's own blocks: not written
         core = zero_cache(g, NUM_BLOCKS)
         got = await live.call(
-            live.runtime.gateway.retrieve, await _core_cap(live, a), model, tokens, core, block_ids=later, first_chunk=3
+            live.gateway.retrieve, await _core_cap(live, a), model, tokens, core, block_ids=later, first_chunk=3
         )
         assert (got.loaded_tokens, got.loaded_chunks) == (SIX, 3)
         assert torch.equal(gathered(src, g, later, 48), gathered(core, g, later, 48))
@@ -570,7 +570,7 @@ async def test_the_fetch_stream_carries_each_envelopes_key_counted_and_audited_p
     (a,) = await _tenants(live, "acme")
     src = random_cache(g, NUM_BLOCKS, seed=21)
     tokens = list(range(400, 400 + N))
-    stats = live.runtime.gateway.stats
+    stats = live.runtime.stats
     async with _remote(live, a) as ra, live.client() as http:
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
         cap = await ra.capability()
@@ -658,7 +658,7 @@ async def test_a_destroyed_key_version_mid_prefix_ends_it_as_key_unavailable(liv
         assert read_header(await _stored_envelope(live, http, a, cap, hashes[0])).key_version == v1 + 1
         control = zero_cache(g, NUM_BLOCKS)  # positive control: the whole prefix loads
         assert (await ra.retrieve(model, tokens, control, block_ids=BLOCKS6)).loaded_tokens == 64
-        assert await live.call(live.runtime.gateway.keyring.destroy, a, [v1]) == [v1]
+        assert await live.call(live.runtime.keyring.destroy, a, [v1]) == [v1]
         cap_id = read_unverified(cap).cap_id
         seen = len(await _key_issue_rows(live, http, a, cap_id))
         _scope, items = await _keyed_fetch(live, http, a, cap, hashes)

@@ -237,7 +237,7 @@ async def test_a_slow_reader_holds_the_server_to_a_few_envelopes(live_server: Li
         _a, hdr = await _setup(live, http)
         hashes = [random_hash() for _ in range(n)]
         assert (await put_batch(http, hdr, frame([(h, env) for h in hashes]))).status_code == 204
-        stats = live.runtime.gateway.stats
+        stats = live.runtime.stats
         before = stats["chunks_loaded"]
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
@@ -307,12 +307,12 @@ async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stop
         _cap, keys = await live.call(live.state.plane.keys_for, cap, "get", [hashes[1]])
         junk = b"not an envelope" * 20
         await live.call(live.runtime.tiers.put, keys[0], memoryview(junk))
-        issued = live.runtime.gateway.stats["envelope_keys_issued"]
+        issued = live.runtime.stats["envelope_keys_issued"]
         got = await keyed_fetch(http, hdr, hashes)
         assert [(it.status, env, it.key == bytes(32)) for it, env in got] == [
             (frames.OK, items[0][1], False), (frames.UNKEYED, junk, True),
         ]
-        assert live.runtime.gateway.stats["envelope_keys_issued"] == issued + 1
+        assert live.runtime.stats["envelope_keys_issued"] == issued + 1
 
 
 async def test_the_fetch_stream_goes_to_the_connection_raw_and_through_asgi_alike(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
@@ -440,7 +440,7 @@ async def test_a_tier_failing_mid_batch_refuses_it_whole_and_removes_what_it_sto
             r = await put_batch(http, hdr, frame(items))
             assert r.status_code == 503, r.text
             assert await stored(http, hdr, hashes) == [False] * 3  # the first, stored before the failure, is gone
-            stats = live.runtime.gateway.stats
+            stats = live.runtime.stats
             # the first removed; the failed one counted as left, since its tier could not be asked
             assert (stats["store_rollback_removed"], stats["store_rollback_left"]) == (1, 1)
             blocker.unlink()

@@ -177,9 +177,9 @@ async def test_wrong_tenant_is_refused_and_audited(probe_app: Probe) -> None:
 
 async def test_a_capability_never_crosses_tenants(probe_app: Probe) -> None:
     p = probe_app
-    gw = p.state.runtime.gateway
-    cap_a = await gw.mint_capability(p.a, "default", ["get"], 600)
-    cap_b = await gw.mint_capability(p.b, "default", ["get"], 600)
+    access = p.state.runtime.access
+    cap_a = await access.mint(p.a, "default", ["get"], 600)
+    cap_b = await access.mint(p.b, "default", ["get"], 600)
     worker = p.who(p.a, "kv.worker", sub="worker-of-a")
     ok = await p.http.get("/probe/get", headers={**worker, "x-kv-capability": cap_a})
     assert ok.status_code == 200 and ok.json()["tenant"] == p.a and ok.json()["capability"] == cap_a
@@ -196,7 +196,7 @@ async def test_a_missing_role_is_refused(probe_app: Probe) -> None:
     _refused(await p.http.get("/probe/own", headers=p.who(p.a, "kv.unknown-role")))
     admin = p.who(p.a, "kv.admin", sub="admin-only")
     assert (await p.http.get("/probe/own", headers=admin)).json()["tenant"] == p.a  # positive control
-    cap = await p.state.runtime.gateway.mint_capability(p.a, "default", ["get"], 600)
+    cap = await p.state.runtime.access.mint(p.a, "default", ["get"], 600)
     _refused(await p.http.get("/probe/get", headers={**admin, "x-kv-capability": cap}))  # admins hold no data role
     _refused(await p.http.get("/probe/fleet", headers=admin))  # and no fleet-wide one
     assert await p.denials("plain-worker") == [
@@ -215,7 +215,7 @@ async def test_an_operator_acts_on_any_tenant(probe_app: Probe) -> None:
         assert r.status_code == 200 and r.json()["tenant"] == tenant and r.json()["actor_tenant"] == "platform"
     fleet = await p.http.get("/probe/fleet", headers=op)
     assert fleet.status_code == 200 and fleet.json()["tenant"] == "*"
-    cap_b = await p.state.runtime.gateway.mint_capability(p.b, "default", ["get"], 600)
+    cap_b = await p.state.runtime.access.mint(p.b, "default", ["get"], 600)
     assert (await p.http.get("/probe/get", headers={**op, "x-kv-capability": cap_b})).status_code == 200
     assert (await p.http.post("/probe/clear", json={"tenant": p.b, "n": 1}, headers=op)).json()["n"] == 1
     assert await p.denials("the-operator") == []

@@ -92,7 +92,7 @@ def _flip(b: Backend, model: KVModel, chunk: int) -> None:
     async def flip() -> None:
         rt = b.runtime  # type: ignore[attr-defined]
         key = (await rt.gateway.keys_for("acme", "default", model, TOKENS))[chunk]
-        for tier in rt.gateway.tiers.tiers:
+        for tier in rt.tiers.tiers:
             try:
                 raw = bytearray((await tier.get(key)).data)
             except ChunkNotFound:
@@ -248,7 +248,7 @@ def test_chunks_the_engine_computed_itself_are_neither_fetched_nor_opened(backen
     assert writer.wait_stores(30)
     assert writer.model is not None
     _flip(backend, writer.model, 0)
-    stats = backend.runtime.gateway.plane.stats  # type: ignore[attr-defined]
+    stats = backend.runtime.stats  # type: ignore[attr-defined]
     before_loaded = stats["chunks_loaded"]
     reader = _worker(backend, dst, tmp_path)
     reader.load([LoadOp("r", cap, TOKENS, dst_ids, skip_blocks=5, upto=44)])
