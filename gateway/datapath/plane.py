@@ -176,7 +176,8 @@ class DataPlane:
             return 0, 0
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
 
-        async def run(batch: list[int]) -> int:
+        async def run(batch: list[int]) -> tuple[int, int]:
+            """The chunks of ``batch`` stored, and their bytes."""
             # Each envelope is sealed straight into its slot of the fastest tier where one is
             # handed out (gather + encrypt in one pass, no allocation), else into a pool buffer.
             reserved: dict[int, Reserved] = {}
@@ -193,7 +194,7 @@ class DataPlane:
                 for slot in reserved.values():
                     session.abort(slot)
                 raise
-            stored = 0
+            stored = stored_bytes = 0
             for k, env in zip(batch, envelopes):
                 jobs[k].out = None
                 slot = reserved.get(k)
@@ -204,10 +205,11 @@ class DataPlane:
                             continue
                     else:
                         await session.put(todo[k], env)
-                    stored += nbytes
+                    stored += 1
+                    stored_bytes += nbytes
                 except TierError:  # no tier took it: the cache loses this chunk, the engine goes on
                     self.counts.store_failed(1)
-            return stored
+            return stored, stored_bytes
 
         # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
         # job reads the KV any more (a caller may reuse that memory at once). Only a cancelled
@@ -217,7 +219,8 @@ class DataPlane:
             if isinstance(outcome, BaseException):
                 raise outcome
         await session.flush()  # a store that batches puts (remote) sends the rest; raises what it met
-        return len(todo), sum(n for n in ended if isinstance(n, int))
+        done = [n for n in ended if isinstance(n, tuple)]
+        return sum(n for n, _b in done), sum(b for _n, b in done)
 
     # -- retrieve ----------------------------------------------------------------------------
     async def retrieve(
