@@ -146,6 +146,10 @@ class Settings(BaseSettings):
     # uvicorn's access log, a line per request (it costs server CPU on every request): off
     # leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True
+    # the server's raw request paths (docs/server.md, "Raw paths"): an upload read from the socket
+    # into the tier's buffers, the fetch stream written from them, the lookup served without
+    # FastAPI's per-request work; off: every request through uvicorn's ASGI and FastAPI, as any app
+    raw_paths: bool = True
     # SIGTERM: stop taking connections, wait at most this long for the requests in flight, then
     # cancel them, write the audit queue, withdraw the published URL and exit 0
     shutdown_timeout_s: float = Field(default=30.0, gt=0, le=3600)

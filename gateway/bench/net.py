@@ -5,7 +5,9 @@ The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks
 one streamed ``POST /v1/chunks/fetch`` per prefix, over the data plane's own client
 ``gateway.remote.wire``, received into a buffer per envelope as ``gateway.remote.client`` does; ``get_keyed``
 with each envelope's opening key in the stream, the worker's load), and, labelled ``per_chunk``,
-one request per chunk, the cost of a client that does not batch.
+one request per chunk, the cost of a client that does not batch. The fast paths stand beside the
+public ones in the same run (``fast_paths``): the same calls through httpx instead of the wire
+client (``*_httpx``), and against a server with its raw paths off (``raw=False``).
 
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
 the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;
@@ -38,7 +40,11 @@ from gateway.protocol import frames, sockets
 from gateway.remote import wire
 from gateway.remote.shm import attach
 
-__all__ = ["redis_ceilings", "rest_figures", "socket_ceiling"]
+__all__ = ["KEEP_FAST_PATH", "fast_paths", "redis_ceilings", "rest_figures", "socket_ceiling"]
+
+KEEP_FAST_PATH = 1.10
+"""A fast path is kept where the public route costs at least this much more in the same run
+(GB/s for a transfer, p50 for a lookup): docs/server.md, "Raw paths"."""
 
 _SINK = r"""
 import socket, sys
@@ -189,21 +195,23 @@ def _free_port() -> int:
 
 
 async def rest_figures(
-    base: Path, sizes: list[int], counts: dict[int, int], reps: int, uds: bool = False
+    base: Path, sizes: list[int], counts: dict[int, int], reps: int, uds: bool = False, raw: bool = True,
 ) -> dict[str, Any]:
     """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
     batched (``put``, ``get``; ``get_keyed``: the fetch with each envelope's opening key, as a
     remote worker loads) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
     the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
     latency for 128 chained hashes: ``lookup_ms`` as a remote worker asks (the data plane's own
-    client, ``gateway.remote.wire``), ``lookup_ms_httpx`` through a general-purpose client. ``uds``: the
+    client, ``gateway.remote.wire``), ``lookup_ms_httpx`` through a general-purpose client;
+    ``put_httpx`` and ``get_keyed_httpx`` are the batched calls through httpx. ``raw``: the server's
+    raw paths (``KVGATE_RAW_PATHS``; off: every request through ASGI and FastAPI). ``uds``: the
     server also listens on a Unix socket and every call goes there (``kvgate serve --uds``), and
     ``get_keyed_shm`` is the keyed fetch with a shared-memory region lent (``gateway.server.shm``:
     the envelopes are copied into it by the server and read there, only their heads cross)."""
     from gateway.services import dbschema
     from tenancy.devissuer import DevIssuer
 
-    state = base / ("rest-uds" if uds else "rest")
+    state = base / (("rest-uds" if uds else "rest") + ("" if raw else "-routed"))
     state.mkdir(parents=True, exist_ok=True, mode=0o700)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -212,13 +220,17 @@ async def rest_figures(
         "KVGATE_TIERS": '["memory"]', "KVGATE_MEMORY_BYTES": str(4 << 30), "KVGATE_SHM_MAX_BYTES": str(4 << 30),
         "KVGATE_MAX_CHUNK_BYTES": str(max(sizes) + (1 << 20)),
         "KVGATE_MAX_BATCH_BYTES": str(max(max(sizes) + (1 << 20), max(s * counts[s] for s in sizes) + (1 << 20))),
+        "KVGATE_RAW_PATHS": "true" if raw else "false",
     }
     env.pop("KVGATE_DATABASE_URL", None)
     await asyncio.to_thread(dbschema.upgrade, f"sqlite+aiosqlite:///{state / 'kvgate.db'}")
     sock = str(state / "kvgate.sock") if uds else None
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", sock] if sock else [])],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    out: dict[str, Any] = {"put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "cpu_s_per_gb": {}}
+    out: dict[str, Any] = {
+        "put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "put_httpx": {},
+        "get_keyed_httpx": {}, "cpu_s_per_gb": {},
+    }
     pool = wire.WirePool(url, timeout_s=120.0, connections=2, uds=sock)
     try:
         transport = httpx.AsyncHTTPTransport(uds=sock) if sock else None
@@ -326,11 +338,39 @@ async def rest_figures(
                 async def get_keyed() -> None:
                     await pool.run(fetch, _wire_headers(keyed, "application/json"), True)
 
+                async def put_httpx() -> None:
+                    """The upload frame through httpx: the index, then each envelope from its buffer."""
+                    index = frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
+
+                    async def parts() -> Any:
+                        yield index
+                        for _ in hashes:
+                            yield body
+
+                    size = len(index) + len(body) * len(hashes)
+                    r = await http.put("/v1/chunks", content=parts(), headers={**hdr, "Content-Length": str(size)})
+                    assert r.status_code == 204, (r.status_code, r.text)
+
+                async def get_keyed_httpx() -> None:
+                    """The keyed fetch through httpx, each envelope read into a buffer of its own."""
+                    request = {"hashes": hashes, "keys": True}
+                    async with http.stream("POST", "/v1/chunks/fetch", json=request, headers=keyed) as resp:
+                        assert resp.status_code == 200, resp.status_code
+                        reader = frames.Reader(resp.aiter_raw())
+                        await frames.read_keyed_head(reader)
+                        for _ in hashes:
+                            item = frames.parse_keyed_item_head(await reader.read(frames.KEYED_ITEM_HEAD))
+                            assert item.status == frames.OK, item.status
+                            await reader.into(wire.receive_buffers.take(item.length))
+                        await reader.end()
+
                 out["put_per_chunk"][size] = await timed(puts, "put_per_chunk")
                 out["get_per_chunk"][size] = await timed(gets, "get_per_chunk")
                 out["put"][size] = await timed(put_batch, "put")
                 out["get"][size] = await timed(get_batch, "get")
                 out["get_keyed"][size] = await timed(get_keyed, "get_keyed")
+                out["put_httpx"][size] = await timed(put_httpx, "put_httpx")
+                out["get_keyed_httpx"][size] = await timed(get_keyed_httpx, "get_keyed_httpx")
                 if sock is not None:
                     status, region = await asyncio.to_thread(
                         attach, pool, _wire_headers(keyed, "application/json"), len(body) * len(hashes) + (1 << 20)
@@ -386,6 +426,43 @@ async def rest_figures(
     return out
 
 
+def fast_paths(fast: dict[str, Any], routed: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each fast path beside its public route, from one run: ``fast`` from a server with its raw
+    paths on, ``routed`` with them off. ``speedup``: the public route's cost over the fast
+    path's (GB/s for transfers, p50 for the lookup); ``cpu_ratio``: the same for the CPU seconds
+    per GB of the side the path is on; ``keep``: ``speedup >= KEEP_FAST_PATH``."""
+    rows: list[dict[str, Any]] = []
+
+    def row(
+        figure: str, side: str, size: int, fast_v: float, public_v: float,
+        cpu: tuple[str, str, str, dict[str, Any]] | None, cost: bool = False,
+    ) -> None:
+        """``cost``: the figures are times (less is better), else rates."""
+        num, den = (public_v, fast_v) if cost else (fast_v, public_v)
+        speedup = num / den if den else 0.0
+        out: dict[str, Any] = {"figure": figure, "side": side, "chunk_bytes": size, "fast": round(fast_v, 3),
+                               "public": round(public_v, 3), "speedup": round(speedup, 3)}
+        if cpu is not None:
+            fast_name, public_name, who, public_run = cpu
+            f_cpu = fast["cpu_s_per_gb"][fast_name][size][who]
+            p_cpu = public_run["cpu_s_per_gb"][public_name][size][who]
+            out["cpu_ratio"] = round(p_cpu / f_cpu, 3) if f_cpu else 0.0
+        out["keep"] = speedup >= KEEP_FAST_PATH
+        rows.append(out)
+
+    for size in sorted(fast["put"]):
+        row("upload GB/s: raw body vs ASGI", "server", size, fast["put"][size], routed["put"][size], ("put", "put", "server", routed))
+        row("keyed fetch GB/s: raw chunks vs ASGI", "server", size, fast["get_keyed"][size], routed["get_keyed"][size],
+            ("get_keyed", "get_keyed", "server", routed))
+        row("upload GB/s: wire vs httpx", "client", size, fast["put"][size], fast["put_httpx"][size], ("put", "put_httpx", "client", fast))
+        row("keyed fetch GB/s: wire vs httpx", "client", size, fast["get_keyed"][size], fast["get_keyed_httpx"][size],
+            ("get_keyed", "get_keyed_httpx", "client", fast))
+    row("lookup p50 ms: raw endpoint vs FastAPI route", "server", 0, fast["lookup_ms"]["p50"], routed["lookup_ms"]["p50"],
+        None, cost=True)
+    row("lookup p50 ms: wire vs httpx", "client", 0, fast["lookup_ms"]["p50"], fast["lookup_ms_httpx"]["p50"], None, cost=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     """Only the REST rows of ``kvgate bench`` (and the socket ceiling of the same run, of the same
     transport), as ratios: ``python -m gateway.bench.net --sizes-mib 2 32 --reps 5``; loopback
@@ -398,21 +475,31 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--transports", nargs="+", choices=["tcp", "uds"], default=["tcp", "uds"])
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--no-fast-paths", action="store_true", help="skip the second server with its raw paths off")
     args = p.parse_args(argv)
     sizes = [m << 20 for m in args.sizes_mib]
     counts = {b: max(2, (args.total_mib << 20) // b) for b in sizes}
     rows: list[dict[str, Any]] = []
     lookups: dict[str, Any] = {}
+    compared: dict[str, Any] = {}
     for transport in args.transports:
         uds = transport == "uds"
         base = Path(tempfile.mkdtemp(prefix="kvgate-bench-net-"))
         try:
             rest = asyncio.run(rest_figures(base, sizes, counts, args.reps, uds=uds))
+            if not args.no_fast_paths:
+                routed = asyncio.run(rest_figures(base, sizes, counts, args.reps, uds=uds, raw=False))
+                compared[transport] = fast_paths(rest, routed)
+                for c in compared[transport]:
+                    print(f"{transport} {c['figure']:46s} {c['chunk_bytes'] >> 20:3d} MiB  fast {c['fast']:8.3f}  "
+                          f"public {c['public']:8.3f}  speedup {c['speedup']:5.2f}  cpu {c.get('cpu_ratio', '-')}  "
+                          f"{'keep' if c['keep'] else 'NOT WORTH IT'}")
         finally:
             shutil.rmtree(base, ignore_errors=True)
         for b in sizes:
             send, recv = socket_ceiling(rest["bytes"][b], counts[b], args.reps, uds=uds)
-            names = [("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv)]
+            names = [("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv),
+                     ("put_httpx", send), ("get_keyed_httpx", recv)]
             for name, sock in names + ([("get_keyed_shm", recv)] if uds else []):
                 gbps, cpu = rest[name][b], rest["cpu_s_per_gb"][name][b]
                 rows.append({"transport": transport, "op": name, "mib": b >> 20, "count": counts[b], "gbps": round(gbps, 3),
@@ -422,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         lookups[transport] = {"lookup_ms": rest["lookup_ms"], "lookup_ms_httpx": rest["lookup_ms_httpx"]}
         print(f"{transport} lookup 32K tokens: {rest['lookup_ms']} (httpx: {rest['lookup_ms_httpx']})")
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "lookups": lookups}, indent=1))
+        args.json.write_text(json.dumps({"rows": rows, "lookups": lookups, "fast_paths": compared}, indent=1))
 
 
 if __name__ == "__main__":

@@ -146,6 +146,15 @@ def markdown(data: dict[str, Any], *, img_prefix: str = "", command: str = "make
               "| tier | p50 ms | p99 ms |", "| --- | --- | --- |"]
     for t, v in data.get("latency", {}).get("lookup_ms_by_tier", {}).items():
         lines.append(f"| {t} | {v['p50']} | {v['p99']} |")
+    fast = data.get("fast_paths") or []
+    if fast:  # docs/server.md, "Raw paths": each kept only where the public route costs 10% more
+        lines += ["", "### Fast paths beside the public routes (same run, loopback TCP)", "",
+                  "| figure | side | chunk | fast | public | speedup | CPU ratio | kept |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for f in fast:
+            chunk = _mib(f["chunk_bytes"]) if f["chunk_bytes"] else ""
+            lines.append(f"| {f['figure']} | {f['side']} | {chunk} | {f['fast']} | {f['public']} | {f['speedup']:.2f} | "
+                         f"{f.get('cpu_ratio', '')} | {'yes' if f['keep'] else 'no'} |")
     conc = data.get("concurrency") or []
     if conc:
         lines += ["", "### Concurrent tenants", "",

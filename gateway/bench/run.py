@@ -210,6 +210,7 @@ async def run_bench(
                     results.append(row)
                 progress.advance(task)
             latency: dict[str, Any] = {"lookup_32k_tokens_in_process_ms": await _lookup_latency(base, db_url)}
+            fast_paths: list[dict[str, Any]] = []
             if not quick:
                 progress.update(task, description="REST data plane")
                 byte_sizes = [GEOMETRY.chunk_nbytes(c) for c in sizes]
@@ -218,6 +219,9 @@ async def run_bench(
                 # each against a raw socket of its own transport
                 for uds in (False, True):
                     rest = await bench_net.rest_figures(base, byte_sizes, counts, reps, uds=uds)
+                    if not uds:  # the raw paths and the wire client beside the public routes, same run
+                        routed = await bench_net.rest_figures(base, byte_sizes, counts, reps, raw=False)
+                        fast_paths = bench_net.fast_paths(rest, routed)
                     sfx = "_uds" if uds else ""
                     latency[f"lookup_32k_tokens_rest{sfx}_ms"] = rest["lookup_ms"]  # as a remote worker asks
                     if not uds:
@@ -252,6 +256,7 @@ async def run_bench(
         "reps": reps,
         "results": results,
         "latency": latency,
+        "fast_paths": fast_paths,
         **suite,
     }
     _print_table(console, results)

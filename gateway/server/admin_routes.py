@@ -20,6 +20,7 @@ from audit.checkpointer import Checkpointer, CheckpointTampered
 from audit.signing import AuditSigner
 from gateway.chunks.envelopes import parse_hash
 from gateway.errors import Conflict, InvalidRequest
+from gateway.server.bodylimits import BodySize, takes
 from gateway.server.deps import (
     Authorize,
     AuthorizeBody,
@@ -121,6 +122,7 @@ async def _keys(state: ServerState, tenant: str, namespace: str, hashes: list[st
 
 
 @router.post("/clear", response_model=ClearResponse)
+@takes(BodySize.BULK)
 async def clear(call: ClearScope, state: StateDep) -> ClearResponse:
     """Secure clear of a tenant, a namespace or a list of chunks: crypto-shred, delete, audit."""
     body, tenant = call.body, call.scope.tenant
@@ -138,6 +140,7 @@ async def clear(call: ClearScope, state: StateDep) -> ClearResponse:
 
 
 @router.post("/move", response_model=MoveResponse)
+@takes(BodySize.BULK)
 async def move(call: MoveScope, state: StateDep) -> MoveResponse:
     body = call.body
     keys = await _keys(state, call.scope.tenant, body.namespace, body.hashes)
@@ -160,6 +163,7 @@ async def disable_tenant(scope: TenantScope, state: StateDep) -> TenantResponse:
 
 
 @router.post("/tenants/{tenant}/keys/rotate", response_model=RotateResponse)
+@takes(BodySize.NONE)  # its tenant is in the path
 async def rotate(scope: RotateScope, state: StateDep) -> RotateResponse:
     version = await state.runtime.admin.rotate_key(scope.tenant, actor=scope.actor)
     return RotateResponse(tenant=scope.tenant, key_version=version)

@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Response
 from fastapi.responses import JSONResponse
+from starlette.routing import Route
 
 from gateway.chunks.envelopes import EnvelopePlane
 from gateway.config import Settings
-from gateway.server import admin_routes, data
+from gateway.server import admin_routes, data, rawlookup
+from gateway.server.bodylimits import BodyLimits
 from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
 from gateway.server.gatekeeper import Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
@@ -111,11 +113,14 @@ def create_app(settings: Settings) -> FastAPI:
         **_no_native_telemetry(),
     )
     install_problem_handlers(app)
+    if settings.raw_paths:  # ahead of data.lookup, its description, so the router finds it first
+        app.router.routes.append(Route(rawlookup.PATH, rawlookup.RawLookup(), methods=["POST"], include_in_schema=False))
     app.include_router(data.router)
     app.include_router(admin_routes.router)
 
     # before anything reads the body (inside the telemetry middleware, so refusals are counted)
-    app.add_middleware(Gatekeeper, settings=settings)
+    limits = BodyLimits([*data.router.routes, *admin_routes.router.routes], settings)
+    app.add_middleware(Gatekeeper, settings=settings, limits=limits)
 
     app.add_middleware(_Observe)  # outermost: every request is counted, refusals included
 

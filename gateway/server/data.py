@@ -27,6 +27,7 @@ from gateway.chunks import batches
 from gateway.errors import BadFrame, InvalidRequest, TooLarge
 from gateway.protocol import frames
 from gateway.server import rawbody, rawchunks, shm
+from gateway.server.bodylimits import BodySize, takes
 from gateway.server.deps import (
     Authorize,
     Name,
@@ -234,10 +235,12 @@ async def answer_lookup(state: ServerState, capability: str, body: LookupRequest
 
 
 @router.post("/lookup", response_model=LookupResponse)
+@takes(BodySize.HASHES)
 async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> LookupResponse:
-    """How many leading chunks of ``hashes`` are stored, and in which tiers. The server answers
-    this route in its gatekeeper (``gateway.server.rawlookup``, the same checks in the same
-    order, without FastAPI's per-request cost); this route is its description, and its fallback."""
+    """How many leading chunks of ``hashes`` are stored, and in which tiers. With the raw paths
+    on, the router finds ``gateway.server.rawlookup.RawLookup`` first (the same checks in the
+    same order, without FastAPI's per-request cost); this route is its description, and serves
+    when they are off."""
     return LookupResponse(**await answer_lookup(state, _cap(scope), body))
 
 
@@ -260,6 +263,7 @@ def _content_length(request: Request, limit: int) -> int:
     "/chunks", status_code=204, openapi_extra=_BATCH_BODY,
     responses=problem_responses(400),
 )
+@takes(BodySize.BATCH)
 async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Response:
     """Store a batch of envelopes (a frame, ``gateway.protocol.frames``): all of them, or none.
 
@@ -300,6 +304,7 @@ _ENDED = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE, 
 
 
 @router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
+@takes(BodySize.HASHES)
 async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
     """The stored prefix of ``hashes``, streamed as a frame (``gateway.protocol.frames``): each envelope
     is written from its tier's buffer as soon as it is had, and the next is read from its tier
@@ -493,6 +498,7 @@ class _RawFrame(Response):
 
 
 @router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
+@takes(BodySize.CHUNK)
 async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
     """The body is the envelope (application/octet-stream), read straight into one buffer -- after
     the capability is checked: a forged or foreign capability costs no body read."""
@@ -569,6 +575,7 @@ async def unpin(chunk_hash: HashPath, scope: PinScope, state: StateDep) -> Respo
 
 
 @router.post("/keys/envelopes", response_model=EnvelopeKeysResponse)
+@takes(BodySize.KEYS)
 async def envelope_keys(
     body: Annotated[SealKeysRequest | OpenKeysRequest, Body(discriminator="purpose")],
     scope: EnvelopeKeysScope,

@@ -8,10 +8,10 @@ after it is parsed. The protocol also offers ``rawchunks`` and ``rawbody`` in th
 
 ``Gatekeeper``, the outermost ASGI middleware, then, before a byte of the body is read: at most
 ``max_header_count`` fields (431); under ``/v1`` and ``/metrics`` a verified bearer token
-(``deps.authenticate``; 401/429); the body within the route's ``body_limit`` (413, a chunked body
-counted as it arrives) and each read within ``body_timeout_s`` (408). ``POST /v1/lookup`` is
-answered here (``rawlookup``); every other request goes on to the app. A refusal is sent at once;
-a body sent anyway is discarded as it arrives, and the connection cut ``header_timeout_s`` later.
+(``deps.authenticate``; 401/429); the body within its route's limit (``bodylimits``: 413, a chunked
+body counted as it arrives) and each read within ``body_timeout_s`` (408); then the app routes
+it. A refusal is sent at once; a body sent anyway is discarded as it arrives, and the connection
+cut ``header_timeout_s`` later.
 """
 
 from __future__ import annotations
@@ -27,36 +27,15 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.config import Settings
-from gateway.protocol import frames
 from gateway.protocol.sockets import tune_unix_socket
-from gateway.server import rawlookup
+from gateway.server.bodylimits import BodyLimits
 from gateway.server.listen import peer_source
 from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
 
-__all__ = ["Gatekeeper", "RequestHeads", "body_limit", "bounded_h11", "uvicorn_options"]
+__all__ = ["Gatekeeper", "RequestHeads", "bounded_h11", "uvicorn_options"]
 
-_BULK_BYTES = 8 << 20  # a clear or move of up to 100,000 hashes
-_LOOKUP_BYTES = 512 << 10  # 4,096 hashes
-_KEYS_BYTES = 1 << 20  # 4,096 envelopes (hash, key version, salt)
 _AUTHENTICATED = ("/v1/", "/metrics")
-
-
-def body_limit(method: str, path: str, settings: Settings) -> int:
-    """The most body bytes a route takes (0: it takes none)."""
-    if method == "PUT" and path.startswith("/v1/chunks/"):
-        return settings.max_chunk_bytes
-    if method == "PUT" and path == "/v1/chunks":  # a batch frame (gateway.protocol.frames): at least one whole chunk
-        return max(settings.max_batch_bytes, settings.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
-    if method != "POST" or path.endswith("/keys/rotate"):
-        return 0  # GET, HEAD, DELETE, and a rotation (its tenant is in the path) take no body
-    if path in ("/v1/admin/clear", "/v1/admin/move"):
-        return _BULK_BYTES
-    if path in ("/v1/lookup", "/v1/chunks/fetch"):
-        return _LOOKUP_BYTES
-    if path == "/v1/keys/envelopes":
-        return _KEYS_BYTES
-    return settings.max_json_body_bytes
 
 
 async def _refuse(send: Any, status: int, title: str, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -72,9 +51,12 @@ async def _refuse(send: Any, status: int, title: str, detail: str, headers: list
 
 
 class Gatekeeper:
-    def __init__(self, app: Any, settings: Settings) -> None:
+    """``limits``: each route's body limit (``bodylimits.BodyLimits``, from the app's routes)."""
+
+    def __init__(self, app: Any, settings: Settings, limits: BodyLimits) -> None:
         self.app = app
         self.settings = settings
+        self.limits = limits
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -109,7 +91,7 @@ class Gatekeeper:
                 )
                 return
             scope.setdefault("state", {})["kvgate_principal"] = principal
-        limit = body_limit(method, path, s)
+        limit = self.limits.of(method, path)
         declared: int | None = None
         chunked = False
         for k, v in headers:
@@ -128,9 +110,6 @@ class Gatekeeper:
             return
         if chunked or declared:
             receive = _Body(receive, limit, s.body_timeout_s).receive
-        if state is not None and method == "POST" and path == rawlookup.PATH:
-            await rawlookup.serve(state, scope["state"]["kvgate_principal"], scope, receive, send)
-            return
         await self.app(scope, receive, send)
 
 
@@ -225,9 +204,12 @@ def _refusal(status: int, detail: str) -> bytes:
     return head.encode() + body
 
 
-def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0, max_head_bytes: int = 16 << 10) -> type[H11Protocol]:
+def bounded_h11(
+    header_timeout_s: float, body_timeout_s: float = 30.0, max_head_bytes: int = 16 << 10, raw: bool = True,
+) -> type[H11Protocol]:
     """uvicorn's h11 protocol, with a deadline on each request head and its size bounded (see
-    the module docstring)."""
+    the module docstring); ``raw``: it offers each request the raw body and chunk paths
+    (``rawbody``, ``rawchunks``; docs/server.md says when they pay)."""
 
     class BoundedH11Protocol(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
@@ -305,15 +287,18 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0, max_head_
             super().data_received(data)
             if self._active():
                 self._disarm()  # a request is being served: its body has its own timeout
-                offer_raw_chunks(self.cycle)
-                offer_raw_body(self, body_timeout_s)
+                self._offer()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self.transport.is_closing() and not self._active():
                 self._arm()  # the next request's head (or the rest of a body nobody reads)
             elif self._active():
-                offer_raw_chunks(self.cycle)  # a pipelined request, its cycle made just now
+                self._offer()  # a pipelined request, its cycle made just now
+
+        def _offer(self) -> None:
+            if raw:
+                offer_raw_chunks(self.cycle)
                 offer_raw_body(self, body_timeout_s)
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -329,7 +314,7 @@ def bounded_h11(header_timeout_s: float, body_timeout_s: float = 30.0, max_head_
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """The uvicorn settings every kvgate server runs with (``kvgate serve`` and the tests)."""
     return {
-        "http": bounded_h11(settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes),
+        "http": bounded_h11(settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes, settings.raw_paths),
         "h11_max_incomplete_event_size": settings.max_header_bytes,
         "timeout_keep_alive": 5,
         "proxy_headers": False,

@@ -3,7 +3,7 @@
 ``json`` recurses once per nested array or object, so 5,000 ``[`` raise ``RecursionError``.
 No body of this API nests more than a few levels: one nested deeper than ``MAX_DEPTH`` is
 refused before it is parsed (``JsonTooDeep``, 400, audited by ``problems`` for an authenticated
-caller). Body sizes are the gatekeeper's ``body_limit`` (413). ``POST /v1/lookup`` (``rawlookup``)
+caller). Body sizes are each route's own (``bodylimits``, 413). ``POST /v1/lookup`` (``rawlookup``)
 parses with ``loads``; every FastAPI route with a body has ``route_class=JsonBodyRoute``.
 
 The check uses bytes operations only: a body with at most ``MAX_DEPTH`` brackets passes at once;

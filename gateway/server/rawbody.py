@@ -9,10 +9,10 @@ It keeps h11's books right: bytes read here are taken off its ``ContentLengthRea
 buffer handed to the kernel is never larger than what is left of the body, so the request still
 ends at its ``Content-Length`` and a pipelined request after it stays in the socket; once the body
 is read, uvicorn is told. A client that goes away mid-body is a ``ClientGone``; a body that stops
-arriving for ``timeout_s`` a 408. It is used only under uvicorn's h11 protocol, on a plain (not
-TLS) socket transport, for a ``Content-Length`` body of ``PUT /v1/chunks``, where
-``gatekeeper.bounded_h11`` puts it in the scope's extensions (``kvgate.raw_body``); anywhere else
-the route reads the body through ASGI. Design notes: docs/architecture.md, section 5.
+arriving for ``timeout_s`` a 408. ``gatekeeper.bounded_h11`` (uvicorn's h11 protocol) offers it
+in the scope's extensions (``kvgate.raw_body``) for a ``Content-Length`` body on a plain (not TLS)
+socket; a route that wants it (``PUT /v1/chunks``) takes it from there, any other reads through
+ASGI. It reads h11's private state: docs/server.md ("Raw paths") says why, and h11 is pinned.
 """
 
 from __future__ import annotations
@@ -150,16 +150,16 @@ class RawBody:
 
 
 def offer_raw_body(protocol: Any, timeout_s: float) -> None:
-    """Put a ``RawBody`` in the scope's extensions of ``protocol``'s current cycle where it
-    serves ``PUT /v1/chunks`` with a ``Content-Length`` body over a plain socket. Called by the
-    server's protocol (``gatekeeper.bounded_h11``) before the app reads the body."""
+    """Put a ``RawBody`` in the scope's extensions of ``protocol``'s current cycle where its
+    request has a ``Content-Length`` body over a plain socket. Called by the server's protocol
+    (``gatekeeper.bounded_h11``) before the app reads the body; the route decides to use it."""
     cycle: Any = getattr(protocol, "cycle", None)
     scope = getattr(cycle, "scope", None)
     if cycle is None or not isinstance(protocol, H11Protocol) or not isinstance(scope, dict):
         return
     if EXTENSION in scope.get("extensions", ()):  # offered already (this is called per data_received)
         return
-    if scope.get("method") != "PUT" or scope.get("path") != "/v1/chunks" or cycle.response_started:
+    if cycle.response_started:
         return
     transport = getattr(protocol, "transport", None)
     if transport is None or transport.get_extra_info("sslcontext") is not None:

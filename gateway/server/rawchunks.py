@@ -5,14 +5,13 @@ transport, from the tier's own buffer, without h11's join of chunk header, data 
 fresh ``bytes``. It keeps uvicorn's flow control (it waits while the transport is paused, so a slow
 reader still holds the server to about one envelope); the response head and last chunk still go
 through h11, which does not count a chunked body's bytes, so its state stays right and the
-connection is kept alive. It is used only under uvicorn's h11 protocol (``gatekeeper.bounded_h11``
-offers it in the scope's extensions, ``kvgate.raw_chunks``, for ``POST /v1/chunks/fetch`` and
-``POST /v1/shm/regions``) and when h11 chose chunked framing; anywhere else the route streams
-through ASGI.
+connection is kept alive. ``gatekeeper.bounded_h11`` (uvicorn's h11 protocol) offers it in every
+request's scope extensions (``kvgate.raw_chunks``); a route that wants it (``POST
+/v1/chunks/fetch``, ``POST /v1/shm/regions``) uses it once h11 chose chunked framing, and streams
+through ASGI otherwise. It reads h11's private writer: docs/server.md ("Raw paths") says why.
 
 ``send_fd`` writes one chunk with a file descriptor attached (``SCM_RIGHTS``): how a
 shared-memory region reaches a worker on the Unix socket (``gateway.server.shm``).
-Design notes: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ __all__ = ["EXTENSION", "RawChunks", "offer_raw_chunks"]
 
 EXTENSION = "kvgate.raw_chunks"
 _CYCLE_MODULE = "uvicorn.protocols.http.h11_impl"
-_PATHS = ("/v1/chunks/fetch", "/v1/shm/regions")
 
 
 class RawChunks:
@@ -81,12 +79,12 @@ class RawChunks:
 
 def offer_raw_chunks(cycle: Any) -> None:
     """Put a ``RawChunks`` in the scope's extensions of ``cycle`` (uvicorn's h11
-    ``RequestResponseCycle``, just made: its app has not started) where it serves ``POST
-    /v1/chunks/fetch`` or ``POST /v1/shm/regions``. Called by the server's protocol (``gatekeeper.bounded_h11``)."""
+    ``RequestResponseCycle``, just made: its app has not started). Called by the server's
+    protocol (``gatekeeper.bounded_h11``); the route decides to use it."""
     scope = getattr(cycle, "scope", None)
     if type(cycle).__module__ != _CYCLE_MODULE or not isinstance(scope, dict):
         return
-    if scope.get("method") != "POST" or scope.get("path") not in _PATHS or cycle.response_started:
+    if EXTENSION in scope.get("extensions", ()) or cycle.response_started:
         return
     if not all(hasattr(cycle, a) for a in ("conn", "transport", "flow", "disconnected", "response_complete")):
         return

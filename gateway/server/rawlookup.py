@@ -1,15 +1,15 @@
-"""``POST /v1/lookup`` answered by the gatekeeper itself, without FastAPI's routing.
+"""``POST /v1/lookup`` as a raw ASGI endpoint, mounted ahead of its FastAPI route.
 
 A remote worker asks this once per request before its fetch, so its latency is on every remote
-load's critical path, and most of a routed lookup's server CPU is routing, dependency
-resolution and response validation rather than the lookup. What is kept, in the route's order
-and with its answers: the gatekeeper's bearer-token check and body bounds; the role check on
-the tenant ``X-KV-Capability`` names (``deps.on_capability``, 403 audited); the body parsed
-past the same depth check (``jsonbody``, 400) and validated by the route's own model
-(``data.LookupRequest``, 422 with FastAPI's error shape); then the core's lookup
-(``data.answer_lookup``), whose errors meet the one exception table (``problems.handle``). The
-FastAPI route stays registered: it is the OpenAPI description, and the fallback.
-Design notes: docs/architecture.md, section 5.
+load's critical path, and most of a FastAPI lookup's server CPU is dependency resolution and
+response validation rather than the lookup. ``RawLookup`` is a starlette ``Route`` endpoint (the
+router matches it; ``data.lookup``, the FastAPI route behind it, is its OpenAPI description and
+serves when the raw paths are off). It keeps, in the route's order and with its answers: the
+gatekeeper's bearer-token check and body bounds; the role check on the tenant
+``X-KV-Capability`` names (``deps.authorize_action``, 403 audited); the body parsed past the same
+depth check (``jsonbody``, 400) and validated by the route's own model (``data.LookupRequest``, 422
+with FastAPI's error shape); then ``data.answer_lookup``, whose errors meet the one exception
+table (``problems.handle``). docs/server.md ("Raw paths") says when this pays.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
-from gateway.errors import JsonTooDeep
+from gateway.errors import JsonTooDeep, NotReady
 from gateway.server import jsonbody, problems
 from gateway.server.data import LookupRequest, answer_lookup
 from gateway.server.deps import ServerState, authorize_action
@@ -32,7 +32,7 @@ from tenancy.errors import CapabilityDenied, PermissionDenied
 from tenancy.roles import Action
 from tenancy.types import Principal
 
-__all__ = ["PATH", "serve"]
+__all__ = ["PATH", "RawLookup"]
 
 PATH = "/v1/lookup"
 # what ``_Observe`` labels the request's metrics with (a route object's ``path``)
@@ -77,11 +77,23 @@ def _parse(body: bytes, content_type: str | None) -> Any:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
 
 
-async def serve(state: ServerState, principal: Principal, scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Answer one ``POST /v1/lookup`` (see the module docstring)."""
+class RawLookup:
+    """The ASGI endpoint of ``POST /v1/lookup`` (see the module docstring)."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        state: ServerState | None = getattr(scope["app"].state, "kvgate", None)
+        principal: Principal | None = scope.get("state", {}).get("kvgate_principal")
+        await _serve(state, principal, scope, receive, send)
+
+
+async def _serve(
+    state: ServerState | None, principal: Principal | None, scope: dict[str, Any], receive: Any, send: Any,
+) -> None:
     scope["route"] = _ROUTE
     request = Request(scope, receive, send)
     try:
+        if state is None or principal is None:  # no lifespan ran: nothing verified the caller
+            raise NotReady("the server is not open")
         body = await _read_body(receive)
         if body is None:
             return  # the client is gone: nobody to answer

@@ -114,11 +114,14 @@ async def test_lookup(world: World, tmp_path):
         assert_problem(await w.http.post("/v1/lookup", json=bad, headers=w.h(w.worker_a, w.cap_a)), 422)
 
 
-async def test_the_gatekeepers_lookup_answers_as_the_fastapi_route_does(world: World, monkeypatch: pytest.MonkeyPatch):
-    """``POST /v1/lookup`` is answered by the gatekeeper (``gateway.server.rawlookup``), without
-    FastAPI's routing. Every request below, good and bad, gets the same status, content type and
-    body from it as from the FastAPI route (reached by taking the raw path's name away), and the
-    raw path really answered the first pass (a spy counts it) and not the second."""
+async def test_the_raw_lookup_answers_as_the_fastapi_route_does(world: World, monkeypatch: pytest.MonkeyPatch):
+    """``POST /v1/lookup`` is answered by a raw ASGI endpoint the router finds ahead of the FastAPI
+    route (``gateway.server.rawlookup``). Every request below, good and bad, gets the same status,
+    content type and body from it as from the FastAPI route (reached by taking the raw route out
+    of the app's routes, as ``KVGATE_RAW_PATHS=false`` leaves them), and the raw endpoint really
+    answered the first pass (a spy counts it) and not the second."""
+    from starlette.routing import Route
+
     from gateway.server import rawlookup
 
     w = world
@@ -152,13 +155,13 @@ async def test_the_gatekeepers_lookup_answers_as_the_fastapi_route_does(world: W
         ("not UTF-8", own, b'{"hashes": ["\xeb"]}'),
     ]
     calls: list[str] = []
-    serve = rawlookup.serve
+    serve = rawlookup._serve
 
     async def spy(*args, **kw):
         calls.append("raw")
         await serve(*args, **kw)
 
-    monkeypatch.setattr(rawlookup, "serve", spy)
+    monkeypatch.setattr(rawlookup, "_serve", spy)
 
     async def answers(content_type: dict[str, str]) -> list[tuple[int, str, object, str]]:
         out = []
@@ -171,7 +174,10 @@ async def test_the_gatekeepers_lookup_answers_as_the_fastapi_route_does(world: W
     raw = await answers(json_ct)
     raw_text = await answers({"Content-Type": "text/plain"})
     assert len(calls) == 2 * len(cases) - 2  # every request the gatekeeper let through (not the 401s)
-    monkeypatch.setattr(rawlookup, "PATH", "/not-answered-here")
+    router = w.live._server.config.app.router  # the app the live server runs
+    raw_routes = [r for r in router.routes if isinstance(r, Route) and isinstance(r.app, rawlookup.RawLookup)]
+    assert len(raw_routes) == 1
+    monkeypatch.setattr(router, "routes", [r for r in router.routes if r not in raw_routes])
     calls.clear()
     routed = await answers(json_ct)
     routed_text = await answers({"Content-Type": "text/plain"})
