@@ -7,6 +7,7 @@ cryptography) are translated into these at the package boundary.
      ├── AuditStorageError          the audit database failed (connection lost, refused, ...)
      ├── SpoolError                 the local spool could not be written or read
      ├── AuditKeyError              the Ed25519 audit key is missing, malformed or unsafe
+     │    └── AuditSignerUnavailable  the HSM or KMS holding the signing key did not sign (an outage)
      ├── ExportError                (also ValueError) bad export parameters
      └── VerificationError          offline verification could not run or did not pass
           ├── VerifyInputError      an input file is missing or unreadable, the key is no key
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AuditError",
     "AuditKeyError",
+    "AuditSignerUnavailable",
     "AuditStorageError",
     "AuditWriterClosed",
     "ExportError",
@@ -58,6 +60,13 @@ class SpoolError(AuditError):
 
 class AuditKeyError(AuditError):
     """The audit signing key or public key is missing, malformed or has unsafe permissions."""
+
+
+class AuditSignerUnavailable(AuditKeyError):
+    """The HSM or KMS that holds the signing key failed to sign (gone, unreachable, disabled):
+    an outage of a dependency, not a bad key; the signature may be asked for again later."""
+
+    dependency = "the audit signer"
 
 
 class ExportError(AuditError, ValueError):

@@ -32,7 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
     Ed25519PublicKey,
 )
 
-from audit.errors import AuditKeyError
+from audit.errors import AuditKeyError, AuditSignerUnavailable
 
 __all__ = [
     "ECDSA_P256",
@@ -203,8 +203,9 @@ class EcdsaSigner:
     """ECDSA P-256 / SHA-256 through a backend that holds the private key (an HSM, a KMS).
 
     The backend has ``sign(data) -> DER signature`` (it hashes ``data`` itself) and
-    ``public_key_pem() -> bytes``. Backend failures become :class:`AuditKeyError`, and so does a
-    signature that does not verify under the backend's public key.
+    ``public_key_pem() -> bytes``. A backend that fails to sign is :class:`AuditSignerUnavailable`
+    (an outage); one without a usable public key, or a signature that does not verify under it,
+    is :class:`AuditKeyError`.
     """
 
     algorithm = ECDSA_P256
@@ -229,7 +230,7 @@ class EcdsaSigner:
         try:
             signature: bytes = self._backend.sign(data)
         except Exception as exc:  # the HSM or KMS library's errors end here
-            raise AuditKeyError(f"the audit signer failed: {type(exc).__name__}: {exc}") from None
+            raise AuditSignerUnavailable(f"the audit signer failed: {type(exc).__name__}: {exc}") from None
         if not verify_signature(self.public_key, signature, data):
             raise AuditKeyError("the audit signer returned a signature that does not verify")
         return signature

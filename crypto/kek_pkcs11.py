@@ -63,6 +63,34 @@ _SLOTS: dict[tuple[str, str], Any] = {}  # (module, token label) -> the slot it 
 
 
 def _token(module: Path, token_label: str) -> Any:
+    """The token (``_find_token``). Where it cannot be found and no session of the process is
+    open on the module, the library is initialised again (C_Finalize, C_Initialize) and the
+    token looked for once more: a library may keep a token that went away (SoftHSM2 does) as
+    unusable until then, so without it a token that is back would never be seen again."""
+    try:
+        return _find_token(module, token_label)
+    except KekError:
+        if not _reinitialize(module):
+            raise
+    return _find_token(module, token_label)
+
+
+def _reinitialize(module: Path) -> bool:
+    """Initialise the module's library again where no live login of this process uses it (it
+    would end their sessions); True if it was done. Called with ``_LOGINS_LOCK`` held."""
+    if any(login.session is not None and login.key[0] == str(module) for login in _LOGINS.values()):
+        return False
+    p11 = _pkcs11()
+    try:
+        _library(module).reinitialize()
+    except p11.PKCS11Error:
+        return False
+    for key in [k for k in _SLOTS if k[0] == str(module)]:
+        del _SLOTS[key]
+    return True
+
+
+def _find_token(module: Path, token_label: str) -> Any:
     """The token, from the slot it was last seen in (a reconnect does not enumerate every slot:
     one broken token elsewhere must not stop this one), else found by label."""
     p11 = _pkcs11()

@@ -6,19 +6,24 @@ the token as sensitive, non-extractable and sign-only (``generate_pkcs11_signing
 (``CKM_ECDSA``, raw r || s), returned DER-encoded. ``public_key_pem()`` is the token's public key
 object as SubjectPublicKeyInfo PEM. The process's login to the token is shared with the KEK
 provider (crypto.kek_pkcs11: one login per token and process); a signer takes its reference and
-gives it back on ``close``. A key pair that is missing, unsafe or fails to sign is a
-``SigningKeyError``; the token, module and login are ``KekError``, as for the KEK.
+gives it back on ``close``. A lost token is a ``KekError`` and, as for the KEK, the signer logs in
+again at most once per ``reconnect_interval_s`` (refusing a key pair that changed meanwhile). A key
+pair that is missing, unsafe or fails to sign is a ``SigningKeyError``; the token, module and login
+are ``KekError``, as for the KEK.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from crypto.errors import KekError, SigningKeyError
 from crypto.kek import Secret
 from crypto.kek_pkcs11 import (
+    _CONNECTION_ERRORS,
     _LOGINS_LOCK,
     _acquire,
     _check_label,
@@ -71,13 +76,21 @@ def generate_pkcs11_signing_key(module: Path | str, token_label: str, pin: Secre
 class Pkcs11Signer:
     algorithm = "ECDSA-P256-SHA256"
 
-    def __init__(self, module: Path | str, token_label: str, pin: Secret, key_label: str = "kvgate-audit-1") -> None:
+    def __init__(
+        self, module: Path | str, token_label: str, pin: Secret, key_label: str = "kvgate-audit-1", *,
+        reconnect_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not isinstance(pin, Secret):
             raise TypeError("pin must be a crypto.kek.Secret")
         _check_label(key_label)
         self._token_label = token_label
         self._label = key_label
         self._module = Path(module)
+        self._pin = pin
+        self._interval = reconnect_interval_s
+        self._clock = clock
+        self._next_attempt = 0.0
+        self._closed = False
         login = _acquire(Path(module), token_label, pin)
         self._login: _Login | None = login
         try:
@@ -92,6 +105,32 @@ class Pkcs11Signer:
     def _held(self) -> _Login:
         assert self._login is not None, "signer used after close()"
         return self._login
+
+    def _ensure(self) -> _Login:
+        """The live login, or a new one where the token went away (at most one attempt per
+        interval, so a dead token costs a signature an error, not a stall)."""
+        assert not self._closed, "signer used after close()"
+        login = self._login
+        if login is not None and login.session is not None:
+            return login
+        if login is not None:  # the KEK provider (or this signer) found the session broken
+            self._login = None
+            _release(login)
+        now = self._clock()
+        if now < self._next_attempt:
+            raise KekError(f"PKCS#11 token {self._token_label!r} is unavailable (retrying shortly)")
+        self._next_attempt = now + self._interval
+        login = self._login = _acquire(self._module, self._token_label, self._pin)
+        try:
+            private, pem = self._load()
+            if pem != self._pem:  # auditors hold the old public key: never sign with another
+                raise SigningKeyError(f"signing key {self._label!r} in token {self._token_label!r} changed")
+        except BaseException:
+            self._login = None
+            _release(login)
+            raise
+        self._private = private
+        return login
 
     def _load(self) -> tuple[Any, bytes]:
         p11 = _pkcs11()
@@ -136,16 +175,25 @@ class Pkcs11Signer:
         from pkcs11 import Mechanism
 
         digest = hashlib.sha256(data).digest()
-        login = self._held()
+        login = self._ensure()
         with login.lock:
             if login.session is None:
                 raise KekError(f"PKCS#11 token {self._token_label!r} went away")
             try:
                 raw = self._private.sign(digest, mechanism=Mechanism.ECDSA)
             except p11.PKCS11Error as exc:
-                raise SigningKeyError(
-                    f"PKCS#11 signing with {self._label!r} in token {self._token_label!r} failed: {type(exc).__name__}"
-                ) from None
+                lost = type(exc).__name__ in _CONNECTION_ERRORS
+                failure = exc
+            else:
+                lost, failure = False, None
+        if failure is not None:
+            if lost:  # the session or token is gone: log in again on a later call
+                self._login = None
+                _release(login, broken=True)
+                raise KekError(f"PKCS#11 token {self._token_label!r} went away")
+            raise SigningKeyError(
+                f"PKCS#11 signing with {self._label!r} in token {self._token_label!r} failed: {type(failure).__name__}"
+            ) from None
         half = len(raw) // 2
         return encode_dss_signature(int.from_bytes(raw[:half], "big"), int.from_bytes(raw[half:], "big"))
 
@@ -153,6 +201,7 @@ class Pkcs11Signer:
         return self._pem
 
     def close(self) -> None:
+        self._closed = True
         login, self._login = self._login, None
         if login is not None:
             _release(login)

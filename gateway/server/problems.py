@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from audit.errors import AuditStorageError, SpoolError
+from audit.errors import AuditSignerUnavailable, AuditStorageError, SpoolError
 from crypto.errors import KekError
 from gateway.chunks.service import KeysUnavailable
 from gateway.errors import (
@@ -196,6 +196,7 @@ PROBLEMS: dict[type[Exception], Entry] = {
     KeysUnavailable: _DEPENDENCY,
     AuditStorageError: _AUDIT,
     SpoolError: _AUDIT,
+    AuditSignerUnavailable: _DEPENDENCY,  # the HSM or KMS of the signing key is away: a checkpoint or export waits
     StarletteHTTPException: _from_http_exception,
     # the client went away inside its body: nobody reads the answer, and it is no server error
     ClientDisconnect: ProblemType(400, "Bad Request", "the body ended before it was complete"),

@@ -49,3 +49,15 @@ def token_in_subprocesses(root: Path, label: str, kek_label: str = "kek-1", sign
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, env=env, cwd=str(REPO))
     return {"SOFTHSM2_CONF": str(conf), "KVGATE_KEK_PROVIDER": "pkcs11", "KVGATE_PKCS11_MODULE": module,
             "KVGATE_PKCS11_TOKEN_LABEL": label, "KVGATE_PKCS11_KEY_LABEL": kek_label}
+
+
+def token_dir(tokens: Path, label: str) -> Path:
+    """The directory under ``tokens`` (a ``directories.tokendir``) that holds the token ``label``
+    (SoftHSM2 stores the label padded to 32 bytes in ``token.object``): moving it aside and back
+    is how a test makes the token go away and return."""
+    padded = label.encode().ljust(32)
+    for d in tokens.iterdir():
+        obj = d / "token.object"
+        if obj.is_file() and padded in obj.read_bytes():
+            return d
+    raise FileNotFoundError(f"no SoftHSM2 token directory for {label} in {tokens}")
