@@ -427,13 +427,35 @@ def _is_outage(exc: BaseException) -> bool:
     if isinstance(exc, (OperationalError, InterfaceError)):
         return True
     if isinstance(exc, DBAPIError):
-        return bool(exc.connection_invalidated)
+        # a connection refused at connect time (the server shutting down or starting up) is
+        # wrapped as a plain DBAPIError, not invalidated: its driver error says what it was
+        return bool(exc.connection_invalidated) or _driver_outage(exc.orig)
     if isinstance(exc, (OSError, TimeoutError)):
         return True
-    # the driver's own connection errors, when they escape SQLAlchemy's wrapping (asyncpg's
-    # CannotConnectNowError, ConnectionDoesNotExistError, ...)
-    name = type(exc).__name__
-    return type(exc).__module__.startswith("asyncpg") and ("Connect" in name or "Connection" in name)
+    return _driver_outage(exc)
+
+
+# SQLSTATE of a server that does not take work now: class 08 (connection exception), and
+# admin_shutdown, crash_shutdown, cannot_connect_now of class 57 (operator intervention)
+_OUTAGE_STATES = ("57P01", "57P02", "57P03")
+
+
+def _driver_outage(exc: BaseException | None) -> bool:
+    """The driver's own connection errors, and what SQLAlchemy's adapter wraps them in (the
+    asyncpg exception is its ``__cause__``): CannotConnectNowError, ConnectionDoesNotExistError..."""
+    for _ in range(4):
+        if exc is None:
+            return False
+        state = str(getattr(exc, "sqlstate", "") or "")
+        if state.startswith("08") or state in _OUTAGE_STATES:
+            return True
+        name = type(exc).__name__
+        if type(exc).__module__.startswith("asyncpg") and ("Connect" in name or "Connection" in name):
+            return True
+        if isinstance(exc, (OSError, TimeoutError)):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 _P = ParamSpec("_P")
