@@ -76,6 +76,16 @@ scale: setup
 	mkdir -p bench-results
 	$(PY) -m scripts.scale --out bench-results/scale.json $(SCALE_ARGS)
 
+# soak: a production-mode kvgate serve (throwaway Postgres cluster, its own redis-server, KEK and
+#   audit key in a SoftHSM2 token) under 16 remote worker processes for 10 minutes while Redis,
+#   Postgres, the KEK and the server itself fail and come back; every invariant checked
+#   (docs/operations.md, Soak). Writes bench-results/soak/report.json and summary.md; exits 1 if
+#   an invariant broke. SOAK_ARGS="--duration 120 --workers 6" for a short run, --help for the rest.
+.PHONY: soak
+SOAK_ARGS ?=
+soak: setup
+	$(PY) -m scripts.soak $(SOAK_ARGS)
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(LMCACHE_VENV) $(LMCACHE_VLLM_VENV) .pytest_cache .hypothesis build *.egg-info
 
