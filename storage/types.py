@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = [
     "ChunkKey",
@@ -124,11 +125,11 @@ class InvalidChunk(TierError):
     pass
 
 
-def failure_reason(errors: Iterable[BaseException]) -> str:
+def failure_reason(errors: Iterable[BaseException]) -> Literal["", "tier_timeout", "tier_unavailable"]:
     """Why tiers could not answer, as the gateway's counters and results name it: ``tier_timeout``
     where any of ``errors`` missed its deadline, else ``tier_unavailable``; ``""`` for none. The
     one classifier of both modes (embedded loads and lookups, the server's fetch and lookup)."""
-    reason = ""
+    reason: Literal["", "tier_unavailable"] = ""
     for exc in errors:
         if isinstance(exc, TierTimeout):
             return "tier_timeout"

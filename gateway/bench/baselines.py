@@ -15,12 +15,12 @@ encryption or isolation off.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 
 from audit.types import AuditSink
 from gateway.config import Settings
+from gateway.metrics import Metrics
 from gateway.services.access import Access
 from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from storage.base import Tier
@@ -37,9 +37,9 @@ class SharedTenantAccess(Access):
 
     def __init__(
         self, pseudo_tenant: str, authority: CapabilityAuthority, registry: Registry, audit: AuditSink,
-        stats: Counter[str],
+        metrics: Metrics,
     ) -> None:
-        super().__init__(authority, registry, audit, stats)
+        super().__init__(authority, registry, audit, metrics)
         self.pseudo_tenant = pseudo_tenant
 
     def authorize(self, token: str, op: str, *, chunks: Sequence[str] = ()) -> Capability:
@@ -67,8 +67,8 @@ async def shared_tenant_runtime(settings: Settings, *, tiers: list[Tier], pseudo
     from ``pseudo_tenant``'s namespace (created here), as in a shared cache without namespaces
     (benchmark baseline only: the timing attack's ``shared-baseline``)."""
 
-    def access(authority: CapabilityAuthority, registry: Registry, audit: AuditSink, stats: Counter[str]) -> Access:
-        return SharedTenantAccess(pseudo_tenant, authority, registry, audit, stats)
+    def access(authority: CapabilityAuthority, registry: Registry, audit: AuditSink, metrics: Metrics) -> Access:
+        return SharedTenantAccess(pseudo_tenant, authority, registry, audit, metrics)
 
     rt = await open_embedded(settings, tiers=tiers, access=access)
     try:

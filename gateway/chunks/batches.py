@@ -28,6 +28,7 @@ from gateway.chunks.envelopes import EnvelopeKey, EnvelopePlane
 from gateway.chunks.service import ChunkStats, FetchFailed, NamespaceChunks
 from gateway.errors import BadFrame
 from gateway.logs import RateLimitedLogger
+from gateway.metrics import LoadReason
 from storage.memory import Reservation
 from storage.types import StoredChunk, TierError, failure_reason
 
@@ -174,7 +175,7 @@ async def fetch_prefix(
             _degraded_log.warning("a fetch was served by a slower tier because a faster one failed: %s", degraded)
 
 
-def _ended(counts: ChunkStats, chained: bytes, reason: str) -> PrefixItem:
+def _ended(counts: ChunkStats, chained: bytes, reason: LoadReason) -> PrefixItem:
     """The item that ends a walk (``reason`` as ``FetchFailed``'s, or ``key_unavailable``; a miss
     is ``missing`` in the item), counted as a load that ended early."""
     counts.load_ended(reason)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -88,7 +87,6 @@ class EnvelopePlane:
         tiers: TierManager,
         pins: Pins,
         audit: AuditSink,
-        stats: Counter[str],
         chunks: ChunkService,
         max_chunk_bytes: int = 64 << 20,
         max_keys_per_request: int = 4096,
@@ -101,7 +99,6 @@ class EnvelopePlane:
         self.tiers = tiers
         self.pins = pins
         self.audit = audit
-        self.stats = stats
         self.chunks = chunks
         self.max_chunk_bytes = max_chunk_bytes
         self.max_keys_per_request = max_keys_per_request

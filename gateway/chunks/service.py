@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.errors import KekError, KeyUnavailable
 from gateway.errors import AccessDenied, TenantUnavailable
+from gateway.metrics import KeyPurpose, LoadReason, LookupReason, Metrics, TierReason
 from gateway.services.access import Access
 from gateway.services.namespaces import NamespaceResolver, keys_digest
 from storage.manager import TierManager
@@ -51,7 +52,7 @@ class FetchFailed(Exception):
     """A chunk could not be fetched: ``reason`` is ``miss``, ``tier_timeout`` or
     ``tier_unavailable``; ``unavailable`` where no tier answered at all (not even with a miss)."""
 
-    def __init__(self, reason: str, *, unavailable: bool = False) -> None:
+    def __init__(self, reason: LoadReason, *, unavailable: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.unavailable = unavailable
@@ -80,7 +81,7 @@ class Located:
         return prefix_hits(self.present)
 
     @property
-    def degraded(self) -> str:
+    def degraded(self) -> TierReason | Literal[""]:
         """Why the walk may have ended short (``tier_timeout``/``tier_unavailable``: a tier that
         could not answer may hold the rest); ``""`` where it did not end short or none failed."""
         return failure_reason(self.errors) if self.hits < len(self.present) else ""
@@ -93,80 +94,81 @@ class Found:
 
 
 class ChunkStats:
-    """Every counter of the chunk path, each name written once here (both tier sides and the data
-    plane of either mode count through one of these)."""
+    """The chunk path's events, counted in ``gateway.metrics.Metrics`` (where each counter is
+    declared): both tier sides and the data plane of either mode count through one of these."""
 
-    def __init__(self, stats: Counter[str]) -> None:
-        self.stats = stats
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
 
     def denied(self) -> None:
-        self.stats["denials"] += 1
+        self.metrics.denials += 1
 
     def key_unavailable(self) -> None:
-        self.stats["key_unavailable"] += 1
+        self.metrics.key_unavailable += 1
 
-    def lookup(self, hits: int, degraded: str = "") -> None:
+    def lookup(self, hits: int, degraded: LookupReason | Literal[""] = "") -> None:
         """One lookup answered (``degraded``: why it may be short)."""
+        m = self.metrics
         if degraded:
-            self.stats[f"lookup_degraded_{degraded}"] += 1
-        self.stats["lookup_hits" if hits else "lookup_misses"] += 1
+            m.lookup_degraded[degraded] += 1
+        if hits:
+            m.lookup_hits += 1
+        else:
+            m.lookup_misses += 1
 
-    def load_ended(self, reason: str) -> None:
-        """A load that ended before the prefix it asked for: ``miss``, ``integrity``,
-        ``tier_timeout``, ``tier_unavailable`` or ``key_unavailable``."""
-        self.stats["load_misses"] += 1
-        self.stats[f"load_failed_{reason}"] += 1
+    def load_ended(self, reason: LoadReason) -> None:
+        """A load that ended before the prefix it asked for."""
+        self.metrics.load_misses += 1
+        self.metrics.load_failed[reason] += 1
 
     def load_hit(self) -> None:
-        self.stats["load_hits"] += 1
+        self.metrics.load_hits += 1
 
-    def load_degraded(self, reason: str) -> None:
-        """A load a slower tier served because a faster one failed (``reason`` as ``lookup``)."""
+    def load_degraded(self, reason: TierReason | Literal[""]) -> None:
+        """A load a slower tier served because a faster one failed."""
         if reason:
-            self.stats[f"load_degraded_{reason}"] += 1
+            self.metrics.load_degraded[reason] += 1
 
     def loaded(self, chunks: int, nbytes: int = 0) -> None:
-        self.stats["chunks_loaded"] += chunks
-        self.stats["bytes_out"] += nbytes
+        self.metrics.chunks_loaded += chunks
+        self.metrics.bytes_out += nbytes
 
     def loaded_bytes(self, nbytes: int) -> None:
-        self.stats["bytes_out"] += nbytes
+        self.metrics.bytes_out += nbytes
 
     def stored(self, chunks: int, nbytes: int) -> None:
-        self.stats["chunks_stored"] += chunks
-        self.stats["bytes_in"] += nbytes
+        self.metrics.chunks_stored += chunks
+        self.metrics.bytes_in += nbytes
 
     def store_failed(self, chunks: int) -> None:
-        self.stats["store_failures"] += chunks
+        self.metrics.store_failures += chunks
 
     def rolled_back(self, removed: int, left: int) -> None:
-        self.stats["store_rollback_removed"] += removed
-        self.stats["store_rollback_left"] += left
+        self.metrics.store_rollback_removed += removed
+        self.metrics.store_rollback_left += left
 
     def integrity_failure(self) -> None:
         """An envelope that failed authentication where it was opened."""
-        self.stats["integrity_failures"] += 1
+        self.metrics.integrity_failures += 1
 
     def integrity_reported(self) -> None:
         """An integrity failure handled by the chunk service (audited, its copy dropped)."""
-        self.stats["integrity_failures_reported"] += 1
+        self.metrics.integrity_failures_reported += 1
 
-    def keys_issued(self, purpose: str, n: int) -> None:
-        self.stats["envelope_keys_issued"] += n
-        self.stats[f"envelope_keys_issued_{purpose}"] += n
+    def keys_issued(self, purpose: KeyPurpose, n: int) -> None:
+        self.metrics.envelope_keys_issued[purpose] += n
 
 
 class ChunkService:
     def __init__(
         self, *, access: Access, resolver: NamespaceResolver, tiers: TierManager, audit: AuditSink,
-        stats: Counter[str],
+        metrics: Metrics,
     ) -> None:
         self.access = access
         self.resolver = resolver
         self.tiers = tiers
         self.audit = audit
-        self.stats = stats
-        self.counts = ChunkStats(stats)
+        self.counts = ChunkStats(metrics)
 
     def authorize(self, token: str, op: str, chunk_hashes: Sequence[str]) -> Capability:
         """The capability verified for ``op`` on every chunk (its chunk allowlist included)."""
@@ -264,7 +266,7 @@ class NamespaceChunks:
         except ChunkNotFound as exc:
             raise FetchFailed(failure_reason(exc.tier_errors) or "miss") from None
         except TierError as exc:
-            raise FetchFailed(failure_reason([exc]), unavailable=True) from None
+            raise FetchFailed(failure_reason([exc]) or "tier_unavailable", unavailable=True) from None
         return Found(found, passed_over)
 
     def reserve(self, i: int, nbytes: int) -> Reservation | None:

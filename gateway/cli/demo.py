@@ -130,7 +130,7 @@ async def run_demo(
         got = await rt.gateway.retrieve(cap_a, model, prompt, dst, block_ids=dst_blocks)
         check(got.integrity_failures == 1 and got.loaded_tokens < tokens,
               f"tamper detected: loaded {got.loaded_tokens} tokens, then a miss (integrity failures: {got.integrity_failures})")
-        check(rt.stats["integrity_failures"] == 1, "integrity failure counted (and audited)")
+        check(rt.metrics.integrity_failures == 1, "integrity failure counted (and audited)")
 
         console.print("\n[bold]4. Secure clear of tenant acme[/bold]")
         before = await rt.gateway.lookup(cap_a, model, prompt)

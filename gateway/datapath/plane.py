@@ -20,7 +20,6 @@ import functools
 import hashlib
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -36,6 +35,7 @@ from gateway.datapath.sealers import OnLayers, OpenJob, SealJob
 from gateway.datapath.stores import ChunkSession, ChunkStore, Fetched, FetchFailed, KeyRef, KeysUnavailable, Reserved
 from gateway.errors import AccessDenied, InvalidRequest
 from gateway.logs import RateLimitedLogger
+from gateway.metrics import LoadReason, Metrics
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from kernels.paged import PagedKV
 from storage.types import TierError, failure_reason
@@ -71,11 +71,11 @@ class _LayerProgress:
 
 
 class DataPlane:
-    def __init__(self, datapath: DataPath, chunk_tokens: int, stats: Counter[str]) -> None:
+    def __init__(self, datapath: DataPath, chunk_tokens: int, metrics: Metrics) -> None:
         self.datapath = datapath
         self.chunk_tokens = chunk_tokens
-        self.stats = stats
-        self.counts = ChunkStats(stats)
+        self.metrics = metrics
+        self.counts = ChunkStats(metrics)
 
     def chunks(self, model: KVModel, tokens: TokensLike) -> list[Chunk]:
         return chunks_of(model, tokens, self.chunk_tokens)
@@ -307,13 +307,13 @@ class DataPlane:
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], kv: PagedKV, slots: torch.Tensor,
         write_upto: int | None = None,
         on_layers: OnLayers | None = None,
-    ) -> tuple[int, int, int, dict[int, str], list[BaseException]]:
+    ) -> tuple[int, int, int, dict[int, LoadReason], list[BaseException]]:
         """Fetch, authenticate, decrypt and scatter the stored prefix in batches: every fetch is
         started at once (one streamed request in remote mode), and each batch keys and opens its
         chunks as soon as they are in, so opening one batch overlaps the fetches of the next.
         Also returns the failures of faster tiers that slower ones served past."""
         stats = {"failures": 0, "unavailable": 0}
-        ended: dict[int, str] = {}  # chunk index -> why the prefix ended there
+        ended: dict[int, LoadReason] = {}  # chunk index -> why the prefix ended there
         passed_over: list[BaseException] = []
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
         tiers: dict[int, str] = {}  # chunk index -> the tier its envelope came from
@@ -377,7 +377,7 @@ class DataPlane:
 
     async def _open_jobs(
         self, session: ChunkSession, model: KVModel, chunks: Sequence[Chunk], slots: torch.Tensor, first: int,
-        fetched: Sequence[Fetched], stats: dict[str, int], ended: dict[int, str],
+        fetched: Sequence[Fetched], stats: dict[str, int], ended: dict[int, LoadReason],
     ) -> list[OpenJob]:
         """The open jobs of chunks ``first, first + 1, ...`` (their fetched envelopes), with their
         keys asked for in one call (from the envelopes' headers); they stop before the first chunk
@@ -415,7 +415,7 @@ class DataPlane:
 
     @staticmethod
     async def _fetch_run(
-        session: ChunkSession, indices: Sequence[int], stats: dict[str, int], ended: dict[int, str]
+        session: ChunkSession, indices: Sequence[int], stats: dict[str, int], ended: dict[int, LoadReason]
     ) -> list[Fetched]:
         """The envelopes of ``indices`` in order, up to the first that could not be fetched."""
         out: list[Fetched] = []

@@ -22,7 +22,6 @@ import json
 import logging
 import ssl
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -36,6 +35,7 @@ from gateway.datapath.path import DataPath
 from gateway.datapath.plane import DataPlane
 from gateway.datapath.stores import Fetched, FetchFailed, KeyRef, Presence, Reserved
 from gateway.errors import AccessDenied, BadFrame, GatewayError, InvalidRequest
+from gateway.metrics import Metrics, TierReason
 from gateway.protocol import frames
 from gateway.remote.shm import RegionCache, ShmRegion, Window, attach
 from gateway.remote.status import check, error_for
@@ -154,10 +154,10 @@ class RemoteGateway:
                 ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes,
                 store_nice=store_nice,
             ),
-            chunk_tokens, Counter(),
+            chunk_tokens, Metrics(),
         )
         self._cap: _Cap | None = None
-        self.stats: Counter[str] = self._plane.stats
+        self.metrics: Metrics = self._plane.metrics
         self._shm = (shm_cache or RegionCache(shm_bytes, _SHM_RETRY_S)) if shm_bytes else None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -236,7 +236,7 @@ class RemoteGateway:
         shm = self._shm
         region, why = await asyncio.to_thread(shm.get, tenant, lambda: attach(self._wire, headers, shm.nbytes), time.monotonic())
         if region is None and why is not None:
-            self.stats["shm_unavailable"] += 1
+            self.metrics.shm_unavailable += 1
             log.info("kvgate: no shared-memory region from the server (%s): loads go through the socket", why)
         return region
 
@@ -264,7 +264,7 @@ class RemoteGateway:
         if window is None:  # the last load's last views may be going right now: wait for them a moment
             window = await asyncio.to_thread(region.lend, _SHM_WAIT_S)
             if window is None:
-                self.stats["shm_region_busy"] += 1  # another load has it: this one uses the stream
+                self.metrics.shm_region_busy += 1  # another load has it: this one uses the stream
         return window
 
 
@@ -445,7 +445,7 @@ class _HttpSession:
                 if not await self._read_group(todo[start : start + _FETCH_ITEMS]):
                     break
         except GatewayError:  # unreachable, refused, or a frame cut short: a miss
-            self.client.stats["unavailable"] += 1
+            self.client.metrics.unavailable += 1
         finally:
             for i in todo:  # past the end of the prefix (or of what arrived); one handed over is gone
                 f = self._fetches.get(i)
@@ -506,15 +506,15 @@ class _HttpSession:
                 if window is not None and (item.status != frames.IN_REGION or i == group[-1]):
                     window.settled = True  # the server put all it will put there (it ends here, or streams)
                 if item.status == frames.KEY_UNAVAILABLE:  # its key version is destroyed: a miss
-                    post(self._ended, i, FetchFailed("key_unavailable", unavailable=True), ("unavailable", "key_unavailable"))
+                    post(self._ended, i, FetchFailed("key_unavailable", unavailable=True))
                     ex.at_end()  # the end of the prefix is the end of the body: the connection is kept
                     return 200, False
                 if item.status not in (frames.OK, frames.UNKEYED, frames.IN_REGION):
                     if item.status == frames.MISSING:
-                        post(self._ended, i, None, ())
+                        post(self._ended, i, None)
                     else:  # the server's tier could not answer, or missed its deadline
-                        why = "tier_timeout" if item.status == frames.TIMEOUT else "tier_unavailable"
-                        post(self._ended, i, FetchFailed(why, unavailable=True), ("unavailable", why))
+                        why: TierReason = "tier_timeout" if item.status == frames.TIMEOUT else "tier_unavailable"
+                        post(self._ended, i, FetchFailed(why, unavailable=True))
                     ex.at_end()
                     return 200, False
                 key: IssuedKey | None = None
@@ -527,7 +527,7 @@ class _HttpSession:
                     if window is None:
                         raise BadFrame("an item in a shared-memory region this load did not lend")
                     buf = window.take(item.length)  # the server copied it there: nothing to receive
-                    post(self._count, "shm_envelopes")
+                    post(self._shm_envelope)
                 else:
                     buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)
                     ex.readinto(buf)
@@ -543,8 +543,8 @@ class _HttpSession:
     def _set_scope(self, scope: tuple[str, str]) -> None:
         self._scope = scope
 
-    def _count(self, name: str) -> None:
-        self.client.stats[name] += 1
+    def _shm_envelope(self) -> None:
+        self.client.metrics.shm_envelopes += 1
 
     def _arrived(self, i: int, buf: memoryview, key: IssuedKey | None, storage_key: str) -> None:
         if self._closed:  # arrived after the session closed: its key is not kept
@@ -556,9 +556,16 @@ class _HttpSession:
         if f is not None and not f.done():
             f.set_result(Fetched(buf, "remote"))
 
-    def _ended(self, i: int, got: FetchFailed | None, counts: tuple[str, ...]) -> None:
-        for name in counts:
-            self.client.stats[name] += 1
+    def _ended(self, i: int, got: FetchFailed | None) -> None:
+        """The prefix ends at chunk ``i``: a miss (``got`` None), or a chunk the server could not
+        hand over (counted)."""
+        if got is not None:
+            metrics = self.client.metrics
+            metrics.unavailable += 1
+            if got.reason == "key_unavailable":
+                metrics.key_unavailable += 1
+            elif got.reason == "tier_timeout" or got.reason == "tier_unavailable":
+                metrics.fetch_failed[got.reason] += 1
         f = self._fetches.get(i)
         if got is not None and f is not None and not f.done():
             f.set_result(got)
@@ -630,7 +637,7 @@ class _HttpSession:
         return None
 
     async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
-        self.client.stats["integrity_failures"] += 1
+        self.client.metrics.integrity_failures += 1
         await self.client._report_integrity_failure(self.chunks[i], envelope_sha256)
 
     async def aclose(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, FastAPI, Response
@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from gateway.chunks.envelopes import EnvelopePlane
 from gateway.config import Settings
+from gateway.metrics import ByLabel
 from gateway.server import admin_routes, data, rawlookup
 from gateway.server.bodylimits import BodyLimits
 from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
@@ -92,7 +93,7 @@ def create_app(settings: Settings) -> FastAPI:
             verifier = OidcVerifier(_issuers(settings, dev))
             plane = EnvelopePlane(  # the chunk routes' data plane, over the runtime's services
                 access=runtime.access, resolver=runtime.resolver, keyring=runtime.keyring, tiers=runtime.tiers,
-                pins=runtime.pins, audit=runtime.audit, stats=runtime.stats, chunks=runtime.chunks,
+                pins=runtime.pins, audit=runtime.audit, chunks=runtime.chunks,
                 max_chunk_bytes=settings.max_chunk_bytes,
             )
             state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes, populate=settings.shm_populate))
@@ -197,13 +198,11 @@ class _Observe:
 
 
 _Series = Callable[[], Iterable[tuple[float, dict[str, str]]]]
-LOAD_REASONS = ("miss", "integrity", "tier_timeout", "tier_unavailable", "key_unavailable")
-LOOKUP_REASONS = ("tier_timeout", "tier_unavailable", "key_unavailable")
 
 
-def _by_reason(stats: Mapping[str, int], prefix: str, reasons: tuple[str, ...]) -> list[tuple[int, dict[str, str]]]:
-    """Every reason, zero included (alert rules and dashboards need the series to exist)."""
-    return [(stats[prefix + r], {"reason": r}) for r in reasons]
+def _labelled(counts: ByLabel[Any], label: str) -> list[tuple[int, dict[str, str]]]:
+    """Every label value, zero included (alert rules and dashboards need the series to exist)."""
+    return [(n, {label: value}) for value, n in counts.items()]
 
 
 def _timeouts(tiers: Iterable[Tier]) -> list[tuple[int, dict[str, str]]]:
@@ -247,33 +246,33 @@ def _behind(tiers: TierManager) -> list[tuple[float, dict[str, str]]]:
 
 def _observe(state: ServerState) -> None:
     """Gauges read at scrape time from the core, the tiers and the audit writer."""
-    gw, audit, tel = state.runtime, state.runtime.audit, state.telemetry
+    m, tiers, audit, tel = state.runtime.metrics, state.runtime.tiers, state.runtime.audit, state.telemetry
     counters: tuple[tuple[str, str, _Series], ...] = (
-        ("kvgate_lookups", "lookup calls by result", lambda: [(gw.stats["lookup_hits"], {"result": "hit"}), (gw.stats["lookup_misses"], {"result": "miss"})]),
-        ("kvgate_loads", "retrieve calls by result", lambda: [(gw.stats["load_hits"], {"result": "hit"}), (gw.stats["load_misses"], {"result": "miss"})]),
-        ("kvgate_chunks", "chunks stored and loaded", lambda: [(gw.stats["chunks_stored"], {"op": "store"}), (gw.stats["chunks_loaded"], {"op": "load"})]),
-        ("kvgate_core_bytes", "bytes through the core", lambda: [(gw.stats["bytes_in"], {"direction": "in"}), (gw.stats["bytes_out"], {"direction": "out"})]),
-        ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(gw.stats["integrity_failures"], {})]),
-        ("kvgate_capability_denials", "capability checks denied", lambda: [(gw.stats["denials"], {})]),
-        ("kvgate_envelope_keys_issued", "per-envelope keys issued to remote workers, by purpose", lambda: [(gw.stats[f"envelope_keys_issued_{p}"], {"purpose": p}) for p in ("seal", "open")]),
-        ("kvgate_tier_errors", "tier failures passed over as misses", lambda: [(n, {"tier": name}) for name, n in gw.tiers.errors.items()] or [(0, {"tier": "none"})]),
-        ("kvgate_load_failures", "loads that ended early, by reason", lambda: _by_reason(gw.stats, "load_failed_", LOAD_REASONS)),
-        ("kvgate_lookup_degraded", "lookups a tier or the KEK could not fully answer, by reason", lambda: _by_reason(gw.stats, "lookup_degraded_", LOOKUP_REASONS)),
-        ("kvgate_tier_timeouts", "tier deadlines missed, by tier and operation", lambda: _timeouts(gw.tiers.tiers)),
-        ("kvgate_load_degraded", "loads a slower tier served because a faster one failed, by reason", lambda: _by_reason(gw.stats, "load_degraded_", LOOKUP_REASONS[:2])),
-        ("kvgate_tier_breaker_trips", "times a tier's circuit breaker opened (a cluster: any master's), by tier", lambda: _stat(gw.tiers.tiers, "breaker_trips")),
-        ("kvgate_store_rollbacks", "envelopes of refused upload batches, removed or left in a tier that could not be reached", lambda: [(gw.stats["store_rollback_removed"], {"outcome": "removed"}), (gw.stats["store_rollback_left"], {"outcome": "left"})]),
-        ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(gw.tiers.tiers, "evictions")),
-        ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(gw.tiers.tiers, "rejected_puts")),
-        ("kvgate_write_behind_copies", "copies queued behind the fastest tier, by tier and outcome (written, dropped, failed)", lambda: _behind(gw.tiers)),
+        ("kvgate_lookups", "lookup calls by result", lambda: [(m.lookup_hits, {"result": "hit"}), (m.lookup_misses, {"result": "miss"})]),
+        ("kvgate_loads", "retrieve calls by result", lambda: [(m.load_hits, {"result": "hit"}), (m.load_misses, {"result": "miss"})]),
+        ("kvgate_chunks", "chunks stored and loaded", lambda: [(m.chunks_stored, {"op": "store"}), (m.chunks_loaded, {"op": "load"})]),
+        ("kvgate_core_bytes", "bytes through the core", lambda: [(m.bytes_in, {"direction": "in"}), (m.bytes_out, {"direction": "out"})]),
+        ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(m.integrity_failures, {})]),
+        ("kvgate_capability_denials", "capability checks denied", lambda: [(m.denials, {})]),
+        ("kvgate_envelope_keys_issued", "per-envelope keys issued to remote workers, by purpose", lambda: _labelled(m.envelope_keys_issued, "purpose")),
+        ("kvgate_tier_errors", "tier failures passed over as misses", lambda: [(n, {"tier": name}) for name, n in tiers.errors.items()] or [(0, {"tier": "none"})]),
+        ("kvgate_load_failures", "loads that ended early, by reason", lambda: _labelled(m.load_failed, "reason")),
+        ("kvgate_lookup_degraded", "lookups a tier or the KEK could not fully answer, by reason", lambda: _labelled(m.lookup_degraded, "reason")),
+        ("kvgate_tier_timeouts", "tier deadlines missed, by tier and operation", lambda: _timeouts(tiers.tiers)),
+        ("kvgate_load_degraded", "loads a slower tier served because a faster one failed, by reason", lambda: _labelled(m.load_degraded, "reason")),
+        ("kvgate_tier_breaker_trips", "times a tier's circuit breaker opened (a cluster: any master's), by tier", lambda: _stat(tiers.tiers, "breaker_trips")),
+        ("kvgate_store_rollbacks", "envelopes of refused upload batches, removed or left in a tier that could not be reached", lambda: [(m.store_rollback_removed, {"outcome": "removed"}), (m.store_rollback_left, {"outcome": "left"})]),
+        ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(tiers.tiers, "evictions")),
+        ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(tiers.tiers, "rejected_puts")),
+        ("kvgate_write_behind_copies", "copies queued behind the fastest tier, by tier and outcome (written, dropped, failed)", lambda: _behind(tiers)),
     )
     gauges: tuple[tuple[str, str, _Series], ...] = (
         ("kvgate_audit_queue_depth", "audit events waiting for the database", lambda: [(audit.queue_depth, {})]),
         ("kvgate_audit_spool_bytes", "audit spool size", lambda: [(audit.spool_bytes, {})]),
         ("kvgate_audit_spool_events", "audit events in the spool", lambda: [(audit.spool_events, {})]),
-        ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in gw.tiers.tiers]),
-        ("kvgate_tier_breaker_open", "1 while a tier's circuit breaker is open", lambda: _breakers(gw.tiers.tiers)),
-        ("kvgate_write_behind_queued_bytes", "bytes of copies waiting to be written behind the fastest tier", lambda: [(gw.tiers.behind.queued_bytes, {})]),
+        ("kvgate_tier_used_bytes", "bytes held per tier", lambda: [(t.used_bytes, {"tier": t.name}) for t in tiers.tiers]),
+        ("kvgate_tier_breaker_open", "1 while a tier's circuit breaker is open", lambda: _breakers(tiers.tiers)),
+        ("kvgate_write_behind_queued_bytes", "bytes of copies waiting to be written behind the fastest tier", lambda: [(tiers.behind.queued_bytes, {})]),
     )
     for name, description, fn in counters:
         tel.observe(name, description, fn, monotonic=True)

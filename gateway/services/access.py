@@ -13,11 +13,11 @@ hands nothing out.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Sequence
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
+from gateway.metrics import Metrics
 from gateway.types import check_name
 from tenancy.capabilities import CapabilityAuthority, read_unverified
 from tenancy.errors import CapabilityDenied, CapabilityRequestInvalid
@@ -28,11 +28,11 @@ __all__ = ["Access"]
 
 
 class Access:
-    def __init__(self, authority: CapabilityAuthority, registry: Registry, audit: AuditSink, stats: Counter[str]) -> None:
+    def __init__(self, authority: CapabilityAuthority, registry: Registry, audit: AuditSink, metrics: Metrics) -> None:
         self.authority = authority
         self.registry = registry
         self.audit = audit
-        self.stats = stats
+        self.metrics = metrics
 
     async def mint(
         self, tenant: str, namespace: str, ops: Sequence[str], ttl: int | None = None, *, actor: Actor | None = None
@@ -76,7 +76,7 @@ class Access:
 
     def denied(self, op: str, reason: str) -> None:
         """Count and audit a refusal (capability checks, and a tenant gone since minting)."""
-        self.stats["denials"] += 1
+        self.metrics.denials += 1
         self.audit.emit(AuditEvent(Actions.AUTHZ_DENIED, outcome="denied", details={"op": op, "reason": reason}))
 
     async def revoke_tenant(self, tenant: str, actor: Actor | None) -> float:

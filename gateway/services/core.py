@@ -17,7 +17,6 @@ is a miss: counted, audited where it is an integrity failure, and never handed t
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +26,7 @@ from audit.types import Actor
 from gateway.chunking import InvalidTokens, chain_hashes
 from gateway.chunks.service import ChunkService
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
+from gateway.metrics import Metrics
 from gateway.services.access import Access
 from gateway.services.namespaces import NamespaceResolver
 from gateway.services.pins import Pins
@@ -75,7 +75,7 @@ class Gateway:
         keyring: Keyring,
         chunks: ChunkService,
         pins: Pins,
-        stats: Counter[str],
+        metrics: Metrics,
         datapath: Callable[[], DataPath],
         chunk_tokens: int = 256,
     ) -> None:
@@ -85,7 +85,7 @@ class Gateway:
         self.keyring = keyring
         self.chunks = chunks
         self.pins = pins
-        self.stats = stats
+        self.metrics = metrics
         self.chunk_tokens = chunk_tokens
         self._make_datapath = datapath
         self._datapath: DataPath | None = None
@@ -104,7 +104,7 @@ class Gateway:
         if self._plane is None:
             from gateway.datapath.plane import DataPlane
 
-            self._plane = DataPlane(self.datapath, self.chunk_tokens, self.stats)
+            self._plane = DataPlane(self.datapath, self.chunk_tokens, self.metrics)
         return self._plane
 
     @property
@@ -167,7 +167,7 @@ class Gateway:
         try:
             ns = await self.resolver.keys(cap.tenant, cap.namespace)
         except TenantUnavailable:
-            self.stats["denials"] += 1
+            self.metrics.denials += 1
             raise AccessDenied("tenant unavailable") from None
         keys = self.resolver.chunk_keys(ns, [c.chained_hash for c in chunks])
         return await self.pins.set(cap, keys, pin=pin)

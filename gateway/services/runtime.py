@@ -14,7 +14,6 @@ import asyncio
 import os
 import secrets
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -27,6 +26,7 @@ from crypto.contexts import secret_context
 from crypto.kek import KekProvider, LocalFileKek, Secret
 from gateway.chunks.service import ChunkService
 from gateway.config import Settings
+from gateway.metrics import Metrics
 from gateway.services.access import Access
 from gateway.services.admin import Admin
 from gateway.services.auditing import close_signer, make_audit_signer, make_checkpointer
@@ -138,7 +138,7 @@ class Runtime:
     tiers: TierManager
     pins: Pins
     chunks: ChunkService
-    stats: Counter[str]
+    metrics: Metrics
     audit: AuditWriter
     invalidation: Invalidation
     admin: Admin
@@ -197,11 +197,11 @@ def gateway_over(rt: Runtime, *, datapath: Callable[[], DataPath] | None = None)
     settings = rt.settings
     return Gateway(
         access=rt.access, resolver=rt.resolver, keyring=rt.keyring, chunks=rt.chunks, pins=rt.pins,
-        stats=rt.stats, datapath=datapath or (lambda: make_datapath(settings)), chunk_tokens=settings.chunk_tokens,
+        metrics=rt.metrics, datapath=datapath or (lambda: make_datapath(settings)), chunk_tokens=settings.chunk_tokens,
     )
 
 
-AccessFactory = Callable[[CapabilityAuthority, Registry, AuditWriter, Counter[str]], Access]
+AccessFactory = Callable[[CapabilityAuthority, Registry, AuditWriter, Metrics], Access]
 
 
 async def open_embedded(
@@ -264,7 +264,7 @@ async def open_runtime(
     except BaseException:
         await registry.aclose()
         raise
-    stats: Counter[str] = Counter()
+    metrics = Metrics()
     tier_manager = TierManager(
         tiers if tiers is not None else await _tiers(settings), write_back=settings.write_back_tiers,
         write_mode="behind" if settings.tier_write_mode == "write_behind" else "through",
@@ -272,9 +272,9 @@ async def open_runtime(
     keyring = Keyring(registry, kek, invocation_limit=settings.invocation_limit, cache_ttl=settings.kek_cache_ttl_s)
     deriver = NamespaceDeriver(master)
     resolver = NamespaceResolver(registry, kek, deriver)
-    checks = access(authority, registry, audit, stats)
+    checks = access(authority, registry, audit, metrics)
     pins = Pins(tier_manager, registry, audit)
-    chunks = ChunkService(access=checks, resolver=resolver, tiers=tier_manager, audit=audit, stats=stats)
+    chunks = ChunkService(access=checks, resolver=resolver, tiers=tier_manager, audit=audit, metrics=metrics)
     invalidation = Invalidation(resolver, keyring, tier_manager)
     broadcaster = None
     if settings.redis_url:
@@ -293,7 +293,7 @@ async def open_runtime(
         )
     return Runtime(
         settings=settings, registry=registry, kek=kek, deriver=deriver, authority=authority, access=checks,
-        resolver=resolver, keyring=keyring, tiers=tier_manager, pins=pins, chunks=chunks, stats=stats, audit=audit,
+        resolver=resolver, keyring=keyring, tiers=tier_manager, pins=pins, chunks=chunks, metrics=metrics, audit=audit,
         invalidation=invalidation, admin=admin, broadcaster=broadcaster, signer=signer, checkpointer=checkpointer,
         checkpoint_task=task, checkpoint_close=checkpoint_close, pseudonym_secret=pseudonym_secret,
     )

@@ -8,11 +8,11 @@
                       and not waited for: its future ends, with the same timeout, on the loop
     EmbeddedBackend   open_embedded(Settings(**kvgate_settings)): registry, KEK, tiers, audit
     RemoteBackend     a RemoteGateway per capability (``remote_url``, a service bearer token)
-    backend_for       the process's backend for a ``ConnectorConfig``, shared by every connector
-                      of the process with that configuration (a single-process engine's two
-                      sides see one memory tier), opened on first use; ``release`` closes it
+    SHARED            the process's ``SharedBackends``: ``acquire`` hands every connector of the
+                      process with one configuration the same backend (a single-process engine's
+                      two sides see one memory tier), opened on first use; ``release`` closes it
                       after its last user. Building one starts nothing (its loop thread starts
-                      in ``backend_for`` or ``start``); nothing is opened at import time."""
+                      in ``acquire`` or ``start``); nothing is opened at import time."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 
 __all__ = [
-    "Backend", "EmbeddedBackend", "LoopThread", "RemoteBackend", "backend_for", "refuse_secrets", "release", "start",
+    "SHARED", "Backend", "EmbeddedBackend", "LoopThread", "RemoteBackend", "SharedBackends", "refuse_secrets", "start",
 ]
 
 T = TypeVar("T")
@@ -106,6 +106,10 @@ class LoopThread:
                 raise GatewayTimeout(f"the gateway did not answer in {wait:g} s") from None
 
         return asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+
+    @property
+    def running(self) -> bool:
+        return self._loop is not None
 
     def stop(self) -> None:
         loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
@@ -297,9 +301,6 @@ class RemoteBackend:
 
 # -- one backend per configuration and process ------------------------------------------------
 
-_LOCK = threading.Lock()
-_BACKENDS: dict[tuple[Any, ...], tuple[Backend, int]] = {}  # key -> (backend, users)
-
 
 def start(backend: Backend, open_timeout_s: float = 120.0) -> None:
     """Start the backend's loop thread and open it; on failure stop it again and raise
@@ -332,27 +333,49 @@ def _build(config: ConnectorConfig) -> Backend:
     )
 
 
-def backend_for(config: ConnectorConfig) -> Backend:
-    """The process's backend for this configuration (opened on first use, then shared)."""
-    key = config.backend_key()
-    with _LOCK:
-        entry = _BACKENDS.get(key)
-        if entry is None:
-            backend = _build(config)
-            start(backend)
-            entry = (backend, 0)
-        _BACKENDS[key] = (entry[0], entry[1] + 1)
-        return entry[0]
+class SharedBackends:
+    """Backends shared by connectors: one per configuration (``ConnectorConfig.backend_key``),
+    opened by its first ``acquire`` and closed by the ``release`` of its last user.
+
+    The connector cannot be handed an owner: vLLM builds it by class name, once per role (the
+    scheduler's and each worker's), with nothing but its configuration, and in a single-process
+    engine the scheduler side and the worker side are two connectors of one process that must
+    see one backend (one memory tier, one event-loop thread). So the process holds one of these,
+    ``SHARED``; tests make their own instances."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[Any, ...], tuple[Backend, int]] = {}  # key -> (backend, users)
+
+    def acquire(self, config: ConnectorConfig) -> Backend:
+        """The backend for ``config``: the one already open, or a new one opened now
+        (``ConnectorConfigError`` where it cannot be, with nothing kept)."""
+        key = config.backend_key()
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                backend = _build(config)
+                start(backend)
+                entry = (backend, 0)
+            self._entries[key] = (entry[0], entry[1] + 1)
+            return entry[0]
+
+    def release(self, backend: Backend) -> None:
+        """One user fewer; the last one closes the backend."""
+        with self._lock:
+            for key, (b, users) in list(self._entries.items()):
+                if b is backend:
+                    if users > 1:
+                        self._entries[key] = (b, users - 1)
+                        return
+                    del self._entries[key]
+                    break
+        close(backend)
+
+    def users(self, backend: Backend) -> int:
+        """How many connectors hold ``backend`` (0: closed, or never acquired here)."""
+        with self._lock:
+            return next((n for b, n in self._entries.values() if b is backend), 0)
 
 
-def release(backend: Backend) -> None:
-    """One user fewer; the last one closes the backend."""
-    with _LOCK:
-        for key, (b, users) in list(_BACKENDS.items()):
-            if b is backend:
-                if users > 1:
-                    _BACKENDS[key] = (b, users - 1)
-                    return
-                del _BACKENDS[key]
-                break
-    close(backend)
+SHARED = SharedBackends()  # this process's (SharedBackends says why there is one)

@@ -1,7 +1,7 @@
 """``KvgateConnector``: a vLLM 0.32 KV connector (KVConnectorBase_V1) on the kvgate core.
 
 A thin shell: it reads ``kv_connector_extra_config`` (``config.ConnectorConfig``), opens the
-process's backend (``backend.backend_for``) and hands every hook to the side vLLM built it for:
+process's backend (``backend.SHARED.acquire``) and hands every hook to the side vLLM built it for:
 ``scheduler.SchedulerSide`` (lookups, load and store plans, failed-load bookkeeping) or
 ``worker.WorkerSide`` (the KV cache, loads, stores, load errors); ``get_kv_connector_stats`` and
 ``shutdown`` go to both. Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no
@@ -26,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from gateway.vllm.backend import Backend, backend_for, release
+from gateway.vllm.backend import SHARED, Backend
 from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.counters import ConnectorCounters
 from gateway.vllm.errors import ConnectorConfigError
@@ -92,7 +92,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self._drain_s = config.timeout_s
-        self._backend: Backend | None = backend_for(config)
+        self._backend: Backend | None = SHARED.acquire(config)
         chunk = self._backend.chunk_tokens
         if chunk % block_size:
             self.shutdown()
@@ -210,4 +210,4 @@ class KvgateConnector(KVConnectorBase_V1):
             self._worker.wait_stores(self._drain_s)  # bounded: a store has this timeout too
         backend, self._backend = self._backend, None
         if backend is not None:
-            release(backend)
+            SHARED.release(backend)

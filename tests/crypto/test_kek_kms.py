@@ -137,7 +137,7 @@ async def test_disabled_key_turns_loads_into_misses(kms: dict, tmp_path: Path) -
         assert (await rt.gateway.lookup(cap, model, tokens)).hit_tokens == 0
         assert (await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)).loaded_tokens == 0
         stored = await rt.gateway.store(cap, model, tokens, src, block_ids=blocks, skip_existing=False)
-        assert stored.stored == 0 and rt.stats["store_failures"] >= 3
+        assert stored.stored == 0 and rt.metrics.store_failures >= 3
 
         kms["client"].enable_key(KeyId=arn.rsplit("/", 1)[1])  # and back: loads hit again
         await asyncio.sleep(0.01)

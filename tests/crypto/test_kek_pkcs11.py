@@ -242,7 +242,7 @@ async def test_token_that_disappears_turns_loads_into_misses(hsm: dict, tmp_path
             got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)
             assert got.loaded_tokens == 0 and got.unavailable >= 1 and got.integrity_failures == 0
             assert all(not x.any() for x in dst)  # nothing was written into the engine's cache
-            assert rt.stats["key_unavailable"] >= 1
+            assert rt.metrics.key_unavailable >= 1
             got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)  # still a miss
             assert got.loaded_tokens == 0
         finally:

@@ -54,7 +54,7 @@ async def test_reasons_for_integrity_and_miss_beside_a_clean_load(tmp_path):
         await tier.put(keys[1], raw)
         got = await rt.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(16)))
         assert (got.loaded_chunks, got.reason, got.integrity_failures) == (1, "integrity", 1)
-        assert rt.stats["load_failed_miss"] == 1 and rt.stats["load_failed_integrity"] == 1
+        assert rt.metrics.load_failed["miss"] == 1 and rt.metrics.load_failed["integrity"] == 1
     finally:
         await rt.aclose()
 
@@ -76,7 +76,7 @@ async def test_a_paused_redis_is_a_timeout_and_a_dead_one_unavailable(tmp_path, 
             os.kill(server.proc.pid, signal.SIGCONT)
         assert (look.hit_tokens, look.degraded) == (0, "tier_timeout")
         assert (got.loaded_chunks, got.reason) == (0, "tier_timeout")
-        assert rt.stats["lookup_degraded_tier_timeout"] == 1
+        assert rt.metrics.lookup_degraded["tier_timeout"] == 1
         timeouts = tier.stats().timeouts  # per operation; loads run one get per concurrent batch
         assert timeouts["contains"] == 1 and timeouts["get"] >= 1
         server.kill()
@@ -142,7 +142,7 @@ async def test_a_stalled_redis_in_front_of_disk_is_answered_by_the_disk(tmp_path
             os.kill(server.proc.pid, signal.SIGCONT)
         assert (look.hit_chunks, look.degraded) == (4, "")  # the disk tier holds every chunk
         assert (got.loaded_chunks, got.reason, got.degraded) == (4, "", "tier_timeout")
-        assert worker.stats["load_degraded_tier_timeout"] == 1
+        assert worker.metrics.load_degraded["tier_timeout"] == 1
         assert any("slower tier" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
     finally:
         await scheduler.aclose()

@@ -265,7 +265,7 @@ async def _held(cap: str) -> str:
 
 def _stats(live: LiveServer) -> Any:
     """The server's counters: what its chunk service counts in either mode."""
-    return live.runtime.stats
+    return live.runtime.metrics
 
 
 async def _refused_or_nothing(w: Embedded | Remote, model: Any, tokens: Sequence[int]) -> None:
@@ -310,13 +310,13 @@ async def test_a_revoked_capability_is_refused_and_a_fresh_one_served(live_serve
         async with live.client() as http:
             r = await http.post("/v1/admin/clear", json={"scope": "tenant", "tenant": a}, headers=live.headers(live.admin_token(a)))
         assert r.status_code == 200, r.text
-        denials = _stats(live)["denials"]
+        denials = _stats(live).denials
         with pytest.raises(AccessDenied):
             await w.lookup(model, tokens)
         with pytest.raises(AccessDenied):
             await w.store(model, other, src)
         await _refused_or_nothing(w, model, tokens)
-        assert _stats(live)["denials"] > denials + 1  # the server refused and counted each
+        assert _stats(live).denials > denials + 1  # the server refused and counted each
         # the control: the same tenant with a fresh capability is served, and nothing of the
         # refused store is there
         assert (await fresh.lookup(model, other)).hit_tokens == 0
@@ -368,7 +368,7 @@ async def test_a_stalled_tier_is_a_tier_timeout_then_served_again(redis_tier: tu
         assert (await w.store(model, tokens, src)).stored == 3
         await _whole(w, model, tokens, src)  # the control
         stats = _stats(live)
-        before = (stats["lookup_degraded_tier_timeout"], stats["load_failed_tier_timeout"])
+        before = (stats.lookup_degraded["tier_timeout"], stats.load_failed["tier_timeout"])
         dst = zero_cache(g, NUM_BLOCKS)
         with _paused(srv):
             look = await w.lookup(model, tokens)
@@ -376,7 +376,7 @@ async def test_a_stalled_tier_is_a_tier_timeout_then_served_again(redis_tier: tu
         assert look.hit_tokens == 0 and look.degraded == ("tier_timeout" if mode == "embedded" else "")
         assert (got.loaded_tokens, got.reason, got.integrity_failures) == (0, "tier_timeout", 0)
         assert all(not t.any() for t in dst)
-        assert (stats["lookup_degraded_tier_timeout"], stats["load_failed_tier_timeout"]) == (before[0] + 1, before[1] + 1)
+        assert (stats.lookup_degraded["tier_timeout"], stats.load_failed["tier_timeout"]) == (before[0] + 1, before[1] + 1)
         await _whole(w, model, tokens, src)  # the recovery, and the requests after it
     finally:
         await w.aclose()
@@ -399,7 +399,7 @@ async def test_a_tier_that_is_down_is_tier_unavailable_then_served_again(redis_t
         assert (await w.store(model, tokens, src)).stored == 3
         await _whole(w, model, tokens, src)  # the control
         stats = _stats(live)
-        before = (stats["lookup_degraded_tier_unavailable"], stats["load_failed_tier_unavailable"], stats["load_failed_miss"])
+        before = (stats.lookup_degraded["tier_unavailable"], stats.load_failed["tier_unavailable"], stats.load_failed["miss"])
         srv.kill()
         look = await w.lookup(model, tokens)
         dst = zero_cache(g, NUM_BLOCKS)
@@ -407,14 +407,14 @@ async def test_a_tier_that_is_down_is_tier_unavailable_then_served_again(redis_t
         assert look.hit_tokens == 0 and look.degraded == ("tier_unavailable" if mode == "embedded" else "")
         assert (got.loaded_tokens, got.reason, got.integrity_failures) == (0, "tier_unavailable", 0)
         assert all(not t.any() for t in dst)
-        after = (stats["lookup_degraded_tier_unavailable"], stats["load_failed_tier_unavailable"], stats["load_failed_miss"])
+        after = (stats.lookup_degraded["tier_unavailable"], stats.load_failed["tier_unavailable"], stats.load_failed["miss"])
         assert after == (before[0] + 1, before[1] + 1, before[2])
-        stored = stats["chunks_stored"]
+        stored = stats.chunks_stored
         try:  # nothing stored: in process a result that says so, through the server a 503
             assert (await w.store(model, list(range(2900, 2900 + N)), src)).stored == 0
         except RemoteUnavailable as exc:
             assert mode == "remote" and str(exc).endswith(": 503"), exc
-        assert stats["chunks_stored"] == stored
+        assert stats.chunks_stored == stored
         srv.start()  # the same port, nothing stored
         for _ in range(50):  # until the tier's breaker lets requests through again (a 503 till then)
             try:
@@ -463,7 +463,7 @@ async def test_a_kek_outage_loads_and_stores_nothing_then_both_are_served_again(
         assert (await w.store(model, tokens, src)).stored == 3
         await _whole(w, model, tokens, src)  # the control
         stats = _stats(live)
-        stored, unavailable = stats["chunks_stored"], stats["load_failed_key_unavailable"]
+        stored, unavailable = stats.chunks_stored, stats.load_failed["key_unavailable"]
         path.cut()
         try:
             await asyncio.sleep(0.5)  # past the data keys' time in memory
@@ -481,8 +481,8 @@ async def test_a_kek_outage_loads_and_stores_nothing_then_both_are_served_again(
                 assert mode == "remote" and str(exc).endswith(": 503"), exc
             else:
                 assert mode == "embedded" and (look.hit_tokens, look.degraded) == (0, "key_unavailable")
-            assert stats["chunks_stored"] == stored
-            assert stats["load_failed_key_unavailable"] == unavailable + 1
+            assert stats.chunks_stored == stored
+            assert stats.load_failed["key_unavailable"] == unavailable + 1
         finally:
             path.restore()
         await asyncio.sleep(1.2)  # past the KMS client's pause after a connection failure

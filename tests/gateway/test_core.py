@@ -140,7 +140,7 @@ async def test_tampered_envelope_on_disk_is_a_counted_audited_miss(tmp_path):
         dst = zero_cache(g, NUM_BLOCKS)
         got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=blocks)
         assert got.loaded_tokens == 16 and got.integrity_failures == 1
-        assert rt.stats["integrity_failures"] == 1
+        assert rt.metrics.integrity_failures == 1
         await rt.audit.flush(10)
         actions = [r.event.action async for r in rt.audit.store.iter_records()]
         assert "integrity.failure" in actions
@@ -195,7 +195,7 @@ async def test_bad_input_is_refused_and_stores_nothing(tmp_path, case):
             kw = {"slot_mapping": list(range(39))}
         with pytest.raises(InvalidRequest):
             await rt.gateway.store(cap, model, tokens, kv, **kw)
-        assert rt.stats["chunks_stored"] == 0
+        assert rt.metrics.chunks_stored == 0
         assert await rt.tiers.tier("memory").list_keys() == []
         assert await rt.tiers.tier("disk").list_keys() == []
 
@@ -212,7 +212,7 @@ async def test_unknown_tenant_and_bad_capabilities(tmp_path):
         read_only = await rt.gateway.mint_capability("acme", "default", ["lookup"], 600)
         with pytest.raises(AccessDenied):
             await rt.gateway.store(read_only, model, list(range(16)), random_cache(g, NUM_BLOCKS), block_ids=range(4))
-        assert rt.stats["chunks_stored"] == 0
+        assert rt.metrics.chunks_stored == 0
         await rt.audit.flush(10)
         denied = [r async for r in rt.audit.store.iter_records() if r.event.action == "authz.denied"]
         assert len(denied) == 2

@@ -53,7 +53,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
 
         def make(*tiers: Tier) -> ChunkService:
             managers.append(TierManager(list(tiers), promote=False))
-            return ChunkService(access=rt.access, resolver=rt.resolver, tiers=managers[-1], audit=rt.audit, stats=rt.stats)
+            return ChunkService(access=rt.access, resolver=rt.resolver, tiers=managers[-1], audit=rt.audit, metrics=rt.metrics)
 
         yield World(rt, make)
         for m in managers:
@@ -61,7 +61,7 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
 
 
 def _count(w: World, name: str) -> int:
-    return w.rt.stats[name]
+    return w.rt.metrics[name]
 
 
 def _memory() -> MemoryTier:
@@ -186,15 +186,15 @@ async def test_roll_back_removes_a_refused_batch_and_counts_what_a_down_tier_may
     acme = await world.opened(chunks)
     for i in range(3):
         await acme.put(i, ENVELOPE)
-    removed, left = _count(world, "store_rollback_removed"), _count(world, "store_rollback_left")
+    removed, left = world.rt.metrics.store_rollback_removed, world.rt.metrics.store_rollback_left
     assert await acme.roll_back(range(2)) == 0
     assert (await acme.locate()).present == [False, False, True]  # only the batch's chunks
-    assert (_count(world, "store_rollback_removed"), _count(world, "store_rollback_left")) == (removed + 2, left)
+    assert (world.rt.metrics.store_rollback_removed, world.rt.metrics.store_rollback_left) == (removed + 2, left)
     with_down = world.make(_memory(), _down())
     acme = await world.opened(with_down)
     await acme.put(0, ENVELOPE)
     assert await acme.roll_back([0]) == 1  # the down tier could not be asked: it may hold a copy
-    assert (_count(world, "store_rollback_removed"), _count(world, "store_rollback_left")) == (removed + 2, left + 1)
+    assert (world.rt.metrics.store_rollback_removed, world.rt.metrics.store_rollback_left) == (removed + 2, left + 1)
     assert (await acme.locate()).present[0] is False  # gone from the tier that answered
 
 
@@ -204,7 +204,7 @@ async def test_an_integrity_failure_is_audited_and_drops_only_the_bad_copy(world
     acme = await world.opened(chunks, op="get")
     await acme.put(0, ENVELOPE)
     await acme.put(1, ENVELOPE)
-    reported = _count(world, "integrity_failures_reported")
+    reported = world.rt.metrics.integrity_failures_reported
     other = hashlib.sha256(b"another envelope").digest()
     assert await acme.integrity_failure(1, envelope_sha256=other) is False  # a good copy stored since
     assert await acme.integrity_failure(0, tier="memory", index=0,
@@ -215,7 +215,7 @@ async def test_an_integrity_failure_is_audited_and_drops_only_the_bad_copy(world
     assert [(e["dropped"], e.get("kept"), e.get("chunk_index")) for e in events] == [
         (False, "the stored copy is another envelope", None), (True, None, 0), (False, "no copy is stored", None),
     ]
-    assert _count(world, "integrity_failures_reported") == reported + 3
+    assert world.rt.metrics.integrity_failures_reported == reported + 3
 
 
 # -- the namespace ----------------------------------------------------------------------------
@@ -225,10 +225,10 @@ async def test_a_disabled_tenant_is_refused_and_counted(world: World) -> None:
     assert len((await chunks.session(token, "lookup", HASHES)).keys) == 3  # the control
     await world.rt.registry.disable_tenant("acme")
     world.rt.resolver.forget("acme")
-    denials = _count(world, "denials")
+    denials = world.rt.metrics.denials
     with pytest.raises(AccessDenied):
         await chunks.session(token, "lookup", HASHES)
-    assert _count(world, "denials") == denials + 1
+    assert world.rt.metrics.denials == denials + 1
     other = await world.rt.access.mint("globex", "default", ALL_OPS, 600)
     assert len((await chunks.session(other, "lookup", HASHES)).keys) == 3  # another tenant unaffected
 

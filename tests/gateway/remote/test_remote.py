@@ -114,11 +114,11 @@ async def test_moved_envelope_is_an_integrity_failure_on_both_sides(live_server:
         assert (await ra.retrieve(model, t1, dst, block_ids=BLOCKS)).loaded_tokens == 32
         # the core sees the same: a miss, counted
         assert (await http.put(f"/v1/chunks/{h2}", content=blob, headers=hdr)).status_code == 204
-        before = live.runtime.stats["integrity_failures"]
+        before = live.runtime.metrics.integrity_failures
         dst2 = zero_cache(g, NUM_BLOCKS)
         got = await live.call(live.gateway.retrieve, await _core_cap(live, a), model, t2, dst2, block_ids=BLOCKS)
         assert (got.loaded_tokens, got.integrity_failures) == (0, 1)
-        assert live.runtime.stats["integrity_failures"] == before + 1
+        assert live.runtime.metrics.integrity_failures == before + 1
 
 
 async def test_bad_input_and_denials(live_server: LiveServer, tmp_path):
@@ -251,11 +251,11 @@ async def test_destroyed_key_version_is_a_miss_for_the_remote_worker(live_server
         await ra.store(model, t_live, src, block_ids=BLOCKS)
         assert (await ra.retrieve(model, t_old, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS)).loaded_tokens == 32
         assert await live.call(live.runtime.keyring.destroy, a, [v1]) == [v1]
-        before = ra.stats["unavailable"]
+        before = ra.metrics.unavailable
         dst = zero_cache(g, NUM_BLOCKS)
         got = await ra.retrieve(model, t_old, dst, block_ids=BLOCKS)
         assert (got.loaded_tokens, got.unavailable, got.reason) == (0, 1, "key_unavailable")
-        assert ra.stats["unavailable"] > before and all(not t.any() for t in dst)
+        assert ra.metrics.unavailable > before and all(not t.any() for t in dst)
         assert (await ra.retrieve(model, t_live, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS)).loaded_tokens == 32
 
 
@@ -333,13 +333,13 @@ async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_s
     (a,) = await _tenants(live, "acme")
     src = random_cache(g, NUM_BLOCKS, seed=9)
     tokens = list(range(N))
-    stats = live.runtime.stats
+    metrics = live.runtime.metrics
     async with _remote(live, a) as ra, live.client() as http:
-        seal0, open0 = stats["envelope_keys_issued_seal"], stats["envelope_keys_issued_open"]
+        seal0, open0 = metrics.envelope_keys_issued["seal"], metrics.envelope_keys_issued["open"]
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
         dst = zero_cache(g, NUM_BLOCKS)
         assert (await ra.retrieve(model, tokens, dst, block_ids=BLOCKS)).loaded_tokens == N
-        assert (stats["envelope_keys_issued_seal"] - seal0, stats["envelope_keys_issued_open"] - open0) == (4, 4)
+        assert (metrics.envelope_keys_issued["seal"] - seal0, metrics.envelope_keys_issued["open"] - open0) == (4, 4)
         cap_id = read_unverified(await ra.capability()).cap_id
         assert live.state.plane.issued_to(cap_id) == 8
         await live.call(live.runtime.audit.flush, 10)
@@ -570,13 +570,13 @@ async def test_the_fetch_stream_carries_each_envelopes_key_counted_and_audited_p
     (a,) = await _tenants(live, "acme")
     src = random_cache(g, NUM_BLOCKS, seed=21)
     tokens = list(range(400, 400 + N))
-    stats = live.runtime.stats
+    metrics = live.runtime.metrics
     async with _remote(live, a) as ra, live.client() as http:
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
         cap = await ra.capability()
         cap_id = read_unverified(cap).cap_id
         hashes = [c.chained_hash.hex() for c in ra._chunks(model, tokens)]
-        issued0, open0, budget0 = stats["envelope_keys_issued"], stats["envelope_keys_issued_open"], live.state.plane.issued_to(cap_id)
+        issued0, open0, budget0 = metrics.envelope_keys_issued.total(), metrics.envelope_keys_issued["open"], live.state.plane.issued_to(cap_id)
         for _ in range(2):
             scope, items = await _keyed_fetch(live, http, a, cap, hashes + [random_hash()])  # a miss ends it
             assert scope == (a, "default")
@@ -591,7 +591,7 @@ async def test_the_fetch_stream_carries_each_envelopes_key_counted_and_audited_p
                 if k == 0:  # the others authenticated too (open checks every tag)
                     assert bytes(plain) == gathered(src, g, BLOCKS, 16).numpy().tobytes()
             assert items[4][0].key == bytes(32)  # nothing is issued for a miss
-        assert (stats["envelope_keys_issued"] - issued0, stats["envelope_keys_issued_open"] - open0) == (8, 8)
+        assert (metrics.envelope_keys_issued.total() - issued0, metrics.envelope_keys_issued["open"] - open0) == (8, 8)
         assert live.state.plane.issued_to(cap_id) - budget0 == 8  # charged 5 per fetch, the miss refunded
         rows = [row for row in await _key_issue_rows(live, http, a, cap_id) if row["details"]["route"] == "/v1/chunks/fetch"]
         assert [(row["outcome"], row["details"]["purpose"], row["details"]["issued"], row["target"]["chunk_count"]) for row in rows] == [
@@ -599,7 +599,7 @@ async def test_the_fetch_stream_carries_each_envelopes_key_counted_and_audited_p
         ]
         # without keys the frame is the plain one, and nothing is issued or audited
         r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=live.headers(live.worker_token(a), cap))
-        assert r.content[:4] == frames.MAGIC and stats["envelope_keys_issued"] - issued0 == 8
+        assert r.content[:4] == frames.MAGIC and metrics.envelope_keys_issued.total() - issued0 == 8
         assert len(await _key_issue_rows(live, http, a, cap_id)) == len(rows) + 1  # + the store's seal
 
 
@@ -667,12 +667,12 @@ async def test_a_destroyed_key_version_mid_prefix_ends_it_as_key_unavailable(liv
         ]
         rows = (await _key_issue_rows(live, http, a, cap_id))[seen:]
         assert [(row["details"]["issued"], row["details"]["unavailable"]) for row in rows] == [(1, 1)]
-        before = ra.stats["key_unavailable"]
+        before = ra.metrics.key_unavailable
         sentinel = random_cache(g, NUM_BLOCKS, seed=98)
         dst = [t.clone() for t in sentinel]
         got = await ra.retrieve(model, tokens, dst, block_ids=BLOCKS6)
         assert (got.loaded_tokens, got.unavailable, got.integrity_failures, got.reason) == (16, 1, 0, "key_unavailable")
-        assert ra.stats["key_unavailable"] == before + 1
+        assert ra.metrics.key_unavailable == before + 1
         assert torch.equal(gathered(src, g, BLOCKS6, 16), gathered(dst, g, BLOCKS6, 16))
 
 
@@ -814,7 +814,7 @@ async def test_a_fetch_cut_mid_envelope_loads_only_the_whole_envelopes_before_it
             got = await rp.retrieve(model, tokens, dst, block_ids=BLOCKS6)
             assert proxy.cuts == 1
             assert (got.loaded_tokens, got.integrity_failures) == (32, 0)
-            assert rp.stats["unavailable"] == 1
+            assert rp.metrics.unavailable == 1
             assert torch.equal(gathered(src, g, BLOCKS6, 32), gathered(dst, g, BLOCKS6, 32))
             past = BLOCKS6[8:]
             assert torch.equal(gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32))

@@ -66,7 +66,7 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
             got, dst = await _load(wa, g, model, tokens)
             assert got.loaded_tokens == N and got.integrity_failures == 0
             assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-            assert wa.stats["shm_envelopes"] == 4 * (rep + 1)
+            assert wa.metrics.shm_envelopes == 4 * (rep + 1)
         assert _region(wa) is not None and not _region(wa).tainted
         # the server said it populates its side: the worker mapped the whole region ahead too
         _wait(lambda: _region(wa).populated == _region(wa).size)
@@ -80,17 +80,17 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
         ) as wa2:
             got, dst = await _load(wa2, g, model, tokens)
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-            assert wa2.stats["shm_envelopes"] == 4 and _region(wa2) is shared
+            assert wa2.metrics.shm_envelopes == 4 and _region(wa2) is shared
             assert not any(r.startswith("POST /v1/shm") for r in wa2._wire.requests)
         # the other tenant on the same socket, with a region of its own: nothing of A's, and its own
         # copy of the same tokens (the positive control) comes back through its region
         got_b, dst_b = await _load(wb, g, model, tokens)
-        assert got_b.loaded_tokens == 0 and all(not t.any() for t in dst_b) and wb.stats["shm_envelopes"] == 0
+        assert got_b.loaded_tokens == 0 and all(not t.any() for t in dst_b) and wb.metrics.shm_envelopes == 0
         src_b = random_cache(g, NUM_BLOCKS, seed=9)
         assert (await wb.store(model, tokens, src_b, block_ids=BLOCKS)).stored == 4
         got_b, dst_b = await _load(wb, g, model, tokens)
         assert got_b.loaded_tokens == N and torch.equal(gathered(src_b, g, BLOCKS, N), gathered(dst_b, g, BLOCKS, N))
-        assert wb.stats["shm_envelopes"] == 4 and _region(wb) is not _region(wa)
+        assert wb.metrics.shm_envelopes == 4 and _region(wb) is not _region(wa)
         got, dst = await _load(wa, g, model, tokens)  # and A still gets A's
         assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
 
@@ -200,15 +200,15 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
         await wa.store(model, tokens, src, block_ids=BLOCKS)
         await _load(wa, g, model, tokens)
         first = _region(wa)
-        assert first is not None and wa.stats["shm_envelopes"] == 4
+        assert first is not None and wa.metrics.shm_envelopes == 4
         first.id = "0" * 32  # as if the server had been restarted (or had evicted it)
         got, dst = await _load(wa, g, model, tokens)
         assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        assert wa.stats["shm_envelopes"] == 4 and first.tainted  # through the stream; the region is dropped
+        assert wa.metrics.shm_envelopes == 4 and first.tainted  # through the stream; the region is dropped
         for _ in range(2):  # the loads after: a new region, used
             got, dst = await _load(wa, g, model, tokens)
             assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        assert _region(wa) is not None and _region(wa) is not first and wa.stats["shm_envelopes"] == 12
+        assert _region(wa) is not None and _region(wa) is not first and wa.metrics.shm_envelopes == 12
         # a load cut off (cancelled) mid-stream taints the region it had (the server may still be
         # copying into it): the next ones get a new one and are whole
         second = _region(wa)
@@ -257,7 +257,7 @@ async def test_a_server_without_shared_memory_serves_every_load_through_the_sock
             for _ in range(2):
                 got, dst = await _load(wa, g, model, tokens)
                 assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-            assert wa.stats["shm_envelopes"] == 0 and wa.stats["shm_unavailable"] == 1  # asked once, then left alone
+            assert wa.metrics.shm_envelopes == 0 and wa.metrics.shm_unavailable == 1  # asked once, then left alone
     finally:
         stop(proc)
 

@@ -237,8 +237,8 @@ async def test_a_slow_reader_holds_the_server_to_a_few_envelopes(live_server: Li
         _a, hdr = await _setup(live, http)
         hashes = [random_hash() for _ in range(n)]
         assert (await put_batch(http, hdr, frame([(h, env) for h in hashes]))).status_code == 204
-        stats = live.runtime.stats
-        before = stats["chunks_loaded"]
+        metrics = live.runtime.metrics
+        before = metrics.chunks_loaded
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 32 << 10)
         sock.connect((u.hostname, u.port))
@@ -252,15 +252,15 @@ async def test_a_slow_reader_holds_the_server_to_a_few_envelopes(live_server: Li
         deadline = time.monotonic() + 15
         while still < 10 and time.monotonic() < deadline:  # until the server stops taking envelopes
             await asyncio.sleep(0.1)
-            now = stats["chunks_loaded"] - before
+            now = metrics.chunks_loaded - before
             still = still + 1 if now == last else 0
             last = now
-        taken = stats["chunks_loaded"] - before
+        taken = metrics.chunks_loaded - before
         assert 1 <= taken <= 8, taken  # socket buffers and one envelope in flight, not 24
         # positive control: reading on, the whole response arrives
         rest = await asyncio.wait_for(_read_all(rd), 60)
         w.close()
-        assert stats["chunks_loaded"] - before == n
+        assert metrics.chunks_loaded - before == n
         assert (64 << 10) + len(rest) > n * len(env)
 
 
@@ -307,12 +307,12 @@ async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stop
         _cap, keys = await live.call(live.state.plane.keys_for, cap, "get", [hashes[1]])
         junk = b"not an envelope" * 20
         await live.call(live.runtime.tiers.put, keys[0], memoryview(junk))
-        issued = live.runtime.stats["envelope_keys_issued"]
+        issued = live.runtime.metrics.envelope_keys_issued.total()
         got = await keyed_fetch(http, hdr, hashes)
         assert [(it.status, env, it.key == bytes(32)) for it, env in got] == [
             (frames.OK, items[0][1], False), (frames.UNKEYED, junk, True),
         ]
-        assert live.runtime.stats["envelope_keys_issued"] == issued + 1
+        assert live.runtime.metrics.envelope_keys_issued.total() == issued + 1
 
 
 async def test_the_fetch_stream_goes_to_the_connection_raw_and_through_asgi_alike(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):
@@ -440,9 +440,9 @@ async def test_a_tier_failing_mid_batch_refuses_it_whole_and_removes_what_it_sto
             r = await put_batch(http, hdr, frame(items))
             assert r.status_code == 503, r.text
             assert await stored(http, hdr, hashes) == [False] * 3  # the first, stored before the failure, is gone
-            stats = live.runtime.stats
+            metrics = live.runtime.metrics
             # the first removed; the failed one counted as left, since its tier could not be asked
-            assert (stats["store_rollback_removed"], stats["store_rollback_left"]) == (1, 1)
+            assert (metrics.store_rollback_removed, metrics.store_rollback_left) == (1, 1)
             blocker.unlink()
             r = await put_batch(http, hdr, frame(items))
             assert r.status_code == 204, r.text

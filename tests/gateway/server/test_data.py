@@ -333,7 +333,7 @@ async def test_envelope_keys_seal_and_open(world: World):
     w = world
     plane = w.live.state.plane
     hashes = [random_hash() for _ in range(3)]
-    before = w.live.runtime.stats["envelope_keys_issued_seal"]
+    before = w.live.runtime.metrics.envelope_keys_issued["seal"]
     r = await w.http.post(KEYS, json=_seal(*hashes), headers=w.h(w.worker_a, w.cap_a))
     assert r.status_code == 200
     got = r.json()
@@ -346,7 +346,7 @@ async def test_envelope_keys_seal_and_open(world: World):
     ns = await w.live.call(w.live.runtime.resolver.keys, w.a, "default")
     assert [i["storage_key"] for i in items] == [ns.storage_key(bytes.fromhex(h)) for h in hashes]
     assert "dek" not in got and "index_key" not in got and "binding_secret" not in got
-    assert w.live.runtime.stats["envelope_keys_issued_seal"] == before + 3
+    assert w.live.runtime.metrics.envelope_keys_issued["seal"] == before + 3
     cap_id = read_unverified(w.cap_a).cap_id
     assert plane.issued_to(cap_id) == 3
     # opening: the key of each envelope from its header's version and salt, in one call
@@ -412,10 +412,10 @@ async def test_envelope_keys_are_bounded_per_capability(world: World):
         cap = await w.live.capability(w.http, w.a)
         hdr = w.h(w.worker_a, cap)
         assert (await w.http.post(KEYS, json=_seal(*[random_hash() for _ in range(4)]), headers=hdr)).status_code == 200
-        stats = dict(w.live.runtime.stats)
+        issued = w.live.runtime.metrics.envelope_keys_issued.total()
         body = assert_problem(await w.http.post(KEYS, json=_seal(random_hash(), random_hash()), headers=hdr), 403)
         assert body["type"] == "urn:kvgate:problem:key-budget-spent"
-        assert w.live.runtime.stats["envelope_keys_issued"] == stats["envelope_keys_issued"]
+        assert w.live.runtime.metrics.envelope_keys_issued.total() == issued
         assert plane.issued_to(read_unverified(cap).cap_id) == 4
         assert (await w.http.post(KEYS, json=_seal(random_hash()), headers=hdr)).status_code == 200  # 5: the last
         refused = [row for row in await _audit_rows(w, "key.issue") if row["outcome"] == "denied"]

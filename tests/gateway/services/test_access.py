@@ -53,7 +53,7 @@ async def svc(tmp_path: Path) -> AsyncIterator[Svc]:
         authority = CapabilityAuthority(
             {"k1": os.urandom(32)}, "k1", max_ttl=600, clock=clock, revocations=RevocationList(clock=clock)
         )
-        yield Svc(rt, Access(authority, rt.registry, rt.audit, rt.stats), clock)
+        yield Svc(rt, Access(authority, rt.registry, rt.audit, rt.metrics), clock)
 
 
 async def _events(rt: Runtime, action: str) -> list[dict[str, Any]]:
@@ -79,7 +79,7 @@ async def test_an_expired_capability_is_refused_and_audited(svc: Svc) -> None:
     fresh = await svc.access.mint("acme", "default", ["get"], 60)
     assert svc.access.authorize(fresh, "get").tenant == "acme"  # the tenant itself is not refused
     assert await _denials(svc.rt) == [("get", "expired")]
-    assert svc.rt.stats["denials"] == 1
+    assert svc.rt.metrics.denials == 1
 
 
 async def test_a_revoked_capability_is_refused_and_another_tenant_is_not(svc: Svc) -> None:
@@ -106,7 +106,7 @@ async def test_an_operation_the_capability_does_not_grant_is_refused(svc: Svc) -
     for op in ("get", "put", "pin"):
         _refused(svc.access, token, op, "operation not granted")
     assert await _denials(svc.rt) == [(op, "operation not granted") for op in ("get", "put", "pin")]
-    assert svc.rt.stats["denials"] == 3
+    assert svc.rt.metrics.denials == 3
 
 
 async def test_a_chunk_outside_the_holders_allowlist_is_refused(svc: Svc) -> None:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from gateway.vllm.backend import EmbeddedBackend, LoopThread, backend_for
+from gateway.vllm.backend import EmbeddedBackend, LoopThread, SharedBackends
 from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 
@@ -100,8 +100,9 @@ def test_a_backend_that_cannot_open_its_state_refuses_with_the_cause(tmp_path):
     kek.write_bytes(b"not a key")  # a KEK file that is not one: open_runtime fails
     config = ConnectorConfig.from_extra({"kvgate_settings": {"state_dir": str(tmp_path), "kek_file": str(kek)}})
     before = len(_loop_threads())
+    shared = SharedBackends()
     with pytest.raises(ConnectorConfigError, match="kvgate could not open its state"):
-        backend_for(config)
+        shared.acquire(config)
     assert len(_loop_threads()) == before
 
 
@@ -109,7 +110,6 @@ def test_a_connector_pointed_at_another_state_dir_names_it_and_creates_no_kek(tm
     """The embedded connector of a worker configured with the registry's database but another state
     directory: the engine's start is refused with the state directory, the KEK file and the fix, and
     no KEK file appears there. Control: the registry's own state directory opens."""
-    from gateway.vllm.backend import release
     from tests.support.gw import gateway_runtime
 
     real, wrong = tmp_path / "real", tmp_path / "wrong"
@@ -121,10 +121,11 @@ def test_a_connector_pointed_at_another_state_dir_names_it_and_creates_no_kek(tm
 
     asyncio.run(registry_with_a_tenant())
     good = ConnectorConfig.from_extra({"kvgate_settings": {"state_dir": str(real), "database_url": url}})
-    release(backend_for(good))
+    shared = SharedBackends()
+    shared.release(shared.acquire(good))
     bad = ConnectorConfig.from_extra({"kvgate_settings": {"state_dir": str(wrong), "database_url": url}})
     with pytest.raises(ConnectorConfigError, match="kvgate could not open its state: no new KEK was created") as err:
-        backend_for(bad)
+        shared.acquire(bad)
     for needle in (f"state directory {wrong}", str(wrong / "kek.key"), "KVGATE_STATE_DIR", str(real / "kvgate.db")):
         assert needle in str(err.value)
     assert not (wrong / "kek.key").exists()

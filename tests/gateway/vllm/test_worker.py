@@ -16,7 +16,7 @@ import torch
 
 from gateway.errors import TenantUnavailable
 from gateway.types import KVModel
-from gateway.vllm.backend import Backend, backend_for, release
+from gateway.vllm.backend import Backend, SharedBackends
 from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.ledger import LoadOp, StoreOp
 from gateway.vllm.logs import Tracer
@@ -59,13 +59,16 @@ def backend(tmp_path):
         "state_dir": str(tmp_path), "tiers": ["memory"], "memory_bytes": 64 << 20, "chunk_tokens": CHUNK,
         "segment_bytes": 4096, "cpu_threads": 1,
     }})
-    b = backend_for(config)
+    shared = SharedBackends()
+    b = shared.acquire(config)
     try:
-        assert backend_for(config) is b  # one backend per configuration and process
-        release(b)
+        assert shared.acquire(config) is b and shared.users(b) == 2  # one backend per configuration
+        shared.release(b)
+        assert shared.users(b) == 1 and b.loop.running  # the last user closes it, not the first
         yield b
     finally:
-        release(b)
+        shared.release(b)
+        assert shared.users(b) == 0 and not b.loop.running
 
 
 def _capability(b: Backend) -> str:
@@ -248,11 +251,11 @@ def test_chunks_the_engine_computed_itself_are_neither_fetched_nor_opened(backen
     assert writer.wait_stores(30)
     assert writer.model is not None
     _flip(backend, writer.model, 0)
-    stats = backend.runtime.stats  # type: ignore[attr-defined]
-    before_loaded = stats["chunks_loaded"]
+    metrics = backend.runtime.metrics  # type: ignore[attr-defined]
+    before_loaded = metrics.chunks_loaded
     reader = _worker(backend, dst, tmp_path)
     reader.load([LoadOp("r", cap, TOKENS, dst_ids, skip_blocks=5, upto=44)])
-    assert stats["chunks_loaded"] - before_loaded == 2  # chunks 1 and 2, not chunk 0
+    assert metrics.chunks_loaded - before_loaded == 2  # chunks 1 and 2, not chunk 0
     for a, b in zip(_blocks(src, src_ids[5:11]), _blocks(dst, dst_ids[5:11])):
         assert torch.equal(a, b)
     assert _untouched(dst, dst_ids[:5]) and _untouched(dst, dst_ids[11:])  # the engine's own, and its last block
@@ -421,7 +424,8 @@ def test_the_trace_says_when_write_behind_copies_are_in_and_wait_for_stores_wait
         "state_dir": str(tmp_path), "tiers": ["memory", "disk"], "memory_bytes": 64 << 20, "chunk_tokens": CHUNK,
         "segment_bytes": 4096, "cpu_threads": 1,
     }})
-    b = backend_for(config)
+    shared = SharedBackends()
+    b = shared.acquire(config)
     try:
         cap = _capability(b)
         gated = GatedBackend(b)
@@ -450,7 +454,7 @@ def test_the_trace_says_when_write_behind_copies_are_in_and_wait_for_stores_wait
 
         assert b.loop.call(on_disk()) == 3  # the disk holds the three chunks when the line says so
     finally:
-        release(b)
+        shared.release(b)
 
 
 # -- layer-wise loads -------------------------------------------------------------------------
