@@ -41,6 +41,10 @@ class Actions:
     AUTHN_FAILED = "authn.failed"
     INTEGRITY_FAILURE = "integrity.failure"
     AUDIT_CHECKPOINT = "audit.checkpoint"
+    SCOPE_CHANGE = "scope.change"  # a sharing scope created, or a member added or removed
+    PREFIX_PUBLISH = "prefix.publish"
+    PREFIX_WARM = "prefix.warm"  # the chunks a warm-up stores, checked and recorded
+    PREFIX_REVOKE = "prefix.revoke"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,9 +5,9 @@ Format: macaroon-style HMAC chaining over HMAC-SHA256 from ``cryptography``::
     kvc1.<kid>.<b64url(root)>[.<b64url(caveat)>]*.<b64url(tag)>
     sig_0 = HMAC(key[kid], "kvgate-cap/1" 0x00 kid 0x00 root);  sig_i = HMAC(sig_{i-1}, caveat_i);  tag = sig_n
 
-``root`` is canonical JSON ``{"exp", "iat", "id", "ns", "ops", "t"}`` (times in milliseconds);
-a caveat is canonical JSON with one member: ``ops`` (a list), ``exp`` or ``chunks`` (chained-hash hex
-strings). ``attenuate()`` appends a caveat without a secret; a caveat only narrows (ops and chunk
+``root`` is canonical JSON ``{"exp", "iat", "id", "ns", "ops", "t"}`` (times in milliseconds), and
+``sc`` (the sharing scopes it may read) where there are any; a caveat is canonical JSON with one
+member: ``ops`` (a list), ``exp``, ``chunks`` (chained-hash hex strings) or ``sc``. ``attenuate()`` appends a caveat without a secret; a caveat only narrows (ops and chunk
 allowlists intersect, the earliest expiry wins), cannot be removed, and an unknown one denies; a
 widening request is refused. A capability never crosses tenants: the tenant is in the MAC'd root and
 ``verify`` compares it to the caller's; revocation is per id and per tenant (``RevocationList``).
@@ -54,6 +54,8 @@ _KID = re.compile(r"[A-Za-z0-9_-]{1,32}")
 _B64 = re.compile(r"[A-Za-z0-9_-]*")
 _HEX = re.compile(r"[0-9a-f]{1,128}")
 _ROOT_KEYS = frozenset({"exp", "iat", "id", "ns", "ops", "t"})
+_ROOT_KEYS_SCOPED = _ROOT_KEYS | {"sc"}
+_MAX_SCOPES = 64
 _DUMMY_KEY = b"\x00" * 32
 
 
@@ -123,6 +125,15 @@ def _chunks(value: object) -> frozenset[str]:
     return frozenset(value)
 
 
+def _scopes(value: object) -> frozenset[str]:
+    if not isinstance(value, list) or not value or len(value) > _MAX_SCOPES:
+        raise CapabilityDenied("bad scope list")
+    names = frozenset(_name(v, "scope", 64) for v in value)
+    if len(names) != len(value):
+        raise CapabilityDenied("bad scope list")
+    return names
+
+
 def _split(token: object) -> tuple[str, list[str], list[bytes], bytes]:
     """Structural parse: kid, raw segments, decoded root+caveats, tag. No secrets involved."""
     if not isinstance(token, str) or len(token) > _MAX_TOKEN_CHARS:
@@ -153,10 +164,11 @@ def _load(block: bytes) -> dict[str, Any]:
 def _fold(kid: str, blocks: list[bytes]) -> Capability:
     """The effective capability: the root narrowed by every caveat, in order."""
     root = _load(blocks[0])
-    if set(root) != _ROOT_KEYS:
+    if set(root) != _ROOT_KEYS and set(root) != _ROOT_KEYS_SCOPED:
         raise CapabilityDenied("bad root block")
     ops = _ops(root["ops"])
     exp = _millis(root["exp"])
+    scopes = _scopes(root["sc"]) if "sc" in root else frozenset()
     chunks: frozenset[str] | None = None
     for block in blocks[1:]:
         caveat = _load(block)
@@ -170,6 +182,8 @@ def _fold(kid: str, blocks: list[bytes]) -> Capability:
         elif name == "chunks":
             allowed = _chunks(value)
             chunks = allowed if chunks is None else chunks & allowed
+        elif name == "sc":
+            scopes &= _scopes(value)
         else:
             raise CapabilityDenied("unknown caveat")
     return Capability(
@@ -181,6 +195,7 @@ def _fold(kid: str, blocks: list[bytes]) -> Capability:
         expires_at=exp / 1000,
         chunks=chunks,
         key_id=kid,
+        scopes=scopes,
     )
 
 
@@ -198,8 +213,10 @@ def attenuate(
     ops: Iterable[str] | None = None,
     expires_at: float | None = None,
     chunks: Iterable[str] | None = None,
+    scopes: Iterable[str] | None = None,
 ) -> str:
-    """A narrower copy of ``token``, made by its holder without the gateway's key.
+    """A narrower copy of ``token``, made by its holder without the gateway's key (``scopes``:
+    the sharing scopes it may still read; an empty list reads none).
 
     Raises ``CapabilityDenied`` if the token is malformed or the request would widen it (more
     operations, a later expiry, chunks outside an existing allowlist), and
@@ -224,8 +241,14 @@ def attenuate(
         if current.chunks is not None and not set(wanted) <= current.chunks:
             raise CapabilityDenied("attenuation would widen chunks")
         caveats.append({"chunks": wanted})
+    if scopes is not None:
+        kept = sorted(set(scopes))
+        if not set(kept) <= current.scopes:
+            raise CapabilityDenied("attenuation would widen scopes")
+        # an empty list is spelt as a scope no capability names (a list is never empty)
+        caveats.append({"sc": kept or ["-"]})
     if not caveats:
-        raise CapabilityRequestInvalid("attenuate needs ops, expires_at or chunks")
+        raise CapabilityRequestInvalid("attenuate needs ops, expires_at, chunks or scopes")
     if len(blocks) - 1 + len(caveats) > _MAX_CAVEATS:
         raise CapabilityDenied("too many caveats")
     out = parts[:-1]
@@ -355,9 +378,11 @@ class CapabilityAuthority:
         return f"CapabilityAuthority(kids={sorted(self._keys)}, current={self._current!r})"
 
     def issue(
-        self, tenant: str, namespace: str, ops: Collection[str], ttl: int | None = None
+        self, tenant: str, namespace: str, ops: Collection[str], ttl: int | None = None,
+        *, scopes: Collection[str] = (),
     ) -> tuple[str, Capability]:
-        """Mint a capability and return the token with its content (for the audit event)."""
+        """Mint a capability and return the token with its content (for the audit event);
+        ``scopes``: the sharing scopes whose published prefixes it may read."""
         op_list = sorted(set(ops))
         if not op_list or not set(op_list) <= ALL_OPERATIONS:
             raise CapabilityRequestInvalid(
@@ -371,8 +396,16 @@ class CapabilityAuthority:
             _name(namespace, "namespace")
         except CapabilityDenied as exc:
             raise CapabilityRequestInvalid(exc.reason) from None
+        scope_list = sorted(set(scopes))
+        if len(scope_list) > _MAX_SCOPES:
+            raise CapabilityRequestInvalid(f"at most {_MAX_SCOPES} scopes")
+        try:
+            for scope in scope_list:
+                _name(scope, "scope", 64)
+        except CapabilityDenied as exc:
+            raise CapabilityRequestInvalid(exc.reason) from None
         now_ms = int(self._clock() * 1000)
-        root = {
+        root: dict[str, Any] = {
             "exp": now_ms + ttl * 1000,
             "iat": now_ms,
             "id": secrets.token_urlsafe(16),
@@ -380,6 +413,8 @@ class CapabilityAuthority:
             "ops": op_list,
             "t": tenant,
         }
+        if scope_list:
+            root["sc"] = scope_list
         block = _canon(root)
         kid = self._current
         tag = _mac(self._keys[kid], _DOMAIN + kid.encode() + b"\x00" + block)

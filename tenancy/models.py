@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     ForeignKey,
     Integer,
@@ -32,6 +33,10 @@ __all__ = [
     "ClearJob",
     "WrappedSecret",
     "Revocation",
+    "SharingScope",
+    "ScopeMember",
+    "Publication",
+    "PublishedChunk",
     "utcnow",
 ]
 
@@ -135,3 +140,53 @@ class Revocation(RegistryBase):
     not_before: Mapped[float | None] = mapped_column(nullable=True)
     expires_at: Mapped[float] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class SharingScope(RegistryBase):
+    """A sharing scope for published prefixes (docs/architecture.md, "Published prefixes"): a
+    named group of tenants, or every tenant. Its keys are those of the internal owner
+    ``tenancy.sharing.scope_owner(name)``, a kv_tenants row that no tenant name can equal."""
+
+    __tablename__ = "kv_scopes"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    everyone: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ScopeMember(RegistryBase):
+    __tablename__ = "kv_scope_members"
+    scope: Mapped[str] = mapped_column(
+        String(64), ForeignKey("kv_scopes.name", ondelete="CASCADE"), primary_key=True
+    )
+    tenant_id: Mapped[str] = mapped_column(
+        String(128), ForeignKey("kv_tenants.id", ondelete="CASCADE"), primary_key=True, index=True
+    )
+
+
+class Publication(RegistryBase):
+    """A published prefix: its token ids (int32 little endian), kept to check the chained hashes
+    a warm-up reports. state: active -> revoking (shredding and deleting) -> revoked."""
+
+    __tablename__ = "kv_prefixes"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    scope: Mapped[str] = mapped_column(String(64), ForeignKey("kv_scopes.name"), index=True)
+    model: Mapped[str] = mapped_column(String(256))
+    digest: Mapped[str] = mapped_column(String(64))
+    tokens: Mapped[bytes] = mapped_column(LargeBinary)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    key_version: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16), default="active", index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class PublishedChunk(RegistryBase):
+    """A whole chunk of a published prefix as a warm-up stored it, for one model fingerprint."""
+
+    __tablename__ = "kv_prefix_chunks"
+    prefix_id: Mapped[str] = mapped_column(
+        String(32), ForeignKey("kv_prefixes.id", ondelete="CASCADE"), primary_key=True
+    )
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    chained_hash: Mapped[str] = mapped_column(String(64))

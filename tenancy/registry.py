@@ -177,7 +177,9 @@ class Registry:
 
     async def list_tenants(self) -> list[tuple[str, str]]:
         async with self._session() as s:
-            rows = (await s.execute(select(Tenant.id, Tenant.status).order_by(Tenant.id))).all()
+            # a sharing scope's owner row (tenancy.sharing) holds keys; it is not a tenant
+            q = select(Tenant.id, Tenant.status).where(~Tenant.id.startswith("scope:"))
+            rows = (await s.execute(q.order_by(Tenant.id))).all()
         return [(r[0], r[1]) for r in rows]
 
     # -- namespaces --------------------------------------------------------------------------

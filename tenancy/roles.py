@@ -5,7 +5,8 @@ Three roles, read from the token's roles claim or its ``scope`` (see ``tenancy.o
 - ``kv.worker``: chunk data and lookup for its own tenant (lookup, get, put, leasing the
   tenant's current data key in remote mode), and minting capabilities for those operations.
 - ``kv.admin``: clear, pin, move, key rotation and audit export for its own tenant.
-- ``kv.operator``: every action on any tenant, and tenant lifecycle (create, disable).
+- ``kv.operator``: every action on any tenant, tenant lifecycle (create, disable), and sharing
+  scopes and published prefixes (they reach every member tenant).
 
 Roles do not imply one another except ``kv.operator``, which implies both others on every
 tenant: an admin who also runs workers holds both roles. Unknown role strings are ignored.
@@ -57,6 +58,8 @@ class Action(StrEnum):
     ROTATE_KEYS = "rotate_keys"
     EXPORT_AUDIT = "export_audit"
     MANAGE_TENANTS = "manage_tenants"
+    # sharing scopes and published prefixes: they reach every member tenant, so operators only
+    MANAGE_PREFIXES = "manage_prefixes"
 
 
 _BY_ROLE: dict[Role, frozenset[Action]] = {

@@ -55,7 +55,9 @@ class Capability:
 
     ``ops`` is the intersection of the minted operations and every ``ops`` caveat;
     ``expires_at`` the earliest expiry; ``chunks`` the intersection of every chunk allowlist, or
-    ``None`` when no caveat restricts chunks. Times are seconds since the epoch.
+    ``None`` when no caveat restricts chunks; ``scopes`` the sharing scopes whose published
+    prefixes it may read (minted from the tenant's memberships, narrowed by caveats, and checked
+    against the memberships again at use). Times are seconds since the epoch.
     """
 
     cap_id: str
@@ -66,6 +68,7 @@ class Capability:
     expires_at: float
     chunks: frozenset[str] | None
     key_id: str
+    scopes: frozenset[str] = frozenset()
 
     def allows_chunk(self, chunk: str) -> bool:
         """Whether this capability covers the chunk with this (hex) chained hash."""

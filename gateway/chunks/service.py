@@ -21,7 +21,7 @@ import hashlib
 import hmac
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.errors import KekError, KeyUnavailable
@@ -33,11 +33,15 @@ from storage.manager import TierManager
 from storage.memory import Reservation
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, failure_reason
 from tenancy.namespaces import NamespaceKeys
+from tenancy.sharing import SCOPE_NAMESPACE, is_scope_owner
 from tenancy.types import Capability
+
+if TYPE_CHECKING:
+    from gateway.services.prefixes import Prefixes
 
 __all__ = [
     "ChunkService", "ChunkStats", "FetchFailed", "Found", "KeysUnavailable", "Located", "NamespaceChunks",
-    "prefix_hits",
+    "SharedPart", "prefix_hits",
 ]
 
 
@@ -85,6 +89,16 @@ class Located:
         """Why the walk may have ended short (``tier_timeout``/``tier_unavailable``: a tier that
         could not answer may hold the rest); ``""`` where it did not end short or none failed."""
         return failure_reason(self.errors) if self.hits < len(self.present) else ""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPart:
+    """The leading ``count`` chunks of a read come from a published prefix: the namespace of the
+    scope's owner (``ns``: its storage keys, its binding secret, its tenant in the envelope
+    context; docs/architecture.md, "Published prefixes")."""
+
+    count: int
+    ns: NamespaceKeys
 
 
 @dataclass(slots=True)
@@ -169,6 +183,7 @@ class ChunkService:
         self.tiers = tiers
         self.audit = audit
         self.counts = ChunkStats(metrics)
+        self.shared: Prefixes | None = None  # published prefixes (set where the runtime has them)
 
     def authorize(self, token: str, op: str, chunk_hashes: Sequence[str]) -> Capability:
         """The capability verified for ``op`` on every chunk (its chunk allowlist included)."""
@@ -185,25 +200,73 @@ class ChunkService:
             self.counts.key_unavailable()
             raise KeysUnavailable("the key-encryption key cannot unwrap this namespace now") from exc
 
-    async def open(self, cap: Capability, chained_hashes: Sequence[bytes]) -> NamespaceChunks:
-        """The chunks of ``chained_hashes`` in the namespace of a verified capability."""
-        ns = await self.namespace(cap)
-        return NamespaceChunks(self, cap, ns, self.resolver.chunk_keys(ns, chained_hashes))
+    async def open(
+        self, cap: Capability, chained_hashes: Sequence[bytes], *, op: str = "", shared: bool = False,
+    ) -> NamespaceChunks:
+        """The chunks of ``chained_hashes`` in the namespace of a verified capability (for ``op``).
 
-    async def session(self, token: str, op: str, chained_hashes: Sequence[bytes]) -> NamespaceChunks:
+        Published prefixes: a capability of a scope's owner works only on its scope's published
+        chunks (``Prefixes.check_write``). With ``shared`` (a caller that opens each chunk in the
+        context it names), a read's leading chunks that a scope of the capability publishes are
+        read from that scope's namespace, and a store's are reported present where the scope
+        holds them (so they are not stored again) while whatever is written stays in the
+        capability's own namespace: no member's request ever writes a scope."""
+        ns = await self.namespace(cap)
+        keys = self.resolver.chunk_keys(ns, chained_hashes)
+        prefixes = self.shared
+        if is_scope_owner(cap.tenant):
+            await self.guard(cap, op, chained_hashes)
+        elif prefixes is not None and shared and cap.scopes and op in ("lookup", "get", "put"):
+            found = await prefixes.match(cap, chained_hashes)
+            if found is not None:
+                scope_ns = await self.namespace_of(found.owner, SCOPE_NAMESPACE)
+                scope_keys = self.resolver.chunk_keys(scope_ns, chained_hashes[: found.count])
+                if op == "put":
+                    return NamespaceChunks(self, cap, ns, keys, probe=scope_keys + keys[found.count :])
+                part = SharedPart(found.count, scope_ns)
+                return NamespaceChunks(self, cap, ns, scope_keys + keys[found.count :], shared=part)
+        return NamespaceChunks(self, cap, ns, keys)
+
+    async def guard(self, cap: Capability, op: str, chained_hashes: Sequence[bytes]) -> None:
+        """A capability of a sharing scope's owner works only on its scope's published chunks
+        (``Prefixes.check_write``; refused outright where this process has no published
+        prefixes); any other capability passes."""
+        if not is_scope_owner(cap.tenant):
+            return
+        if self.shared is None:
+            self.access.denied(op, "published prefixes are not served here")
+            raise AccessDenied("published prefixes are not served here")
+        await self.shared.check_write(cap, op, chained_hashes)
+
+    async def namespace_of(self, owner: str, namespace: str) -> NamespaceKeys:
+        """A scope's namespace keys (a KEK that cannot unwrap them now: ``KeysUnavailable``)."""
+        try:
+            return await self.resolver.keys(owner, namespace)
+        except TenantUnavailable:  # the scope's keys are gone (a revoke racing this read)
+            raise KeysUnavailable("the published prefix's keys are gone") from None
+        except (KekError, KeyUnavailable) as exc:
+            self.counts.key_unavailable()
+            raise KeysUnavailable("the key-encryption key cannot unwrap this namespace now") from exc
+
+    async def session(
+        self, token: str, op: str, chained_hashes: Sequence[bytes], *, shared: bool = False,
+    ) -> NamespaceChunks:
         """``token`` verified for ``op`` on every chunk, then ``open``."""
         cap = self.authorize(token, op, [h.hex() for h in chained_hashes])
-        return await self.open(cap, chained_hashes)
+        return await self.open(cap, chained_hashes, op=op, shared=shared)
 
     async def integrity_failure(
         self, cap: Capability, key: ChunkKey, *, tier: str | None = None, index: int | None = None,
-        actor: Actor | None = None, envelope_sha256: bytes | None = None,
+        actor: Actor | None = None, envelope_sha256: bytes | None = None, published: bool = False,
     ) -> bool:
         """Audit an envelope that failed authentication and drop its copies; whether any was
         dropped. With ``envelope_sha256`` only a stored copy with that digest is dropped. ``tier``:
-        where the bad copy came from (default: the tier that holds it now)."""
+        where the bad copy came from (default: the tier that holds it now). ``published``: a
+        chunk of a published prefix, audited and never dropped here."""
         self.counts.integrity_reported()
         dropped, kept = False, ""
+        if published:
+            kept = "a published chunk: only its publisher replaces it"
         try:
             if envelope_sha256 is not None:
                 found = await self.tiers.get(key)
@@ -217,6 +280,8 @@ class ChunkService:
         except TierError as exc:
             kept = f"tier error: {type(exc).__name__}"
         details: dict[str, object] = {"dropped": dropped}
+        if published:
+            details["published"] = True
         if index is not None:
             details["chunk_index"] = index
         if kept:
@@ -238,24 +303,42 @@ class ChunkService:
 
 class NamespaceChunks:
     """One request's chunks in one namespace (``ChunkService.open``): chunk ``i`` is the ``i``-th
-    chained hash it was opened with, stored under ``keys[i]``."""
+    chained hash it was opened with, stored under ``keys[i]``. A read whose leading chunks are a
+    published prefix (``shared``) reads those from the scope's namespace (``owner_of``); a store
+    asks whether ``probe`` (the scope's keys for those chunks) is present, and writes ``keys``."""
 
-    def __init__(self, service: ChunkService, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey]) -> None:
+    def __init__(
+        self, service: ChunkService, cap: Capability, ns: NamespaceKeys, keys: list[ChunkKey], *,
+        shared: SharedPart | None = None, probe: list[ChunkKey] | None = None,
+    ) -> None:
         self.service = service
         self.tiers = service.tiers
         self.counts = service.counts
         self.cap = cap
         self.ns = ns
         self.keys = keys
+        self.shared = shared
+        self._probe = probe if probe is not None else keys
+
+    @property
+    def shared_count(self) -> int:
+        """How many leading chunks are read from a published prefix."""
+        return self.shared.count if self.shared is not None else 0
+
+    def owner_of(self, i: int) -> NamespaceKeys:
+        """The namespace chunk ``i`` is read from: its tenant (or scope owner), namespace, binding
+        secret; the envelope's context names them."""
+        shared = self.shared
+        return shared.ns if shared is not None and i < shared.count else self.ns
 
     async def locate(self, *, where: bool = False) -> Located:
         """What the tiers hold (``Located``: the prefix walk). ``where``: each chunk's tiers too
         (every tier asked at once); else the tiers are asked fastest first, only for what is not
         found yet."""
         if where:
-            locations, errors = await self.tiers.locate_many(self.keys)
+            locations, errors = await self.tiers.locate_many(self._probe)
             return Located([bool(w) for w in locations], list(errors), locations)
-        present, errors = await self.tiers.contains_many_checked(self.keys)
+        present, errors = await self.tiers.contains_many_checked(self._probe)
         return Located(list(present), list(errors))
 
     async def fetch(self, i: int) -> Found:
@@ -302,7 +385,14 @@ class NamespaceChunks:
         self, i: int, *, tier: str | None = None, actor: Actor | None = None, envelope_sha256: bytes | None = None,
         index: int | None = None,
     ) -> bool:
-        """Chunk ``i``'s envelope failed authentication (``ChunkService.integrity_failure``)."""
+        """Chunk ``i``'s envelope failed authentication (``ChunkService.integrity_failure``). A
+        published chunk is audited and kept: only its publisher replaces it (a member's report
+        never deletes what every member reads)."""
+        if i < self.shared_count:
+            return await self.service.integrity_failure(
+                self.cap, self.keys[i], tier=tier, index=index, actor=actor, envelope_sha256=envelope_sha256,
+                published=True,
+            )
         return await self.service.integrity_failure(
             self.cap, self.keys[i], tier=tier, index=index, actor=actor, envelope_sha256=envelope_sha256,
         )

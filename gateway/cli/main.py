@@ -37,10 +37,12 @@ tenants_app = typer.Typer(help="Tenant lifecycle", no_args_is_help=True)
 keys_app = typer.Typer(help="Data-key management", no_args_is_help=True)
 audit_app = typer.Typer(help="Audit export and offline verification", no_args_is_help=True)
 token_app = typer.Typer(help="Development tokens", no_args_is_help=True)
+prefixes_app = typer.Typer(help="Sharing scopes and published prefixes (docs/prefixes.md)", no_args_is_help=True)
 app.add_typer(tenants_app, name="tenants")
 app.add_typer(keys_app, name="keys")
 app.add_typer(audit_app, name="audit")
 app.add_typer(token_app, name="token")
+app.add_typer(prefixes_app, name="prefixes")
 
 console = Console()
 _DEBUG = {"on": os.environ.get("KVGATE_DEBUG", "") not in ("", "0", "false")}
@@ -362,6 +364,129 @@ def keys_rotate_kek(
         "already_current": report.already_current, "failed": report.failed[:50], "complete": report.complete,
     }))
     raise typer.Exit(0 if report.complete else 1)
+
+
+ScopeArg = Annotated[str, typer.Argument(callback=_name, help="sharing scope name")]
+
+
+def _token_ids(tokens: Optional[str], tokens_file: Optional[Path]) -> list[int]:
+    """The prefix's token ids: ``--tokens 1,2,3`` or ``--tokens-file`` (a JSON list)."""
+    if (tokens is None) == (tokens_file is None):
+        raise typer.BadParameter("give the prefix's token ids with --tokens or --tokens-file (one of them)")
+    try:
+        if tokens_file is not None:
+            ids = json.loads(tokens_file.read_text())
+        else:
+            assert tokens is not None
+            ids = [int(t) for t in tokens.split(",") if t.strip()]
+    except (OSError, ValueError) as exc:
+        raise typer.BadParameter(f"token ids: {exc}") from None
+    if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+        raise typer.BadParameter("token ids: a list of integers")
+    return ids
+
+
+@prefixes_app.command("scope-create")
+def prefixes_scope_create(
+    scope: ScopeArg,
+    member: Annotated[list[str], typer.Option(help="a member tenant (repeatable)")] = [],  # noqa: B006 - typer reads the default
+    everyone: Annotated[bool, typer.Option(help="every tenant is a member")] = False,
+) -> None:
+    """Create a sharing scope: named member tenants, or every tenant."""
+    members = [m for m in (_name(m) for m in member) if m is not None]
+
+    async def go(rt: Runtime) -> None:
+        rec = await rt.prefixes.create_scope(scope, everyone=everyone, members=members)
+        console.print_json(json.dumps({"scope": rec.name, "everyone": rec.everyone, "members": list(rec.members)}))
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@prefixes_app.command("scope-add")
+def prefixes_scope_add(scope: ScopeArg, tenant: TenantArg) -> None:
+    """Add a member tenant to a scope."""
+
+    async def go(rt: Runtime) -> None:
+        changed = await rt.prefixes.set_member(scope, tenant, member=True)
+        console.print(f"tenant {tenant} {'added to' if changed else 'was already in'} scope {scope}")
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@prefixes_app.command("scope-remove")
+def prefixes_scope_remove(scope: ScopeArg, tenant: TenantArg) -> None:
+    """Remove a member tenant from a scope: it reads nothing of the scope from its next request on."""
+
+    async def go(rt: Runtime) -> None:
+        changed = await rt.prefixes.set_member(scope, tenant, member=False)
+        console.print(f"tenant {tenant} {'removed from' if changed else 'was not in'} scope {scope}")
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@prefixes_app.command("scopes")
+def prefixes_scopes() -> None:
+    """List the sharing scopes and their members."""
+
+    async def go(rt: Runtime) -> None:
+        table = Table("scope", "members")
+        for rec in await rt.prefixes.list_scopes():
+            table.add_row(rec.name, "*" if rec.everyone else ", ".join(rec.members))
+        console.print(table)
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@prefixes_app.command("publish")
+def prefixes_publish(
+    scope: ScopeArg,
+    model: Annotated[str, typer.Option(help="the model id the prefix is for")],
+    tokens: Annotated[Optional[str], typer.Option(help="the token ids, comma-separated")] = None,
+    tokens_file: Annotated[Optional[Path], typer.Option(help="a JSON list of the token ids")] = None,
+    ttl: Annotated[Optional[int], typer.Option(min=1, help="the warm-up capability's lifetime (seconds)")] = None,
+) -> None:
+    """Publish a prefix into a scope; prints its id and the warm-up's write capability (JSON)."""
+    ids = _token_ids(tokens, tokens_file)
+
+    async def go(rt: Runtime) -> None:
+        got = await rt.prefixes.publish(scope, model, ids, ttl=ttl)
+        p = got.publication
+        console.print_json(json.dumps({
+            "id": p.id, "scope": p.scope, "model": p.model, "digest": p.digest, "num_tokens": p.num_tokens,
+            "whole_chunks": got.whole_chunks, "chunk_tokens": rt.settings.chunk_tokens, "key_version": p.key_version,
+            "capability": got.capability, "expires_at": got.expires_at,
+        }))
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@prefixes_app.command("list")
+def prefixes_list(
+    scope: Annotated[Optional[str], typer.Option(callback=_name, help="one scope's prefixes only")] = None,
+) -> None:
+    """List the published prefixes (active, revoking, revoked)."""
+
+    async def go(rt: Runtime) -> None:
+        table = Table("id", "scope", "model", "tokens", "digest", "state")
+        for p in await rt.prefixes.publications(scope):
+            table.add_row(p.id, p.scope, p.model, str(p.num_tokens), p.digest[:16], p.state)
+        console.print(table)
+
+    asyncio.run(_with_runtime(_settings(), go))
+
+
+@prefixes_app.command("revoke")
+def prefixes_revoke(prefix_id: Annotated[str, typer.Argument(help="the prefix's id (kvgate prefixes list)")]) -> None:
+    """Revoke a prefix: crypto-shred its key version (the scope's keys with its last prefix), delete its chunks."""
+
+    async def go(rt: Runtime) -> None:
+        res = await rt.prefixes.revoke(prefix_id)
+        console.print_json(json.dumps({
+            "id": res.prefix_id, "scope": res.scope, "deleted_chunks": res.deleted_chunks,
+            "destroyed_key_versions": res.destroyed_key_versions, "scope_shredded": res.scope_shredded,
+        }))
+
+    asyncio.run(_with_runtime(_settings(), go))
 
 
 @app.command()

@@ -99,7 +99,9 @@ class TierStore:
         self.keyring = keyring
 
     async def session(self, token: str, op: str, chunks: Sequence[Chunk]) -> _TierSession:
-        opened = await self.chunks.session(token, op, [c.chained_hash for c in chunks])
+        # shared: a published prefix's leading chunks are read from their scope (each chunk is
+        # opened in the context ``context`` names for it)
+        opened = await self.chunks.session(token, op, [c.chained_hash for c in chunks], shared=True)
         trace.get_current_span().set_attribute("kvgate.tenant", opened.ns.owner[:16])  # opaque, not the name
         return _TierSession(opened, self.keyring)
 
@@ -116,9 +118,10 @@ class _TierSession:
         return self.ns.owner
 
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
+        ns = self.opened.owner_of(i)  # the capability's namespace, or a published prefix's scope
         return EnvelopeContext(
-            tenant=self.cap.tenant,
-            namespace=self.cap.namespace,
+            tenant=ns.tenant,
+            namespace=ns.namespace,
             storage_key=self.opened.keys[i].digest,
             model_fingerprint=model.fingerprint_digest,
             key_version=version,
@@ -140,16 +143,19 @@ class _TierSession:
         return out
 
     async def opening_keys(self, refs: Sequence[tuple[int, KeyRef]]) -> list[EnvelopeKeys | None]:
-        by_version: dict[int, EnvelopeKeys | None] = {}
-        for _i, (version, _salt) in refs:
-            if version not in by_version:
+        by_version: dict[tuple[str, int], EnvelopeKeys | None] = {}
+        out: list[EnvelopeKeys | None] = []
+        for i, (version, _salt) in refs:
+            ns = self.opened.owner_of(i)  # a published chunk opens under its scope's keys
+            if (ns.tenant, version) not in by_version:
                 try:
-                    dek = await self.keyring.decryption_key(self.cap.tenant, version)
+                    dek = await self.keyring.decryption_key(ns.tenant, version)
                 except (KekError, KeyUnavailable):
-                    by_version[version] = None
+                    by_version[ns.tenant, version] = None
                 else:
-                    by_version[version] = DataKey(dek, self.ns.binding_secret)
-        return [by_version[version] for _i, (version, _salt) in refs]
+                    by_version[ns.tenant, version] = DataKey(dek, ns.binding_secret)
+            out.append(by_version[ns.tenant, version])
+        return out
 
     def prefetch(self, indices: Sequence[int]) -> None:
         return None  # tier reads are issued when the plane asks

@@ -1,5 +1,6 @@
 """Admin routes: secure clear, move, tenants, key rotation, audit export and checkpoints (the
-"Secure clear" and "Every control action is audited" rules of docs/architecture.md, section 1).
+"Secure clear" and "Every control action is audited" rules of docs/architecture.md, section 1),
+sharing scopes and published prefixes (docs/prefixes.md).
 
 Roles: kv.admin acts on its own tenant only, kv.operator on any tenant (and alone manages
 tenants). Every action is audited by the core; every refusal is audited here."""
@@ -12,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, HTTPException, Query, Request, Response
+from fastapi import Path as FastPath
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field, model_validator
 
@@ -24,7 +26,9 @@ from gateway.server.bodylimits import BodySize, takes
 from gateway.server.deps import (
     Authorize,
     AuthorizeBody,
+    CapabilityDep,
     Name,
+    NamePath,
     NameQuery,
     PrincipalDep,
     Scope,
@@ -323,3 +327,150 @@ async def audit_consistency(
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     return JSONResponse(proof)
+
+
+# -- published prefixes (docs/prefixes.md) ------------------------------------------------------
+# Scopes and publications reach every member tenant: operators only (``*``).
+PrefixesScope = Annotated[Scope, Depends(Authorize(Action.MANAGE_PREFIXES, on=on_every_tenant))]
+_MAX_PREFIX_TOKENS = 1 << 19
+
+
+class ScopeRequest(Strict):
+    name: Name
+    members: list[Name] = Field(default_factory=list, max_length=10_000, description="member tenants")
+    everyone: bool = Field(default=False, description="every tenant is a member (then name no members)")
+
+
+class ScopeResponse(BaseModel):
+    name: str
+    everyone: bool
+    members: list[str]
+
+
+class MemberResponse(BaseModel):
+    scope: str
+    tenant: str
+    member: bool
+    changed: bool
+
+
+class PublishRequest(Strict):
+    scope: Name
+    model: str = Field(min_length=1, max_length=256, description="the model id the prefix is for")
+    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
+        min_length=1, max_length=_MAX_PREFIX_TOKENS, description="the prefix's token ids; its whole chunks are shared",
+    )
+    ttl: int | None = Field(default=None, ge=1, le=86400, description="the warm-up capability's lifetime (seconds)")
+
+
+class PrefixResponse(BaseModel):
+    id: str
+    scope: str
+    model: str
+    digest: str = Field(description="sha256 of the token ids (int32 little endian), hex")
+    num_tokens: int
+    state: str = Field(description="active, revoking or revoked")
+    key_version: int
+
+
+class PublishResponse(PrefixResponse):
+    whole_chunks: int
+    chunk_tokens: int
+    capability: str = Field(description="the warm-up's capability: ops lookup and put on the scope, for the "
+                            "chunks POST /v1/admin/prefixes/{id}/chunks records")
+    cap_id: str
+    expires_at: float
+
+
+class WarmRequest(Strict):
+    fingerprint: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the model fingerprint")]
+    hashes: list[Hash] = Field(min_length=1, max_length=100_000, description="the whole chunks' chained hashes")
+
+
+class WarmResponse(BaseModel):
+    id: str
+    recorded: int
+
+
+class RevokeResponse(BaseModel):
+    id: str
+    scope: str
+    deleted_chunks: int
+    destroyed_key_versions: list[int]
+    scope_shredded: bool = Field(description="the scope's last prefix: every key of the scope destroyed")
+
+
+def _prefix(p: Any) -> dict[str, Any]:
+    return {"id": p.id, "scope": p.scope, "model": p.model, "digest": p.digest, "num_tokens": p.num_tokens,
+            "state": p.state, "key_version": p.key_version}
+
+
+@router.post("/scopes", response_model=ScopeResponse, status_code=201, responses=problem_responses(409))
+async def create_scope(body: ScopeRequest, scope: PrefixesScope, state: StateDep) -> ScopeResponse:
+    """A sharing scope: named member tenants, or every tenant."""
+    rec = await state.runtime.prefixes.create_scope(body.name, everyone=body.everyone, members=body.members, actor=scope.actor)
+    return ScopeResponse(name=rec.name, everyone=rec.everyone, members=list(rec.members))
+
+
+@router.get("/scopes", response_model=list[ScopeResponse])
+async def list_scopes(_: PrefixesScope, state: StateDep) -> list[ScopeResponse]:
+    return [ScopeResponse(name=r.name, everyone=r.everyone, members=list(r.members))
+            for r in await state.runtime.prefixes.list_scopes()]
+
+
+@router.put("/scopes/{name}/members/{tenant}", response_model=MemberResponse)
+async def add_member(name: NamePath, tenant: NamePath, scope: PrefixesScope, state: StateDep) -> MemberResponse:
+    changed = await state.runtime.prefixes.set_member(name, tenant, member=True, actor=scope.actor)
+    return MemberResponse(scope=name, tenant=tenant, member=True, changed=changed)
+
+
+@router.delete("/scopes/{name}/members/{tenant}", response_model=MemberResponse)
+async def remove_member(name: NamePath, tenant: NamePath, scope: PrefixesScope, state: StateDep) -> MemberResponse:
+    """The tenant reads nothing of the scope from its next request on."""
+    changed = await state.runtime.prefixes.set_member(name, tenant, member=False, actor=scope.actor)
+    return MemberResponse(scope=name, tenant=tenant, member=False, changed=changed)
+
+
+@router.post("/prefixes", response_model=PublishResponse, status_code=201)
+@takes(BodySize.BULK)
+async def publish_prefix(body: PublishRequest, scope: PrefixesScope, state: StateDep) -> PublishResponse:
+    """Publish a prefix into a scope (audited ``prefix.publish`` with its digest): the answer's
+    capability is the only one that may write its chunks, for a warm-up that reports them first
+    (``POST /v1/admin/prefixes/{id}/chunks``) and then stores them as any worker does."""
+    got = await state.runtime.prefixes.publish(body.scope, body.model, body.token_ids, ttl=body.ttl, actor=scope.actor)
+    return PublishResponse(
+        **_prefix(got.publication), whole_chunks=got.whole_chunks, chunk_tokens=state.settings.chunk_tokens,
+        capability=got.capability, cap_id=got.cap_id, expires_at=got.expires_at,
+    )
+
+
+@router.get("/prefixes", response_model=list[PrefixResponse])
+async def list_prefixes(_: PrefixesScope, state: StateDep, scope: NameQuery = None) -> list[PrefixResponse]:
+    return [PrefixResponse(**_prefix(p)) for p in await state.runtime.prefixes.publications(scope)]
+
+
+@router.post("/prefixes/{prefix_id}/chunks", response_model=WarmResponse, responses=problem_responses(404, 409))
+@takes(BodySize.BULK)
+async def warm_prefix(
+    prefix_id: Annotated[str, FastPath(pattern=r"^[0-9a-f]{24}$")], body: WarmRequest, scope: PrefixesScope,
+    state: StateDep, capability: CapabilityDep,
+) -> WarmResponse:
+    """A warm-up's report of the chunks it stores (``X-KV-Capability``: the publish answer's):
+    they must be the published tokens' whole chunks chained under ``fingerprint``; recorded, they
+    are what the capability may write and what members match."""
+    got = await state.runtime.prefixes.warm(capability, prefix_id, body.fingerprint, body.hashes, actor=scope.actor)
+    return WarmResponse(id=prefix_id, recorded=len(got))
+
+
+@router.delete("/prefixes/{prefix_id}", response_model=RevokeResponse, responses=problem_responses(404, 409))
+async def revoke_prefix(
+    prefix_id: Annotated[str, FastPath(pattern=r"^[0-9a-f]{24}$")], scope: PrefixesScope, state: StateDep,
+) -> RevokeResponse:
+    """Revoke a prefix: no member matches it any more, its key version (or, with the scope's last
+    prefix, every key of the scope) is destroyed, its chunks deleted from every tier; audited
+    ``prefix.revoke``."""
+    res = await state.runtime.prefixes.revoke(prefix_id, actor=scope.actor)
+    return RevokeResponse(
+        id=res.prefix_id, scope=res.scope, deleted_chunks=res.deleted_chunks,
+        destroyed_key_versions=res.destroyed_key_versions, scope_shredded=res.scope_shredded,
+    )

@@ -13,7 +13,7 @@ hands nothing out.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
 from gateway.errors import AccessDenied, InvalidRequest, TenantUnavailable
@@ -33,6 +33,9 @@ class Access:
         self.registry = registry
         self.audit = audit
         self.metrics = metrics
+        # the sharing scopes a tenant reads now (gateway.services.prefixes), named in each
+        # capability minted for reads; None where there are no published prefixes
+        self.scopes_of: Callable[[str], Awaitable[Sequence[str]]] | None = None
 
     async def mint(
         self, tenant: str, namespace: str, ops: Sequence[str], ttl: int | None = None, *, actor: Actor | None = None
@@ -45,8 +48,11 @@ class Access:
             await self.registry.require_active(tenant)
         except (UnknownTenant, TenantDisabled) as exc:
             raise TenantUnavailable("tenant unavailable") from exc
+        scopes: Sequence[str] = ()
+        if self.scopes_of is not None and {"lookup", "get"} & set(ops):
+            scopes = await self.scopes_of(tenant)
         try:
-            token, cap = self.authority.issue(tenant, namespace, ops, ttl)
+            token, cap = self.authority.issue(tenant, namespace, ops, ttl, scopes=scopes)
         except CapabilityRequestInvalid as exc:
             raise InvalidRequest(str(exc)) from None
         await record_durably(
@@ -55,7 +61,10 @@ class Access:
                 Actions.CAPABILITY_MINT,
                 actor=actor or Actor(tenant=tenant),
                 target=Target(tenant=tenant, namespace=namespace),
-                details={"cap_id": cap.cap_id, "ops": sorted(cap.ops), "expires_at": cap.expires_at},
+                details={
+                    "cap_id": cap.cap_id, "ops": sorted(cap.ops), "expires_at": cap.expires_at,
+                    **({"scopes": sorted(cap.scopes)} if cap.scopes else {}),
+                },
             ),
         )
         return token

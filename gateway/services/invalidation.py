@@ -8,6 +8,8 @@ that ran the clear). A subscriber that may have missed events forgets every cach
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gateway.services.namespaces import NamespaceResolver
 from storage.manager import TierManager
 from tenancy.keyring import Keyring
@@ -20,11 +22,16 @@ class Invalidation:
         self.resolver = resolver
         self.keyring = keyring
         self.tiers = tiers
+        # told of every forget (``tenant``, or None for all): what else caches registry state
+        # (the published prefixes' match table, gateway.services.prefixes)
+        self.listeners: list[Callable[[str | None], None]] = []
 
     def forget_keys(self, tenant: str | None, namespace: str | None = None) -> None:
         """Drop cached namespace keys and data keys (all of them when ``tenant`` is None)."""
         self.resolver.forget(tenant, namespace)
         self.keyring.forget(tenant)
+        for listener in self.listeners:
+            listener(tenant)
 
     async def drop_local_copies(self, tenant: str, namespace: str | None = None) -> int:
         """Delete this process's in-memory copies of a tenant's (or a namespace's) chunks."""

@@ -36,6 +36,7 @@ from gateway.services.dbschema import check_schema
 from gateway.services.invalidation import Invalidation
 from gateway.services.namespaces import NamespaceResolver
 from gateway.services.pins import Pins
+from gateway.services.prefixes import Prefixes
 from storage.base import Tier
 from storage.disk import DiskTier
 from storage.manager import TierManager
@@ -142,6 +143,7 @@ class Runtime:
     audit: AuditWriter
     invalidation: Invalidation
     admin: Admin
+    prefixes: Prefixes
     broadcaster: Broadcaster | None = None
     signer: AuditSigner | None = None
     checkpointer: Checkpointer | None = None
@@ -285,6 +287,14 @@ async def open_runtime(
         invalidation=invalidation, audit=audit, broadcaster=broadcaster,
     )
     await admin.resume_clears()
+    prefixes = Prefixes(
+        registry=registry, keyring=keyring, resolver=resolver, tiers=tier_manager, authority=authority, access=checks,
+        invalidation=invalidation, audit=audit, chunk_tokens=settings.chunk_tokens, broadcaster=broadcaster,
+    )
+    chunks.shared = prefixes  # reads of published prefixes, and the guard on their scopes
+    checks.scopes_of = prefixes.scopes_of
+    invalidation.listeners.append(prefixes.forgotten)
+    await prefixes.resume()
     checkpointer, checkpoint_close = make_checkpointer(settings, audit.store, signer, audit)
     task = None
     if settings.audit_checkpoint_interval_s > 0:
@@ -294,7 +304,8 @@ async def open_runtime(
     return Runtime(
         settings=settings, registry=registry, kek=kek, deriver=deriver, authority=authority, access=checks,
         resolver=resolver, keyring=keyring, tiers=tier_manager, pins=pins, chunks=chunks, metrics=metrics, audit=audit,
-        invalidation=invalidation, admin=admin, broadcaster=broadcaster, signer=signer, checkpointer=checkpointer,
+        invalidation=invalidation, admin=admin, prefixes=prefixes, broadcaster=broadcaster, signer=signer,
+        checkpointer=checkpointer,
         checkpoint_task=task, checkpoint_close=checkpoint_close, pseudonym_secret=pseudonym_secret,
     )
 
