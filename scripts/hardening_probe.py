@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, os.getcwd())
 
+from tests.support import chunks
 from tests.support.server_fixture import fake_envelope, random_hash, running_server
 
 
@@ -67,7 +68,7 @@ async def probes(live) -> list[tuple[str, str, str]]:
         admin, op = live.admin_token(a), live.operator_token()
         cap = await live.capability(http, a)
         h = random_hash()
-        await http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=live.headers(live.worker_token(a), cap))
+        await chunks.store(http, live.headers(live.worker_token(a), cap), [(h, fake_envelope())])
 
         r = await http.post("/v1/admin/clear", json={"namespce": "scratch"}, headers=live.headers(admin))
         after = await http.post("/v1/lookup", json={"hashes": [h]}, headers=live.headers(live.worker_token(a), cap))
@@ -86,10 +87,11 @@ async def probes(live) -> list[tuple[str, str, str]]:
                 _raw(port, b"POST /v1/admin/clear HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 16777216\r\n\r\n")))
     forged = cap[:-4] + ("AAAA" if not cap.endswith("AAAA") else "BBBB")
     tok = live.worker_token(a)
-    out.append(("3", "PUT /v1/chunks/{h}, forged capability, Content-Length 60 MB, headers only",
-                _raw(port, f"PUT /v1/chunks/{random_hash()} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\nX-KV-Capability: {forged}\r\nContent-Length: 62914560\r\n\r\n".encode())))
-    out.append(("3", "PUT /v1/chunks/{h}, valid capability, Content-Length 1500, 1000 bytes sent",
-                _raw(port, f"PUT /v1/chunks/{random_hash()} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\nX-KV-Capability: {cap}\r\nContent-Length: 1500\r\n\r\n".encode() + b"\0" * 1000, wait=15)))
+    out.append(("3", "PUT /v1/chunks, forged capability, Content-Length 60 MB, headers only",
+                _raw(port, f"PUT /v1/chunks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\nX-KV-Capability: {forged}\r\nContent-Length: 62914560\r\n\r\n".encode())))
+    body = chunks.frame([(random_hash(), fake_envelope(1500))])
+    out.append(("3", f"PUT /v1/chunks, valid capability, Content-Length {len(body)}, all but 500 bytes sent",
+                _raw(port, f"PUT /v1/chunks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\nX-KV-Capability: {cap}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body[:-500], wait=15)))
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
     s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
     t0, cut = time.monotonic(), None

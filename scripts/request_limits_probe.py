@@ -20,6 +20,7 @@ sys.path.insert(0, os.getcwd())
 
 from hardening_probe import _raw, report
 
+from tests.support import chunks
 from tests.support.server_fixture import fake_envelope, random_hash
 
 
@@ -71,19 +72,21 @@ async def probes(live) -> list[tuple[str, str, str]]:
         # -- point 6: Transfer-Encoding with Content-Length --------------------------------------
         env = fake_envelope()
         h = random_hash()
-        chunked = b"%x\r\n" % len(env) + env + b"\r\n0\r\n\r\n"
+        body = chunks.frame([(h, env)])
+        chunked = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
         head = (
-            f"PUT /v1/chunks/{h} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\nX-KV-Capability: {cap}\r\n"
-            f"Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\nContent-Length: {len(env)}\r\n\r\n"
+            f"PUT /v1/chunks HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tok}\r\nX-KV-Capability: {cap}\r\n"
+            f"Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode()
         got = _raw(port, head + chunked)
-        stored = (await http.head(f"/v1/chunks/{h}", headers=live.headers(tok, cap))).status_code
-        out.append(("6", "PUT /v1/chunks/{h}, Transfer-Encoding: chunked and Content-Length (raw socket)",
-                    f"{got}; HEAD /v1/chunks/{{h}} afterwards: {stored}"))
+        stored = await chunks.stored(http, live.headers(tok, cap), [h])
+        out.append(("6", "PUT /v1/chunks (one envelope), Transfer-Encoding: chunked and Content-Length (raw socket)",
+                    f"{got}; stored afterwards (POST /v1/lookup): {stored[0]}"))
         h2 = random_hash()
-        r = await http.put(f"/v1/chunks/{h2}", content=env, headers=live.headers(tok, cap))
-        stored = (await http.head(f"/v1/chunks/{h2}", headers=live.headers(tok, cap))).status_code
-        out.append(("6", "control: PUT /v1/chunks/{h}, Content-Length only (httpx)", f"{r.status_code}; HEAD afterwards: {stored}"))
+        r = await chunks.store(http, live.headers(tok, cap), [(h2, env)])
+        stored = await chunks.stored(http, live.headers(tok, cap), [h2])
+        out.append(("6", "control: PUT /v1/chunks (one envelope), Content-Length only (httpx)",
+                    f"{r.status_code}; stored afterwards: {stored[0]}"))
     return out
 
 

@@ -1,13 +1,12 @@
 """Network figures for `kvgate bench`: the Redis tier beside raw redis-py, the REST data plane
 beside a raw loopback socket, and lookup latency for a 32K-token prefix (128 chunks).
 
-The REST data plane is measured as workers use it, batched (one ``PUT /v1/chunks`` frame and
-one streamed ``POST /v1/chunks/fetch`` per prefix, over the data plane's own client
-``gateway.remote.wire``, received into a buffer per envelope as ``gateway.remote.client`` does; ``get_keyed``
-with each envelope's opening key in the stream, the worker's load), and, labelled ``per_chunk``,
-one request per chunk, the cost of a client that does not batch. The fast paths stand beside the
-public ones in the same run (``fast_paths``): the same calls through httpx instead of the wire
-client (``*_httpx``), and against a server with its raw paths off (``raw=False``).
+The REST data plane is measured as workers use it: one ``PUT /v1/chunks`` frame and one streamed
+``POST /v1/chunks/fetch`` per prefix (``get_keyed``: each envelope after its opening key), over the
+data plane's own client ``gateway.remote.wire``, received into a buffer per envelope as
+``gateway.remote.client`` does. The fast paths stand beside the public ones in the same run
+(``fast_paths``): the same calls through httpx instead of the wire client (``*_httpx``), and
+against a server with its raw paths off (``raw=False``).
 
 Every ceiling is measured in the same run on the same bytes: ``redis_set`` / ``redis_get`` are
 the faster of redis-py's default asyncio client and the tuned one the Redis tier itself uses;
@@ -197,11 +196,10 @@ def _free_port() -> int:
 async def rest_figures(
     base: Path, sizes: list[int], counts: dict[int, int], reps: int, uds: bool = False, raw: bool = True,
 ) -> dict[str, Any]:
-    """Start a real `kvgate serve` (SQLite, memory tier) and measure PUT/GET GB/s per size,
-    batched (``put``, ``get``; ``get_keyed``: the fetch with each envelope's opening key, as a
-    remote worker loads) and one request per chunk (``put_per_chunk``, ``get_per_chunk``),
-    the CPU seconds per GB each costs the client and the server (``cpu_s_per_gb``), and lookup
-    latency for 128 chained hashes: ``lookup_ms`` as a remote worker asks (the data plane's own
+    """Start a real `kvgate serve` (SQLite, memory tier) and measure store and load GB/s per size
+    (``put``: one upload frame; ``get_keyed``: the fetch with each envelope's opening key, as a
+    remote worker loads), the CPU seconds per GB each costs the client and the server
+    (``cpu_s_per_gb``), and lookup latency for 128 chained hashes: ``lookup_ms`` as a remote worker asks (the data plane's own
     client, ``gateway.remote.wire``), ``lookup_ms_httpx`` through a general-purpose client;
     ``put_httpx`` and ``get_keyed_httpx`` are the batched calls through httpx. ``raw``: the server's
     raw paths (``KVGATE_RAW_PATHS``; off: every request through ASGI and FastAPI). ``uds``: the
@@ -228,8 +226,7 @@ async def rest_figures(
     proc = subprocess.Popen([sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", sock] if sock else [])],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out: dict[str, Any] = {
-        "put": {}, "get": {}, "get_keyed": {}, "put_per_chunk": {}, "get_per_chunk": {}, "put_httpx": {},
-        "get_keyed_httpx": {}, "cpu_s_per_gb": {},
+        "put": {}, "get_keyed": {}, "put_httpx": {}, "get_keyed_httpx": {}, "cpu_s_per_gb": {},
     }
     pool = wire.WirePool(url, timeout_s=120.0, connections=2, uds=sock)
     try:
@@ -271,17 +268,6 @@ async def rest_figures(
                     }
                     return len(body) * len(hashes) / statistics.median(times) / 1e9
 
-                async def puts() -> None:
-                    for h in hashes:
-                        (await http.put(f"/v1/chunks/{h}", content=body, headers=hdr)).raise_for_status()
-
-                async def gets() -> None:
-                    for h in hashes:
-                        async with http.stream("GET", f"/v1/chunks/{h}", headers=hdr) as resp:
-                            resp.raise_for_status()
-                            async for _ in resp.aiter_raw(1 << 20):
-                                pass
-
                 def put_frame(ex: wire.Exchange, headers: list[tuple[str, str]]) -> None:
                     """As ``gateway.remote.client`` uploads: the index, then each envelope from its buffer."""
                     index = frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
@@ -295,40 +281,30 @@ async def rest_figures(
                 async def put_batch() -> None:
                     await pool.run(put_frame, _wire_headers(capability, "application/octet-stream"))
 
-                def fetch(ex: wire.Exchange, headers: list[tuple[str, str]], keyed: bool, region: Any = None) -> None:
-                    """As ``gateway.remote.client`` loads: each envelope received into a buffer of its own
-                    (or, in ``region``'s window, read where the server put it)."""
+                def fetch(ex: wire.Exchange, headers: list[tuple[str, str]], region: Any = None) -> None:
+                    """As ``gateway.remote.client`` loads: each envelope, after its key, received into a
+                    buffer of its own (or, in ``region``'s window, read where the server put it)."""
                     window = region.lend() if region is not None else None
-                    request: dict[str, Any] = {"hashes": hashes, "keys": keyed}
+                    request: dict[str, Any] = {"hashes": hashes, "keys": True}
                     if window is not None:
                         request["shm"] = window.request()
                     try:
                         ex.start("POST", "/v1/chunks/fetch", headers, [json.dumps(request).encode()])
                         assert ex.status == 200, (ex.status, ex.read_rest())
-                        if keyed:
-                            _ct, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
-                            ex.read(t_len + n_len)
-                        else:
-                            ex.read(len(frames.MAGIC))
+                        _ct, t_len, n_len = frames.parse_keyed_head(ex.read(frames.KEYED_HEAD))
+                        ex.read(t_len + n_len)
                         for _ in hashes:
-                            if keyed:
-                                item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
-                                status, length = item.status, item.length
-                            else:
-                                _h, status, length = frames.parse_item_head(ex.read(frames.ITEM_HEAD))
-                            if window is not None and status == frames.IN_REGION:
-                                window.take(length)  # as gateway.remote.client takes it: a view, nothing received
+                            item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
+                            if window is not None and item.status == frames.IN_REGION:
+                                window.take(item.length)  # as gateway.remote.client takes it: a view, nothing received
                                 continue
-                            assert status == frames.OK, status
-                            ex.readinto(wire.receive_buffers.take(length))  # as gateway.remote.client receives
+                            assert item.status == frames.OK, item.status
+                            ex.readinto(wire.receive_buffers.take(item.length))  # as gateway.remote.client receives
                         ex.at_end()
                     finally:
                         ex.close()
                         if window is not None:
                             window.end(True)
-
-                async def get_batch() -> None:
-                    await pool.run(fetch, _wire_headers(capability, "application/json"), False)
 
                 # as a worker loads: each envelope after its opening key, under one capability per
                 # size (a worker keeps its capability; (reps + 1) x count keys stay far inside its budget)
@@ -336,7 +312,7 @@ async def rest_figures(
                 keyed = {**user, "X-KV-Capability": r.raise_for_status().json()["capability"]}
 
                 async def get_keyed() -> None:
-                    await pool.run(fetch, _wire_headers(keyed, "application/json"), True)
+                    await pool.run(fetch, _wire_headers(keyed, "application/json"))
 
                 async def put_httpx() -> None:
                     """The upload frame through httpx: the index, then each envelope from its buffer."""
@@ -364,10 +340,7 @@ async def rest_figures(
                             await reader.into(wire.receive_buffers.take(item.length))
                         await reader.end()
 
-                out["put_per_chunk"][size] = await timed(puts, "put_per_chunk")
-                out["get_per_chunk"][size] = await timed(gets, "get_per_chunk")
                 out["put"][size] = await timed(put_batch, "put")
-                out["get"][size] = await timed(get_batch, "get")
                 out["get_keyed"][size] = await timed(get_keyed, "get_keyed")
                 out["put_httpx"][size] = await timed(put_httpx, "put_httpx")
                 out["get_keyed_httpx"][size] = await timed(get_keyed_httpx, "get_keyed_httpx")
@@ -378,15 +351,15 @@ async def rest_figures(
                     assert status == 200, (status, region)
 
                     async def get_keyed_shm() -> None:
-                        await pool.run(fetch, _wire_headers(keyed, "application/json"), True, region)
+                        await pool.run(fetch, _wire_headers(keyed, "application/json"), region)
 
                     out.setdefault("get_keyed_shm", {})[size] = await timed(get_keyed_shm, "get_keyed_shm")
                 out.setdefault("bytes", {})[size] = len(body)
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)
             hashes = [secrets.token_hex(32) for _ in range(128)]
-            for h in hashes:
-                (await http.put(f"/v1/chunks/{h}", content=small, headers=hdr)).raise_for_status()
+            index = frames.encode_index([(bytes.fromhex(h), len(small)) for h in hashes])
+            (await http.put("/v1/chunks", content=index + small * len(hashes), headers=hdr)).raise_for_status()
             body = json.dumps({"hashes": hashes, "chunk_tokens": 256}).encode()
             lookup_headers = _wire_headers(capability, "application/json")
 
@@ -498,8 +471,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(base, ignore_errors=True)
         for b in sizes:
             send, recv = socket_ceiling(rest["bytes"][b], counts[b], args.reps, uds=uds)
-            names = [("put", send), ("get", recv), ("get_keyed", recv), ("put_per_chunk", send), ("get_per_chunk", recv),
-                     ("put_httpx", send), ("get_keyed_httpx", recv)]
+            names = [("put", send), ("get_keyed", recv), ("put_httpx", send), ("get_keyed_httpx", recv)]
             for name, sock in names + ([("get_keyed_shm", recv)] if uds else []):
                 gbps, cpu = rest[name][b], rest["cpu_s_per_gb"][name][b]
                 rows.append({"transport": transport, "op": name, "mib": b >> 20, "count": counts[b], "gbps": round(gbps, 3),

@@ -228,12 +228,9 @@ async def run_bench(
                         latency["lookup_32k_tokens_rest_httpx_ms"] = rest["lookup_ms_httpx"]
                     for b in byte_sizes:
                         send, recv = bench_net.socket_ceiling(rest["bytes"][b], counts[b], reps, uds=uds)
-                        rows = [("rest", "store", "put", send), ("rest", "load", "get", recv),  # batched
-                                ("rest_keyed", "load", "get_keyed", recv)]  # the worker's load: keys in the stream
-                        if not uds:
-                            rows += [("rest_per_chunk", "store", "put_per_chunk", send),
-                                     ("rest_per_chunk", "load", "get_per_chunk", recv)]
-                        else:  # the worker's load with a shared-memory region lent (rest_keyed_shm_uds)
+                        # a remote worker's store and load: one frame each way, keys in the fetch stream
+                        rows = [("rest", "store", "put", send), ("rest", "load", "get_keyed", recv)]
+                        if uds:  # the load with a shared-memory region lent (rest_keyed_shm_uds)
                             rows += [("rest_keyed_shm", "load", "get_keyed_shm", recv)]
                         for tier, op, name, sock in rows:
                             results.append({

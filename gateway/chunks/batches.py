@@ -7,8 +7,8 @@ envelope's header before it stores any, then stores them all; a client gone, a t
 bad header leaves nothing in any tier, and a tier failing mid-batch refuses it whole (what it
 stored is removed; a copy on a tier that cannot be reached stays, counted as left).
 ``fetch_prefix`` is the download side, the prefix walk folded in: each chunk is yielded as its
-tier hands it over, with its opening key where asked (``gateway.chunks.envelopes.KeyIssue``), up to the
-first that is not stored (or whose key version is destroyed). Framing (``gateway.protocol.frames``) and
+tier hands it over, with its opening key (``gateway.chunks.envelopes.KeyIssue``), up to the first
+that is not stored (or whose key version is destroyed). Framing (``gateway.protocol.frames``) and
 HTTP stay in ``gateway.server.data``.
 Design notes: docs/architecture.md, section 5.
 """
@@ -121,8 +121,7 @@ class PrefixItem:
     """One answer of the prefix walk: ``found`` is None where the walk ended (``reason``:
     ``missing``, ``tier_unavailable`` or ``tier_timeout`` where a tier could not answer, or not in
     time, ``key_unavailable`` where the envelope's key version is destroyed); ``key`` is the
-    envelope's opening key where keys were asked for (None with ``reason`` ``unkeyed``: its
-    header does not parse)."""
+    envelope's opening key (None with ``reason`` ``unkeyed``: its header does not parse)."""
 
     chained_hash: bytes
     found: StoredChunk | None
@@ -131,15 +130,13 @@ class PrefixItem:
 
 
 async def fetch_prefix(
-    plane: EnvelopePlane, token: str, hashes: Sequence[str], *, keys: bool = False, actor: Actor | None = None,
+    plane: EnvelopePlane, token: str, hashes: Sequence[str], *, actor: Actor | None = None,
 ) -> AsyncGenerator[PrefixItem, None]:
-    """The stored prefix of ``hashes``, chunk by chunk as each tier hands it over; the capability
-    is checked for op ``get`` on every hash (and, with ``keys``, the key budget charged) before
-    the first is read."""
+    """The stored prefix of ``hashes``, chunk by chunk as each tier hands it over, each with the
+    key that opens it; the capability is checked for op ``get`` on every hash and the key budget
+    charged before the first is read."""
     opened = await plane.opened(token, "get", hashes)
-    issue = None
-    if keys:
-        issue = await plane.begin_issue(opened.cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch", ns=opened.ns)
+    issue = await plane.begin_issue(opened.cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch", ns=opened.ns)
     counts = opened.counts
     passed_over: list[TierError] = []  # faster tiers that failed before a slower one served
     try:
@@ -152,23 +149,20 @@ async def fetch_prefix(
                 return
             found = got.chunk
             passed_over += got.passed_over
-            opening: EnvelopeKey | None = None
-            if issue is not None:
-                try:
-                    header = read_header(found.data)
-                except DecryptionFailed:  # handed over keyless: it fails to open, and ends the walk
-                    _count_out(counts, found)
-                    yield PrefixItem(chained, found, "unkeyed")
-                    return
-                opening = await issue.open(h, chained, header.key_version, header.salt)
-                if opening.key is None:  # its key version is destroyed: a miss, the end of the prefix
-                    yield _ended(counts, chained, "key_unavailable")
-                    return
+            try:
+                header = read_header(found.data)
+            except DecryptionFailed:  # handed over keyless: it fails to open, and ends the walk
+                _count_out(counts, found)
+                yield PrefixItem(chained, found, "unkeyed")
+                return
+            opening = await issue.open(h, chained, header.key_version, header.salt)
+            if opening.key is None:  # its key version is destroyed: a miss, the end of the prefix
+                yield _ended(counts, chained, "key_unavailable")
+                return
             _count_out(counts, found)
             yield PrefixItem(chained, found, key=opening)
     finally:
-        if issue is not None:
-            issue.close()  # one key.issue event per fetch, with the keys that were issued
+        issue.close()  # one key.issue event per fetch, with the keys that were issued
         degraded = failure_reason(passed_over)
         if degraded:
             counts.load_degraded(degraded)

@@ -4,10 +4,10 @@ a kvgate server instead of running the core in process (docs/architecture.md, se
 ``EnvelopePlane`` maps each chained hash to the storage key of the capability's namespace
 through the chunk service (``gateway.chunks``), so the same hash from two tenants lands on
 unrelated keys, exactly as in process, and every call verifies the capability for its operation
-and chunks. ``envelope_keys`` (``POST /v1/keys/envelopes``) and ``KeyIssue`` (the fetch stream's
-keys) issue one key per envelope, ``HKDF(dek || binding_secret, salt)``: a worker never holds a
-tenant's data key, namespace binding secret or index key; keys are counted, bounded per request
-and per capability (``KeyBudgetSpent``), and audited once per request (``key.issue``).
+and chunks. ``seal_keys`` (``POST /v1/keys/envelopes``) and the fetch stream (``KeyIssue``) issue
+one key per envelope, ``HKDF(dek || binding_secret, salt)``: a worker never holds a tenant's data
+key, namespace binding secret or index key; keys are counted, bounded per request and per
+capability (``KeyBudgetSpent``), and audited once per request (``key.issue``).
 ``integrity_failure`` takes a worker's report of an envelope that failed authentication.
 Design notes: docs/architecture.md, section 5.
 """
@@ -22,16 +22,16 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
-from crypto.envelope import SALT_BYTES, read_header
-from crypto.errors import DecryptionFailed, KeyUnavailable
+from crypto.envelope import SALT_BYTES
+from crypto.errors import KeyUnavailable
 from crypto.segments import derive_segment_key
-from gateway.chunks.service import ChunkService, FetchFailed, NamespaceChunks
-from gateway.errors import ChunkMissing, InvalidRequest, KeyBudgetSpent
+from gateway.chunks.service import ChunkService, NamespaceChunks
+from gateway.errors import InvalidRequest, KeyBudgetSpent
 from gateway.services.access import Access
 from gateway.services.namespaces import NamespaceResolver
 from gateway.services.pins import Pins
 from storage.manager import TierManager
-from storage.types import ChunkKey, StoredChunk
+from storage.types import ChunkKey
 from tenancy.errors import DependencyUnavailable
 from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
@@ -131,41 +131,6 @@ class EnvelopePlane:
         self.chunks.counts.lookup(hits, found.degraded)
         return LookupAnswer(hits, found.locations[:hits])
 
-    async def put(self, token: str, chunk_hash: str, envelope: memoryview) -> list[str]:
-        """Store an envelope the worker sealed; returns the tiers that took it. Only its header is
-        checked here (the server holds no plaintext and does not need to decrypt); a bad envelope
-        fails authentication at load."""
-        opened = await self.opened(token, "put", [chunk_hash])
-        if envelope.nbytes > self.max_chunk_bytes:
-            raise InvalidRequest("envelope larger than the configured limit")
-        try:
-            header = read_header(envelope)
-        except DecryptionFailed:
-            raise InvalidRequest("not a kvgate envelope") from None
-        if header.envelope_length != envelope.nbytes:
-            raise InvalidRequest("envelope length does not match its header")
-        written = await opened.put(0, envelope)
-        self.chunks.counts.stored(1, envelope.nbytes)
-        return written
-
-    async def get(self, token: str, chunk_hash: str) -> StoredChunk:
-        opened = await self.opened(token, "get", [chunk_hash])
-        try:
-            found = (await opened.fetch(0)).chunk
-        except FetchFailed as exc:
-            self.chunks.counts.load_ended(exc.reason)
-            raise ChunkMissing("not found") from None
-        self.chunks.counts.load_hit()
-        self.chunks.counts.loaded(1, found.nbytes)
-        return found
-
-    async def head(self, token: str, chunk_hash: str) -> list[str]:
-        _cap, (key,) = await self._authorized(token, "lookup", [chunk_hash])
-        where = await self.tiers.locate(key)
-        if not where:
-            raise ChunkMissing("not found")
-        return where
-
     async def integrity_failure(
         self, token: str, chunk_hash: str, envelope_sha256: bytes, *, actor: Actor | None = None,
     ) -> bool:
@@ -174,19 +139,6 @@ class EnvelopePlane:
         the envelope of that digest (never a good copy stored since); whether one was dropped."""
         opened = await self.opened(token, "get", [chunk_hash])
         return await opened.integrity_failure(0, actor=actor, envelope_sha256=envelope_sha256)
-
-    async def delete(self, token: str, chunk_hash: str) -> None:
-        """Remove one chunk of the capability's namespace (an explicit eviction by its writer)."""
-        cap, (key,) = await self._authorized(token, "put", [chunk_hash])
-        if not await self.tiers.delete(key):
-            raise ChunkMissing("not found")
-        self.audit.emit(
-            AuditEvent(
-                Actions.CHUNK_DELETE,
-                actor=Actor(tenant=cap.tenant, token_id=cap.cap_id),
-                target=Target(tenant=cap.tenant, namespace=cap.namespace, chunk_count=1),
-            )
-        )
 
     async def pin(self, token: str, chunk_hash: str, *, pin: bool = True) -> None:
         cap, keys = await self._authorized(token, "pin", [chunk_hash])
@@ -234,37 +186,18 @@ class EnvelopePlane:
             raise
         return KeyIssue(self, cap, ns, purpose, n, total, who, route)
 
-    async def envelope_keys(
-        self,
-        token: str,
-        purpose: Literal["seal", "open"],
-        hashes: Sequence[str],
-        refs: Sequence[tuple[int, bytes]] = (),
-        *,
-        actor: Actor | None = None,
-    ) -> IssuedKeys:
-        """The keys of a batch of envelopes of the capability's namespace (see the module
-        docstring). ``purpose`` ``seal``: ``hashes`` only (op ``put``); ``open``: ``refs`` gives the
-        ``(key version, salt)`` of each hash's envelope (op ``get``)."""
+    async def seal_keys(self, token: str, hashes: Sequence[str], *, actor: Actor | None = None) -> IssuedKeys:
+        """The keys to seal a batch of envelopes of the capability's namespace with (op ``put``):
+        a fresh salt per hash and its key (see the module docstring)."""
         if not hashes:
             raise InvalidRequest("hashes must not be empty")
         if len(hashes) > self.max_keys_per_request:
             raise InvalidRequest(f"at most {self.max_keys_per_request} envelope keys per request")
-        if purpose == "open" and len(refs) != len(hashes):
-            raise InvalidRequest("one key version and salt per hash")
-        if any(len(salt) != SALT_BYTES for _v, salt in refs):
-            raise InvalidRequest(f"a salt is {SALT_BYTES} bytes")
         chained = [parse_hash(h) for h in hashes]
-        cap = self.chunks.authorize(token, "put" if purpose == "seal" else "get", hashes)
-        issue = await self.begin_issue(cap, purpose, len(hashes), actor=actor)
+        cap = self.chunks.authorize(token, "put", hashes)
+        issue = await self.begin_issue(cap, "seal", len(hashes), actor=actor)
         try:
-            if purpose == "seal":
-                keys = [await issue.seal(h, c) for h, c in zip(hashes, chained, strict=True)]
-            else:
-                keys = [
-                    await issue.open(h, c, version, salt)
-                    for h, c, (version, salt) in zip(hashes, chained, refs, strict=True)
-                ]
+            keys = [await issue.seal(h, c) for h, c in zip(hashes, chained, strict=True)]
         except BaseException:
             issue.cancel()  # no key left the server
             raise

@@ -6,12 +6,12 @@ Upload (``PUT /v1/chunks``): magic ``b"KVB1"``, count u32, an index of (hash, le
 every item, then the envelopes in index order. The whole index comes first, so the server checks
 the frame and the capability for every hash before reading an envelope; nothing is stored until
 the whole frame is in and every envelope's header checked (a torn or malformed batch stores nothing).
-Download (``POST /v1/chunks/fetch``): magic ``b"KVB1"``, items (hash, status u8, length u64,
-envelope) in the order asked, streamed. Status 0 is an envelope; the first chunk not served ends
-the response with status 1 (missing), 2 (tier failed) or 6 (tier deadline; read as 2 if unknown).
-A response that stops early without such an item was cut: the rest is a miss. With ``"keys": true``
-(magic ``b"KVK1"``) each item also carries its envelope's key (statuses 3: key version destroyed,
-4: header does not parse, 5: ``IN_REGION``, the envelope is in the worker's shared-memory window).
+Download (``POST /v1/chunks/fetch``): magic ``b"KVK1"``, the chunk size and the capability's scope,
+then items (hash, status u8, the envelope's key, length u64, envelope) in the order asked, streamed.
+Status 0 is an envelope; the first chunk not served ends the response with status 1 (missing),
+2 (tier failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed). A response
+that stops early without such an item was cut: the rest is a miss. Status 4: a header that does not
+parse, sent without a key; 5 (``IN_REGION``): the envelope is in the worker's shared-memory window.
 Design notes (full layouts): docs/architecture.md, section 5.
 """
 
@@ -28,7 +28,6 @@ __all__ = [
     "INDEX_ITEM",
     "IN_REGION",
     "KEYED_HEAD",
-    "ITEM_HEAD",
     "KEYED_ITEM_HEAD",
     "KEYED_MAGIC",
     "KEY_UNAVAILABLE",
@@ -42,13 +41,11 @@ __all__ = [
     "UNKEYED",
     "encode_head",
     "encode_index",
-    "item_head",
     "keyed_head",
     "keyed_item_head",
     "decode_name",
     "parse_head",
     "parse_index",
-    "parse_item_head",
     "parse_keyed_head",
     "parse_keyed_item_head",
     "read_keyed_head",
@@ -59,10 +56,9 @@ KEYED_MAGIC = b"KVK1"
 OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct("<4sI")
 _INDEX = struct.Struct("<32sQ")
-_ITEM = struct.Struct("<32sBQ")
 _KEYED_HEAD = struct.Struct("<4sIHH")
 _KEYED_ITEM = struct.Struct("<32sBI32s32s32sQ")
-HEAD, INDEX_ITEM, ITEM_HEAD = _HEAD.size, _INDEX.size, _ITEM.size  # 8, 40, 41 bytes
+HEAD, INDEX_ITEM = _HEAD.size, _INDEX.size  # 8, 40 bytes
 KEYED_ITEM_HEAD = _KEYED_ITEM.size  # 141 bytes
 KEYED_HEAD = _KEYED_HEAD.size  # 12 bytes, then the two names
 _KEY_BYTES = 32
@@ -100,15 +96,6 @@ def parse_index(data: bytes | memoryview, count: int, max_item_bytes: int) -> li
     if len({h for h, _n in items}) != count:
         raise BadFrame("a hash is named twice in one batch")
     return items
-
-
-def item_head(chained_hash: bytes, status: int, length: int) -> bytes:
-    return _ITEM.pack(chained_hash, status, length)
-
-
-def parse_item_head(data: bytes | memoryview) -> tuple[bytes, int, int]:
-    h, status, length = _ITEM.unpack(data)
-    return bytes(h), int(status), int(length)
 
 
 def keyed_head(chunk_tokens: int, tenant: str, namespace: str) -> bytes:

@@ -32,16 +32,13 @@ class BodySize(enum.Enum):
     NONE = "none"  # GET, HEAD, DELETE, and a POST whose input is all in its path
     JSON = "json"  # a small JSON body (settings.max_json_body_bytes)
     HASHES = "hashes"  # a list of up to 4,096 chained hashes (a lookup, a fetch)
-    KEYS = "keys"  # up to 4,096 envelope references (hash, key version, salt)
+    KEYS = "keys"  # up to 4,096 chained hashes to seal envelopes for
     BULK = "bulk"  # a clear or move of up to 100,000 hashes
     BATCH = "batch"  # an upload frame (gateway.protocol.frames): at least one whole chunk
-    CHUNK = "chunk"  # one envelope (settings.max_chunk_bytes)
 
     def bytes(self, settings: Settings) -> int:
         if self is BodySize.JSON:
             return settings.max_json_body_bytes
-        if self is BodySize.CHUNK:
-            return settings.max_chunk_bytes
         if self is BodySize.BATCH:
             return max(settings.max_batch_bytes, settings.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
         return _FIXED[self]

@@ -2,11 +2,10 @@
 
 A prefix moves in one request each way: ``PUT /v1/chunks`` takes a frame of envelopes and stores
 all of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes
-back, each envelope as its tier hands it over (frames: ``gateway.protocol.frames``; buffers and the
-prefix walk: ``gateway.chunks.batches``). One chunk per request (``/v1/chunks/{hash}``) is kept for
-tools. ``POST /v1/keys/envelopes`` issues the keys a remote worker seals and opens envelopes with,
-``POST /v1/chunks/integrity-failures`` takes its report of one that failed to open
-(``gateway.chunks.envelopes``).
+back, each envelope after the key that opens it (frames: ``gateway.protocol.frames``; buffers and
+the prefix walk: ``gateway.chunks.batches``). ``POST /v1/keys/envelopes`` issues the keys a remote
+worker seals envelopes with, ``POST /v1/chunks/integrity-failures`` takes its report of one that
+failed to open (``gateway.chunks.envelopes``).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Body, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -43,17 +42,11 @@ from gateway.server.deps import (
 from gateway.server.jsonbody import JsonBodyRoute
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from tenancy.capabilities import read_unverified
-from tenancy.errors import PermissionDenied
+from tenancy.errors import CapabilityDenied, PermissionDenied
 from tenancy.roles import Action, allowed_capability_ops
 
 router = APIRouter(prefix="/v1", route_class=JsonBodyRoute, responses=problem_responses(*COMMON_PROBLEMS))
 _NOT_FOUND = problem_responses(404)
-_ENVELOPE_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    }
-}
 
 _BATCH_MEDIA = "application/octet-stream"
 _BATCH_SCHEMA = {"schema": {"type": "string", "format": "binary"}}
@@ -67,12 +60,12 @@ _BATCH_BODY = {
 }
 _BATCH_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {
-        "description": "b'KVB1', then per chunk of the stored prefix: chained hash 32 bytes, status u8 (0 ok), "
-        "length u64, the envelope; the first chunk not stored ends it with status 1 (missing) or 2 "
-        "(a tier could not answer) and length 0 (gateway.protocol.frames). With keys: b'KVK1', chunk_tokens u32, "
-        "tenant and namespace (u16 lengths, UTF-8), then per item: chained hash 32, status u8, key version u32, "
-        "salt 32, key 32, storage key 32, length u64, the envelope; status 3: key version destroyed, "
-        "4: a header that does not parse, sent without a key",
+        "description": "integers little endian: b'KVK1', chunk_tokens u32, tenant and namespace (u16 lengths, "
+        "UTF-8), then per chunk of the stored prefix: chained hash 32, status u8 (0 ok), key version u32, salt 32, "
+        "key 32, storage key 32, length u64, the envelope; the first chunk not served ends it with status 1 "
+        "(missing), 2 (a tier could not answer), 6 (a tier missed its deadline) or 3 (key version destroyed) "
+        "and length 0; status 4: a header that does not parse, sent without a key, and nothing after it; "
+        "5: the envelope is in the caller's shared-memory window (gateway.protocol.frames)",
         "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
     }
 }
@@ -116,14 +109,13 @@ class ShmWindow(Strict):
 
 class FetchRequest(Strict):
     hashes: list[Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]] = Field(min_length=1, max_length=4096)
-    keys: bool = Field(
-        default=False,
-        description="send each envelope's opening key in its item (frame KVK1; the caller's roles must "
-        "also allow envelope_keys): a remote worker's load in one request",
+    keys: Literal[True] = Field(
+        description="true: each envelope comes after the key that opens it (frame KVK1; the caller's roles "
+        "must also allow envelope_keys), a remote worker's load in one request",
     )
     shm: ShmWindow | None = Field(
         default=None,
-        description="with keys, on the Unix socket: a window of the caller's shared-memory region "
+        description="on the Unix socket: a window of the caller's shared-memory region "
         "(POST /v1/shm/regions) the envelopes that fit are copied into (item status 5) instead of "
         "being streamed (gateway.server.shm)",
     )
@@ -157,30 +149,18 @@ _MAX_KEYS = 4096
 
 
 class SealKeysRequest(Strict):
-    purpose: Literal["seal"] = Field(description="keys to seal new envelopes with (capability op put)")
-    hashes: list[ChunkHash] = Field(min_length=1, max_length=_MAX_KEYS, description="the chunks the worker will store")
-
-
-class EnvelopeRef(Strict):
-    hash: ChunkHash
-    key_version: int = Field(ge=0, le=2**32 - 1, description="the key version in the envelope's header")
-    salt: str = Field(
-        pattern=r"^[A-Za-z0-9+/]{43}=$", description="the 32-byte salt in the envelope's header, base64",
+    purpose: Literal["seal"] = Field(
+        description="keys to seal new envelopes with (capability op put); keys to open envelopes come with "
+        "the fetch (POST /v1/chunks/fetch)",
     )
-
-
-class OpenKeysRequest(Strict):
-    purpose: Literal["open"] = Field(description="keys to open stored envelopes with (capability op get)")
-    envelopes: list[EnvelopeRef] = Field(min_length=1, max_length=_MAX_KEYS)
+    hashes: list[ChunkHash] = Field(min_length=1, max_length=_MAX_KEYS, description="the chunks the worker will store")
 
 
 class EnvelopeKeyItem(BaseModel):
     hash: str
     key_version: int
     salt: str = Field(description="base64; a sealing key's salt is fresh, drawn by the server")
-    key: str | None = Field(
-        description="the envelope's AES-256 segment key, base64; null: its key version is destroyed (a miss)",
-    )
+    key: str = Field(description="the envelope's AES-256 segment key, base64")
     storage_key: str = Field(description="HMAC(namespace index key, hash), hex: the envelope's AAD binds it")
 
 
@@ -244,6 +224,17 @@ async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> Lo
     return LookupResponse(**await answer_lookup(state, _cap(scope), body))
 
 
+def _verify_before_body(state: ServerState, cap: str, op: str) -> None:
+    """Verify ``cap`` for ``op`` before a byte of the body is read, so a forged or foreign
+    capability costs no read. A chunk allowlist is named as its own here; the hashes the body
+    names are checked against it once they are read."""
+    try:
+        claimed = read_unverified(cap).chunks
+    except CapabilityDenied:
+        claimed = None  # garbled: the check below refuses it (counted and audited)
+    state.runtime.access.authorize(cap, op, chunks=sorted(claimed or ()))
+
+
 def _content_length(request: Request, limit: int) -> int:
     declared = request.headers.get("content-length")
     if declared is None:
@@ -267,12 +258,13 @@ def _content_length(request: Request, limit: int) -> int:
 async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Response:
     """Store a batch of envelopes (a frame, ``gateway.protocol.frames``): all of them, or none.
 
-    The index is read and checked first (count, sizes, the total against ``Content-Length``,
-    the capability for every hash); then each envelope is read straight into the buffer that
+    The capability is verified before a byte of the body is read; the index is read and checked
+    next (count, sizes, the total against ``Content-Length``, the capability for every hash); then each envelope is read straight into the buffer that
     keeps it (by the kernel, where the server's protocol offers ``gateway.server.rawbody``);
     only a whole frame whose envelopes all have a valid header is stored. A bad frame
     is a 400 and a torn body (a client gone mid-upload) stores nothing."""
     cap = _cap(scope)
+    _verify_before_body(state, cap, "put")
     s = state.settings
     size = _content_length(request, max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM))
     raw = request.scope.get("extensions", {}).get(rawbody.EXTENSION)  # envelopes straight from the socket
@@ -311,34 +303,27 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
     only once the previous one was handed to the connection (a slow reader holds the server
     to about one envelope). The capability is checked for every hash before anything is read.
 
-    With ``keys``, each envelope's item carries the key that opens it (issued as ``POST
-    /v1/keys/envelopes {open}`` would: counted against the capability's key budget, a 403
-    ``key-budget-spent`` before anything is sent past it, one ``key.issue`` audit event per fetch)."""
+    Each envelope's item carries the key that opens it, issued from the key version and salt in
+    its header: counted against the capability's key budget (a 403 ``key-budget-spent`` before
+    anything is sent past it) and audited as one ``key.issue`` event per fetch."""
     cap = _cap(scope)
-    if body.keys:
-        authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
+    authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
     hold, shm_headers = _window(body, cap, state, request)
     region = hold.region if hold is not None else None
     try:
-        walk = batches.fetch_prefix(state.plane, cap, body.hashes, keys=body.keys, actor=scope.actor)
+        walk = batches.fetch_prefix(state.plane, cap, body.hashes, actor=scope.actor)
         first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
     except BaseException:
         if hold is not None:
             hold.release()
         raise
-    if body.keys:
-        verified = read_unverified(cap)  # verified by the walk just now
-        head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
-    else:
-        head = frames.MAGIC
+    verified = read_unverified(cap)  # verified by the walk just now
+    head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
 
     def item(got: batches.PrefixItem) -> bytes:
         if got.found is None:
-            status = _ENDED.get(got.reason, frames.UNAVAILABLE)
-            return frames.keyed_item_head(got.chained_hash, status) if body.keys else frames.item_head(got.chained_hash, status, 0)
+            return frames.keyed_item_head(got.chained_hash, _ENDED.get(got.reason, frames.UNAVAILABLE))
         n = got.found.data.nbytes
-        if not body.keys:
-            return frames.item_head(got.chained_hash, frames.OK, n)
         k = got.key
         if k is None or k.key is None:  # a header that does not parse: no key to send
             return frames.keyed_item_head(got.chained_hash, frames.UNKEYED, n)
@@ -408,8 +393,6 @@ def _window(
     caller's); a window outside the region is a 422."""
     if body.shm is None:
         return None, []
-    if not body.keys:
-        raise InvalidRequest("a shared-memory window goes with keys: true (a remote worker's load)")
     tenant = state.runtime.access.authorize(cap, "get").tenant
     client = request.client.host if request.client else "-"
     region = state.regions.get(body.shm.region, tenant, client)
@@ -497,60 +480,6 @@ class _RawFrame(Response):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-@router.put("/chunks/{chunk_hash}", status_code=204, openapi_extra=_ENVELOPE_BODY)
-@takes(BodySize.CHUNK)
-async def put_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep, request: Request) -> Response:
-    """The body is the envelope (application/octet-stream), read straight into one buffer -- after
-    the capability is checked: a forged or foreign capability costs no body read."""
-    cap = _cap(scope)
-    state.runtime.access.authorize(cap, "put", chunks=[chunk_hash])
-    size = _content_length(request, state.settings.max_chunk_bytes)
-    buf = np.empty(size, dtype=np.uint8).data.cast("B")
-    filled = 0
-    async for part in request.stream():
-        if filled + len(part) > size:
-            raise InvalidRequest("body longer than Content-Length")
-        buf[filled : filled + len(part)] = part
-        filled += len(part)
-    if filled != size:
-        raise InvalidRequest("body shorter than Content-Length")
-    for tier in await state.plane.put(cap, chunk_hash, buf.toreadonly()):
-        state.telemetry.bytes.add(size, {"direction": "in", "tier": tier})
-    return Response(status_code=204)
-
-
-@router.get(
-    "/chunks/{chunk_hash}", response_class=Response,
-    responses={200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}, **_NOT_FOUND},
-)
-async def get_chunk(chunk_hash: HashPath, scope: GetScope, state: StateDep) -> Response:
-    found = await state.plane.get(_cap(scope), chunk_hash)
-    data = found.data
-    state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": found.tier})
-
-    async def body() -> AsyncIterator[memoryview]:
-        step = 1 << 20
-        for off in range(0, data.nbytes, step):
-            yield data[off : off + step]
-
-    return StreamingResponse(
-        body(), media_type="application/octet-stream",
-        headers={"Content-Length": str(data.nbytes), "X-KV-Tier": found.tier},
-    )
-
-
-@router.head("/chunks/{chunk_hash}", responses=_NOT_FOUND)
-async def head_chunk(chunk_hash: HashPath, scope: LookupScope, state: StateDep) -> Response:
-    where = await state.plane.head(_cap(scope), chunk_hash)
-    return Response(status_code=200, headers={"X-KV-Tiers": ",".join(where)})
-
-
-@router.delete("/chunks/{chunk_hash}", status_code=204, responses=_NOT_FOUND)
-async def delete_chunk(chunk_hash: HashPath, scope: PutScope, state: StateDep) -> Response:
-    await state.plane.delete(_cap(scope), chunk_hash)
-    return Response(status_code=204)
-
-
 @router.post("/chunks/integrity-failures", response_model=IntegrityReportResponse)
 async def report_integrity_failure(body: IntegrityReport, scope: GetScope, state: StateDep) -> IntegrityReportResponse:
     """An envelope this capability loaded (op ``get``) failed authentication on the worker:
@@ -577,24 +506,19 @@ async def unpin(chunk_hash: HashPath, scope: PinScope, state: StateDep) -> Respo
 @router.post("/keys/envelopes", response_model=EnvelopeKeysResponse)
 @takes(BodySize.KEYS)
 async def envelope_keys(
-    body: Annotated[SealKeysRequest | OpenKeysRequest, Body(discriminator="purpose")],
+    body: SealKeysRequest,
     scope: EnvelopeKeysScope,
     state: StateDep,
 ) -> EnvelopeKeysResponse:
-    """The keys of a batch of envelopes, one request per prefix (remote mode): a worker never holds
-    the tenant's data key. ``seal`` (op ``put``): a fresh salt per hash and its envelope key.
-    ``open`` (op ``get``): the key of each envelope from the key version and salt in its header.
+    """The keys to seal a prefix's envelopes with, one request per prefix (remote mode, op ``put``):
+    a fresh salt per hash and its envelope key, so a worker never holds the tenant's data key.
     Counted, bounded per capability (403 ``urn:kvgate:problem:key-budget-spent`` past the bound:
-    mint a new capability) and audited once per request."""
-    if isinstance(body, SealKeysRequest):
-        got = await state.plane.envelope_keys(_cap(scope), "seal", body.hashes, actor=scope.actor)
-    else:
-        refs = [(e.key_version, base64.b64decode(e.salt, validate=True)) for e in body.envelopes]
-        got = await state.plane.envelope_keys(
-            _cap(scope), "open", [e.hash for e in body.envelopes], refs, actor=scope.actor,
-        )
+    mint a new capability) and audited once per request. The key that opens a stored envelope
+    comes with the envelope, from ``POST /v1/chunks/fetch``."""
+    got = await state.plane.seal_keys(_cap(scope), body.hashes, actor=scope.actor)
 
-    def b64(b: bytes) -> str:
+    def b64(b: bytes | None) -> str:
+        assert b is not None  # a sealing key always has its key (else seal_keys raised)
         return base64.b64encode(b).decode()
 
     return EnvelopeKeysResponse(
@@ -602,7 +526,7 @@ async def envelope_keys(
         keys=[
             EnvelopeKeyItem(
                 hash=k.chunk_hash, key_version=k.key_version, salt=b64(k.salt),
-                key=None if k.key is None else b64(k.key), storage_key=k.storage_key,
+                key=b64(k.key), storage_key=k.storage_key,
             )
             for k in got.keys
         ],

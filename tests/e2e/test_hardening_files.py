@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import chunks
 from tests.support.server_fixture import fake_envelope, random_hash, running_server
 
 
@@ -44,7 +45,7 @@ def test_state_files_are_created_owner_only(tmp_path: Path, umask_022: None):
             async with live.client() as http:
                 a = await live.create_tenant(http)
                 cap = await live.capability(http, a)
-                r = await http.put(f"/v1/chunks/{random_hash()}", content=fake_envelope(), headers=live.headers(live.worker_token(a), cap))
+                r = await chunks.store(http, live.headers(live.worker_token(a), cap), [(random_hash(), fake_envelope())])
                 assert r.status_code == 204
             await live.call(live.runtime.audit.flush, 10)
 

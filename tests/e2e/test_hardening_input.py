@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from tests.support import server_fixture
+from gateway.protocol import frames
+from tests.support import chunks, server_fixture
 from tests.support.server_fixture import LiveServer, assert_problem, fake_envelope, random_hash
 
 live_any = server_fixture.live_any  # a fixture, registered in this module
@@ -19,13 +20,17 @@ async def _stored_chunk(live: LiveServer, http, tenant: str) -> tuple[str, str, 
     cap = await live.capability(http, tenant)
     h = random_hash()
     tok = live.worker_token(tenant)
-    assert (await http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=live.headers(tok, cap))).status_code == 204
+    assert (await chunks.store(http, live.headers(tok, cap), [(h, fake_envelope())])).status_code == 204
     return cap, tok, h
 
 
 async def _still_readable(live: LiveServer, http, tok: str, cap: str, h: str) -> bool:
-    r = await http.get(f"/v1/chunks/{h}", headers=live.headers(tok, cap))
-    return r.status_code == 200
+    """The chunk is fetched, with a key to open it (its key version is live)."""
+    r = await chunks.post_fetch(http, live.headers(tok, cap), [h])
+    if r.status_code != 200:
+        return False
+    ((item, _envelope),) = chunks.parse_fetch(r.content).items
+    return item.status == frames.OK and item.key != bytes(32)
 
 
 # -- point 1: nothing destructive by accident ----------------------------------------------------

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from gateway.protocol import frames
+from tests.support import chunks
 from tests.support.server_fixture import (
     LiveServer,
     assert_problem,
@@ -170,23 +172,25 @@ async def test_chunk_put_checks_its_capability_before_the_body(live: LiveServer)
     forged = cap[:-4] + ("AAAA" if not cap.endswith("AAAA") else "BBBB")
     for capability in (forged, "kvc1.k.e30.AAAA"):
         with _connect(live) as s:
-            s.sendall(_head("PUT", f"/v1/chunks/{random_hash()}", {
+            s.sendall(_head("PUT", "/v1/chunks", {
                 "Authorization": f"Bearer {tok}", "X-KV-Capability": capability,
-                "Content-Type": "application/octet-stream", "Content-Length": str(60 << 20),
+                "Content-Type": chunks.BATCH, "Content-Length": str(60 << 20),
             }))
             status, _ = _status_within(s, 3.0)  # not one body byte sent
             assert status == 403
     # positive control: the real capability, a real envelope
     async with live.client() as http:
-        r = await http.put(f"/v1/chunks/{random_hash()}", content=fake_envelope(), headers=live.headers(tok, cap))
+        r = await chunks.store(http, live.headers(tok, cap), [(random_hash(), fake_envelope())])
         assert r.status_code == 204
 
 
 async def test_content_length_larger_than_the_body_times_out(live: LiveServer):
     a, tok, cap = await _tenant(live)
     env = fake_envelope(1000)
+    # an upload frame whose index and Content-Length both count 500 envelope bytes never sent
+    upload = frames.encode_index([(bytes.fromhex(random_hash()), len(env) + 500)]) + env
     for path, ctype, body, headers in (
-        (f"/v1/chunks/{random_hash()}", "application/octet-stream", env, {"X-KV-Capability": cap}),
+        ("/v1/chunks", chunks.BATCH, upload, {"X-KV-Capability": cap}),
         ("/v1/capabilities", "application/json", b'{"namespace": "default", "ops": ["get"]}', {}),
     ):
         with _connect(live) as s:
@@ -200,7 +204,7 @@ async def test_content_length_larger_than_the_body_times_out(live: LiveServer):
             assert _closed_within(s, 2.0)
     # positive control: the honest Content-Length
     async with live.client() as http:
-        r = await http.put(f"/v1/chunks/{random_hash()}", content=env, headers=live.headers(tok, cap))
+        r = await chunks.store(http, live.headers(tok, cap), [(random_hash(), env)])
         assert r.status_code == 204
 
 
@@ -210,8 +214,6 @@ async def test_a_batched_upload_that_stops_inside_an_envelope_times_out_and_stor
     that sends the index and part of an envelope, then nothing, still gets a 408 within the body
     timeout, its connection is closed, and no chunk and no reservation is left. Control: the same
     frame sent whole is stored."""
-    from gateway.protocol import frames
-
     a, tok, cap = await _tenant(live)
     h, env = random_hash(), fake_envelope(300_000)
     body = frames.encode_index([(bytes.fromhex(h), len(env))]) + env
@@ -229,13 +231,13 @@ async def test_a_batched_upload_that_stops_inside_an_envelope_times_out_and_stor
         assert _closed_within(s, 2.0)
     async with live.client() as http:
         hdr = live.headers(tok, cap)
-        assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 404
+        assert await chunks.stored(http, hdr, [h]) == [False]
         assert memory.stats().reservations == 0
         with _connect(live) as s:  # control: the whole frame
             s.sendall(head + body)
             status, _ = _status_within(s, 10)
             assert status == 204
-        assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 200
+        assert await chunks.stored(http, hdr, [h]) == [True]
 
 
 # -- headers ---------------------------------------------------------------------------------------

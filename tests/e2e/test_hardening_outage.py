@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.support import chunks
 from tests.support.moto_kms import moto_server
 from tests.support.postgres import ThrowawayPostgres
 from tests.support.server_fixture import (
@@ -42,7 +43,7 @@ async def test_postgres_outage_is_503_on_a_usable_connection(pg_cluster: Throwaw
             admin = live.token(a, ("kv.worker", "kv.admin"))
             cap = await live.capability(http, a, ops=("lookup", "get", "put", "pin"), token=admin)
             h = random_hash()
-            r = await http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=live.headers(admin, cap))
+            r = await chunks.store(http, live.headers(admin, cap), [(h, fake_envelope())])
             assert r.status_code == 204
             port = _port_of(r)
 

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gateway.protocol import frames
+from tests.support import chunks
 from tests.support.server_fixture import fake_envelope, random_hash, running_server
 from tests.support.services import free_port, missing
 
@@ -64,25 +66,27 @@ async def test_redis_outage_is_never_a_500_and_keeps_the_connection(redis_proc, 
             tok = live.token(a, ("kv.worker", "kv.admin"))
             cap = await live.capability(http, a, ops=("lookup", "get", "put", "pin"), token=tok)
             h = random_hash()
-            r = await http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=live.headers(tok, cap))
+            r = await chunks.store(http, live.headers(tok, cap), [(h, fake_envelope())])
             assert r.status_code == 204
             port = _port_of(r)
 
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
             calls = {
-                "put": lambda: http.put(f"/v1/chunks/{random_hash()}", content=fake_envelope(), headers=live.headers(tok, cap)),
-                "get": lambda: http.get(f"/v1/chunks/{h}", headers=live.headers(tok, cap)),
+                "put": lambda: chunks.store(http, live.headers(tok, cap), [(random_hash(), fake_envelope())]),
+                "get": lambda: chunks.post_fetch(http, live.headers(tok, cap), [h]),
                 "lookup": lambda: http.post("/v1/lookup", json={"hashes": [h]}, headers=live.headers(tok, cap)),
                 "pin": lambda: http.post("/v1/pins", json={"hash": h}, headers=live.headers(tok, cap)),
                 "mint": lambda: http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers=live.headers(tok)),
                 "clear": lambda: http.post("/v1/admin/clear", json={"scope": "namespace", "tenant": a, "namespace": "other"}, headers=live.headers(tok)),
             }
-            seen = {}
+            seen, fetched = {}, []
             for name, call in calls.items():
                 for _ in range(2):
                     r = await call()
                     seen[name] = r.status_code
+                    if name == "get" and r.status_code == 200:
+                        fetched.append(chunks.parse_fetch(r.content).statuses)
                     assert r.status_code < 500 or r.status_code == 503, (name, r.status_code, r.text)
                     if r.status_code == 503:
                         assert r.headers["content-type"].startswith("application/problem+json")
@@ -90,3 +94,4 @@ async def test_redis_outage_is_never_a_500_and_keeps_the_connection(redis_proc, 
                     assert _port_of(r) == port, f"{name}: the keep-alive connection was dropped"
             # positive control: the memory tier still serves what it holds, and minting needs no Redis
             assert seen["get"] == 200 and seen["mint"] == 201, seen
+            assert fetched == [[frames.OK], [frames.OK]], fetched

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from gateway.server.jsonbody import MAX_DEPTH
+from tests.support import chunks
 from tests.support.server_fixture import LiveServer, assert_problem, fake_envelope, random_hash, running_server
 
 HEADER_TIMEOUT = 2.0
@@ -88,10 +89,10 @@ async def test_deeply_nested_json_is_refused_and_audited_on_every_route(live: Li
 
         # positive controls: the same routes with their normal bodies
         h = random_hash()
-        assert (await http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=live.headers(tok, cap))).status_code == 204
+        assert (await chunks.store(http, live.headers(tok, cap), [(h, fake_envelope())])).status_code == 204
         r = await http.post("/v1/lookup", json={"hashes": [h]}, headers=worker)
         assert r.status_code == 200 and r.json()["hit_chunks"] == 1
-        assert (await http.post("/v1/chunks/fetch", json={"hashes": [h]}, headers=worker)).status_code == 200
+        assert (await chunks.post_fetch(http, worker, [h])).status_code == 200
         pin = {**live.headers(live.admin_token(a), cap), "Content-Type": "application/json"}
         assert (await http.post("/v1/pins", json={"hash": h}, headers=pin)).status_code == 204
         r = await http.post("/v1/capabilities", json={"namespace": "default", "ops": ["get"]}, headers=worker)
@@ -146,25 +147,27 @@ async def test_transfer_encoding_with_content_length_is_refused(live: LiveServer
     async with live.client() as http:
         _, tok, cap = await _tenant(live, http)
         env = fake_envelope()
-        chunked = b"%x\r\n" % len(env) + env + b"\r\n0\r\n\r\n"
 
-        def put(h: str, framing: dict[str, str]) -> bytes:
-            return _head("PUT", f"/v1/chunks/{h}", {
-                "Authorization": f"Bearer {tok}", "X-KV-Capability": cap, "Content-Type": "application/octet-stream", **framing,
+        def put(framing: dict[str, str]) -> bytes:
+            return _head("PUT", "/v1/chunks", {
+                "Authorization": f"Bearer {tok}", "X-KV-Capability": cap, "Content-Type": chunks.BATCH, **framing,
             })
 
         h = random_hash()
+        body = chunks.frame([(h, env)])
+        chunked = b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
         with _connect(live) as s:  # both framings, and a request smuggled behind the body
-            s.sendall(put(h, {"Transfer-Encoding": "chunked", "Content-Length": str(len(env))}) + chunked
+            s.sendall(put({"Transfer-Encoding": "chunked", "Content-Length": str(len(body))}) + chunked
                       + _head("GET", "/healthz", {}))
             answer = _until_closed(s)
         assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1 ") == 1
         assert b"Transfer-Encoding and Content-Length" in answer
-        assert (await http.head(f"/v1/chunks/{h}", headers=live.headers(tok, cap))).status_code == 404
+        assert await chunks.stored(http, live.headers(tok, cap), [h]) == [False]
 
         # positive control: the same request framed by Content-Length alone stores the chunk
         h = random_hash()
+        body = chunks.frame([(h, env)])
         with _connect(live) as s:
-            s.sendall(put(h, {"Content-Length": str(len(env))}) + env)
+            s.sendall(put({"Content-Length": str(len(body))}) + body)
             assert s.recv(65536).startswith(b"HTTP/1.1 204 ")
-        assert (await http.head(f"/v1/chunks/{h}", headers=live.headers(tok, cap))).status_code == 200
+        assert await chunks.stored(http, live.headers(tok, cap), [h]) == [True]

@@ -13,8 +13,10 @@ import pytest
 
 from audit import create_audit_engine, verify_database
 from crypto.envelope import ChunkCipher, DataKey, EnvelopeContext
+from gateway.protocol import frames
 from gateway.services import dbschema
 from tenancy.devissuer import DevIssuer
+from tests.support import chunks
 from tests.support.services import free_port
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.slow]
@@ -75,23 +77,37 @@ def test_two_servers_share_chunks_and_clears(tmp_path, fresh_pg_url, redis_url, 
             hdr = {**user, "X-KV-Capability": r.json()["capability"]}
             h = "12" * 32
             body = _envelope()
-            assert http.put(f"{url_a}/v1/chunks/{h}", content=body, headers=hdr).status_code == 204
-            got_b = http.get(f"{url_b}/v1/chunks/{h}", headers=hdr)  # the capability works on B too
-            assert got_b.status_code == 200 and got_b.content == body
-            assert http.get(f"{url_a}/v1/chunks/{h}", headers=hdr).headers["x-kv-tier"] == "memory"
+
+            def store(url: str) -> int:
+                return http.put(f"{url}/v1/chunks", content=chunks.frame([(h, body)]), headers={**hdr, "Content-Type": chunks.BATCH}).status_code
+
+            def fetch(url: str) -> tuple[int, chunks.Fetched | None]:
+                r = http.post(f"{url}/v1/chunks/fetch", json={"hashes": [h], "keys": True}, headers=hdr)
+                return r.status_code, chunks.parse_fetch(r.content) if r.status_code == 200 else None
+
+            def statuses(url: str) -> list[int]:
+                code, got = fetch(url)
+                assert code == 200 and got is not None, code
+                return got.statuses
+
+            assert store(url_a) == 204
+            code, got_b = fetch(url_b)  # the capability works on B too
+            assert code == 200 and got_b is not None and got_b.envelopes() == [body]
+            r = http.post(f"{url_a}/v1/lookup", json={"hashes": [h]}, headers=hdr)
+            assert r.status_code == 200 and "memory" in r.json()["locations"][0], r.text
             # a namespace clear through B: A's memory tier stops serving within 1 s
             r = http.post(url_b + "/v1/admin/clear", json={"scope": "namespace", "tenant": "acme", "namespace": "default"}, headers=user)
             assert r.status_code == 200, r.text
             t0 = time.monotonic()
-            while http.get(f"{url_a}/v1/chunks/{h}", headers=hdr).status_code != 404:
+            while statuses(url_a) != [frames.MISSING]:
                 assert time.monotonic() - t0 < 1.0, "A still serves the chunk a second after B's clear"
                 time.sleep(0.05)
-            assert http.get(f"{url_b}/v1/chunks/{h}", headers=hdr).status_code == 404
+            assert statuses(url_b) == [frames.MISSING]
             # a tenant clear through A revokes the capability on B as well
-            assert http.put(f"{url_b}/v1/chunks/{h}", content=body, headers=hdr).status_code == 204
+            assert store(url_b) == 204
             assert http.post(url_a + "/v1/admin/clear", json={"scope": "tenant", "tenant": "acme"}, headers=user).status_code == 200
             t0 = time.monotonic()
-            while http.get(f"{url_b}/v1/chunks/{h}", headers=hdr).status_code != 403:
+            while fetch(url_b)[0] != 403:
                 assert time.monotonic() - t0 < 1.0, "B still honours a capability revoked through A"
                 time.sleep(0.05)
     finally:

@@ -18,8 +18,6 @@ def test_index_round_trip():
     assert len(raw) == frames.HEAD + 2 * frames.INDEX_ITEM
     count = frames.parse_head(raw[: frames.HEAD], max_items=2)
     assert frames.parse_index(raw[frames.HEAD :], count, max_item_bytes=20) == [(H1, 10), (H2, 20)]
-    h, status, n = frames.parse_item_head(frames.item_head(H2, frames.MISSING, 0))
-    assert (h, status, n) == (H2, frames.MISSING, 0)
 
 
 @pytest.mark.parametrize(
@@ -83,14 +81,15 @@ async def test_keyed_head_and_items_round_trip():
         H1, frames.OK, 7, salt, key, sk, 1234,
     )
     assert repr(key) not in repr(item) and " key=" not in repr(item)  # the key stays out of logs
-    end = frames.parse_keyed_item_head(frames.keyed_item_head(H2, frames.KEY_UNAVAILABLE))
-    assert (end.status, end.length, end.key, end.salt) == (frames.KEY_UNAVAILABLE, 0, bytes(32), bytes(32))
+    for status in (frames.KEY_UNAVAILABLE, frames.MISSING):  # items that end a prefix: no key, no envelope
+        end = frames.parse_keyed_item_head(frames.keyed_item_head(H2, status))
+        assert (end.chained_hash, end.status, end.length, end.key, end.salt) == (H2, status, 0, bytes(32), bytes(32))
 
 
 @pytest.mark.parametrize(
     ("head", "why"),
     [
-        (frames.MAGIC + b"\x00" * 8, "KVK1"),  # a plain frame where a keyed one was asked for
+        (frames.MAGIC + b"\x00" * 8, "KVK1"),  # an upload frame's head where a download's was expected
         (struct.pack("<4sIHH", b"KVK1", 16, 2000, 1) + b"a" * 2001, "too long"),
         (struct.pack("<4sIHH", b"KVK1", 16, 2, 1) + b"\xff\xfeb", "UTF-8"),
     ],

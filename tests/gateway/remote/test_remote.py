@@ -1,11 +1,11 @@
 """Remote mode against a live server: a chunk sealed by a worker through REST (RemoteGateway)
 opens bit-identically in the server's in-process core and back; another tenant misses; an
-envelope moved to another chunk's place fails authentication and is a miss on both sides."""
+envelope moved to another chunk's place fails authentication and is a miss on both sides. Chunk
+bytes are read and written behind the worker's back through the routes (tests.support.chunks)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 
 import httpx
@@ -14,11 +14,11 @@ import torch
 
 from crypto.envelope import ChunkCipher, EnvelopeContext, IssuedKey, read_header
 from crypto.errors import DecryptionFailed
-from gateway.errors import AccessDenied, BadFrame, InvalidRequest
+from gateway.errors import AccessDenied, InvalidRequest
 from gateway.protocol import frames
 from gateway.remote.client import Connections, RemoteGateway, RemoteUnavailable
 from tenancy.capabilities import read_unverified
-from tests.support import server_fixture
+from tests.support import chunks, server_fixture
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
 from tests.support.server_fixture import ALL_OPS, LiveServer, random_hash
 
@@ -103,17 +103,18 @@ async def test_moved_envelope_is_an_integrity_failure_on_both_sides(live_server:
         h1 = ra._chunks(model, t1)[0].chained_hash.hex()
         h2 = ra._chunks(model, t2)[0].chained_hash.hex()
         hdr = live.headers(live.worker_token(a), await ra.capability())
-        blob = (await http.get(f"/v1/chunks/{h1}", headers=hdr)).content
-        assert (await http.put(f"/v1/chunks/{h2}", content=blob, headers=hdr)).status_code == 204
+        blob = await chunks.envelope(http, hdr, h1)
+        assert blob is not None
+        assert (await chunks.store(http, hdr, [(h2, blob)])).status_code == 204
         dst = zero_cache(g, NUM_BLOCKS)
         out = await ra.retrieve(model, t2, dst, block_ids=BLOCKS)
         assert (out.loaded_tokens, out.integrity_failures) == (0, 1)
         assert all(not t.any() for t in dst)  # nothing inauthentic reached the cache
         # the bad copy was deleted, the good one is untouched
-        assert (await http.get(f"/v1/chunks/{h2}", headers=hdr)).status_code == 404
+        assert await chunks.envelope(http, hdr, h2) is None
         assert (await ra.retrieve(model, t1, dst, block_ids=BLOCKS)).loaded_tokens == 32
         # the core sees the same: a miss, counted
-        assert (await http.put(f"/v1/chunks/{h2}", content=blob, headers=hdr)).status_code == 204
+        assert (await chunks.store(http, hdr, [(h2, blob)])).status_code == 204
         before = live.runtime.metrics.integrity_failures
         dst2 = zero_cache(g, NUM_BLOCKS)
         got = await live.call(live.gateway.retrieve, await _core_cap(live, a), model, t2, dst2, block_ids=BLOCKS)
@@ -156,25 +157,9 @@ async def test_bad_input_and_denials(live_server: LiveServer, tmp_path):
 
 
 async def _stored_envelope(live: LiveServer, http, tenant: str, cap: str, chunk_hash: str) -> bytes:
-    r = await http.get(f"/v1/chunks/{chunk_hash}", headers=live.headers(live.worker_token(tenant), cap))
-    assert r.status_code == 200
-    return r.content
-
-
-async def _open_keys(live: LiveServer, http, tenant: str, cap: str, chunk_hash: str, envelope: bytes) -> dict:
-    """Ask the server, as a worker of ``tenant`` holding ``cap``, for the key of a stored envelope."""
-    header = read_header(envelope)
-    body = {"purpose": "open", "envelopes": [
-        {"hash": chunk_hash, "key_version": header.key_version, "salt": base64.b64encode(header.salt).decode()},
-    ]}
-    r = await http.post("/v1/keys/envelopes", json=body, headers=live.headers(live.worker_token(tenant), cap))
-    assert r.status_code == 200, r.text
-    got = r.json()
-    return {**got["keys"][0], "tenant": got["tenant"], "namespace": got["namespace"]}
-
-
-def _issued(item: dict) -> IssuedKey:
-    return IssuedKey(base64.b64decode(item["salt"]), base64.b64decode(item["key"]))
+    got = await chunks.envelope(http, live.headers(live.worker_token(tenant), cap), chunk_hash)
+    assert got is not None
+    return got
 
 
 def _ctx(tenant: str, storage_key: str, model, version: int) -> EnvelopeContext:
@@ -259,42 +244,11 @@ async def test_destroyed_key_version_is_a_miss_for_the_remote_worker(live_server
         assert (await ra.retrieve(model, t_live, zero_cache(g, NUM_BLOCKS), block_ids=BLOCKS)).loaded_tokens == 32
 
 
-async def test_a_workers_keys_open_only_their_own_envelopes(live_server: LiveServer):
-    """The attacker is a worker that kept the keys it was issued for some envelopes: they open
-    those envelopes (the positive control) and no other envelope of the same tenant, not even with
-    the other envelope's header rewritten to carry the kept salt."""
-    live = live_server
-    g = small_geometry()
-    model = model_for(g)
-    (a,) = await _tenants(live, "acme")
-    src = random_cache(g, NUM_BLOCKS, seed=7)
-    t1, t2 = list(range(16)), list(range(5000, 5016))
-    async with _remote(live, a) as ra, live.client() as http:
-        await ra.store(model, t1, src, block_ids=BLOCKS)
-        await ra.store(model, t2, src, block_ids=BLOCKS)
-        cap = await ra.capability()
-        h1, h2 = ra._chunks(model, t1)[0].chained_hash.hex(), ra._chunks(model, t2)[0].chained_hash.hex()
-        env1, env2 = await _stored_envelope(live, http, a, cap, h1), await _stored_envelope(live, http, a, cap, h2)
-        kept = await _open_keys(live, http, a, cap, h1, env1)  # recorded from one request
-        plain = ChunkCipher().open(_issued(kept), _ctx(a, kept["storage_key"], model, kept["key_version"]), env1)
-        assert bytes(plain) == gathered(src, g, BLOCKS, 16).numpy().tobytes()  # positive control
-        # the same kept key on another envelope of the tenant, with that envelope's true context
-        other = await live.call(live.runtime.resolver.keys, a, "default")
-        ctx2 = _ctx(a, other.storage_key(bytes.fromhex(h2)), model, read_header(env2).key_version)
-        with pytest.raises(DecryptionFailed):
-            ChunkCipher().open(_issued(kept), ctx2, env2)
-        forged = bytearray(env2)
-        forged[8:40] = read_header(env1).salt  # the header claims the kept salt
-        with pytest.raises(DecryptionFailed):
-            ChunkCipher().open(_issued(kept), ctx2, bytes(forged))
-        # and the worker's own key for env2 opens it (so the refusal above is the key's, not the context's)
-        assert ChunkCipher().open(_issued(await _open_keys(live, http, a, cap, h2, env2)), ctx2, env2) == plain
-
-
 async def test_another_tenants_capability_gets_no_key_to_an_envelope(live_server: LiveServer):
-    """The attacker is tenant B's worker holding A's envelope bytes (taken from a tier): it asks
-    the server for the key of A's envelope with B's capability. The server answers with B's own
-    derivation, which opens nothing of A's, in A's context or B's; A's capability is refused to B."""
+    """The attacker is tenant B's worker holding A's envelope bytes (taken from a tier): it stores
+    them under the same hash in its own namespace and fetches them back, so the server issues it a
+    key from their header's version and salt. That key is B's own derivation, which opens nothing
+    of A's, in A's context or B's; A's capability is refused to B."""
     live = live_server
     g = small_geometry()
     model = model_for(g)
@@ -305,23 +259,21 @@ async def test_another_tenants_capability_gets_no_key_to_an_envelope(live_server
         await ra.store(model, tokens, src, block_ids=BLOCKS)
         await rb.store(model, list(range(900, 916)), src, block_ids=BLOCKS)  # B has keys of its own
         h = ra._chunks(model, tokens)[0].chained_hash.hex()
-        stolen = await _stored_envelope(live, http, a, await ra.capability(), h)
-        mine = await _open_keys(live, http, a, await ra.capability(), h, stolen)  # positive control
-        ctx_a = _ctx(a, mine["storage_key"], model, mine["key_version"])
-        assert bytes(ChunkCipher().open(_issued(mine), ctx_a, stolen)) == gathered(src, g, BLOCKS, 16).numpy().tobytes()
-        got = await _open_keys(live, http, b, await rb.capability(), h, stolen)
-        assert got["tenant"] == b and got["storage_key"] != mine["storage_key"] and got["key"] != mine["key"]
-        ctx_b = _ctx(b, got["storage_key"], model, got["key_version"])
+        cap_a, cap_b = await ra.capability(), await rb.capability()
+        _scope, [(mine, stolen)] = await _keyed_fetch(live, http, a, cap_a, [h])  # positive control
+        ctx_a = _ctx(a, mine.storage_key.hex(), model, mine.key_version)
+        assert bytes(ChunkCipher().open(IssuedKey(mine.salt, mine.key), ctx_a, stolen)) == gathered(src, g, BLOCKS, 16).numpy().tobytes()
+        hdr_b = live.headers(live.worker_token(b), cap_b)
+        assert (await chunks.store(http, hdr_b, [(h, stolen)])).status_code == 204  # the header parses: taken
+        scope, [(got, same)] = await _keyed_fetch(live, http, b, cap_b, [h])
+        assert scope == (b, "default") and (got.status, same) == (frames.OK, stolen)
+        assert got.storage_key != mine.storage_key and got.key != mine.key
+        ctx_b = _ctx(b, got.storage_key.hex(), model, got.key_version)
         for ctx in (ctx_a, ctx_b):
             with pytest.raises(DecryptionFailed):
-                ChunkCipher().open(_issued(got), ctx, stolen)
+                ChunkCipher().open(IssuedKey(got.salt, got.key), ctx, stolen)
         # nor can B use A's capability
-        header = read_header(stolen)
-        body = {"purpose": "open", "envelopes": [
-            {"hash": h, "key_version": header.key_version, "salt": base64.b64encode(header.salt).decode()},
-        ]}
-        r = await http.post("/v1/keys/envelopes", json=body, headers=live.headers(live.worker_token(b), await ra.capability()))
-        assert r.status_code == 403
+        assert (await chunks.post_fetch(http, live.headers(live.worker_token(b), cap_a), [h])).status_code == 403
 
 
 async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_server: LiveServer):
@@ -476,19 +428,19 @@ async def _spoil(live: LiveServer, ra: RemoteGateway, rb: RemoteGateway, model, 
     async with live.client() as http:
         hdr = live.headers(live.worker_token("acme"), await ra.capability())
         if how == "missing":
-            assert (await http.delete(f"/v1/chunks/{h}", headers=hdr)).status_code == 204
+            r = await chunks.remove(http, live.headers(live.admin_token("acme")), "acme", "default", [h])
+            assert r.status_code == 200 and r.json()["deleted_chunk_copies"] >= 1
             return
         if how == "junk":
             _cap, keys = await live.call(live.state.plane.keys_for, await ra.capability(), "get", [h])
             await live.call(live.runtime.tiers.put, keys[0], memoryview(b"junk" * 64))
             return
         if how == "tampered":
-            blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr)).content)
+            blob = bytearray(await _stored_envelope(live, http, "acme", await ra.capability(), h))
             blob[-1] ^= 1  # the last tag: the header still parses, the server takes it
         else:  # B's envelope of the same chunk (same tokens, same model), put in A's place
-            hdr_b = live.headers(live.worker_token("globex"), await rb.capability())
-            blob = bytearray((await http.get(f"/v1/chunks/{h}", headers=hdr_b)).content)
-        assert (await http.put(f"/v1/chunks/{h}", content=bytes(blob), headers=hdr)).status_code == 204
+            blob = bytearray(await _stored_envelope(live, http, "globex", await rb.capability(), h))
+        assert (await chunks.store(http, hdr, [(h, bytes(blob))])).status_code == 204
 
 
 @pytest.mark.parametrize("how", ["missing", "tampered", "foreign", "junk"])
@@ -521,35 +473,16 @@ async def test_a_bad_chunk_mid_batch_ends_the_prefix_and_nothing_past_it_lands(l
         h = ra._chunks(model, tokens)[2].chained_hash.hex()
         async with live.client() as http:
             hdr = live.headers(live.worker_token("acme"), await ra.capability())
-            assert (await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 404
+            assert await chunks.stored(http, hdr, [h]) == [False]
 
 
 # -- the opening keys in the fetch stream -----------------------------------------------------------
-async def _one_part(data: bytes):
-    yield data
-
-
 async def _keyed_fetch(live: LiveServer, http, tenant: str, cap: str, hashes: list[str]):
-    """``POST /v1/chunks/fetch {keys}`` as a worker of ``tenant``: the frame's scope and its items
+    """``POST /v1/chunks/fetch`` as a worker of ``tenant``: the frame's scope and its items
     (item head, envelope bytes)."""
-    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes, "keys": True},
-                        headers=live.headers(live.worker_token(tenant), cap))
-    assert r.status_code == 200, r.text
-    reader = frames.Reader(_one_part(r.content))
-    chunk_tokens, got_tenant, namespace = await frames.read_keyed_head(reader)
-    assert chunk_tokens == live.settings.chunk_tokens
-    items = []
-    while True:
-        try:
-            head = await reader.read(frames.KEYED_ITEM_HEAD)
-        except BadFrame:
-            break
-        item = frames.parse_keyed_item_head(head)
-        items.append((item, bytes(await reader.read(item.length))))
-        if item.status != frames.OK:
-            break
-    await reader.end()
-    return (got_tenant, namespace), items
+    got = await chunks.fetch(http, live.headers(live.worker_token(tenant), cap), hashes)
+    assert got.chunk_tokens == live.settings.chunk_tokens
+    return (got.tenant, got.namespace), got.items
 
 
 async def _key_issue_rows(live: LiveServer, http, tenant: str, cap_id: str) -> list[dict]:
@@ -597,9 +530,9 @@ async def test_the_fetch_stream_carries_each_envelopes_key_counted_and_audited_p
         assert [(row["outcome"], row["details"]["purpose"], row["details"]["issued"], row["target"]["chunk_count"]) for row in rows] == [
             ("success", "open", 4, 4), ("success", "open", 4, 4),
         ]
-        # without keys the frame is the plain one, and nothing is issued or audited
+        # a fetch without keys is refused, and nothing is issued or audited
         r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=live.headers(live.worker_token(a), cap))
-        assert r.content[:4] == frames.MAGIC and metrics.envelope_keys_issued.total() - issued0 == 8
+        assert r.status_code == 422 and metrics.envelope_keys_issued.total() - issued0 == 8
         assert len(await _key_issue_rows(live, http, a, cap_id)) == len(rows) + 1  # + the store's seal
 
 
@@ -803,9 +736,9 @@ async def test_a_fetch_cut_mid_envelope_loads_only_the_whole_envelopes_before_it
         assert (await ra.retrieve(model, tokens, ok, block_ids=BLOCKS6)).loaded_tokens == SIX
         h = ra._chunks(model, tokens)[0].chained_hash.hex()
         async with live.client() as http:
-            r = await http.get(f"/v1/chunks/{h}", headers=live.headers(live.worker_token(a), await ra.capability()))
-        item = frames.KEYED_ITEM_HEAD + len(r.content)
-        assert len(r.content) > 4096  # so the response head and chunk framing fit in half an item
+            env = await _stored_envelope(live, http, a, await ra.capability(), h)
+        item = frames.KEYED_ITEM_HEAD + len(env)
+        assert len(env) > 4096  # so the response head and chunk framing fit in half an item
     proxy = _CuttingProxy((u.hostname, u.port), cut=int(2.5 * item))
     try:
         async with RemoteGateway(proxy.url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens, threads=1) as rp:
@@ -840,8 +773,8 @@ async def test_a_store_cancelled_mid_upload_stores_nothing_and_frees_the_connect
     proxy = _CuttingProxy((u.hostname, u.port), stall_put_after=256 << 10)
     try:
         async with RemoteGateway(proxy.url, live.worker_token(a), chunk_tokens=live.settings.chunk_tokens) as rp:
-            chunks = rp._chunks(model, tokens)
-            session = await rp.session("", "put", chunks)
+            prompt = rp._chunks(model, tokens)
+            session = await rp.session("", "put", prompt)
             env = memoryview(bytearray(32 << 20))  # far larger than the socket buffers: the send blocks at the proxy
             session._pending = [(0, env)]
             await session._send_pending()  # the batch goes on the wire in the background, as put sends it
@@ -868,7 +801,7 @@ async def test_a_store_cancelled_mid_upload_stores_nothing_and_frees_the_connect
                     break
                 await asyncio.sleep(0.05)
             assert live.runtime.tiers.tiers[0].stats().reservations == 0
-            assert (await http.head(f"/v1/chunks/{chunks[0].chained_hash.hex()}", headers=hdr)).status_code == 404
+            assert await chunks.stored(http, hdr, [prompt[0].chained_hash.hex()]) == [False]
         # positive control: a client straight to the server stores the prefix whole
         assert (await ra.store(model, tokens, src, block_ids=BLOCKS6)).stored == 6
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.support import server_fixture
+from tests.support import chunks, server_fixture
 from tests.support.server_fixture import (
     LiveServer,
     assert_problem,
@@ -71,7 +71,7 @@ async def test_clear(admins: Admins):
     x = admins
     cap = await x.live.capability(x.http, x.a)
     h = random_hash()
-    r = await x.http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=x.live.headers(x.worker_a, cap))
+    r = await chunks.store(x.http, x.live.headers(x.worker_a, cap), [(h, fake_envelope())])
     assert r.status_code == 204
     await denied_alike(x, "POST", lambda t: "/v1/admin/clear", body_of=lambda t: {"scope": "tenant", "tenant": t})
     # a chunk-list clear needs the namespace
@@ -93,13 +93,12 @@ async def test_move(admins: Admins):
     x = admins
     cap = await x.live.capability(x.http, x.a)
     h = random_hash()
-    await x.http.put(f"/v1/chunks/{h}", content=fake_envelope(), headers=x.live.headers(x.worker_a, cap))
+    assert (await chunks.store(x.http, x.live.headers(x.worker_a, cap), [(h, fake_envelope())])).status_code == 204
     body = {"tenant": x.a, "namespace": "default", "hashes": [h], "from": "memory", "to": "disk"}
     await denied_alike(x, "POST", lambda t: "/v1/admin/move", body_of=lambda t: {**body, "tenant": t})
     r = await x.http.post("/v1/admin/move", json=body, headers=x.h(x.admin_a))
     assert r.status_code == 200 and r.json() == {"requested": 1, "moved": 1}
-    r = await x.http.head(f"/v1/chunks/{h}", headers=x.live.headers(x.worker_a, cap))
-    assert r.headers["x-kv-tiers"] == "disk"
+    assert await chunks.where(x.http, x.live.headers(x.worker_a, cap), h) == ["disk"]
     for bad in ({**body, "to": "tape"}, {**body, "hashes": []}, {**body, "hashes": ["nothex"]}, {"namespace": "default"}):
         assert_problem(await x.http.post("/v1/admin/move", json=bad, headers=x.h(x.admin_a)), 422)
 

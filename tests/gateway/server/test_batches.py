@@ -19,15 +19,11 @@ import pytest
 from gateway.protocol import frames
 from tenancy.capabilities import attenuate
 from tests.support import server_fixture
+from tests.support.chunks import BATCH, frame, parse_fetch, post_fetch, stored
+from tests.support.chunks import fetch as fetch_items
 from tests.support.server_fixture import LiveServer, assert_problem, fake_envelope, random_hash
 
 live_server = server_fixture.live_server  # a fixture, registered in this module
-
-BATCH = "application/octet-stream"
-
-
-def frame(items: list[tuple[str, bytes]]) -> bytes:
-    return frames.encode_index([(bytes.fromhex(h), len(e)) for h, e in items]) + b"".join(e for _h, e in items)
 
 
 async def put_batch(http: httpx.AsyncClient, hdr: dict[str, str], body: bytes) -> httpx.Response:
@@ -35,24 +31,9 @@ async def put_batch(http: httpx.AsyncClient, hdr: dict[str, str], body: bytes) -
 
 
 async def fetch(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[tuple[str, int, bytes]]:
-    """Every item of a fetch response, parsed."""
-    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=hdr)
-    assert r.status_code == 200, r.text
-    assert r.headers["content-type"].startswith(BATCH)
-    raw = memoryview(r.content)
-    assert bytes(raw[:4]) == frames.MAGIC
-    out, off = [], 4
-    while off < len(raw):
-        h, status, n = frames.parse_item_head(raw[off : off + frames.ITEM_HEAD])
-        off += frames.ITEM_HEAD
-        out.append((h.hex(), status, bytes(raw[off : off + n])))
-        off += n
-    return out
-
-
-async def stored(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[bool]:
-    """Whether each chunk is in any tier (HEAD answers from every tier)."""
-    return [(await http.head(f"/v1/chunks/{h}", headers=hdr)).status_code == 200 for h in hashes]
+    """Every item of a fetch response: (hash, status, envelope)."""
+    got = await fetch_items(http, hdr, hashes)
+    return [(item.chained_hash.hex(), item.status, body) for item, body in got.items]
 
 
 def reservations(live: LiveServer) -> int:
@@ -79,8 +60,6 @@ async def test_round_trip_and_the_prefix_walk(live_server: LiveServer):
         gap = random_hash()
         got = await fetch(http, hdr, [hashes[0], hashes[1], gap, hashes[2]])
         assert got == [(hashes[0], 0, items[0][1]), (hashes[1], 0, items[1][1]), (gap, frames.MISSING, b"")]
-        # the per-chunk routes see the batch's chunks (compatibility)
-        assert (await http.get(f"/v1/chunks/{hashes[1]}", headers=hdr)).content == items[1][1]
 
 
 def _malformed(items: list[tuple[str, bytes]]) -> dict[str, bytes]:
@@ -162,23 +141,22 @@ async def test_every_item_is_capability_checked(live_server: LiveServer):
         assert await stored(http, hdr, hashes) == [True, True, False]
         # the same for fetch: one hash outside the allowlist refuses the whole request
         assert (await put_batch(http, hdr, frame(items[2:]))).status_code == 204
-        r = await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=narrowed)
-        assert_problem(r, 403)
+        assert_problem(await post_fetch(http, narrowed, hashes), 403)
         assert [s for _h, s, _e in await fetch(http, narrowed, hashes[:2])] == [frames.OK] * 2
         # operations: a get-only capability cannot upload, a put-only one cannot fetch
         get_only = live.headers(live.worker_token(a), attenuate(cap, ops=["get"]))
         put_only = live.headers(live.worker_token(a), attenuate(cap, ops=["put"]))
         assert_problem(await put_batch(http, get_only, frame([(random_hash(), fake_envelope(10))])), 403)
-        assert_problem(await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=put_only), 403)
+        assert_problem(await post_fetch(http, put_only, hashes), 403)
         # another tenant: its own capability sees nothing of A's (namespaced keys) ...
         assert await fetch(http, hdr_b, hashes) == [(hashes[0], frames.MISSING, b"")]
         # ... and A's capability under B's bearer token is refused
         stolen = live.headers(live.worker_token(b), cap)
-        assert_problem(await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=stolen), 403)
+        assert_problem(await post_fetch(http, stolen, hashes), 403)
         assert_problem(await put_batch(http, stolen, frame([(random_hash(), fake_envelope(10))])), 403)
         # no capability at all
         no_cap = live.headers(live.worker_token(a))
-        assert (await http.post("/v1/chunks/fetch", json={"hashes": hashes}, headers=no_cap)).status_code in (401, 403)
+        assert (await post_fetch(http, no_cap, hashes)).status_code in (401, 403)
 
 
 def _request_head(live: LiveServer, method: str, path: str, hdr: dict[str, str], length: int, ctype: str) -> bytes:
@@ -244,7 +222,7 @@ async def test_a_slow_reader_holds_the_server_to_a_few_envelopes(live_server: Li
         sock.connect((u.hostname, u.port))
         sock.setblocking(False)
         rd, w = await asyncio.open_connection(sock=sock)
-        req = json.dumps({"hashes": hashes}).encode()
+        req = json.dumps({"hashes": hashes, "keys": True}).encode()
         w.write(_request_head(live, "POST", "/v1/chunks/fetch", hdr, len(req), "application/json") + req)
         await w.drain()
         await rd.readexactly(64 << 10)  # a little of the response, then the reader stalls
@@ -275,22 +253,6 @@ async def _read_all(rd: asyncio.StreamReader) -> bytes:
     return bytes(out)
 
 
-async def keyed_fetch(http: httpx.AsyncClient, hdr: dict[str, str], hashes: list[str]) -> list[tuple[frames.KeyedItem, bytes]]:
-    """Every item of a keyed fetch response (frame KVK1), parsed."""
-    r = await http.post("/v1/chunks/fetch", json={"hashes": hashes, "keys": True}, headers=hdr)
-    assert r.status_code == 200, r.text
-    raw = memoryview(r.content)
-    assert bytes(raw[:4]) == frames.KEYED_MAGIC
-    t_len, n_len = int.from_bytes(raw[8:10], "little"), int.from_bytes(raw[10:12], "little")
-    out, off = [], 12 + t_len + n_len
-    while off < len(raw):
-        item = frames.parse_keyed_item_head(raw[off : off + frames.KEYED_ITEM_HEAD])
-        off += frames.KEYED_ITEM_HEAD
-        out.append((item, bytes(raw[off : off + item.length])))
-        off += item.length
-    return out
-
-
 async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stops(live_server: LiveServer):
     """A tier that holds bytes whose header does not parse (written behind the server's back):
     the keyed fetch hands them over with status unkeyed and no key (the worker fails to open them
@@ -301,14 +263,14 @@ async def test_a_keyed_fetch_sends_an_unparsable_envelope_without_a_key_and_stop
         items = [(random_hash(), fake_envelope(300)) for _ in range(3)]
         assert (await put_batch(http, hdr, frame(items))).status_code == 204
         hashes = [h for h, _e in items]
-        got = await keyed_fetch(http, hdr, hashes)  # positive control: three keyed envelopes
+        got = (await fetch_items(http, hdr, hashes)).items  # positive control: three keyed envelopes
         assert [(it.status, env, it.key != bytes(32)) for it, env in got] == [(frames.OK, e, True) for _h, e in items]
         cap = hdr["X-KV-Capability"]
         _cap, keys = await live.call(live.state.plane.keys_for, cap, "get", [hashes[1]])
         junk = b"not an envelope" * 20
         await live.call(live.runtime.tiers.put, keys[0], memoryview(junk))
         issued = live.runtime.metrics.envelope_keys_issued.total()
-        got = await keyed_fetch(http, hdr, hashes)
+        got = (await fetch_items(http, hdr, hashes)).items
         assert [(it.status, env, it.key == bytes(32)) for it, env in got] == [
             (frames.OK, items[0][1], False), (frames.UNKEYED, junk, True),
         ]
@@ -336,12 +298,14 @@ async def test_the_fetch_stream_goes_to_the_connection_raw_and_through_asgi_alik
         items = [(random_hash(), fake_envelope(300_000 + k)) for k in range(3)]
         assert (await put_batch(http, hdr, frame(items))).status_code == 204
         hashes = [h for h, _e in items]
-        got = await fetch(http, hdr, hashes)
-        assert [(h, status, body) for h, status, body in got] == [(h, frames.OK, e) for h, e in items]
+        r = await post_fetch(http, hdr, hashes)
+        assert r.status_code == 200
+        got = parse_fetch(r.content).items
+        assert [(it.chained_hash.hex(), it.status, body) for it, body in got] == [(h, frames.OK, e) for h, e in items]
         assert len(writes) == 3  # one chunk per item (the head rides with the first)
         # HTTP/1.0: the response is framed by the connection's end, through ASGI
         writes.clear()
-        req = json.dumps({"hashes": hashes}).encode()
+        req = json.dumps({"hashes": hashes, "keys": True}).encode()
         head = _request_head(live, "POST", "/v1/chunks/fetch", hdr, len(req), "application/json").replace(b"HTTP/1.1", b"HTTP/1.0", 1)
         rd, w = await asyncio.open_connection(u.hostname, u.port)
         w.write(head + req)
@@ -352,8 +316,7 @@ async def test_the_fetch_stream_goes_to_the_connection_raw_and_through_asgi_alik
         assert status_line.startswith(b"HTTP/1.1 200"), status_line
         body = rest.partition(b"\r\n\r\n")[2]
         assert writes == []
-        expected = frames.MAGIC + b"".join(frames.item_head(bytes.fromhex(h), frames.OK, len(e)) + e for h, e in items)
-        assert body == expected
+        assert body == r.content  # the same frame, byte for byte (each envelope's key included)
 
 
 async def test_an_upload_is_received_straight_into_the_tiers_buffers(live_server: LiveServer, monkeypatch: pytest.MonkeyPatch):

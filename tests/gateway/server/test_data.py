@@ -12,9 +12,12 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
+from crypto.envelope import ChunkCipher, EnvelopeContext
+from crypto.segments import IssuedKey
+from gateway.protocol import frames
 from tenancy.capabilities import attenuate, read_unverified
 from tenancy.devissuer import DevIssuer
-from tests.support import server_fixture
+from tests.support import chunks, server_fixture
 from tests.support.server_fixture import (
     LiveServer,
     assert_problem,
@@ -61,10 +64,8 @@ def foreign_token(tmp_path, live: LiveServer, tenant: str) -> str:
 
 
 async def put(w: World, h: str, cap: str | None = None, token: str | None = None, body: bytes | None = None):
-    return await w.http.put(
-        f"/v1/chunks/{h}", content=body if body is not None else fake_envelope(),
-        headers=w.h(token or w.worker_a, cap or w.cap_a),
-    )
+    """``PUT /v1/chunks`` with one envelope (``fake_envelope()`` unless ``body``)."""
+    return await chunks.store(w.http, w.h(token or w.worker_a, cap or w.cap_a), [(h, body if body is not None else fake_envelope())])
 
 
 # -- capabilities ---------------------------------------------------------------------------------
@@ -221,66 +222,82 @@ async def test_put_chunk(world: World, tmp_path):
     w = world
     h = random_hash()
     assert (await put(w, h)).status_code == 204
-    assert_problem(await w.http.put(f"/v1/chunks/{h}", content=fake_envelope()), 401)
+    assert_problem(await chunks.store(w.http, {}, [(h, fake_envelope())]), 401)
     assert_problem(await put(w, h, token=foreign_token(tmp_path, w.live, w.a)), 401)
     assert_problem(await put(w, h, cap=w.cap_b), 403)
     assert_problem(await put(w, h, token=w.admin_a), 403)
     get_only = await w.live.capability(w.http, w.a, ops=["get"])
     assert_problem(await put(w, h, cap=get_only), 403)  # capability without put
-    assert_problem(await put(w, h, body=b"plain text is not an envelope"), 422)
-    assert_problem(await put(w, h, body=fake_envelope()[:-1]), 422)  # truncated
-    assert_problem(await put(w, "0" * 63), 422)
-    assert_problem(await put(w, "G" * 64), 422)
+    for body in (b"plain text is not an envelope", fake_envelope()[:-1]):  # not an envelope; truncated
+        other = random_hash()
+        assert "not a kvgate envelope" in assert_problem(await put(w, other, body=body), 400)["detail"]
+        assert await chunks.stored(w.http, w.h(w.worker_a, w.cap_a), [other]) == [False]
+    twice = chunks.frame([(h, fake_envelope()), (h, fake_envelope())])
+    r = await w.http.put("/v1/chunks", content=twice, headers={**w.h(w.worker_a, w.cap_a), "Content-Type": chunks.BATCH})
+    assert "twice" in assert_problem(r, 400)["detail"]
 
 
-async def test_get_head_delete_chunk(world: World, tmp_path):
+async def test_fetch_lookup_and_clear_of_one_chunk(world: World, tmp_path):
+    """One chunk read back, found and removed through the routes a worker and an admin use; every
+    refusal beside the same request done right."""
     w = world
     h, absent = random_hash(), random_hash()
     env = fake_envelope(1000)
+    own = w.h(w.worker_a, w.cap_a)
     assert (await put(w, h, body=env)).status_code == 204
-    r = await w.http.get(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))
-    assert r.status_code == 200 and r.content == env
-    assert r.headers["content-type"] == "application/octet-stream" and r.headers["x-kv-tier"]
-    r = await w.http.head(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))
-    assert r.status_code == 200 and "memory" in r.headers["x-kv-tiers"]
-    for method in ("GET", "HEAD", "DELETE"):
-        url = f"/v1/chunks/{h}"
-        assert_problem(await w.http.request(method, url), 401)
-        assert_problem(await w.http.request(method, url, headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
-        assert_problem(await w.http.request(method, url, headers=w.h(w.worker_a, w.cap_b)), 403)
-        assert_problem(await w.http.request(method, url, headers=w.h(w.admin_a, w.cap_a)), 403)
-        # tenant B with its own valid capability: A's chunk does not exist for B (404, like any absent chunk)
-        assert_problem(await w.http.request(method, url, headers=w.h(w.worker_b, w.cap_b)), 404)
-        assert_problem(await w.http.request(method, f"/v1/chunks/{absent}", headers=w.h(w.worker_a, w.cap_a)), 404)
-        assert_problem(await w.http.request(method, "/v1/chunks/nothex", headers=w.h(w.worker_a, w.cap_a)), 422)
-    assert (await w.http.get(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))).status_code == 200  # untouched
-    assert (await w.http.delete(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a))).status_code == 204
-    assert_problem(await w.http.get(f"/v1/chunks/{h}", headers=w.h(w.worker_a, w.cap_a)), 404)
+    r = await chunks.post_fetch(w.http, own, [h])
+    assert r.status_code == 200 and r.headers["content-type"] == chunks.BATCH
+    got = chunks.parse_fetch(r.content)
+    assert (got.tenant, got.namespace, got.statuses, got.envelopes()) == (w.a, "default", [frames.OK], [env])
+    assert "memory" in await chunks.where(w.http, own, h)
+    for ask in (lambda hdr: chunks.post_fetch(w.http, hdr, [h]), lambda hdr: w.http.post("/v1/lookup", json={"hashes": [h]}, headers=hdr)):
+        assert_problem(await ask({"X-KV-Capability": w.cap_a}), 401)
+        assert_problem(await ask(w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
+        assert_problem(await ask(w.h(w.worker_a, w.cap_b)), 403)
+        assert_problem(await ask(w.h(w.admin_a, w.cap_a)), 403)
+    # tenant B with its own valid capability: A's chunk does not exist for B (a miss, like any absent chunk)
+    assert (await chunks.fetch(w.http, w.h(w.worker_b, w.cap_b), [h])).statuses == [frames.MISSING]
+    assert await chunks.where(w.http, w.h(w.worker_b, w.cap_b), h) == []
+    assert (await chunks.fetch(w.http, own, [absent])).statuses == [frames.MISSING]
+    assert await chunks.where(w.http, own, absent) == []
+    for bad in ({"hashes": ["nothex"], "keys": True}, {"hashes": [h]}, {"hashes": [h], "keys": False}):
+        assert_problem(await w.http.post("/v1/chunks/fetch", json=bad, headers=own), 422)
+    assert await chunks.envelope(w.http, own, h) == env  # untouched
+    # removing it: B's admin clearing the same hash in B's tenant removes nothing of A's, and cannot name A
+    admin_b = w.h(w.live.admin_token(w.b))
+    r = await chunks.remove(w.http, admin_b, w.b, "default", [h])
+    assert r.status_code == 200 and r.json()["deleted_chunk_copies"] == 0
+    assert_problem(await chunks.remove(w.http, admin_b, w.a, "default", [h]), 403)
+    assert_problem(await chunks.remove(w.http, w.h(w.worker_a), w.a, "default", [h]), 403)  # a worker is no admin
+    assert await chunks.envelope(w.http, own, h) == env
+    r = await chunks.remove(w.http, w.h(w.admin_a), w.a, "default", [h])
+    assert r.status_code == 200 and r.json()["deleted_chunk_copies"] >= 1
+    assert await chunks.envelope(w.http, own, h) is None
 
 
-async def test_put_over_the_limit_is_413(tmp_path):
+async def test_put_over_the_limit(tmp_path):
     from tests.support.server_fixture import running_server
 
-    with running_server(tmp_path / "s", max_chunk_bytes=4096) as live:
+    with running_server(tmp_path / "s", max_chunk_bytes=4096, max_batch_bytes=1 << 20) as live:
         async with live.client() as http:
             a = await live.create_tenant(http)
             cap, tok = await live.capability(http, a), live.worker_token(a)
+            hdr = live.headers(tok, cap)
             h = random_hash()
             small = fake_envelope(1000)
-            assert (await http.put(f"/v1/chunks/{h}", content=small, headers=live.headers(tok, cap))).status_code == 204
+            assert (await chunks.store(http, hdr, [(h, small)])).status_code == 204
             big = fake_envelope(5000)
-            assert_problem(await http.put(f"/v1/chunks/{h}", content=big, headers=live.headers(tok, cap)), 413)
-            # far over the limit: refused before a byte of it is read; without a token, 401 first
-            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20), headers=live.headers(tok, cap)), 413)
-            assert_problem(await http.put(f"/v1/chunks/{h}", content=b"\0" * (2 << 20)), 401)
+            assert "4096" in assert_problem(await chunks.store(http, hdr, [(h, big)]), 400)["detail"]  # an item over the chunk limit
+            # far over the batch limit: refused before a byte of it is read; without a token, 401 first
+            assert_problem(await chunks.store(http, hdr, [(h, b"\0" * (2 << 20))]), 413)
+            assert_problem(await chunks.store(http, {}, [(h, b"\0" * (2 << 20))]), 401)
             # a chunked body (no Content-Length) is refused too, and nothing changed
             async def gen():
-                yield big
+                yield chunks.frame([(h, big)])
 
-            r = await http.put(f"/v1/chunks/{h}", content=gen(), headers=live.headers(tok, cap))
+            r = await http.put("/v1/chunks", content=gen(), headers={**hdr, "Content-Type": chunks.BATCH})
             assert r.status_code in (411, 413, 422) and r.headers["content-type"].startswith("application/problem+json")
-            got = await http.get(f"/v1/chunks/{h}", headers=live.headers(tok, cap))
-            assert got.content == small
+            assert await chunks.envelope(http, hdr, h) == small
 
 
 # -- pins -----------------------------------------------------------------------------------------
@@ -316,10 +333,6 @@ def _seal(*hashes: str) -> dict[str, object]:
     return {"purpose": "seal", "hashes": list(hashes)}
 
 
-def _open(*refs: tuple[str, int, str]) -> dict[str, object]:
-    return {"purpose": "open", "envelopes": [{"hash": h, "key_version": v, "salt": s} for h, v, s in refs]}
-
-
 async def _audit_rows(w: World, action: str) -> list[dict]:
     await w.live.call(w.live.runtime.audit.flush, 10)
     r = await w.http.get("/v1/admin/audit/export", params={"until": "2999-01-01T00:00:00+00:00"}, headers=w.h(w.admin_a))
@@ -327,14 +340,24 @@ async def _audit_rows(w: World, action: str) -> list[dict]:
     return [row for row in map(json.loads, r.text.splitlines()) if row.get("action") == action]
 
 
-async def test_envelope_keys_seal_and_open(world: World):
-    """Sealing keys: a fresh salt per envelope, its key and storage key; opening keys: the same key
-    for the same salt. Counted (stats, /metrics, per capability) and audited once per request."""
+def _sealed(tenant: str, item: dict, plain: bytes, key_version: int | None = None) -> bytes:
+    """An envelope sealed as a remote worker seals it, with the key, salt and storage key the
+    server issued (``key_version``: another version written in its header)."""
+    ctx = EnvelopeContext(tenant, "default", item["storage_key"], "f" * 64, item["key_version"] if key_version is None else key_version)
+    keys = IssuedKey(base64.b64decode(item["salt"]), base64.b64decode(item["key"]))
+    return bytes(ChunkCipher(segment_bytes=4096).seal(keys, ctx, plain))
+
+
+async def test_envelope_keys_seal_and_the_fetch_opens(world: World):
+    """Sealing keys: a fresh salt per envelope, its key and storage key; the fetch hands each
+    stored envelope the same key for the same salt, and it opens the envelope. Counted (metrics,
+    /metrics, per capability) and audited once per request."""
     w = world
     plane = w.live.state.plane
+    own = w.h(w.worker_a, w.cap_a)
     hashes = [random_hash() for _ in range(3)]
     before = w.live.runtime.metrics.envelope_keys_issued["seal"]
-    r = await w.http.post(KEYS, json=_seal(*hashes), headers=w.h(w.worker_a, w.cap_a))
+    r = await w.http.post(KEYS, json=_seal(*hashes), headers=own)
     assert r.status_code == 200
     got = r.json()
     assert (got["tenant"], got["namespace"], got["chunk_tokens"]) == (w.a, "default", w.live.settings.chunk_tokens)
@@ -349,54 +372,81 @@ async def test_envelope_keys_seal_and_open(world: World):
     assert w.live.runtime.metrics.envelope_keys_issued["seal"] == before + 3
     cap_id = read_unverified(w.cap_a).cap_id
     assert plane.issued_to(cap_id) == 3
-    # opening: the key of each envelope from its header's version and salt, in one call
-    refs = [(i["hash"], i["key_version"], i["salt"]) for i in items]
-    r = await w.http.post(KEYS, json=_open(*refs), headers=w.h(w.worker_a, w.cap_a))
-    assert r.status_code == 200
-    assert [(i["key"], i["storage_key"]) for i in r.json()["keys"]] == [(i["key"], i["storage_key"]) for i in items]
+    # opening: the fetch sends each envelope's key from its header's version and salt, in one call
+    plain = [bytes([k]) * 5000 for k in range(3)]
+    envelopes = [_sealed(w.a, i, p) for i, p in zip(items, plain, strict=True)]
+    assert (await chunks.store(w.http, own, list(zip(hashes, envelopes, strict=True)))).status_code == 204
+    fetched = await chunks.fetch(w.http, own, hashes)
+    assert fetched.statuses == [frames.OK] * 3 and fetched.envelopes() == envelopes
+    assert [(it.key, it.salt, it.storage_key.hex(), it.key_version) for it, _e in fetched.items] == [
+        (base64.b64decode(i["key"]), base64.b64decode(i["salt"]), i["storage_key"], i["key_version"]) for i in items
+    ]
+    for (it, env), i, p in zip(fetched.items, items, plain, strict=True):
+        ctx = EnvelopeContext(w.a, "default", i["storage_key"], "f" * 64, it.key_version)
+        assert bytes(ChunkCipher(segment_bytes=4096).open(IssuedKey(it.salt, it.key), ctx, env)) == p
     assert plane.issued_to(cap_id) == 6
-    # a destroyed or unknown key version: that item has no key (a miss), the others do
-    r = await w.http.post(KEYS, json=_open(refs[0], (hashes[1], 99, refs[1][2])), headers=w.h(w.worker_a, w.cap_a))
-    assert [i["key"] is None for i in r.json()["keys"]] == [False, True]
-    assert plane.issued_to(cap_id) == 7  # only keys issued count
+    # an unknown (or destroyed) key version: that item has no key and ends the prefix, the one before has
+    r = await w.http.post(KEYS, json=_seal(random_hash()), headers=own)
+    (odd,) = r.json()["keys"]
+    unknown = _sealed(w.a, odd, b"x" * 100, key_version=99)
+    assert (await chunks.store(w.http, own, [(odd["hash"], unknown)])).status_code == 204
+    fetched = await chunks.fetch(w.http, own, [hashes[0], odd["hash"], hashes[1]])
+    assert fetched.statuses == [frames.OK, frames.KEY_UNAVAILABLE]
+    assert fetched.items[1][0].key == bytes(32) and fetched.items[1][1] == b""
+    assert plane.issued_to(cap_id) == 8  # only keys issued count (the seal's 1, the fetch's 1)
     # counted in /metrics, by purpose
     metrics = (await w.http.get("/metrics", headers=w.h(w.live.operator_token()))).text
-    seal_lines = [x for x in metrics.splitlines() if x.startswith("kvgate_envelope_keys_issued_total") and 'purpose="seal"' in x]
-    assert len(seal_lines) == 1 and float(seal_lines[0].rsplit(" ", 1)[1]) >= 3
+    for purpose, least in (("seal", 4), ("open", 4)):
+        lines = [x for x in metrics.splitlines() if x.startswith("kvgate_envelope_keys_issued_total") and f'purpose="{purpose}"' in x]
+        assert len(lines) == 1 and float(lines[0].rsplit(" ", 1)[1]) >= least
     # audited in aggregate: one event per request, with the count
     rows = await _audit_rows(w, "key.issue")
     mine = [row for row in rows if row["details"]["cap_id"] == cap_id]
-    assert [(row["details"]["purpose"], row["details"]["issued"]) for row in mine] == [("seal", 3), ("open", 3), ("open", 1)]
+    assert [(row["details"]["purpose"], row["details"]["issued"], row["details"]["route"]) for row in mine] == [
+        ("seal", 3, KEYS), ("open", 3, "/v1/chunks/fetch"), ("seal", 1, KEYS), ("open", 1, "/v1/chunks/fetch"),
+    ]
+    assert mine[-1]["details"]["unavailable"] == 1
     assert all(row["target"]["tenant"] == w.a for row in mine)
-    assert [row["details"]["capability_total"] for row in mine] == [3, 6, 7]
+    assert [row["details"]["capability_total"] for row in mine] == [3, 6, 7, 8]
 
 
 async def test_envelope_keys_are_capability_checked(world: World, tmp_path):
+    """Keys to seal (``POST /v1/keys/envelopes``) and to open (the fetch stream) go only to a worker
+    whose capability allows the operation on those chunks."""
     w = world
     h = random_hash()
     ok = await w.http.post(KEYS, json=_seal(h), headers=w.h(w.worker_a, w.cap_a))
     assert ok.status_code == 200  # the positive control
-    salt = ok.json()["keys"][0]["salt"]
-    version = ok.json()["keys"][0]["key_version"]
-    for body in (_seal(h), _open((h, version, salt))):
-        assert_problem(await w.http.post(KEYS, json=body, headers={"X-KV-Capability": w.cap_a}), 401)
-        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
-        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(w.worker_a)), 403)  # no capability
-        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(w.worker_a, w.cap_b)), 403)  # B's capability
-        assert_problem(await w.http.post(KEYS, json=body, headers=w.h(w.admin_a, w.cap_a)), 403)  # not a worker
+    (item,) = ok.json()["keys"]
+    assert (await chunks.store(w.http, w.h(w.worker_a, w.cap_a), [(h, _sealed(w.a, item, b"kv" * 100))])).status_code == 204
+    asks = (
+        lambda hdr: w.http.post(KEYS, json=_seal(h), headers=hdr),
+        lambda hdr: chunks.post_fetch(w.http, hdr, [h]),
+    )
+    for ask in asks:
+        assert_problem(await ask({"X-KV-Capability": w.cap_a}), 401)
+        assert_problem(await ask(w.h(foreign_token(tmp_path, w.live, w.a), w.cap_a)), 401)
+        assert_problem(await ask(w.h(w.worker_a)), 403)  # no capability
+        assert_problem(await ask(w.h(w.worker_a, w.cap_b)), 403)  # B's capability
+        assert_problem(await ask(w.h(w.admin_a, w.cap_a)), 403)  # not a worker
     get_only = await w.live.capability(w.http, w.a, ops=["get", "lookup"])
     put_only = await w.live.capability(w.http, w.a, ops=["put"])
     assert_problem(await w.http.post(KEYS, json=_seal(h), headers=w.h(w.worker_a, get_only)), 403)  # sealing needs put
-    assert_problem(await w.http.post(KEYS, json=_open((h, version, salt)), headers=w.h(w.worker_a, put_only)), 403)
-    assert (await w.http.post(KEYS, json=_open((h, version, salt)), headers=w.h(w.worker_a, get_only))).status_code == 200
+    assert_problem(await chunks.post_fetch(w.http, w.h(w.worker_a, put_only), [h]), 403)  # opening needs get
+    got = await chunks.fetch(w.http, w.h(w.worker_a, get_only), [h])
+    assert got.statuses == [frames.OK] and got.items[0][0].key == base64.b64decode(item["key"])
     # a capability its holder narrowed to a chunk allowlist: keys for those chunks only
     narrowed = attenuate(w.cap_a, chunks=[h])
     assert (await w.http.post(KEYS, json=_seal(h), headers=w.h(w.worker_a, narrowed))).status_code == 200
     assert_problem(await w.http.post(KEYS, json=_seal(h, random_hash()), headers=w.h(w.worker_a, narrowed)), 403)
+    assert (await chunks.post_fetch(w.http, w.h(w.worker_a, narrowed), [h])).status_code == 200
+    assert_problem(await chunks.post_fetch(w.http, w.h(w.worker_a, narrowed), [h, random_hash()]), 403)
+    salt = item["salt"]
     for bad in (
         {"purpose": "seal", "hashes": []}, {"purpose": "seal", "hashes": ["nothex"]}, {"purpose": "fly", "hashes": [h]},
-        {"purpose": "seal", "hashes": [h] * 4097}, {"purpose": "open", "envelopes": [{"hash": h, "key_version": 1}]},
-        _open((h, 1, "short")), _open((h, -1, salt)), {"hashes": [h]}, {**_seal(h), "extra": 1},
+        {"purpose": "seal", "hashes": [h] * 4097}, {"hashes": [h]}, {**_seal(h), "extra": 1},
+        # keys to open are not asked for: they come with the envelopes (POST /v1/chunks/fetch)
+        {"purpose": "open", "envelopes": [{"hash": h, "key_version": item["key_version"], "salt": salt}]},
     ):
         assert_problem(await w.http.post(KEYS, json=bad, headers=w.h(w.worker_a, w.cap_a)), 422)
 
@@ -426,12 +476,21 @@ async def test_envelope_keys_are_bounded_per_capability(world: World):
         plane.max_keys_per_capability = saved
 
 
-async def test_the_data_key_lease_is_gone(world: World):
+async def test_the_data_key_lease_and_the_per_chunk_routes_are_gone(world: World):
     w = world
+    own = w.h(w.worker_a, w.cap_a)
     for body in (None, {"version": 1}):
-        assert_problem(await w.http.post("/v1/keys/lease", json=body, headers=w.h(w.worker_a, w.cap_a)), 404)
+        assert_problem(await w.http.post("/v1/keys/lease", json=body, headers=own), 404)
+    h = random_hash()
+    assert (await put(w, h)).status_code == 204  # stored, and still no route reads it one by one
+    for method in ("GET", "HEAD", "PUT", "DELETE"):
+        r = await w.http.request(method, f"/v1/chunks/{h}", headers=own)
+        assert r.status_code == 404, (method, r.status_code)
+    assert await chunks.stored(w.http, own, [h]) == [True]
     paths = (await w.http.get("/openapi.json")).json()["paths"]
     assert "/v1/keys/lease" not in paths and "post" in paths[KEYS]
+    assert not [p for p in paths if p.startswith("/v1/chunks/{")], sorted(paths)
+    assert "put" in paths["/v1/chunks"] and "post" in paths["/v1/chunks/fetch"]
 
 
 # -- unauthenticated surface -------------------------------------------------------------------
@@ -442,7 +501,7 @@ async def test_health_and_unknown_routes(world: World):
     assert r.status_code == 200 and r.json()["ready"] is True
     # under /v1 nothing is answered before the bearer token is verified, not even "no such route"
     assert_problem(await w.http.get("/v1/nothing-here"), 401)
-    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}"), 401)
+    assert_problem(await w.http.patch("/v1/chunks"), 401)
     assert_problem(await w.http.get("/v1/nothing-here", headers=w.h(w.worker_a)), 404)
-    assert_problem(await w.http.patch(f"/v1/chunks/{random_hash()}", headers=w.h(w.worker_a)), 405)
+    assert_problem(await w.http.patch("/v1/chunks", headers=w.h(w.worker_a)), 405)
     assert (await w.http.get("/openapi.json")).json()["info"]["title"] == "kvgate"
