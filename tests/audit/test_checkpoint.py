@@ -1,4 +1,4 @@
-"""Signed checkpoints against the database owner (issue 16): each of the four rewrites an owner
+"""Signed checkpoints against the database owner: each of the four rewrites an owner
 can make with the append-only triggers disabled -- cut the tail, cut it and let new rows append,
 edit a row and recompute the chain after it, insert a row and recompute -- still passes the
 chain check and the next signed export (the old weakness, shown), and is caught by

@@ -1,5 +1,5 @@
 """`pip install kvgate` into a fresh virtual environment, then `kvgate demo` works, and a command
-whose extra is missing says which extra in one line (issue 22). Builds the wheel from this
+whose extra is missing says which extra in one line. Builds the wheel from this
 checkout; torch comes from the CPU wheel the project's machines carry (TORCH_SPEC as in the
 Makefile)."""
 

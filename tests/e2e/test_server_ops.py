@@ -126,7 +126,7 @@ async def test_repeated_bad_tokens_get_429(live_server: LiveServer):
         limited = assert_problem(limited_r, 429)
         assert limited["title"]
         assert int(limited_r.headers["retry-after"]) > 0
-        # a token that verifies is never turned away, even from a flooded address (issue 15)
+        # a token that verifies is never turned away, even from a flooded address
         r = await attacker.post("/v1/capabilities", json=body, headers=live.headers(live.worker_token(a)))
         assert r.status_code == 201, r.text
         # the forged claims did not lock tenant A's real worker (another address) out

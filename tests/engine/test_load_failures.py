@@ -1,4 +1,4 @@
-"""A failed or partial load is never stored back (issue 13), on a real vLLM engine (CPU, tiny
+"""A failed or partial load is never stored back, on a real vLLM engine (CPU, tiny
 Llama, fp32 so greedy outputs are bit-exact, vLLM's prefix cache off).
 
 Every scenario has the shape that poisoned the cache before: a request that loads and stores in

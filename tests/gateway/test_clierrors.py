@@ -1,5 +1,5 @@
 """Every CLI failure is one line on stderr with the cause and the fix, exit code 2, never a
-traceback (issue 22); ``--debug`` shows the traceback. Real subprocesses, real services stopped
+traceback; ``--debug`` shows the traceback. Real subprocesses, real services stopped
 or absent, beside a positive control where one makes sense."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Remote mode with the device path (issue 18, deliverable 4): a worker whose KV lives on a device
+"""Remote mode with the device path: a worker whose KV lives on a device
 seals where the KV is, so what leaves the device, and the wire, is ciphertext; its envelopes are
 the CPU path's, byte for byte in format, so either kind of worker (and the server's own core)
 opens what the other stored.

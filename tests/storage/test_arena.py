@@ -1,4 +1,4 @@
-"""The memory tier's arena (issue 17): allocation, fragmentation, leases, bounded memory, and a
+"""The memory tier's arena: allocation, fragmentation, leases, bounded memory, and a
 state machine for "no extent is ever shared by two live envelopes, and a held view never changes"."""
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ async def test_replace_accounts_bytes_and_refreshes() -> None:
 
 
 async def test_put_copies_into_the_arena_and_get_is_a_view_of_it() -> None:
-    # issue 17: envelopes live in the tier's arena (put copies once, or the data path seals
+    # envelopes live in the tier's arena (put copies once, or the data path seals
     # straight into a reserved extent); get hands out views of the arena, not copies
     tier = MemoryTier(1000)
     buf = bytearray(b"abc")

@@ -264,7 +264,7 @@ async def test_used_bytes_tracks_puts_and_deletes(tier: Tier) -> None:
 
 
 async def test_a_held_view_never_changes_when_its_key_is_replaced_or_deleted(tier: Tier) -> None:
-    # issue 17: the memory tier reuses arena extents; a reader's view must outlive eviction
+    # the memory tier reuses arena extents; a reader's view must outlive eviction
     k, other = key(), key()
     first = secrets.token_bytes(8192)
     await tier.put(k, first)

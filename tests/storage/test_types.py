@@ -1,4 +1,4 @@
-"""ChunkKey.many (issue 17, lookup): the batch constructor builds the same keys with the same checks."""
+"""ChunkKey.many: the batch constructor builds the same keys with the same checks."""
 
 from __future__ import annotations
 

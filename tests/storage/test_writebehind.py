@@ -1,4 +1,4 @@
-"""Write-behind (issue 17): a store returns once the chunk is in the fastest tier; a paused or
+"""Write-behind: a store returns once the chunk is in the fastest tier; a paused or
 killed Redis, or a failing disk, during a flood never blocks or fails a store; a crash loses only
 the queued copies; ``aclose`` drains or counts what it drops; write-through stays available."""
 

@@ -185,7 +185,7 @@ NEGATIVE: dict[str, Callable[[LocalIssuer, RecordingServer], str]] = {
     "unknown crit header": lambda i, r: _raw_rs256(
         i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "crit": ["exp-x"], "exp-x": 1}
     ),
-    # issue 15, point 5: validly signed by the trusted key, but the header names a key source or
+    # validly signed by the trusted key, but the header names a key source or
     # a critical extension -- refused all the same (defence in depth)
     "signed, jku": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "jku": r.url + "/jwks.json"}),
     "signed, x5u": lambda i, r: _raw_rs256(i, {"alg": "RS256", "kid": "rsa1", "typ": "at+jwt", "x5u": r.url + "/c.pem"}),

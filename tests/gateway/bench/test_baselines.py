@@ -1,7 +1,7 @@
 """The bench's two baselines (gateway/bench/baselines.py) do what their figures claim, beside the
 product as shipped (positive controls): the plaintext runtime leaves the KV's bytes readable in
 the tier, the product does not; the shared-tenant runtime lets tenant B load tenant A's prompt,
-the product does not. Whoever re-implements them on public seams (issue 14) keeps these true."""
+the product does not. Whoever re-implements them on public seams keeps these true."""
 
 from __future__ import annotations
 

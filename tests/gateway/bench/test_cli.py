@@ -1,4 +1,4 @@
-"""`kvgate bench` as a command (issue 14): the bench package is imported only by the command,
+"""`kvgate bench` as a command: the bench package is imported only by the command,
 a missing ``bench`` extra is one line naming it (exit 2), and a peer that fails fails the command
 with its error before any figure is spent."""
 

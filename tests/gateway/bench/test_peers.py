@@ -1,4 +1,4 @@
-"""`kvgate bench`'s peers (issue 14): a peer that fails to run fails the run with its error,
+"""`kvgate bench`'s peers: a peer that fails to run fails the run with its error,
 ``--no-peers`` skips it on purpose, a peer environment never named is skipped with a note, and
 the LMCache runner runs isolated, so no module beside it can shadow the standard library (the
 bug that silently dropped the LMCache figures: ``gateway/types.py`` shadowing ``types``)."""

@@ -67,7 +67,7 @@ def test_quick_bench_json_schema(tmp_path):
         assert set(r) >= {"op", "tier", "encrypted", "chunk_bytes", "threads", "gbps", "ceiling"}
         assert r["op"] in ("store", "load") and isinstance(r["gbps"], float) and r["gbps"] > 0
         assert isinstance(r["ceiling"]["name"], str) and r["ceiling"]["gbps"] > 0
-        if r["tier"] == "memory" and r["encrypted"]:  # issue 17: beside one pass over the same bytes
+        if r["tier"] == "memory" and r["encrypted"]:  # beside one pass over the same bytes
             sp = r["single_pass"]
             assert 0 < sp["gbps"] <= r["ceiling"]["gbps"] * 1.001
             assert sp["ratio"] == pytest.approx(r["gbps"] / sp["gbps"], rel=0.01)

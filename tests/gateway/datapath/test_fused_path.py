@@ -326,7 +326,7 @@ async def test_envelope_buffers_are_reused_only_once_no_one_holds_them():
     kv = PagedKV(_cache(g, 8, 5), g)
     jobs = _jobs(g, slots_from_block_ids([1, 4, 6, 2], 4, 0, 16), 2)
     dp = DataPath(ChunkCipher(), threads=0)
-    # a holder that keeps references (the memory tier copies into its arena since issue 17)
+    # a holder that keeps references (the memory tier copies into its arena)
     tier: dict[ChunkKey, memoryview] = {}
     keys = [ChunkKey("ab", "cd", f"{i:064x}") for i in range(2)]
     first = dp.seal_batch(kv, jobs)

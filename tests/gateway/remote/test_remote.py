@@ -330,7 +330,7 @@ async def test_remote_keys_are_asked_once_per_request_counted_and_audited(live_s
         ] == [("seal", 4, "/v1/keys/envelopes"), ("open", 4, "/v1/chunks/fetch")]
 
 
-# -- issue 18: the batched data plane, through the worker's client ---------------------------------
+# -- the batched data plane, through the worker's client ---------------------------------
 SIX = 16 * 6  # six full chunks
 BLOCKS6 = list(range(24))
 
