@@ -131,11 +131,14 @@ class PrefixItem:
 
 async def fetch_prefix(
     plane: EnvelopePlane, token: str, hashes: Sequence[str], *, actor: Actor | None = None,
+    opened: NamespaceChunks | None = None,
 ) -> AsyncGenerator[PrefixItem, None]:
     """The stored prefix of ``hashes``, chunk by chunk as each tier hands it over, each with the
     key that opens it; the capability is checked for op ``get`` on every hash and the key budget
-    charged before the first is read."""
-    opened = await plane.opened(token, "get", hashes)
+    charged before the first is read. ``opened``: the session of ``hashes`` the caller opened
+    already (with the published prefix it reads: each key is then its chunk's namespace's)."""
+    if opened is None:
+        opened = await plane.opened(token, "get", hashes)
     issue = await plane.begin_issue(opened.cap, "open", len(hashes), actor=actor, route="/v1/chunks/fetch", ns=opened.ns)
     counts = opened.counts
     passed_over: list[TierError] = []  # faster tiers that failed before a slower one served
@@ -155,7 +158,7 @@ async def fetch_prefix(
                 _count_out(counts, found)
                 yield PrefixItem(chained, found, "unkeyed")
                 return
-            opening = await issue.open(h, chained, header.key_version, header.salt)
+            opening = await issue.open(h, chained, header.key_version, header.salt, ns=opened.owner_of(i))
             if opening.key is None:  # its key version is destroyed: a miss, the end of the prefix
                 yield _ended(counts, chained, "key_unavailable")
                 return

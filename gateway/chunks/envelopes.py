@@ -106,11 +106,12 @@ class EnvelopePlane:
         self._salt_source = salt_source
         self._issued: dict[str, tuple[int, float]] = {}  # capability id -> (keys issued, expires at)
 
-    async def opened(self, token: str, op: str, hashes: Sequence[str]) -> NamespaceChunks:
+    async def opened(self, token: str, op: str, hashes: Sequence[str], *, shared: bool = False) -> NamespaceChunks:
         """The hashes (64 lowercase hex characters each) in the namespace of ``token``, verified
-        for ``op`` on every one (its chunk allowlist included): the chunk service's session."""
+        for ``op`` on every one (its chunk allowlist included): the chunk service's session.
+        ``shared``: the caller opens each chunk in the context it is told (published prefixes)."""
         chained = [parse_hash(h) for h in hashes]
-        return await self.chunks.session(token, op, chained)
+        return await self.chunks.session(token, op, chained, shared=shared)
 
     async def _authorized(self, token: str, op: str, hashes: Sequence[str]) -> tuple[Capability, list[ChunkKey]]:
         opened = await self.opened(token, op, hashes)
@@ -121,11 +122,11 @@ class EnvelopePlane:
         namespace."""
         return await self._authorized(token, op, hashes)
 
-    async def lookup(self, token: str, hashes: Sequence[str]) -> LookupAnswer:
+    async def lookup(self, token: str, hashes: Sequence[str], *, shared: bool = False) -> LookupAnswer:
         """Prefix walk over chained hashes: how many leading chunks are stored, and where."""
         if not hashes:
             raise InvalidRequest("hashes must not be empty")
-        opened = await self.opened(token, "lookup", hashes)
+        opened = await self.opened(token, "lookup", hashes, shared=shared)
         found = await opened.locate(where=True)  # one batched check per tier, not per chunk
         hits = found.hits
         self.chunks.counts.lookup(hits, found.degraded)
@@ -195,6 +196,7 @@ class EnvelopePlane:
             raise InvalidRequest(f"at most {self.max_keys_per_request} envelope keys per request")
         chained = [parse_hash(h) for h in hashes]
         cap = self.chunks.authorize(token, "put", hashes)
+        await self.chunks.guard(cap, "put", chained)  # a scope's owner: its published chunks only
         issue = await self.begin_issue(cap, "seal", len(hashes), actor=actor)
         try:
             keys = [await issue.seal(h, c) for h, c in zip(hashes, chained, strict=True)]
@@ -232,7 +234,7 @@ class KeyIssue:
         self._total = total
         self._actor = actor
         self._route = route
-        self._deks: dict[int, bytes | None] = {}
+        self._deks: dict[tuple[str, int], bytes | None] = {}
         self._versions: set[int] = set()
         self.issued = 0
         self.unavailable = 0
@@ -258,16 +260,21 @@ class KeyIssue:
         ns = self._ns
         return EnvelopeKey(chunk_hash, version, salt, derive_segment_key(dek, ns.binding_secret, salt), ns.storage_key(chained))
 
-    async def open(self, chunk_hash: str, chained: bytes, version: int, salt: bytes) -> EnvelopeKey:
+    async def open(
+        self, chunk_hash: str, chained: bytes, version: int, salt: bytes, *, ns: NamespaceKeys | None = None,
+    ) -> EnvelopeKey:
         """The key of the envelope sealed with ``(version, salt)``; its ``key`` is None where that
-        key version is destroyed (or never existed): the envelope is a miss."""
+        key version is destroyed (or never existed): the envelope is a miss. ``ns``: the
+        namespace the envelope is read from where it is not the capability's (a published
+        prefix's scope, ``NamespaceChunks.owner_of``)."""
         self._take()
-        if version not in self._deks:
+        ns = ns or self._ns
+        if (ns.tenant, version) not in self._deks:
             try:
-                self._deks[version] = await self._plane.keyring.decryption_key(self.cap.tenant, version)
+                self._deks[ns.tenant, version] = await self._plane.keyring.decryption_key(ns.tenant, version)
             except KeyUnavailable:
-                self._deks[version] = None
-        opener, ns = self._deks[version], self._ns
+                self._deks[ns.tenant, version] = None
+        opener = self._deks[ns.tenant, version]
         if opener is None:
             self.unavailable += 1
             return EnvelopeKey(chunk_hash, version, salt, None, ns.storage_key(chained))

@@ -196,7 +196,12 @@ class RemoteGateway:
             return await self._send(method, path, **kw)
 
     def _data_headers(self, capability: str, content_type: str) -> list[tuple[str, str]]:
-        return [("Authorization", f"Bearer {self._bearer}"), ("X-KV-Capability", capability), ("Content-Type", content_type)]
+        # X-KV-Shared-Reads: this worker opens each fetched chunk in the context the server names
+        # (a published prefix's scope, X-KV-Shared), so lookups and fetches may read one
+        return [
+            ("Authorization", f"Bearer {self._bearer}"), ("X-KV-Capability", capability), ("Content-Type", content_type),
+            ("X-KV-Shared-Reads", "1"),
+        ]
 
     async def _wire_call(
         self, method: str, path: str, fn: Callable[..., tuple[int, Any]], *args: Any, retry: bool = True,
@@ -364,6 +369,7 @@ class _HttpSession:
         self.client = client
         self.chunks = chunks
         self._scope: tuple[str, str] | None = None  # tenant, namespace (from the key answer)
+        self._shared: dict[int, tuple[str, str]] = {}  # chunk -> the published prefix's scope it opens in
         self._storage_keys: dict[int, str] = {}
         self._fetches: dict[int, asyncio.Future[Fetched | FetchFailed | None]] = {}
         self._opening: dict[int, IssuedKey] = {}  # the keys that came with the fetched envelopes
@@ -379,9 +385,10 @@ class _HttpSession:
         if self._scope is None or storage_key is None:  # no key asked for (an unparsable header):
             return EnvelopeContext(tenant="-", namespace="-", storage_key="0" * 64,  # cannot authenticate
                                    model_fingerprint=model.fingerprint_digest, key_version=version)
+        tenant, namespace = self._shared.get(i, self._scope)
         return EnvelopeContext(
-            tenant=self._scope[0],
-            namespace=self._scope[1],
+            tenant=tenant,
+            namespace=namespace,
             storage_key=storage_key,
             model_fingerprint=model.fingerprint_digest,
             key_version=version,
@@ -499,6 +506,9 @@ class _HttpSession:
             if chunk_tokens != self.client.chunk_tokens:
                 raise InvalidRequest(f"the server chunks {chunk_tokens} tokens, this worker {self.client.chunk_tokens}")
             post(self._set_scope, scope)
+            shared = _shared_part(ex.headers.get("x-kv-shared"), len(group))
+            if shared is not None:  # the leading chunks of a published prefix, read from its scope
+                post(self._set_shared, group[: shared[0]], shared[1:])
             for i in group:
                 item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
                 if item.chained_hash != self.chunks[i].chained_hash or item.length > _MAX_ENVELOPE:
@@ -542,6 +552,10 @@ class _HttpSession:
 
     def _set_scope(self, scope: tuple[str, str]) -> None:
         self._scope = scope
+
+    def _set_shared(self, indices: list[int], scope: tuple[str, str]) -> None:
+        for i in indices:
+            self._shared[i] = scope
 
     def _shm_envelope(self) -> None:
         self.client.metrics.shm_envelopes += 1
@@ -687,6 +701,17 @@ def _post_json(ex: Exchange, headers: list[tuple[str, str]], path: str, body: by
             raise RemoteUnavailable(f"POST {path}: an answer that is not JSON") from None
     finally:
         ex.close()
+
+
+def _shared_part(value: str | None, n: int) -> tuple[int, str, str] | None:
+    """The fetch answer's ``X-KV-Shared: <count> <owner> <namespace>`` (published prefixes), or
+    None; one that does not parse is the server's failure."""
+    if value is None:
+        return None
+    parts = value.split(" ")
+    if len(parts) != 3 or not parts[0].isdigit() or not 0 < int(parts[0]) <= n or not all(parts[1:]):
+        raise BadFrame("a malformed X-KV-Shared header")
+    return int(parts[0]), parts[1], parts[2]
 
 
 def _issued(item: dict[str, Any]) -> IssuedKey:

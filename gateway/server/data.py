@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
@@ -202,10 +202,23 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
     )
 
 
-async def answer_lookup(state: ServerState, capability: str, body: LookupRequest) -> dict[str, Any]:
+SHARED_READS = "x-kv-shared-reads"
+"""A request header: ``1`` where the worker opens each chunk in the context it is told, so a
+published prefix's chunks may be read from their scope (docs/prefixes.md, "Remote workers")."""
+SharedReads = Annotated[
+    str | None,
+    Header(alias=SHARED_READS, description="1: read a published prefix's leading chunks from its scope (the fetch's "
+           "X-KV-Shared answer header says which); absent: the capability's own namespace only"),
+]
+
+
+async def answer_lookup(
+    state: ServerState, capability: str, body: LookupRequest, *, shared: bool = False,
+) -> dict[str, Any]:
     """The lookup's answer (a ``LookupResponse``'s fields), for the route below and for the
-    gatekeeper's own answer to it (``gateway.server.rawlookup``)."""
-    answer = await state.plane.lookup(capability, body.hashes)
+    gatekeeper's own answer to it (``gateway.server.rawlookup``). ``shared``: the caller sent
+    ``X-KV-Shared-Reads: 1``."""
+    answer = await state.plane.lookup(capability, body.hashes, shared=shared)
     hit_tokens = None
     if body.chunk_tokens is not None:
         hit_tokens = answer.hit_chunks * body.chunk_tokens
@@ -216,12 +229,12 @@ async def answer_lookup(state: ServerState, capability: str, body: LookupRequest
 
 @router.post("/lookup", response_model=LookupResponse)
 @takes(BodySize.HASHES)
-async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep) -> LookupResponse:
+async def lookup(body: LookupRequest, scope: LookupScope, state: StateDep, shared: SharedReads = None) -> LookupResponse:
     """How many leading chunks of ``hashes`` are stored, and in which tiers. With the raw paths
     on, the router finds ``gateway.server.rawlookup.RawLookup`` first (the same checks in the
     same order, without FastAPI's per-request cost); this route is its description, and serves
     when they are off."""
-    return LookupResponse(**await answer_lookup(state, _cap(scope), body))
+    return LookupResponse(**await answer_lookup(state, _cap(scope), body, shared=shared == "1"))
 
 
 def _verify_before_body(state: ServerState, cap: str, op: str) -> None:
@@ -297,7 +310,9 @@ _ENDED = {"missing": frames.MISSING, "key_unavailable": frames.KEY_UNAVAILABLE, 
 
 @router.post("/chunks/fetch", response_class=Response, responses=_BATCH_RESPONSE)
 @takes(BodySize.HASHES)
-async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, request: Request) -> Response:
+async def fetch_chunks(
+    body: FetchRequest, scope: GetScope, state: StateDep, request: Request, shared: SharedReads = None,
+) -> Response:
     """The stored prefix of ``hashes``, streamed as a frame (``gateway.protocol.frames``): each envelope
     is written from its tier's buffer as soon as it is had, and the next is read from its tier
     only once the previous one was handed to the connection (a slow reader holds the server
@@ -305,14 +320,22 @@ async def fetch_chunks(body: FetchRequest, scope: GetScope, state: StateDep, req
 
     Each envelope's item carries the key that opens it, issued from the key version and salt in
     its header: counted against the capability's key budget (a 403 ``key-budget-spent`` before
-    anything is sent past it) and audited as one ``key.issue`` event per fetch."""
+    anything is sent past it) and audited as one ``key.issue`` event per fetch.
+
+    With ``X-KV-Shared-Reads: 1``, the leading chunks of a published prefix the capability may
+    read come from their scope, each with its key and the scope's storage key, and the answer's
+    ``X-KV-Shared: <count> <owner> <namespace>`` header names the context they open in."""
     cap = _cap(scope)
     authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
     hold, shm_headers = _window(body, cap, state, request)
     region = hold.region if hold is not None else None
     try:
-        walk = batches.fetch_prefix(state.plane, cap, body.hashes, actor=scope.actor)
-        first = await walk.__anext__()  # the capability check (and key budget) happens here: a refusal is a 403
+        opened = await state.plane.opened(cap, "get", body.hashes, shared=shared == "1")  # a refusal is a 403
+        if opened.shared is not None:
+            part = opened.shared
+            shm_headers = [*shm_headers, ("x-kv-shared", f"{part.count} {part.ns.tenant} {part.ns.namespace}")]
+        walk = batches.fetch_prefix(state.plane, cap, body.hashes, actor=scope.actor, opened=opened)
+        first = await walk.__anext__()  # the key budget is charged here: past it, a 403
     except BaseException:
         if hold is not None:
             hold.release()

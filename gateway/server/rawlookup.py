@@ -25,7 +25,7 @@ from starlette.requests import Request
 
 from gateway.errors import JsonTooDeep, NotReady
 from gateway.server import jsonbody, problems
-from gateway.server.data import LookupRequest, answer_lookup
+from gateway.server.data import SHARED_READS, LookupRequest, answer_lookup
 from gateway.server.deps import ServerState, authorize_action
 from tenancy.capabilities import read_unverified
 from tenancy.errors import CapabilityDenied, PermissionDenied
@@ -105,7 +105,10 @@ async def _serve(
         except CapabilityDenied:
             tenant = principal.tenant  # a garbled token: the capability check itself denies it
         authorize_action(state, principal, tenant, Action.LOOKUP, request)
-        answer = await answer_lookup(state, capability, _parse(body, request.headers.get("content-type")))
+        answer = await answer_lookup(
+            state, capability, _parse(body, request.headers.get("content-type")),
+            shared=request.headers.get(SHARED_READS) == "1",
+        )
     except Exception as exc:  # a refusal, a bad body (HTTPException 408/413 included), or a bug
         response = await problems.handle(request, exc)
         await response(scope, receive, send)

@@ -32,7 +32,7 @@ from tests.support.services import REDIS_URL, _need
 
 NUM_BLOCKS = 32
 BLOCKS = list(range(12))  # 48 tokens of 4-token blocks: three chunks of 16 (the server's chunk size)
-MODES = ["embedded"]  # remote mode: with the fetch's shared reads
+MODES = ["embedded", "remote"]
 PREFIX_TOKENS = 40  # two whole chunks are published; the 8 tokens after them are not
 
 
@@ -442,3 +442,29 @@ async def test_published_warm_report_must_chain_from_the_published_tokens(live: 
         r = await http.post("/v1/admin/prefixes", json={"scope": pub.scope, "model": "m", "token_ids": pub.prefix},
                             headers=live.headers(live.admin_token(pub.members[0])))
         assert r.status_code == 403
+
+
+async def test_published_reads_only_for_a_client_that_asks(live: LiveServer):
+    """A remote client that does not send X-KV-Shared-Reads (one built before published prefixes)
+    is served its own namespace only, so it never meets an envelope whose context it does not
+    know; with the header, the same capability reads the prefix and is told where it came from."""
+    model = model_for(small_geometry())
+    async with live.client() as http:
+        pub = Published(live, http, model)
+        await pub.setup("remote")
+        a = pub.members[0]
+        cap = await live.capability(http, a)
+        hdr = live.headers(live.worker_token(a), cap)
+        hashes = pub.hashes(pub.prompt(64_000))  # the two published chunks, then a suffix of A's
+        r = await http.post("/v1/lookup", json={"hashes": hashes[:2]}, headers=hdr)
+        assert r.status_code == 200 and r.json()["hit_chunks"] == 0
+        r = await http.post("/v1/lookup", json={"hashes": hashes[:2]}, headers={**hdr, "X-KV-Shared-Reads": "1"})
+        assert r.status_code == 200 and r.json()["hit_chunks"] == 2
+        r = await http.post("/v1/chunks/fetch", json={"hashes": hashes[:2], "keys": True}, headers=hdr)
+        assert r.status_code == 200 and "x-kv-shared" not in r.headers
+        r = await http.post("/v1/chunks/fetch", json={"hashes": hashes[:2], "keys": True}, headers={**hdr, "X-KV-Shared-Reads": "1"})
+        assert r.status_code == 200 and r.headers["x-kv-shared"] == f"2 {scope_owner(pub.scope)} {SCOPE_NAMESPACE}"
+        # an outsider asking the same way is told nothing of the scope
+        out = live.headers(live.worker_token(pub.outsider), await live.capability(http, pub.outsider))
+        r = await http.post("/v1/chunks/fetch", json={"hashes": hashes[:2], "keys": True}, headers={**out, "X-KV-Shared-Reads": "1"})
+        assert r.status_code == 200 and "x-kv-shared" not in r.headers
