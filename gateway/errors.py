@@ -10,6 +10,7 @@
      +-- NotReady            503  the gateway is not open, or its schema is behind (`kvgate migrate`)
      +-- Conflict            409  the request contradicts the stored state
      |    +-- TenantExists   409  a tenant of that name is already registered
+     |    +-- NamespaceChanged 409  a store sealed for a namespace epoch a clear has ended (nothing stored)
      +-- TooLarge            413  a body over the configured limit
      +-- Unauthenticated     401  no, or no valid, bearer token
      +-- RateLimited         429  too many failed authentications (anything unlisted: a 500 naming nothing)
@@ -29,6 +30,7 @@ __all__ = [
     "NotReady",
     "Conflict",
     "TenantExists",
+    "NamespaceChanged",
     "TooLarge",
     "Unauthenticated",
     "RateLimited",
@@ -91,6 +93,16 @@ class Conflict(GatewayError):
 
 class TenantExists(Conflict):
     pass
+
+
+class NamespaceChanged(Conflict):
+    """A store's envelopes were sealed for a namespace epoch that a clear (of the namespace or
+    its tenant) has ended since: their associated data binds storage keys the namespace no longer
+    has, so none of them is kept. Not an integrity failure: a store that did not happen; the next
+    store seals under the new epoch."""
+
+    def __init__(self, detail: str = "the namespace was cleared since these envelopes were sealed; nothing was stored") -> None:
+        super().__init__(detail)
 
 
 class TooLarge(GatewayError):

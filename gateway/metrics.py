@@ -80,6 +80,7 @@ class Metrics:
     # kept for tests and logs, not exported
     key_unavailable: int = 0  # a data key could not be had (KEK outage, destroyed version)
     store_failures: int = 0  # chunks a store could not write
+    stores_namespace_changed: int = 0  # stores refused whole: sealed for an epoch a clear ended
     integrity_failures_reported: int = 0  # reports from remote workers (server side)
     # a remote worker's client
     unavailable: int = 0  # fetches the server could not answer (unreachable, a tier, a key)

@@ -4,8 +4,8 @@ routes (``gateway.chunks.envelopes``, ``gateway.chunks.batches``) alike.
 
 ``session`` (or ``open`` for a verified capability) hands out a ``NamespaceChunks``: one request's
 chunks in one namespace, with the one prefix walk (``locate``), the one fetch that names why a
-chunk could not be had (``fetch``: ``miss``, ``tier_timeout``, ``tier_unavailable``), the one
-store path (``reserve``/``commit``/``abort``/``put``, ``roll_back``) and integrity handling.
+chunk could not be had (``fetch``: ``miss``, ``tier_timeout``, ``tier_unavailable``), the one store
+path (``reserve``/``commit``/``abort``/``put``, ``roll_back``, ``confirm``) and integrity handling.
 
 Every way a request fails before a tier has one answer in both modes: a capability refused or an
 unknown or disabled tenant is ``AccessDenied`` (counted as a denial); a KEK that cannot unwrap the
@@ -25,13 +25,14 @@ from typing import TYPE_CHECKING, Literal
 
 from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.errors import KekError, KeyUnavailable
-from gateway.errors import AccessDenied, TenantUnavailable
+from gateway.errors import AccessDenied, NamespaceChanged, TenantUnavailable
 from gateway.metrics import KeyPurpose, LoadReason, LookupReason, Metrics, TierReason
 from gateway.services.access import Access
 from gateway.services.namespaces import NamespaceResolver, keys_digest
 from storage.manager import TierManager
 from storage.memory import Reservation
 from storage.types import ChunkKey, ChunkNotFound, StoredChunk, TierError, failure_reason
+from tenancy.errors import DependencyUnavailable
 from tenancy.namespaces import NamespaceKeys
 from tenancy.sharing import SCOPE_NAMESPACE, is_scope_owner
 from tenancy.types import Capability
@@ -161,6 +162,10 @@ class ChunkStats:
         self.metrics.store_rollback_removed += removed
         self.metrics.store_rollback_left += left
 
+    def namespace_changed(self) -> None:
+        """A store refused whole: it was sealed for a namespace epoch a clear has ended."""
+        self.metrics.stores_namespace_changed += 1
+
     def integrity_failure(self) -> None:
         """An envelope that failed authentication where it was opened."""
         self.metrics.integrity_failures += 1
@@ -248,6 +253,21 @@ class ChunkService:
             self.counts.key_unavailable()
             raise KeysUnavailable("the key-encryption key cannot unwrap this namespace now") from exc
 
+    async def epoch_now(self, ns: NamespaceKeys) -> int:
+        """The epoch of ``ns``'s namespace as the registry holds it now (-1: the namespace is
+        gone). A clear bumps it there before it deletes a chunk, so a read after a chunk landed
+        sees any clear whose deletion could have missed it, in this process or another. Where the
+        registry cannot be read, this process's view answers (its cached keys, dropped by a clear
+        here or by its broadcast); where that cannot be had either, ``ns.epoch``."""
+        try:
+            rec = await self.resolver.registry.get_namespace(ns.tenant, ns.namespace)
+        except DependencyUnavailable:
+            try:
+                return (await self.resolver.keys(ns.tenant, ns.namespace)).epoch
+            except (DependencyUnavailable, TenantUnavailable, KekError, KeyUnavailable):
+                return ns.epoch
+        return rec.epoch if rec is not None else -1
+
     async def session(
         self, token: str, op: str, chained_hashes: Sequence[bytes], *, shared: bool = False,
     ) -> NamespaceChunks:
@@ -319,6 +339,8 @@ class NamespaceChunks:
         self.keys = keys
         self.shared = shared
         self._probe = probe if probe is not None else keys
+        self._written: list[ChunkKey] = []  # what ``commit`` and ``put`` stored, for ``confirm``
+        self._cancelled = False  # a reserved extent a clear cancelled before its commit
 
     @property
     def shared_count(self) -> int:
@@ -365,14 +387,34 @@ class NamespaceChunks:
     async def commit(self, slot: Reservation) -> list[str]:
         """Publish a reserved extent; the tier that took it (slower tiers are written behind it),
         none where a clear or close cancelled it."""
-        return [self.tiers.names[0]] if await self.tiers.commit(slot) else []
+        if not await self.tiers.commit(slot):
+            self._cancelled = True
+            return []
+        self._written.append(slot.key)
+        return [self.tiers.names[0]]
 
     def abort(self, slot: Reservation) -> None:
         self.tiers.abort(slot)
 
     async def put(self, i: int, envelope: memoryview) -> list[str]:
         """Store chunk ``i``'s envelope; the tiers that took it (TierError where none did)."""
+        self._written.append(self.keys[i])  # before: a write may land although the put fails
         return await self.tiers.put(self.keys[i], envelope)
+
+    async def confirm(self) -> None:
+        """Once a store's chunks are in: is the namespace still at the epoch this session's
+        storage keys are of (``ChunkService.epoch_now``)? If a clear bumped it meanwhile, its
+        deletion may have passed before these chunks landed, where nothing could ever load them
+        and a clear was acknowledged to have removed them: everything this session stored is
+        removed (counted as a rollback) and ``NamespaceChanged`` raised. No check where nothing
+        was stored, unless a clear cancelled a reserved extent (then the store is refused too)."""
+        written, self._written = self._written, []
+        cancelled, self._cancelled = self._cancelled, False
+        if not (written or cancelled) or await self.service.epoch_now(self.ns) == self.ns.epoch:
+            return
+        left = await self.tiers.delete_many(written)
+        self.counts.rolled_back(len(written) - len(left), len(left))
+        raise NamespaceChanged()
 
     async def roll_back(self, indices: Sequence[int]) -> int:
         """Remove these chunks from every tier, best effort; how many a tier that could not be

@@ -33,7 +33,7 @@ from gateway.datapath.path import DataPath
 from gateway.datapath.plan import TokensLike, chunks_of, request_slots
 from gateway.datapath.sealers import OnLayers, OpenJob, SealJob
 from gateway.datapath.stores import ChunkSession, ChunkStore, Fetched, FetchFailed, KeyRef, KeysUnavailable, Reserved
-from gateway.errors import AccessDenied, InvalidRequest
+from gateway.errors import AccessDenied, InvalidRequest, NamespaceChanged
 from gateway.logs import RateLimitedLogger
 from gateway.metrics import LoadReason, Metrics
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
@@ -44,6 +44,7 @@ __all__ = ["DataPlane"]
 
 log = logging.getLogger("kvgate.core")
 _degraded_log = RateLimitedLogger(log)  # an outage degrades every load: one line per interval
+_changed_log = RateLimitedLogger(log)  # a clear under load refuses many stores at once
 
 BlockIds = Sequence[int] | torch.Tensor | None
 
@@ -139,13 +140,21 @@ class DataPlane:
                 present = (await session.presence()).present
                 todo = [i for i in todo if not present[i]]
             try:
-                stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
-            except AccessDenied:
-                # revoked since the session opened (a clear): the keys it sealed with are gone
-                # too. One more try with a fresh capability and keys; a second refusal stands.
-                await session.aclose()
-                session = await store.session(token, "put", chunks)
-                stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
+                try:
+                    stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
+                except AccessDenied:
+                    # revoked since the session opened (a clear): the keys it sealed with are gone
+                    # too. One more try with a fresh capability and keys; a second refusal stands.
+                    await session.aclose()
+                    session = await store.session(token, "put", chunks)
+                    stored, stored_bytes = await self._seal_and_put(session, model, chunks, kv, slots, todo)
+            except NamespaceChanged:
+                # a clear ended the namespace epoch these envelopes were sealed for: none of them
+                # is kept, and no retry (the next store seals under the new epoch)
+                self.counts.namespace_changed()
+                self.counts.store_failed(len(todo))
+                _changed_log.warning("a store raced a clear of its namespace: nothing of it was kept")
+                stored = stored_bytes = 0
         finally:
             await session.aclose()
         self.counts.stored(stored, stored_bytes)

@@ -73,7 +73,8 @@ class ChunkSession(Protocol):
     async def put(self, i: int, envelope: memoryview) -> None: ...
     async def flush(self) -> None:
         """Every envelope handed to ``put`` is stored (a store that batches puts sends them now),
-        or this raises what stopped it."""
+        or this raises what stopped it: ``NamespaceChanged`` where a clear ended the namespace
+        epoch they were sealed for (then none of the store's envelopes is kept)."""
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
         """A slot of the fastest tier to seal chunk ``i`` straight into, or None (then ``put``)."""
     async def commit(self, reserved: Reserved) -> bool: ...
@@ -168,7 +169,9 @@ class _TierSession:
         await self.opened.put(i, envelope)
 
     async def flush(self) -> None:
-        return None  # every put is stored when it returns
+        """Every put was stored when it returned; a clear that ended the namespace's epoch
+        meanwhile takes them all back (``NamespaceChunks.confirm``: NamespaceChanged)."""
+        await self.opened.confirm()
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
         slot = self.opened.reserve(i, nbytes)
