@@ -1,15 +1,16 @@
 """The batched remote data plane: a prefix's envelopes in one request each way.
 
-``open_upload`` starts an upload batch once the capability was checked for every chunk named
-and every size against ``max_chunk_bytes``; each envelope is read into its own buffer, a
-reserved extent of the memory tier where it hands one out. ``UploadBatch.commit`` checks every
-envelope's header before it stores any, then stores them all; a client gone, a torn frame or a
-bad header leaves nothing in any tier, and a tier failing mid-batch refuses it whole (what it
-stored is removed; a copy on a tier that cannot be reached stays, counted as left).
-``fetch_prefix`` is the download side, the prefix walk folded in: each chunk is yielded as its
-tier hands it over, with its opening key (``gateway.chunks.envelopes.KeyIssue``), up to the first
-that is not stored (or whose key version is destroyed). Framing (``gateway.protocol.frames``) and
-HTTP stay in ``gateway.server.data``.
+``open_upload`` starts an upload batch once the capability was checked for every chunk named,
+every size against ``max_chunk_bytes`` and every storage key the items were sealed for against
+the namespace's now (``NamespaceChanged`` where a clear ended that epoch); each envelope is read
+into its own buffer, a reserved extent of the memory tier where it hands one out.
+``UploadBatch.commit`` checks every envelope's header, stores them all, then checks the epoch
+again (``NamespaceChunks.confirm``); a client gone, a torn frame, a bad header or a clear leaves
+nothing in any tier, and a tier failing mid-batch refuses it whole (a copy on a tier that cannot
+be reached stays, counted as left). ``fetch_prefix`` is the download side, the prefix walk folded
+in: each chunk is yielded as its tier hands it over, with its opening key
+(``gateway.chunks.envelopes.KeyIssue``), up to the first that is not stored (or whose key version
+is destroyed). Framing (``gateway.protocol.frames``) and HTTP stay in ``gateway.server.data``.
 Design notes: docs/architecture.md, section 5.
 """
 
@@ -26,7 +27,7 @@ from crypto.envelope import read_header
 from crypto.errors import DecryptionFailed
 from gateway.chunks.envelopes import EnvelopeKey, EnvelopePlane
 from gateway.chunks.service import ChunkStats, FetchFailed, NamespaceChunks
-from gateway.errors import BadFrame
+from gateway.errors import BadFrame, NamespaceChanged
 from gateway.logs import RateLimitedLogger
 from gateway.metrics import LoadReason
 from storage.memory import Reservation
@@ -89,6 +90,11 @@ class UploadBatch:
             raise
         finally:
             self._release()
+        try:
+            await opened.confirm()  # a clear that ended the epoch meanwhile: the batch is taken back
+        except NamespaceChanged:
+            opened.counts.namespace_changed()
+            raise
         for got, n in zip(written, self.sizes):
             if got:
                 opened.counts.stored(1, n)
@@ -106,13 +112,22 @@ class UploadBatch:
                 self._opened.abort(slot)
 
 
-async def open_upload(plane: EnvelopePlane, token: str, items: Sequence[tuple[bytes, int]]) -> UploadBatch:
+async def open_upload(
+    plane: EnvelopePlane, token: str, items: Sequence[tuple[bytes, int]], sealed_for: Sequence[str] | None = None,
+) -> UploadBatch:
     """An upload batch of ``(chained hash, envelope length)`` items, after the capability was
-    checked for op ``put`` on every hash (AccessDenied: nothing read, nothing reserved)."""
+    checked for op ``put`` on every hash (AccessDenied: nothing read, nothing reserved).
+    ``sealed_for``: the storage key (hex) each item names, the one issued with its sealing key;
+    where one is not the namespace's now, its envelope binds a storage key of an epoch a clear has
+    ended (it could only ever fail authentication): ``NamespaceChanged``, nothing reserved.
+    None (an older worker's frame): not checked."""
     opened = await plane.opened(token, "put", [h.hex() for h, _n in items])
     for _h, n in items:
         if n > plane.max_chunk_bytes:
             raise BadFrame("an envelope is larger than the configured limit")
+    if sealed_for is not None and any(k.digest != s for k, s in zip(opened.keys, sealed_for, strict=True)):
+        opened.counts.namespace_changed()
+        raise NamespaceChanged()
     return UploadBatch(opened, [n for _h, n in items])
 
 

@@ -2,17 +2,17 @@
 
 One request per prefix instead of one per chunk; every frame is short and length-prefixed
 (integers little endian, hashes raw 32-byte chained sha256), and a reader refuses an unknown magic.
-Upload (``PUT /v1/chunks``): magic ``b"KVB1"``, count u32, an index of (hash, length u64) for
-every item, then the envelopes in index order. The whole index comes first, so the server checks
-the frame and the capability for every hash before reading an envelope; nothing is stored until
-the whole frame is in and every envelope's header checked (a torn or malformed batch stores nothing).
+Upload (``PUT /v1/chunks``): magic ``b"KVB2"``, count u32, an index of (hash, storage key 32, length
+u64) per item, then the envelopes in index order; the storage key is the one issued with the item's
+sealing key (a stale one: the batch is refused whole). ``b"KVB1"`` (older workers): items without it.
+The index comes first, so the server checks it and the capability before reading an envelope;
+nothing is stored until the whole frame is in and every header checked.
 Download (``POST /v1/chunks/fetch``): magic ``b"KVK1"``, the chunk size and the capability's scope,
 then items (hash, status u8, the envelope's key, length u64, envelope) in the order asked, streamed.
-Status 0 is an envelope; the first chunk not served ends the response with status 1 (missing),
-2 (tier failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed). A response
-that stops early without such an item was cut: the rest is a miss. Status 4: a header that does not
-parse, sent without a key; 5 (``IN_REGION``): the envelope is in the worker's shared-memory window.
-Design notes (full layouts): docs/architecture.md, section 5.
+Status 0 is an envelope; the first chunk not served ends it with status 1 (missing), 2 (tier
+failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed); a response that stops
+early without one was cut. 4: a header that does not parse, sent without a key; 5 (``IN_REGION``):
+in the worker's shared-memory window. Design notes (full layouts): docs/architecture.md, section 5.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ __all__ = [
     "KEY_UNAVAILABLE",
     "KeyedItem",
     "MAGIC",
+    "SEALED_INDEX_ITEM",
+    "SEALED_MAGIC",
     "OK",
     "MISSING",
     "TIMEOUT",
@@ -41,24 +43,28 @@ __all__ = [
     "UNKEYED",
     "encode_head",
     "encode_index",
+    "encode_sealed_index",
     "keyed_head",
     "keyed_item_head",
     "decode_name",
-    "parse_head",
     "parse_index",
+    "parse_sealed_index",
+    "parse_upload_head",
     "parse_keyed_head",
     "parse_keyed_item_head",
     "read_keyed_head",
 ]
 
 MAGIC = b"KVB1"
+SEALED_MAGIC = b"KVB2"
 KEYED_MAGIC = b"KVK1"
 OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
 _HEAD = struct.Struct("<4sI")
 _INDEX = struct.Struct("<32sQ")
+_SEALED_INDEX = struct.Struct("<32s32sQ")
 _KEYED_HEAD = struct.Struct("<4sIHH")
 _KEYED_ITEM = struct.Struct("<32sBI32s32s32sQ")
-HEAD, INDEX_ITEM = _HEAD.size, _INDEX.size  # 8, 40 bytes
+HEAD, INDEX_ITEM, SEALED_INDEX_ITEM = _HEAD.size, _INDEX.size, _SEALED_INDEX.size  # 8, 40, 72 bytes
 KEYED_ITEM_HEAD = _KEYED_ITEM.size  # 141 bytes
 KEYED_HEAD = _KEYED_HEAD.size  # 12 bytes, then the two names
 _KEY_BYTES = 32
@@ -66,28 +72,35 @@ _NO_KEY = bytes(_KEY_BYTES)
 _MAX_NAME = 1024  # a tenant or namespace name longer than this is a broken frame
 
 
-def encode_head(count: int) -> bytes:
-    return _HEAD.pack(MAGIC, count)
+def encode_head(count: int, magic: bytes = MAGIC) -> bytes:
+    return _HEAD.pack(magic, count)
+
+
+def encode_sealed_index(items: Sequence[tuple[bytes, bytes, int]]) -> bytes:
+    """The head and index of an upload frame: ``(chained hash, storage key, envelope length)``
+    per item, the storage key as the 32 raw bytes the server issued it as (hex) with the item's
+    sealing key."""
+    return encode_head(len(items), SEALED_MAGIC) + b"".join(_SEALED_INDEX.pack(h, k, n) for h, k, n in items)
 
 
 def encode_index(items: Sequence[tuple[bytes, int]]) -> bytes:
-    """The head and index of an upload frame: ``(chained hash, envelope length)`` per item."""
+    """The head and index of an older worker's upload frame (``b"KVB1"``, no storage keys):
+    ``(chained hash, envelope length)`` per item."""
     return encode_head(len(items)) + b"".join(_INDEX.pack(h, n) for h, n in items)
 
 
-def parse_head(data: bytes | memoryview, max_items: int) -> int:
-    """The item count of a frame's head; BadFrame for another magic or a count out of range."""
+def parse_upload_head(data: bytes | memoryview, max_items: int) -> tuple[int, bool]:
+    """``(item count, sealed)`` of an upload frame's head (``sealed``: ``b"KVB2"``, whose items
+    name their storage keys); BadFrame for another magic or a count out of range."""
     magic, count = _HEAD.unpack(data)
-    if magic != MAGIC:
-        raise BadFrame("not a kvgate batch frame (magic KVB1)")
+    if magic != SEALED_MAGIC and magic != MAGIC:
+        raise BadFrame("not a kvgate batch frame (magic KVB2, or KVB1)")
     if not 1 <= count <= max_items:
         raise BadFrame(f"a batch holds 1 to {max_items} items, not {count}")
-    return int(count)
+    return int(count), magic == SEALED_MAGIC
 
 
-def parse_index(data: bytes | memoryview, count: int, max_item_bytes: int) -> list[tuple[bytes, int]]:
-    """An upload's index; BadFrame for an empty or oversized item or a hash named twice."""
-    items = [(bytes(h), int(n)) for h, n in _INDEX.iter_unpack(data)]
+def _checked(items: list[tuple[bytes, int]], count: int, max_item_bytes: int) -> list[tuple[bytes, int]]:
     if len(items) != count:
         raise BadFrame("the index is shorter than its count")
     for _h, n in items:
@@ -96,6 +109,21 @@ def parse_index(data: bytes | memoryview, count: int, max_item_bytes: int) -> li
     if len({h for h, _n in items}) != count:
         raise BadFrame("a hash is named twice in one batch")
     return items
+
+
+def parse_index(data: bytes | memoryview, count: int, max_item_bytes: int) -> list[tuple[bytes, int]]:
+    """A ``b"KVB1"`` upload's index; BadFrame for an empty or oversized item or a hash named twice."""
+    return _checked([(bytes(h), int(n)) for h, n in _INDEX.iter_unpack(data)], count, max_item_bytes)
+
+
+def parse_sealed_index(
+    data: bytes | memoryview, count: int, max_item_bytes: int,
+) -> tuple[list[tuple[bytes, int]], list[str]]:
+    """A ``b"KVB2"`` upload's index: its ``(chained hash, length)`` items and the storage key
+    each names (hex, as the server issued it); BadFrame as ``parse_index``."""
+    rows = list(_SEALED_INDEX.iter_unpack(data))
+    items = _checked([(bytes(h), int(n)) for h, _k, n in rows], count, max_item_bytes)
+    return items, [bytes(k).hex() for _h, k, _n in rows]
 
 
 def keyed_head(chunk_tokens: int, tenant: str, namespace: str) -> bytes:

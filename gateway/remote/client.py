@@ -10,7 +10,8 @@ whose envelopes each arrive after the key that opens them, or, through the Unix 
 ``shm_bytes``, in a shared-memory region. The worker never holds the tenant's data key. A chunk
 that fails authentication ends the loaded prefix (a miss, never handed to the engine) and is
 reported to the server, which audits it and drops that copy. A 403 drops the cached capability
-and retries once with a fresh one.
+and retries once with a fresh one; an upload refused because a clear ended the epoch it was sealed
+for (409 ``namespace-changed``) is a store that did not happen.
 Design notes: docs/architecture.md, section 5.
 """
 
@@ -404,7 +405,7 @@ class _HttpSession:
             raise RemoteUnavailable("envelope keys: the answer does not match the request")
         self._scope = (got["tenant"], got["namespace"])
         for i, item in zip(indices, items, strict=True):
-            self._storage_keys[i] = item["storage_key"]
+            self._storage_keys[i] = _storage_key(item)
         return items
 
     async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
@@ -609,7 +610,9 @@ class _HttpSession:
 
     async def flush(self) -> None:
         """Send what is kept and wait for every batch; raises what one met (AccessDenied: the
-        keys it was sealed under were revoked, so the plane seals again with fresh ones)."""
+        keys it was sealed under were revoked, so the plane seals again with fresh ones;
+        NamespaceChanged: a clear ended the epoch they were sealed for, and the plane drops the
+        store)."""
         if self._pending:
             await self._send_pending()
         if self._sending is not None:
@@ -630,15 +633,19 @@ class _HttpSession:
         self._sending = asyncio.ensure_future(self._upload(items))
 
     async def _upload(self, items: list[tuple[int, memoryview]]) -> None:
-        """One ``PUT /v1/chunks`` frame: the index, then each envelope sent from its own buffer."""
+        """One ``PUT /v1/chunks`` frame: the index, each item naming the storage key its sealing
+        key came with (so the server refuses a batch sealed before a clear: ``NamespaceChanged``),
+        then each envelope sent from its own buffer."""
         views = [env.cast("B") if env.format != "B" or env.ndim != 1 else env for _i, env in items]
-        index = frames.encode_index([(self.chunks[i].chained_hash, v.nbytes) for (i, _e), v in zip(items, views)])
+        index = frames.encode_sealed_index([
+            (self.chunks[i].chained_hash, bytes.fromhex(self._storage_keys[i]), v.nbytes) for (i, _e), v in zip(items, views)
+        ])
         try:
             await self.client._wire_call("PUT", "/v1/chunks", _put, [index, *views], retry=False)
         except AccessDenied as exc:
             self.client._forget()  # revoked (a clear): the keys it was sealed under are gone too
             self._error = exc
-        except GatewayError as exc:
+        except GatewayError as exc:  # NamespaceChanged among them: raised to the plane once, from flush or put
             self._error = exc
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
@@ -712,6 +719,15 @@ def _shared_part(value: str | None, n: int) -> tuple[int, str, str] | None:
     if len(parts) != 3 or not parts[0].isdigit() or not 0 < int(parts[0]) <= n or not all(parts[1:]):
         raise BadFrame("a malformed X-KV-Shared header")
     return int(parts[0]), parts[1], parts[2]
+
+
+def _storage_key(item: dict[str, Any]) -> str:
+    """The storage key (64 lowercase hex characters) issued with a sealing key; a malformed one
+    is the server's failure."""
+    key = item.get("storage_key")
+    if not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise RemoteUnavailable("envelope keys: a malformed storage key")
+    return key
 
 
 def _issued(item: dict[str, Any]) -> IssuedKey:

@@ -7,7 +7,7 @@ Every call of ``gateway.remote.client`` (over httpx or the data plane's own clie
 
 from __future__ import annotations
 
-from gateway.errors import AccessDenied, GatewayError, InvalidRequest
+from gateway.errors import AccessDenied, GatewayError, InvalidRequest, NamespaceChanged
 from gateway.remote.wire import RemoteUnavailable
 
 __all__ = ["STATUS_ERRORS", "check", "error_for"]
@@ -16,6 +16,7 @@ STATUS_ERRORS: dict[int, type[GatewayError]] = {
     400: InvalidRequest,  # a body the server refused (a bad frame)
     401: AccessDenied,  # the bearer token
     403: AccessDenied,  # the capability (revoked by a clear, its key budget spent) or the roles
+    409: NamespaceChanged,  # (the only 409 of a worker's calls) an upload sealed for an epoch a clear ended
     413: InvalidRequest,  # a body over the route's limit
     422: InvalidRequest,  # a field the server refused
 }

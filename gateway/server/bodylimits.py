@@ -40,7 +40,7 @@ class BodySize(enum.Enum):
         if self is BodySize.JSON:
             return settings.max_json_body_bytes
         if self is BodySize.BATCH:
-            return max(settings.max_batch_bytes, settings.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
+            return max(settings.max_batch_bytes, settings.max_chunk_bytes + frames.HEAD + frames.SEALED_INDEX_ITEM)
         return _FIXED[self]
 
 

@@ -53,8 +53,9 @@ _BATCH_SCHEMA = {"schema": {"type": "string", "format": "binary"}}
 _BATCH_BODY = {
     "requestBody": {
         "required": True,
-        "description": "integers little endian: b'KVB1', count u32, count x (chained hash 32 bytes, "
-        "envelope length u64), then the envelopes concatenated in that order (gateway.protocol.frames)",
+        "description": "integers little endian: b'KVB2', count u32, count x (chained hash 32 bytes, storage key "
+        "32 bytes as issued with the item's sealing key, envelope length u64), then the envelopes concatenated in "
+        "that order (gateway.protocol.frames); b'KVB1' (older workers): items without the storage key",
         "content": {_BATCH_MEDIA: _BATCH_SCHEMA},
     }
 }
@@ -265,7 +266,7 @@ def _content_length(request: Request, limit: int) -> int:
 
 @router.put(
     "/chunks", status_code=204, openapi_extra=_BATCH_BODY,
-    responses=problem_responses(400),
+    responses=problem_responses(400, 409),
 )
 @takes(BodySize.BATCH)
 async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Response:
@@ -275,22 +276,29 @@ async def put_chunks(scope: PutScope, state: StateDep, request: Request) -> Resp
     next (count, sizes, the total against ``Content-Length``, the capability for every hash); then each envelope is read straight into the buffer that
     keeps it (by the kernel, where the server's protocol offers ``gateway.server.rawbody``);
     only a whole frame whose envelopes all have a valid header is stored. A bad frame
-    is a 400 and a torn body (a client gone mid-upload) stores nothing."""
+    is a 400 and a torn body (a client gone mid-upload) stores nothing. A batch sealed for a
+    namespace epoch a clear has ended (an item's storage key is not the namespace's now, or a
+    clear passed while it was stored) is a 409 ``namespace-changed``, nothing stored."""
     cap = _cap(scope)
     _verify_before_body(state, cap, "put")
     s = state.settings
-    size = _content_length(request, max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM))
+    size = _content_length(request, max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.SEALED_INDEX_ITEM))
     raw = request.scope.get("extensions", {}).get(rawbody.EXTENSION)  # envelopes straight from the socket
     body = frames.Reader(request.stream(), direct=raw.readinto if isinstance(raw, rawbody.RawBody) else None)
     if size < frames.HEAD:
         raise BadFrame("the body is shorter than a frame head")
-    count = frames.parse_head(await body.read(frames.HEAD), s.max_batch_items)
-    if size < frames.HEAD + count * frames.INDEX_ITEM:
+    count, sealed = frames.parse_upload_head(await body.read(frames.HEAD), s.max_batch_items)
+    index = count * (frames.SEALED_INDEX_ITEM if sealed else frames.INDEX_ITEM)
+    if size < frames.HEAD + index:
         raise BadFrame("the body is shorter than the frame's index")
-    items = frames.parse_index(await body.read(count * frames.INDEX_ITEM), count, s.max_chunk_bytes)
-    if frames.HEAD + count * frames.INDEX_ITEM + sum(n for _h, n in items) != size:
+    sealed_for: list[str] | None = None
+    if sealed:
+        items, sealed_for = frames.parse_sealed_index(await body.read(index), count, s.max_chunk_bytes)
+    else:
+        items = frames.parse_index(await body.read(index), count, s.max_chunk_bytes)
+    if frames.HEAD + index + sum(n for _h, n in items) != size:
         raise BadFrame("Content-Length does not match the frame's index")
-    batch = await batches.open_upload(state.plane, cap, items)
+    batch = await batches.open_upload(state.plane, cap, items, sealed_for)
     try:
         for view in batch.views:
             await body.into(view)

@@ -38,6 +38,7 @@ from gateway.errors import (
     InvalidRequest,
     JsonTooDeep,
     KeyBudgetSpent,
+    NamespaceChanged,
     NotReady,
     RateLimited,
     TenantExists,
@@ -186,6 +187,12 @@ PROBLEMS: dict[type[Exception], Entry] = {
     RequestValidationError: ProblemType(422, "Unprocessable Content", "the request does not match the schema"),
     Conflict: _CONFLICT,
     TenantExists: _CONFLICT,
+    # an upload sealed for a namespace epoch a clear has ended: nothing stored; the worker seals
+    # its next store under the new epoch (docs/server.md, "Stores that race a clear")
+    NamespaceChanged: ProblemType(
+        409, "Conflict", "the namespace was cleared since these envelopes were sealed; nothing was stored",
+        type="urn:kvgate:problem:namespace-changed",
+    ),
     TooLarge: ProblemType(413, "Content Too Large", "the body is larger than the configured limit"),
     RateLimited: ProblemType(429, "Too Many Requests", "too many failed authentications", {"Retry-After": "10"}),
     NotReady: ProblemType(503, "Service Unavailable", "not ready"),

@@ -11,26 +11,36 @@ from gateway.errors import BadFrame, InvalidRequest
 from gateway.protocol import frames
 
 H1, H2 = b"\x01" * 32, b"\x02" * 32
+K1, K2 = b"\x0a" * 32, b"\x0b" * 32  # the storage keys the server issued with the sealing keys
 
 
 def test_index_round_trip():
+    raw = frames.encode_sealed_index([(H1, K1, 10), (H2, K2, 20)])
+    assert len(raw) == frames.HEAD + 2 * frames.SEALED_INDEX_ITEM
+    assert frames.parse_upload_head(raw[: frames.HEAD], max_items=2) == (2, True)
+    items, keys = frames.parse_sealed_index(raw[frames.HEAD :], 2, max_item_bytes=20)
+    assert items == [(H1, 10), (H2, 20)] and keys == [K1.hex(), K2.hex()]
+
+
+def test_an_older_workers_index_without_storage_keys_still_parses():
     raw = frames.encode_index([(H1, 10), (H2, 20)])
     assert len(raw) == frames.HEAD + 2 * frames.INDEX_ITEM
-    count = frames.parse_head(raw[: frames.HEAD], max_items=2)
-    assert frames.parse_index(raw[frames.HEAD :], count, max_item_bytes=20) == [(H1, 10), (H2, 20)]
+    assert frames.parse_upload_head(raw[: frames.HEAD], max_items=2) == (2, False)
+    assert frames.parse_index(raw[frames.HEAD :], 2, max_item_bytes=20) == [(H1, 10), (H2, 20)]
 
 
 @pytest.mark.parametrize(
     ("head", "why"),
     [
-        (struct.pack("<4sI", b"KVB2", 1), "magic"),
+        (struct.pack("<4sI", b"KVB3", 1), "magic"),
+        (struct.pack("<4sI", b"KVK1", 1), "magic"),
         (struct.pack("<4sI", b"KVB1", 0), "1 to 4"),
-        (struct.pack("<4sI", b"KVB1", 5), "1 to 4"),
+        (struct.pack("<4sI", b"KVB2", 5), "1 to 4"),
     ],
 )
 def test_bad_heads(head: bytes, why: str):
     with pytest.raises(BadFrame, match=why):
-        frames.parse_head(head, max_items=4)
+        frames.parse_upload_head(head, max_items=4)
 
 
 @pytest.mark.parametrize(
@@ -45,6 +55,9 @@ def test_bad_indexes(items: list[tuple[bytes, int]], why: str):
     raw = frames.encode_index(items)[frames.HEAD :]
     with pytest.raises(BadFrame, match=why):
         frames.parse_index(raw, len(items), max_item_bytes=100)
+    sealed = frames.encode_sealed_index([(h, K1, n) for h, n in items])[frames.HEAD :]
+    with pytest.raises(BadFrame, match=why):
+        frames.parse_sealed_index(sealed, len(items), max_item_bytes=100)
     assert issubclass(BadFrame, InvalidRequest)  # a typed 4xx (400), never a 500
 
 

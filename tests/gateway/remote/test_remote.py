@@ -763,6 +763,7 @@ async def test_a_store_cancelled_mid_upload_stores_nothing_and_frees_the_connect
             session = await rp.session("", "put", prompt)
             env = memoryview(bytearray(32 << 20))  # far larger than the socket buffers: the send blocks at the proxy
             session._pending = [(0, env)]
+            session._storage_keys[0] = "0" * 64  # the storage key a sealing key comes with
             await session._send_pending()  # the batch goes on the wire in the background, as put sends it
             sent = session._sending
             assert sent is not None

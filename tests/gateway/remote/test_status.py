@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.errors import AccessDenied, GatewayError, InvalidRequest
+from gateway.errors import AccessDenied, GatewayError, InvalidRequest, NamespaceChanged
 from gateway.remote.status import STATUS_ERRORS, check, error_for
 from gateway.remote.wire import RemoteUnavailable
 
 EXPECTED: dict[int, type[GatewayError] | None] = {
     200: None, 201: None, 204: None,
     400: InvalidRequest, 401: AccessDenied, 403: AccessDenied, 413: InvalidRequest, 422: InvalidRequest,
-    404: RemoteUnavailable, 409: RemoteUnavailable, 429: RemoteUnavailable,
+    409: NamespaceChanged,
+    404: RemoteUnavailable, 429: RemoteUnavailable,
     500: RemoteUnavailable, 502: RemoteUnavailable, 503: RemoteUnavailable, 504: RemoteUnavailable,
     301: RemoteUnavailable, 100: RemoteUnavailable,
 }
@@ -34,7 +35,7 @@ def test_each_status_is_its_rows_error(status: int) -> None:
 
 
 def test_the_table_lists_only_the_callers_faults() -> None:
-    assert set(STATUS_ERRORS) == {400, 401, 403, 413, 422}
+    assert set(STATUS_ERRORS) == {400, 401, 403, 409, 413, 422}
     assert all(400 <= s < 500 for s in STATUS_ERRORS)
 
 

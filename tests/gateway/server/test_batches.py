@@ -112,7 +112,7 @@ async def test_size_limits(live_server: LiveServer):
         many = frames.encode_head(s.max_batch_items + 1)
         assert_problem(await put_batch(http, hdr, many), 400)
         # a body over the batch limit: 413 from its Content-Length alone
-        limit = max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.INDEX_ITEM)
+        limit = max(s.max_batch_bytes, s.max_chunk_bytes + frames.HEAD + frames.SEALED_INDEX_ITEM)
         u = urlsplit(live.base_url)
         assert u.hostname is not None and u.port is not None
         rd, w = await asyncio.open_connection(u.hostname, u.port)

@@ -32,7 +32,7 @@ def test_the_servers_routes_take_what_they_declare() -> None:
 
 def test_a_batch_always_takes_one_whole_chunk() -> None:
     s = Settings(max_batch_bytes=1 << 20, max_chunk_bytes=64 << 20)
-    assert _limits(s).of("PUT", "/v1/chunks") == (64 << 20) + frames.HEAD + frames.INDEX_ITEM
+    assert _limits(s).of("PUT", "/v1/chunks") == (64 << 20) + frames.HEAD + frames.SEALED_INDEX_ITEM
 
 
 def test_a_declaration_on_a_new_route_is_its_limit() -> None:
