@@ -125,28 +125,15 @@ def readable_after_clear(recs: list[dict[str, Any]], scopes: dict[int, tuple[str
                 broken=broken[:10], broken_count=len(broken), seen_by_workers=in_run[:10])
 
 
-def integrity(recs: list[dict[str, Any]], scopes: dict[int, tuple[str, str]]) -> dict[str, Any]:
-    """Loads whose envelope failed authentication. One is explained where a store of that prompt
-    ran while a clear of its scope was under way (the store's keys were issued for the epoch
-    before the clear and its upload landed after it: docs/operations.md, Soak); any other is
-    broken, since nothing in the soak tampers with a tier."""
-    stores: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
-    clears: dict[str, list[tuple[float, float, str | None]]] = defaultdict(list)
-    for r in recs:
-        if r.get("op") == "store" and "prompt" in r and "t1" in r:
-            stores[(r["prompt"][0], r["prompt"][1])].append((r["t0"], r["t1"]))
-        ack = r.get("ack") if r.get("ok") else None
-        if ack and ack["action"] == "clear":
-            clears[ack["tenant"]].append((r["t0"], r["t1"], ack["namespace"] if ack["scope"] == "namespace" else None))
-    explained, unexplained = [], []
-    for v in _violations(recs, "integrity_failure"):
-        owner, idx = v["prompt"]
-        tenant, namespace = scopes[owner]
-        raced = [(s, c) for s in stores[(owner, idx)] if s[0] < v["t"] for c in clears[tenant]
-                 if (c[2] is None or c[2] == namespace) and s[0] < c[1] and s[1] > c[0]]
-        (explained if raced else unexplained).append({**v, "store_and_clear": raced[-1] if raced else None})
-    return _inv(not unexplained, unexplained=unexplained[:10], explained_count=len(explained),
-                explained=explained[:5])
+def integrity(recs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Loads whose envelope failed authentication: none may, since nothing in the soak tampers
+    with a tier. A store that races a clear of its scope is refused whole by the server
+    (``namespace-changed``: docs/server.md), so it stores nothing a load could fail on. Held only
+    where loads found chunks to authenticate."""
+    failures = _violations(recs, "integrity_failure")
+    checked = sum(1 for r in recs if r.get("op") in ("load", "peer") and r.get("ok") and r.get("loaded"))
+    return _inv(not failures and checked > 0, loads_with_hits_checked=checked, failure_count=len(failures),
+                failures=failures[:10])
 
 
 def audit_complete(recs: list[dict[str, Any]], rows: list[dict[str, Any]], kills: list[float]) -> dict[str, Any]:
@@ -279,7 +266,7 @@ def evaluate(recs: list[dict[str, Any]], faults: list[dict[str, Any]], scopes: d
         "nothing_readable_after_clear": readable_after_clear(recs, scopes),
         "capabilities_revoked": _inv(not _violations(recs, "capability_not_revoked") and revocations > 0,
                                      checks=revocations, violations=_violations(recs, "capability_not_revoked")[:10]),
-        "no_unexplained_integrity_failures": integrity(recs, scopes),
+        "no_integrity_failures": integrity(recs),
         "audit_acknowledged_actions_logged": audit["complete"],
         "audit_chain_verifies_and_extends_checkpoints": audit["verified"],
         "rss_no_upward_trend": rss_trend(rss, limits.rss_warmup_s, limits.rss_slope_mib_per_min),

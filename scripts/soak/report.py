@@ -14,7 +14,7 @@ _KEY_EVIDENCE = {
     "no_cross_namespace_read": ("probes",),
     "nothing_readable_after_clear": ("must_miss_reads_checked", "broken_count"),
     "capabilities_revoked": ("checks",),
-    "no_unexplained_integrity_failures": ("explained_count",),
+    "no_integrity_failures": ("loads_with_hits_checked", "failure_count"),
     "audit_acknowledged_actions_logged": ("acknowledged", "missing_count", "batched_lost_near_sigkill", "rows"),
     "audit_chain_verifies_and_extends_checkpoints": ("rows", "checkpoints", "output"),
     "rss_no_upward_trend": ("slope_mib_per_min", "limit_mib_per_min", "samples", "why"),
@@ -36,7 +36,7 @@ def _brief(name: str, inv: dict[str, Any]) -> str:
             parts.append(f"{k}: {v}")
     if name == "recovered_after_every_fault":
         parts.append(f"{sum(f['recovery_all_s'] is not None for f in inv['faults'])}/{len(inv['faults'])} faults")
-    for k in ("violations", "broken", "missing", "crashes", "unexplained"):
+    for k in ("violations", "broken", "missing", "crashes", "failures"):
         if inv.get(k):
             parts.append(f"{k}: {json.dumps(inv[k][:2])[:300]}")
     return "; ".join(str(p) for p in parts).replace("|", "/")
