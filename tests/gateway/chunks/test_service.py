@@ -60,10 +60,6 @@ async def world(tmp_path: Path) -> AsyncIterator[World]:
             await m.aclose()
 
 
-def _count(w: World, name: str) -> int:
-    return w.rt.metrics[name]
-
-
 def _memory() -> MemoryTier:
     return MemoryTier(8 << 20)
 
