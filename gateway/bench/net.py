@@ -171,6 +171,13 @@ async def redis_ceilings(url: str, size: int, count: int, reps: int) -> tuple[fl
     return best_set, best_get
 
 
+async def _storage_keys(http: Any, capability: dict[str, str], hashes: list[str]) -> list[bytes]:
+    """The storage key of each hash, as a sealing key brings it (an upload names it: ``KVB2``)."""
+    r = await http.post("/v1/keys/envelopes", json={"purpose": "seal", "hashes": hashes}, headers=capability)
+    r.raise_for_status()
+    return [bytes.fromhex(k["storage_key"]) for k in r.json()["keys"]]
+
+
 def _envelope(size: int) -> bytes:
     """A well-formed envelope of about ``size`` bytes (the server checks only the header)."""
     ctx = EnvelopeContext("bench", "default", "ab" * 32, "cd" * 32, 1)
@@ -250,6 +257,7 @@ async def rest_figures(
             for size in sizes:
                 body = _envelope(size)
                 hashes = [secrets.token_hex(32) for _ in range(counts[size])]
+                sealed = await _storage_keys(http, capability, hashes)
 
                 async def timed(fn: Callable[[], Awaitable[object]], name: str) -> float:
                     """GB/s (median of ``reps``); CPU seconds per GB of client and server go to
@@ -270,7 +278,7 @@ async def rest_figures(
 
                 def put_frame(ex: wire.Exchange, headers: list[tuple[str, str]]) -> None:
                     """As ``gateway.remote.client`` uploads: the index, then each envelope from its buffer."""
-                    index = frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
+                    index = frames.encode_sealed_index([(bytes.fromhex(h), k, len(body)) for h, k in zip(hashes, sealed)])
                     try:
                         ex.start("PUT", "/v1/chunks", headers, [index, *[body] * len(hashes)])
                         assert ex.status == 204, (ex.status, ex.read_rest())
@@ -316,7 +324,7 @@ async def rest_figures(
 
                 async def put_httpx() -> None:
                     """The upload frame through httpx: the index, then each envelope from its buffer."""
-                    index = frames.encode_index([(bytes.fromhex(h), len(body)) for h in hashes])
+                    index = frames.encode_sealed_index([(bytes.fromhex(h), k, len(body)) for h, k in zip(hashes, sealed)])
 
                     async def parts() -> Any:
                         yield index
@@ -358,7 +366,8 @@ async def rest_figures(
             # lookup latency: a 32K-token prefix is 128 chunks of 256 tokens, all present
             small = _envelope(4096)
             hashes = [secrets.token_hex(32) for _ in range(128)]
-            index = frames.encode_index([(bytes.fromhex(h), len(small)) for h in hashes])
+            sealed = await _storage_keys(http, capability, hashes)
+            index = frames.encode_sealed_index([(bytes.fromhex(h), k, len(small)) for h, k in zip(hashes, sealed)])
             (await http.put("/v1/chunks", content=index + small * len(hashes), headers=hdr)).raise_for_status()
             body = json.dumps({"hashes": hashes, "chunk_tokens": 256}).encode()
             lookup_headers = _wire_headers(capability, "application/json")
