@@ -1,6 +1,5 @@
-"""Errors of the audit package. Library errors (SQLAlchemy, asyncpg, sqlite3, OSError,
-cryptography) are translated into these at the package boundary.
-
+"""Errors of the audit package; library errors (SQLAlchemy, asyncpg, sqlite3, OSError, cryptography)
+are translated into these at the package boundary::
     AuditError
      ├── InvalidAuditEvent          (also ValueError) emit() got an event it cannot record
      ├── AuditWriterClosed          emit()/start() on a writer that was closed

@@ -1,5 +1,4 @@
-"""Errors of the gateway and the HTTP status the server answers (design notes: docs/architecture.md, section 5)::
-    GatewayError                  lower packages' errors are translated into these at the boundary
+"""GatewayError, into which lower packages' errors are translated, and the status the server answers::
      +-- AccessDenied        403  no valid capability for this tenant, namespace, operation or chunk
      |    +-- KeyBudgetSpent 403  the capability has had all the envelope keys it may have (mint a new one)
      +-- InvalidRequest      422  bad input: tokens, KV tensors, block ids, names (also ValueError)

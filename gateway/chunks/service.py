@@ -7,10 +7,10 @@ chunks in one namespace, with the one prefix walk (``locate``), the one fetch th
 chunk could not be had (``fetch``: ``miss``, ``tier_timeout``, ``tier_unavailable``), the one store
 path (``reserve``/``commit``/``abort``/``put``, ``roll_back``, ``confirm``) and integrity handling.
 
-Every way a request fails before a tier has one answer in both modes: a capability refused or an
-unknown or disabled tenant is ``AccessDenied`` (counted as a denial); a KEK that cannot unwrap the
-namespace now is ``KeysUnavailable`` (a miss in process, a 503 from the server); a database that
-does not answer is ``DependencyUnavailable``. ``integrity_failure``: an ``integrity.failure``
+Failures before a tier have one answer in both modes: a capability refused or an unknown or
+disabled tenant is ``AccessDenied`` (counted); a KEK that cannot unwrap the namespace now is
+``KeysUnavailable`` (a miss in process, a 503 from the server); a database down is
+``DependencyUnavailable``. ``integrity_failure``: an ``integrity.failure``
 audit event and the bad copy dropped, under the loading capability (op ``get``); with the
 envelope's digest, never a good copy stored since. ``ChunkStats`` names every counter.
 """

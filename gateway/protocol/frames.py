@@ -1,7 +1,7 @@
 """The batched data plane's framing: several envelopes in one body, and back.
 
-One request per prefix instead of one per chunk; every frame is short and length-prefixed
-(integers little endian, hashes raw 32-byte chained sha256), and a reader refuses an unknown magic.
+One request per prefix; frames are length-prefixed (integers little endian, hashes raw 32-byte
+chained sha256), and a reader refuses an unknown magic.
 Upload (``PUT /v1/chunks``): magic ``b"KVB2"``, count u32, an index of (hash, storage key 32, length
 u64) per item, then the envelopes in index order; the storage key is the one issued with the item's
 sealing key (a stale one: the batch is refused whole). ``b"KVB1"`` (older workers): items without it.
@@ -10,9 +10,9 @@ nothing is stored until the whole frame is in and every header checked.
 Download (``POST /v1/chunks/fetch``): magic ``b"KVK1"``, the chunk size and the capability's scope,
 then items (hash, status u8, the envelope's key, length u64, envelope) in the order asked, streamed.
 Status 0 is an envelope; the first chunk not served ends it with status 1 (missing), 2 (tier
-failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed); a response that stops
-early without one was cut. 4: a header that does not parse, sent without a key; 5 (``IN_REGION``):
-in the worker's shared-memory window. Design notes (full layouts): docs/architecture.md, section 5.
+failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed); 4: a header that
+does not parse, sent without a key; 5: in the worker's shared-memory window. A response that stops
+early without an end was cut. Full layouts: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""The gateway core: the one door for chunk traffic (docs/architecture.md, section 3).
-
-Every data operation takes a capability token and verifies it first (lookup, get, put, pin), then
-works only inside the capability's tenant and namespace:
+"""The gateway core: the one door for chunk traffic (docs/architecture.md, section 3). Every data
+operation (lookup, get, put, pin) verifies its capability token first, then works only inside the
+capability's tenant and namespace:
 
     tokens --chain_hashes--> h_i --HMAC(namespace index key)--> storage key
     paged KV --pack--> staging --seal (AES-256-GCM envelope, AAD binds identity)--> tiers
