@@ -54,7 +54,8 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         yield e
-        e = e.__cause__ or e.__context__
+        # ``raise ... from None`` hides the context, as Python's own traceback does
+        e = e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__
 
 
 def _one(exc: BaseException) -> str | None:

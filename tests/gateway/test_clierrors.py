@@ -49,6 +49,13 @@ def test_audit_export_into_a_missing_directory(tmp_path):
     assert "no such file or directory" in line
 
 
+def test_a_tenant_created_twice_is_named_as_such_not_as_a_database_failure(tmp_path):
+    assert run(tmp_path, "migrate").returncode == 0
+    assert run(tmp_path, "tenants", "create", "acme").returncode == 0  # positive control
+    line = one_line_error(run(tmp_path, "tenants", "create", "acme"), "tenant exists")
+    assert "database" not in line, line
+
+
 def test_bad_setting_names_the_setting(tmp_path):
     one_line_error(run(tmp_path, "tenants", "list", env={"KVGATE_TIERS": '["tape"]'}), "configuration error", "tiers")
 
