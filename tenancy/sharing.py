@@ -88,12 +88,14 @@ class PublicationRecord:
 
 @dataclass(frozen=True, slots=True)
 class SharingTable:
-    """What readers need, read in one go: each scope's members (``everyone``: every tenant) and
-    the chained hashes (hex) of every active publication's recorded chunks, by scope."""
+    """What readers need, read in one go: each scope's members (``everyone``: every tenant), the
+    chained hashes (hex) of every active publication's recorded chunks, and the ids of its active
+    publications, by scope."""
 
     everyone: frozenset[str]
     members: dict[str, frozenset[str]]
     hashes: dict[str, frozenset[str]]
+    publications: dict[str, frozenset[str]]
 
 
 def _pub(row: Publication) -> PublicationRecord:
@@ -244,16 +246,21 @@ class SharingRegistry:
                 .join(PublishedChunk, PublishedChunk.prefix_id == Publication.id)
                 .where(Publication.state == "active")
             )).all()
+            active = (await s.execute(select(Publication.scope, Publication.id).where(Publication.state == "active"))).all()
         members: dict[str, set[str]] = {name: set() for name, _e in scopes}
         for scope, tenant in pairs:
             members.setdefault(scope, set()).add(tenant)
         hashes: dict[str, set[str]] = {}
         for scope, h in chunks:
             hashes.setdefault(scope, set()).add(h)
+        publications: dict[str, set[str]] = {}
+        for scope, pub_id in active:
+            publications.setdefault(scope, set()).add(pub_id)
         return SharingTable(
             everyone=frozenset(name for name, e in scopes if e),
             members={k: frozenset(v) for k, v in members.items()},
             hashes={k: frozenset(v) for k, v in hashes.items()},
+            publications={k: frozenset(v) for k, v in publications.items()},
         )
 
 

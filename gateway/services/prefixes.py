@@ -193,6 +193,21 @@ class Prefixes:
         raw = (await self._current()).raw
         return sorted(s for s in raw.members if s in raw.everyone or tenant in raw.members[s])
 
+    async def revision(self, tenant: str) -> str:
+        """What a tenant reads of published prefixes now, as a digest ("" where it reads no
+        scope): the scopes it reads and their active publications. The vLLM middleware folds it
+        into the tenant's ``cache_salt``, so a revoke, a new publication or a membership removed
+        leaves nothing of a scope in vLLM's own prefix cache under the salt that follows."""
+        raw = (await self._current()).raw
+        scopes = sorted(s for s in raw.members if s in raw.everyone or tenant in raw.members[s])
+        if not scopes:
+            return ""
+        h = hashlib.sha256(b"kvgate/shared-revision/v1")
+        for scope in scopes:
+            pubs = sorted(raw.publications.get(scope, ()))
+            h.update(struct.pack("<I", len(pubs)) + scope.encode() + b"\0" + b"".join(p.encode() + b"\0" for p in pubs))
+        return h.hexdigest()[:32]
+
     async def match(self, cap: Capability, hashes: Sequence[bytes]) -> SharedMatch | None:
         """The leading chunks of ``hashes`` published in one scope ``cap`` may read, or None. A
         registry that cannot be read now shares nothing (the tenant's own namespace serves)."""

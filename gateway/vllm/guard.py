@@ -10,8 +10,8 @@
 
 The salt's epoch is the namespace's own, as the kvgate server reports it with each minted
 capability (every request mints one, so it is never stale): a secure clear bumps it, and the next
-request's salt shares no prefix-cache block with any block vLLM cached before the clear. There is
-no configured epoch (``KVGATE_VLLM_SALT_EPOCH`` is refused). ``GuardConfig.from_env()`` reads
+request's salt shares no prefix-cache block with any block vLLM cached before the clear; the
+same answer's ``shared`` revision does that for a published prefix revoked or a scope left. ``GuardConfig.from_env()`` reads
 ``KVGATE_VLLM_*`` through ``config.MiddlewareSettings`` (see docs/vllm.md)."""
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ RETRY_AFTER_S = 5  # Retry-After of a 503 (the gateway is down or cannot mint no
 
 CAPABILITY_PARAM = "kvgate_capability"
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate")
-# in-process mint: (principal, namespace) -> (capability, namespace epoch)
+# in-process mint: (principal, namespace) -> (capability, namespace epoch); it reads no published
+# prefixes (their revision, which the server's mint answer carries, is "")
 MintFn = Callable[[Principal, str], Awaitable[tuple[str, int]]]
 
 
@@ -101,12 +102,13 @@ class TenantGuard:
         except AuthenticationFailed:
             raise Unauthorized("the bearer token was not accepted") from None
 
-    async def capability(self, principal: Principal, token: str) -> tuple[str, int]:
+    async def capability(self, principal: Principal, token: str) -> tuple[str, int, str]:
         """A capability for the principal's tenant and the configured namespace, with the
-        namespace's current epoch."""
+        namespace's current epoch and the revision of the published prefixes the tenant reads."""
         if self._mint is not None:
             try:
-                return await self._mint(principal, self.config.namespace)
+                cap, epoch = await self._mint(principal, self.config.namespace)
+                return cap, epoch, ""
             except (GatewayError, ValueError):  # refused: unknown or disabled tenant, bad name
                 raise Forbidden("no capability for this tenant") from None
             except Exception as exc:
@@ -130,7 +132,10 @@ class TenantGuard:
         epoch = doc.get("epoch")
         if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
             raise Forbidden("the kvgate server did not report the namespace epoch")
-        return str(doc["capability"]), epoch
+        shared = doc.get("shared", "")  # a server without published prefixes does not say
+        if not isinstance(shared, str) or len(shared) > 64:
+            raise Forbidden("the kvgate server reported a malformed published-prefix revision")
+        return str(doc["capability"]), epoch, shared
 
     async def admit(self, authorization: str | None, body: bytes) -> tuple[Principal, bytes]:
         """Authenticate, mint, rewrite: the body to forward (or a TenantRequestError)."""
@@ -146,10 +151,10 @@ class TenantGuard:
             raise BadRequest("the request body must be a JSON object") from None
         if not isinstance(doc, dict):
             raise BadRequest("the request body must be a JSON object")
-        cap, epoch = await self.capability(principal, token)
+        cap, epoch, shared = await self.capability(principal, token)
         doc.pop("cache_salt", None)
         doc.pop("kv_transfer_params", None)
-        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, epoch)
+        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, epoch, shared)
         doc["kv_transfer_params"] = {CAPABILITY_PARAM: cap}
         return json.dumps(doc).encode()
 
