@@ -179,6 +179,7 @@ async def fetch_prefix(
                 return
             _count_out(counts, found)
             yield PrefixItem(chained, found, key=opening)
+        counts.load_hit()  # one per fetch that served every chunk asked for, as a retrieve counts in process
     finally:
         issue.close()  # one key.issue event per fetch, with the keys that were issued
         degraded = failure_reason(passed_over)
@@ -195,5 +196,4 @@ def _ended(counts: ChunkStats, chained: bytes, reason: LoadReason) -> PrefixItem
 
 
 def _count_out(counts: ChunkStats, found: StoredChunk) -> None:
-    counts.load_hit()
     counts.loaded(1, found.nbytes)

@@ -41,14 +41,19 @@ if TYPE_CHECKING:
     from gateway.services.prefixes import Prefixes
 
 __all__ = [
-    "ChunkService", "ChunkStats", "FetchFailed", "Found", "KeysUnavailable", "Located", "NamespaceChunks",
+    "KEYS_UNAVAILABLE", "ChunkService", "ChunkStats", "FetchFailed", "Found", "KeysUnavailable", "Located", "NamespaceChunks",
     "SharedPart", "prefix_hits",
 ]
 
 
+KEYS_UNAVAILABLE = "urn:kvgate:problem:keys-unavailable"
+"""The problem type of the server's 503 for ``KeysUnavailable`` (a remote worker raises it again)."""
+
+
 class KeysUnavailable(Exception):
     """Namespace or data keys cannot be had now (the KEK provider cannot unwrap them): a miss in
-    process, a 503 with Retry-After from the server; never a refusal."""
+    process, a 503 with Retry-After from the server (problem type ``KEYS_UNAVAILABLE``) that a
+    remote worker turns back into this; never a refusal."""
 
     dependency = "the key provider"
 
@@ -80,6 +85,7 @@ class Located:
     present: list[bool]
     errors: list[BaseException] = field(default_factory=list)
     locations: list[list[str]] = field(default_factory=list)
+    reported: TierReason | Literal[""] = ""  # the reason a kvgate server gave (remote mode)
 
     @property
     def hits(self) -> int:
@@ -89,7 +95,9 @@ class Located:
     def degraded(self) -> TierReason | Literal[""]:
         """Why the walk may have ended short (``tier_timeout``/``tier_unavailable``: a tier that
         could not answer may hold the rest); ``""`` where it did not end short or none failed."""
-        return failure_reason(self.errors) if self.hits < len(self.present) else ""
+        if self.hits == len(self.present):
+            return ""
+        return self.reported or failure_reason(self.errors)
 
 
 @dataclass(frozen=True, slots=True)

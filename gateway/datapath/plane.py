@@ -104,6 +104,9 @@ class DataPlane:
             return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=len(chunks), degraded="key_unavailable")
         try:
             found = await session.presence()
+        except KeysUnavailable:  # a server whose KEK cannot unwrap the namespace now
+            self.counts.lookup(0, "key_unavailable")
+            return LookupResult(hit_tokens=0, hit_chunks=0, total_chunks=len(chunks), degraded="key_unavailable")
         finally:
             await session.aclose()
         hits, degraded = found.hits, found.degraded  # the prefix walk (gateway.chunks.service.Located)
@@ -137,7 +140,11 @@ class DataPlane:
         todo = list(range(len(chunks)))
         try:
             if skip_existing:
-                present = (await session.presence()).present
+                try:
+                    present = (await session.presence()).present
+                except KeysUnavailable:  # a server whose KEK cannot unwrap the namespace now
+                    self.counts.store_failed(len(chunks))
+                    return StoreResult(tokens=chunks[-1].end, chunks=len(chunks), stored=0, skipped=0, bytes_stored=0)
                 todo = [i for i in todo if not present[i]]
             try:
                 try:
@@ -171,7 +178,7 @@ class DataPlane:
             return 0, 0
         try:  # one ask for the keys of every chunk to store
             got = await session.sealing_keys(todo)
-        except (KekError, KeyUnavailable):  # the KEK provider is unreachable: store nothing
+        except (KekError, KeyUnavailable, KeysUnavailable):  # the KEK provider is unreachable: store nothing
             got = []
         if len(got) < len(todo):  # keys ran out (or could not be had): store less
             self.counts.store_failed(len(todo) - len(got))

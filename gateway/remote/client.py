@@ -25,7 +25,7 @@ import ssl
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import httpx
 import torch
@@ -424,17 +424,20 @@ class _HttpSession:
         return [self._opening.get(i) for i, _ref in refs]
 
     async def presence(self) -> Presence:
-        """One ``POST /v1/lookup`` on the data plane's own client (a worker's every load asks it
-        first: httpx cost the client about 1.5 ms of CPU per call on the 2-core box, the wire
-        client 0.15 ms)."""
+        """One ``POST /v1/lookup`` on the data plane's own client, not httpx: a worker's every
+        load asks it first (docs/server.md, "Raw paths")."""
         body = json.dumps({"hashes": [c.chained_hash.hex() for c in self.chunks]}).encode()
         got = await self.client._wire_call("POST", "/v1/lookup", _post_json, "/v1/lookup", body)
         try:
             hits = min(int(got["hit_chunks"]), len(self.chunks))
             locations = [list(map(str, where)) for where in got.get("locations", [])[:hits]]
-        except (TypeError, ValueError, KeyError):
+            said = got.get("degraded", "")  # a server that does not say: ""
+        except (TypeError, ValueError, KeyError, AttributeError):
             raise RemoteUnavailable("lookup: a malformed answer") from None
-        return Presence([i < hits for i in range(len(self.chunks))], locations=locations)
+        reported: Literal["tier_timeout", "tier_unavailable", ""] = (
+            said if said in ("tier_timeout", "tier_unavailable") else ""
+        )
+        return Presence([i < hits for i in range(len(self.chunks))], locations=locations, reported=reported)
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """One streamed fetch of these chunks (per ``_FETCH_ITEMS``): the server sends the stored
@@ -658,7 +661,7 @@ class _HttpSession:
         return None
 
     async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
-        self.client.metrics.integrity_failures += 1
+        # counted by the data plane that found it (the same Metrics): reported here
         await self.client._report_integrity_failure(self.chunks[i], envelope_sha256)
 
     async def aclose(self) -> None:

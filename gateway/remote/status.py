@@ -7,6 +7,7 @@ Every call of ``gateway.remote.client`` (over httpx or the data plane's own clie
 
 from __future__ import annotations
 
+from gateway.chunks.service import KEYS_UNAVAILABLE, KeysUnavailable
 from gateway.errors import AccessDenied, GatewayError, InvalidRequest, NamespaceChanged
 from gateway.remote.wire import RemoteUnavailable
 
@@ -23,10 +24,13 @@ STATUS_ERRORS: dict[int, type[GatewayError]] = {
 """The statuses that are the caller's fault, by error; every other non-2xx is ``RemoteUnavailable``."""
 
 
-def error_for(status: int, what: str, detail: str = "") -> GatewayError | None:
-    """The error a ``status`` answer to ``what`` ("METHOD path") is; None for a 2xx."""
+def error_for(status: int, what: str, detail: str = "") -> GatewayError | KeysUnavailable | None:
+    """The error a ``status`` answer to ``what`` ("METHOD path") is; None for a 2xx. A 503 whose
+    problem type is ``KEYS_UNAVAILABLE`` is ``KeysUnavailable``, as in process."""
     if 200 <= status < 300:
         return None
+    if status == 503 and KEYS_UNAVAILABLE in detail:
+        return KeysUnavailable(f"{what}: 503, the server's key provider cannot unwrap the namespace now")
     kind = STATUS_ERRORS.get(status, RemoteUnavailable)
     message = f"{what}: {status}"
     if kind is InvalidRequest and detail:

@@ -92,8 +92,7 @@ def create_app(settings: Settings) -> FastAPI:
             dev = dev_issuer_for(settings) if settings.dev_issuer else None
             verifier = OidcVerifier(_issuers(settings, dev))
             plane = EnvelopePlane(  # the chunk routes' data plane, over the runtime's services
-                access=runtime.access, resolver=runtime.resolver, keyring=runtime.keyring, tiers=runtime.tiers,
-                pins=runtime.pins, audit=runtime.audit, chunks=runtime.chunks,
+                keyring=runtime.keyring, pins=runtime.pins, audit=runtime.audit, chunks=runtime.chunks,
                 max_chunk_bytes=settings.max_chunk_bytes,
             )
             state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes, populate=settings.shm_populate))
@@ -261,6 +260,7 @@ def _observe(state: ServerState) -> None:
         ("kvgate_tier_timeouts", "tier deadlines missed, by tier and operation", lambda: _timeouts(tiers.tiers)),
         ("kvgate_load_degraded", "loads a slower tier served because a faster one failed, by reason", lambda: _labelled(m.load_degraded, "reason")),
         ("kvgate_tier_breaker_trips", "times a tier's circuit breaker opened (a cluster: any master's), by tier", lambda: _stat(tiers.tiers, "breaker_trips")),
+        ("kvgate_stores_refused", "upload batches refused whole, by reason (namespace_changed: sealed for an epoch a clear ended)", lambda: [(m.stores_namespace_changed, {"reason": "namespace_changed"})]),
         ("kvgate_store_rollbacks", "envelopes of refused upload batches, removed or left in a tier that could not be reached", lambda: [(m.store_rollback_removed, {"outcome": "removed"}), (m.store_rollback_left, {"outcome": "left"})]),
         ("kvgate_tier_evictions", "chunks evicted for space or quota, by tier", lambda: _stat(tiers.tiers, "evictions")),
         ("kvgate_tier_rejected_puts", "puts a tier refused (full, over quota, too large), by tier", lambda: _stat(tiers.tiers, "rejected_puts")),

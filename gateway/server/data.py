@@ -94,6 +94,8 @@ class CapabilityResponse(BaseModel):
     ops: list[str]
     expires_at: float
     epoch: int = Field(description="the namespace's current epoch (a secure clear bumps it); the vLLM middleware derives cache_salt from it")
+    shared: str = Field("", description="a digest of the published prefixes the tenant reads (empty: none); the vLLM "
+                        "middleware folds it into cache_salt, so a revoke or a membership removed reaches vLLM's cache")
 
 
 class LookupRequest(Strict):
@@ -139,6 +141,8 @@ class LookupResponse(BaseModel):
     hit_chunks: int
     hit_tokens: int | None
     locations: list[list[str]]
+    degraded: str = Field("", description="why the answer may be short although chunks are stored: tier_timeout or "
+                          "tier_unavailable (a tier could not answer in time, or at all); empty where it is not")
 
 
 class PinRequest(Strict):
@@ -200,6 +204,7 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
     return CapabilityResponse(
         capability=token, cap_id=cap.cap_id, tenant=cap.tenant, namespace=cap.namespace,
         ops=sorted(cap.ops), expires_at=cap.expires_at, epoch=ns.epoch,
+        shared=await state.runtime.prefixes.revision(cap.tenant),
     )
 
 
@@ -225,7 +230,8 @@ async def answer_lookup(
         hit_tokens = answer.hit_chunks * body.chunk_tokens
         if answer.hit_chunks == len(body.hashes) and body.last_chunk_tokens is not None:
             hit_tokens += body.last_chunk_tokens - body.chunk_tokens
-    return {"hit_chunks": answer.hit_chunks, "hit_tokens": hit_tokens, "locations": answer.locations}
+    return {"hit_chunks": answer.hit_chunks, "hit_tokens": hit_tokens, "locations": answer.locations,
+            "degraded": answer.degraded}
 
 
 @router.post("/lookup", response_model=LookupResponse)

@@ -29,7 +29,7 @@ from starlette.requests import ClientDisconnect
 
 from audit.errors import AuditSignerUnavailable, AuditStorageError, SpoolError
 from crypto.errors import KekError
-from gateway.chunks.service import KeysUnavailable
+from gateway.chunks.service import KEYS_UNAVAILABLE, KeysUnavailable
 from gateway.errors import (
     AccessDenied,
     BadFrame,
@@ -200,7 +200,11 @@ PROBLEMS: dict[type[Exception], Entry] = {
     TierError: ProblemType(503, "Service Unavailable", "no storage tier took the chunk", {"Retry-After": "1"}),
     DependencyUnavailable: _DEPENDENCY,
     KekError: _DEPENDENCY,
-    KeysUnavailable: _DEPENDENCY,
+    # the KEK cannot unwrap the namespace's keys now: a worker makes it what it is in process (a
+    # miss, a store of nothing), so it has a type of its own
+    KeysUnavailable: ProblemType(
+        503, "Service Unavailable", _unavailable, {"Retry-After": "5"}, type=KEYS_UNAVAILABLE, warn=True,
+    ),
     AuditStorageError: _AUDIT,
     SpoolError: _AUDIT,
     AuditSignerUnavailable: _DEPENDENCY,  # the HSM or KMS of the signing key is away: a checkpoint or export waits

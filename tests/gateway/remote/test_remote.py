@@ -107,6 +107,7 @@ async def test_moved_envelope_is_an_integrity_failure_on_both_sides(live_server:
         dst = zero_cache(g, NUM_BLOCKS)
         out = await ra.retrieve(model, t2, dst, block_ids=BLOCKS)
         assert (out.loaded_tokens, out.integrity_failures) == (0, 1)
+        assert ra.metrics.integrity_failures == 1  # counted once, where it was found
         assert all(not t.any() for t in dst)  # nothing inauthentic reached the cache
         # the bad copy was deleted, the good one is untouched
         assert await chunks.envelope(http, hdr, h2) is None
