@@ -352,7 +352,7 @@ async def rest_figures(
                 out["get_keyed"][size] = await timed(get_keyed, "get_keyed")
                 out["put_httpx"][size] = await timed(put_httpx, "put_httpx")
                 out["get_keyed_httpx"][size] = await timed(get_keyed_httpx, "get_keyed_httpx")
-                if sock is not None:
+                if sock is not None and raw:  # a region travels on the raw chunk writer: off, it is refused
                     status, region = await asyncio.to_thread(
                         attach, pool, _wire_headers(keyed, "application/json"), len(body) * len(hashes) + (1 << 20)
                     )
