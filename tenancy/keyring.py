@@ -84,13 +84,14 @@ class Keyring:
         while len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
 
-    def _wrap_new(self, tenant: str) -> tuple[Callable[[int], bytes], dict[int, bytes]]:
-        made: dict[int, bytes] = {}
+    def _wrap_new(self, tenant: str) -> tuple[Callable[[int], bytes], dict[int, tuple[bytes, bytes]]]:
+        made: dict[int, tuple[bytes, bytes]] = {}  # version -> (key, its wrapping) of each attempt
 
         def wrap(version: int) -> bytes:
             dek = os.urandom(32)
-            made[version] = dek
-            return self._kek.wrap(dek, dek_context(tenant, version))
+            wrapped = self._kek.wrap(dek, dek_context(tenant, version))
+            made[version] = (dek, wrapped)
+            return wrapped
 
         return wrap, made
 
@@ -100,8 +101,11 @@ class Keyring:
         rec = await self._registry.add_key(
             tenant, wrap, self._kek.key_id, self.invocation_limit, expect_active=expect_active
         )
-        if rec.version in made:
-            self._remember(tenant, rec.version, made[rec.version])
+        attempt = made.get(rec.version)
+        # remembered only where the stored key is the one made here: an attempt whose insert lost
+        # the version number to another process made a key that was never stored
+        if attempt is not None and attempt[1] == rec.wrapped_key:
+            self._remember(tenant, rec.version, attempt[0])
         self._budgets.pop(tenant, None)
         return rec.version
 

@@ -152,3 +152,27 @@ async def test_destroyed_key_versions_are_gone(tmp_path, db_url):
         assert len(await fresh.decryption_key("acme", v2)) == 32
     finally:
         await reg.aclose()
+
+
+async def test_a_keyring_that_loses_a_key_version_race_keeps_the_winners_key(tmp_path, db_url):
+    """Two keyrings (two processes) make a tenant's next key version at once: one takes the
+    version number, the other's insert collides and it takes the winner's key as active. The
+    loser must not keep its own, never stored key in memory under that version: every envelope
+    it sealed with it would fail authentication wherever the stored key opens it."""
+    await migrate(db_url)
+    kek = LocalFileKek(tmp_path / "kek.key")
+    reg = Registry.from_url(db_url)
+    try:
+        for i in range(12):
+            tenant = f"race{i}"
+            await reg.create_tenant(tenant)
+            a, b = Keyring(reg, kek), Keyring(reg, kek)
+            va, vb = await asyncio.gather(a.create(tenant, expect_active=None), b.create(tenant, expect_active=None))
+            fresh = Keyring(reg, kek)  # no cache: each version's key unwrapped from the registry
+            assert await a.decryption_key(tenant, va) == await fresh.decryption_key(tenant, va)
+            assert await b.decryption_key(tenant, vb) == await fresh.decryption_key(tenant, vb)
+            for ring in (a, b):  # and what each seals with is that key too
+                version, dek = await ring.encryption_key(tenant)
+                assert dek == await Keyring(reg, kek).decryption_key(tenant, version)
+    finally:
+        await reg.aclose()
