@@ -25,11 +25,10 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target
 from crypto.envelope import SALT_BYTES
 from crypto.errors import KeyUnavailable
 from crypto.segments import derive_segment_key
-from gateway.chunks.service import ChunkService, NamespaceChunks
+from gateway.chunks.service import ChunkService, KeysUnavailable, NamespaceChunks
 from gateway.errors import InvalidRequest, KeyBudgetSpent
 from gateway.services.pins import Pins
 from storage.types import ChunkKey
-from tenancy.errors import DependencyUnavailable
 from tenancy.keyring import Keyring
 from tenancy.namespaces import NamespaceKeys
 from tenancy.types import Capability
@@ -245,7 +244,7 @@ class KeyIssue:
         try:
             version, dek = await self._plane.keyring.encryption_key(self.cap.tenant)
         except KeyUnavailable:  # contention, or the KEK cannot unwrap it now: retry later
-            raise DependencyUnavailable("data key") from None
+            raise KeysUnavailable("no data key can be had now") from None  # a 503 the worker reads as in process
         salt = self._plane._salt_source(SALT_BYTES)
         self.issued += 1
         self._versions.add(version)

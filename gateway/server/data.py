@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from gateway.chunks import batches
+from gateway.chunks.service import KeysUnavailable
 from gateway.errors import BadFrame, InvalidRequest, TooLarge
 from gateway.protocol import frames
 from gateway.server import rawbody, rawchunks, shm
@@ -200,10 +201,16 @@ async def mint_capability(body: CapabilityRequest, principal: PrincipalDep, stat
         tenant, body.namespace, body.ops, body.ttl, actor=actor_of(principal, request)
     )
     cap = read_unverified(token)
-    ns = await state.runtime.resolver.keys(cap.tenant, cap.namespace)
+    try:  # the namespace made ready for the chunk routes (its keys unwrapped, made on first use)
+        epoch = (await state.runtime.chunks.namespace(cap)).epoch
+    except KeysUnavailable:
+        # the KEK cannot unwrap it now: the epoch as the registry holds it (0 for a namespace not
+        # made yet), so a KEK outage costs inference requests their cache, not their answer
+        rec = await state.runtime.registry.get_namespace(cap.tenant, cap.namespace)
+        epoch = rec.epoch if rec is not None else 0
     return CapabilityResponse(
         capability=token, cap_id=cap.cap_id, tenant=cap.tenant, namespace=cap.namespace,
-        ops=sorted(cap.ops), expires_at=cap.expires_at, epoch=ns.epoch,
+        ops=sorted(cap.ops), expires_at=cap.expires_at, epoch=epoch,
         shared=await state.runtime.prefixes.revision(cap.tenant),
     )
 

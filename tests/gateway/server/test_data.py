@@ -189,7 +189,7 @@ async def test_the_raw_lookup_answers_as_the_fastapi_route_does(world: World, mo
         assert got == want, name
     # and what they are: a hit, a miss, the refusals, the invalid bodies
     statuses = dict(zip([c[0] for c in cases], [a[0] for a in raw], strict=True))
-    assert raw[0][2] == {"hit_chunks": 1, "hit_tokens": 16, "locations": [raw[0][2]["locations"][0]]}
+    assert raw[0][2] == {"hit_chunks": 1, "hit_tokens": 16, "locations": [raw[0][2]["locations"][0]], "degraded": ""}
     assert raw[1][2]["hit_tokens"] == 5 and raw[2][2]["hit_chunks"] == 0
     assert [statuses[n] for n in ("B's capability", "role", "no capability", "garbage capability")] == [403] * 4
     assert statuses["no token"] == 401
