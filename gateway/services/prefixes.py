@@ -330,6 +330,7 @@ class Prefixes:
         version = await self.keyring.rotate(owner)  # each publication seals under a version of its own
         digest = hashlib.sha256(raw).hexdigest()
         pub = await self.sharing.add_publication(scope, model, digest, raw, len(token_ids), version)
+        await self._changed(owner)  # its members' revision (their cache_salt) follows at once
         token, cap = self.authority.issue(owner, SCOPE_NAMESPACE, _WRITE_OPS, ttl)
         await record_durably(self.audit, AuditEvent(
             Actions.PREFIX_PUBLISH, actor=actor or Actor(), target=Target(tenant=owner, namespace=SCOPE_NAMESPACE),

@@ -10,7 +10,6 @@ again. The server's counters count each outcome in both modes."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections.abc import Iterator, Sequence
@@ -27,6 +26,7 @@ from gateway.remote.client import RemoteGateway
 from gateway.remote.wire import RemoteUnavailable
 from gateway.types import LookupResult, RetrieveResult, StoreResult
 from tests.support import server_fixture
+from tests.support.audit_events import live_rows
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
 from tests.support.moto_kms import moto_server
 from tests.support.redis_server import Server
@@ -104,23 +104,7 @@ async def _tenants(live: LiveServer, *names: str) -> list[str]:
         return [await live.create_tenant(http, n) for n in names]
 
 
-async def _audit_rows(live: LiveServer, action: str) -> list[dict[str, Any]]:
-    """The audit log's events of ``action``, read from the server's database (after a flush)."""
-    from audit.db import create_audit_engine
-    from audit.store import AuditStore
-
-    await live.call(live.runtime.audit.flush, 10)
-    engine = create_audit_engine(live.settings.db_url)
-    try:
-        out = []
-        async for rec in AuditStore(engine).iter_records():
-            e = rec.event
-            if e.action == action:
-                details = json.loads(e.details) if isinstance(e.details, str) else dict(e.details)
-                out.append({"tenant": e.target.tenant, "outcome": e.outcome, "details": details})
-        return out
-    finally:
-        await engine.dispose()
+_audit_rows = live_rows  # the live server's audit events of one action
 
 
 async def _tamper(live: LiveServer, tenant: str, model: Any, tokens: Sequence[int], index: int) -> None:

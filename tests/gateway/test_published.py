@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import os
 import secrets
 from collections.abc import Iterator, Sequence
@@ -26,6 +25,7 @@ from gateway.remote.client import RemoteGateway
 from gateway.types import LookupResult, RetrieveResult, StoreResult
 from tenancy.capabilities import CapabilityAuthority, read_unverified
 from tenancy.sharing import SCOPE_NAMESPACE, scope_owner
+from tests.support.audit_events import live_rows
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
 from tests.support.server_fixture import ALL_OPS, LiveServer, running_server, scratch_pg_database
 from tests.support.services import REDIS_URL, _need
@@ -183,22 +183,7 @@ def model_geometry(model: Any) -> Any:
     return model.geometry
 
 
-async def _audit(live: LiveServer, action: str) -> list[dict[str, Any]]:
-    from audit.db import create_audit_engine
-    from audit.store import AuditStore
-
-    await live.call(live.runtime.audit.flush, 10)
-    engine = create_audit_engine(live.settings.db_url)
-    try:
-        out = []
-        async for rec in AuditStore(engine).iter_records():
-            e = rec.event
-            if e.action == action:
-                details = json.loads(e.details) if isinstance(e.details, str) else dict(e.details)
-                out.append({"tenant": e.target.tenant, "outcome": e.outcome, "details": details})
-        return out
-    finally:
-        await engine.dispose()
+_audit = live_rows  # the live server's audit events of one action
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor], model: Any, tokens: int) -> bool:

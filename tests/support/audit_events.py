@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from typing import Any
 
 from audit.db import create_audit_engine, create_audit_schema
 from audit.store import AuditStore
@@ -33,5 +35,22 @@ async def rows_by_tag(url: str) -> tuple[dict[str, list[int]], int]:
         async for rec in store.iter_records():
             seen[rec.event.actor.subject or ""].append(int(rec.event.details.split(":")[1].rstrip("}")))
         return seen, report.rows
+    finally:
+        await engine.dispose()
+
+
+async def live_rows(live: Any, action: str) -> list[dict[str, Any]]:
+    """A live server's audit events of ``action`` (``tests.support.server_fixture.LiveServer``),
+    read from its database after a flush: each event's tenant, outcome and details."""
+    await live.call(live.runtime.audit.flush, 10)
+    engine = create_audit_engine(live.settings.db_url)
+    try:
+        out = []
+        async for rec in AuditStore(engine).iter_records():
+            e = rec.event
+            if e.action == action:
+                details = json.loads(e.details) if isinstance(e.details, str) else dict(e.details)
+                out.append({"tenant": e.target.tenant, "outcome": e.outcome, "details": details})
+        return out
     finally:
         await engine.dispose()

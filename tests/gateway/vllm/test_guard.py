@@ -16,21 +16,14 @@ from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.guard import GuardConfig, TenantGuard
 from gateway.vllm.middleware import KvgateMiddleware
 from tenancy.oidc import IssuerConfig
+from tests.support.asgi import echo_body
 from tests.support.server_fixture import running_server
 from tests.support.services import free_port
 
 SECRET = bytes(range(32))
 
 
-async def _inner(scope, receive, send):
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+_inner = echo_body  # answers with the body the middleware passed on
 
 
 def _guard(live, gateway_url: str | None, mint=None) -> TenantGuard:

@@ -16,20 +16,13 @@ from gateway.vllm.guard import GuardConfig, TenantGuard
 from gateway.vllm.middleware import KvgateMiddleware
 from gateway.vllm.salt import cache_salt
 from tenancy.oidc import IssuerConfig
+from tests.support.asgi import echo_body
 from tests.support.server_fixture import LiveServer, running_server
 
 SECRET = bytes(range(32))
 
 
-async def _echo(scope, receive, send):
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-    await send({"type": "http.response.body", "body": body})
+_echo = echo_body  # answers with the body the middleware passed on
 
 
 @pytest.fixture(scope="module")

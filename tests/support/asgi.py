@@ -1,0 +1,16 @@
+"""A plain ASGI app for middleware tests: it answers 200 with the request body it was given."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+async def echo_body(scope: Any, receive: Any, send: Any) -> None:
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
