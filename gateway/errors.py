@@ -1,4 +1,5 @@
-"""GatewayError, into which lower packages' errors are translated, and the status the server answers::
+"""
+    GatewayError          (the gateway's errors, by the status the server answers; lower packages' become these)
      +-- AccessDenied        403  no valid capability for this tenant, namespace, operation or chunk
      |    +-- KeyBudgetSpent 403  the capability has had all the envelope keys it may have (mint a new one)
      +-- InvalidRequest      422  bad input: tokens, KV tensors, block ids, names (also ValueError)

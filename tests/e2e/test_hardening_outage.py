@@ -100,9 +100,14 @@ async def test_kek_provider_outage_is_503_on_a_usable_connection(moto_kms, tmp_p
             port = _port_of(r)
             proc.terminate()
             proc.wait(10)
+            # a mint needs no key: it answers with the registry's epoch (the vLLM middleware goes on
+            # serving inference, without the cache), and what it grants is then a 503 to use
+            r = await http.post("/v1/capabilities", json={"namespace": "fresh", "ops": ["get", "lookup"]}, headers=live.headers(admin))
+            assert r.status_code == 201 and r.json()["epoch"] == 0, r.text
+            fresh = r.json()["capability"]
             for name, call in (
                 ("rotate", lambda: http.post(f"/v1/admin/tenants/{a}/keys/rotate", headers=live.headers(live.operator_token()))),
-                ("mint, new namespace", lambda: http.post("/v1/capabilities", json={"namespace": "fresh", "ops": ["get"]}, headers=live.headers(admin))),
+                ("lookup, new namespace", lambda: http.post("/v1/lookup", json={"hashes": ["00" * 32]}, headers=live.headers(admin, fresh))),
             ):
                 for _ in range(2):
                     r = await call()

@@ -66,4 +66,4 @@ def test_the_server_holds_a_runtime_and_no_gateway(tmp_path) -> None:
         assert type(live.runtime) is Runtime and not isinstance(live.runtime, EmbeddedRuntime)
         assert not hasattr(live.runtime, "gateway")
         plane = live.state.plane  # the chunk routes' plane, over the same services
-        assert plane.chunks is live.runtime.chunks and plane.access is live.runtime.access
+        assert plane.chunks is live.runtime.chunks and plane.keyring is live.runtime.keyring
