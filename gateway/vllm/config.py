@@ -150,6 +150,23 @@ class MiddlewareSettings(BaseModel):
     capability_ttl: int = Field(300, gt=0)
     upstream: str | None = None  # the proxy's vLLM server
     salt_epoch: str | None = None  # refused: the epoch is the namespace epoch the server reports
+    # identity from an authenticating gateway in front (gateway/vllm/peers.py): the tenant named by
+    # tenant_header, accepted only from trusted_peers; a per-request namespace in namespace_header
+    tenant_header: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,64}$")
+    namespace_header: str | None = Field(None, pattern=r"^[A-Za-z0-9-]{1,64}$")
+    trusted_peers: str | None = None  # comma-separated: unix, unix:/path, addresses or CIDRs
+    trusted_namespaces: str | None = None  # for a tenant the header names: comma-separated, or *
+    # mints capabilities for a tenant the header names (kv.operator): the variable, else the file
+    service_token: SecretStr | None = None
+    service_token_file: str | None = None
+    # where the middleware audits the requests it refuses for their identity headers
+    audit_database_url: SecretStr | None = None
+    audit_spool_dir: str | None = None
+
+    @field_validator("tenant_header", "namespace_header")
+    @classmethod
+    def _header_name(cls, v: str | None) -> str | None:
+        return v.lower() if v else None
 
     @field_validator("required_typ")
     @classmethod
@@ -171,7 +188,28 @@ class MiddlewareSettings(BaseModel):
                 "KVGATE_VLLM_SALT_EPOCH is no longer read: the cache_salt epoch is the namespace epoch the "
                 "kvgate server reports (a secure clear bumps it); remove the variable"
             )
+        if settings.tenant_header and not settings.trusted_peers:
+            raise ConnectorConfigError(
+                "KVGATE_VLLM_TENANT_HEADER needs KVGATE_VLLM_TRUSTED_PEERS (the peers whose header is believed)"
+            )
+        if (settings.tenant_header or settings.namespace_header) and settings.audit_database_url is None:
+            raise ConnectorConfigError(
+                "KVGATE_VLLM_TENANT_HEADER and KVGATE_VLLM_NAMESPACE_HEADER need KVGATE_VLLM_AUDIT_DATABASE_URL "
+                "(the audit database where refused identity headers are recorded)"
+            )
         return settings
+
+    def service_token_value(self) -> str | None:
+        """The token that mints for a tenant the header names: the variable, else the file."""
+        if self.service_token is not None and self.service_token.get_secret_value():
+            return self.service_token.get_secret_value()
+        if self.service_token_file:
+            try:
+                with open(self.service_token_file, encoding="utf-8") as f:
+                    return f.read().strip() or None
+            except OSError as exc:
+                raise ConnectorConfigError(f"KVGATE_VLLM_SERVICE_TOKEN_FILE: cannot read it ({exc.strerror})") from None
+        return None
 
     def salt_secret_bytes(self) -> bytes:
         """The cache-salt secret, from ``KVGATE_VLLM_SALT_SECRET`` or ``..._FILE`` (hex, >= 32 bytes)."""

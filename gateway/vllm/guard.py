@@ -8,6 +8,13 @@
     3. strip any client-supplied ``cache_salt`` and ``kv_transfer_params`` from the JSON body and
        set ``cache_salt`` (``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability}
 
+Identity from a gateway in front (``identify``): with ``tenant_header`` set, a request that
+carries it is served as that tenant only from a trusted peer (``peers.TrustedPeers``) and minted
+with the service token; from any other peer it is a 403, audited as ``authz.denied``. A namespace
+in ``namespace_header`` must be one the caller holds: a token's ``kv.namespace:NAME`` roles or
+scope values (``NAMESPACE_GRANT``), a header-named tenant's ``trusted_namespaces``; the configured
+namespace is always held.
+
 The salt's epoch is the namespace's own, as the kvgate server reports it with each minted
 capability (every request mints one, so it is never stale): a secure clear bumps it, and the next
 request's salt shares no prefix-cache block with any block vLLM cached before the clear; the
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +34,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_durably
+from audit.writer import AuditWriter
 from gateway.errors import GatewayError
 from gateway.vllm.config import MiddlewareSettings
 from gateway.vllm.errors import (
@@ -34,17 +45,21 @@ from gateway.vllm.errors import (
     Unauthorized,
     Unavailable,
 )
+from gateway.vllm.peers import Peer, TrustedPeers
 from gateway.vllm.salt import cache_salt
 from tenancy.errors import AuthenticationFailed
+from tenancy.names import escape, is_name
 from tenancy.oidc import IssuerConfig, OidcVerifier
-from tenancy.types import Principal
+from tenancy.types import Principal, TenantId
 
-__all__ = ["CAPABILITY_PARAM", "GUARDED_PATHS", "GuardConfig", "TenantGuard"]
+__all__ = ["CAPABILITY_PARAM", "GUARDED_PATHS", "NAMESPACE_GRANT", "GuardConfig", "Identity", "TenantGuard"]
 
 log = logging.getLogger("kvgate.vllm")
 RETRY_AFTER_S = 5  # Retry-After of a 503 (the gateway is down or cannot mint now)
 
 CAPABILITY_PARAM = "kvgate_capability"
+NAMESPACE_GRANT = "kv.namespace:"  # a role or scope value kv.namespace:NAME grants namespace NAME
+TRUSTED_ISSUER = "kvgate:trusted-peer"  # the issuer of a principal a trusted peer's header names
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate")
 # in-process mint: (principal, namespace) -> (capability, namespace epoch); it reads no published
 # prefixes (their revision, which the server's mint answer carries, is "")
@@ -63,6 +78,13 @@ class GuardConfig:
     namespace: str = "default"
     capability_ttl: int = 300
     max_body_bytes: int = 16 << 20
+    tenant_header: str | None = None  # lowercase; None: no tenant is taken from a header
+    namespace_header: str | None = None
+    trusted_peers: TrustedPeers = field(default_factory=TrustedPeers)
+    trusted_namespaces: frozenset[str] | None = frozenset()  # None: any (``*``)
+    service_token: str | None = field(default=None, repr=False)
+    audit_database_url: str | None = field(default=None, repr=False)
+    audit_spool_dir: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> GuardConfig:
@@ -75,23 +97,128 @@ class GuardConfig:
             issuer=s.issuer, audience=s.audience, tenant_claim=s.tenant_claim, roles_claim=s.roles_claim,
             required_typ=s.required_typ, allow_http=_loopback(s.issuer),
         )
+        spaces = [n.strip() for n in (s.trusted_namespaces or "").split(",") if n.strip()]
+        if any(n != "*" and not is_name(n) for n in spaces):
+            raise ConnectorConfigError("KVGATE_VLLM_TRUSTED_NAMESPACES: a comma-separated list of namespace names, or *")
         return cls(
             issuers=[cfg], salt_secret=s.salt_secret_bytes(), gateway_url=s.gateway_url, namespace=s.namespace,
-            capability_ttl=s.capability_ttl,
+            capability_ttl=s.capability_ttl, tenant_header=s.tenant_header, namespace_header=s.namespace_header,
+            trusted_peers=TrustedPeers.parse(s.trusted_peers),
+            trusted_namespaces=None if "*" in spaces else frozenset(spaces),
+            service_token=s.service_token_value(),
+            audit_database_url=s.audit_database_url.get_secret_value() if s.audit_database_url else None,
+            audit_spool_dir=s.audit_spool_dir,
         )
 
 
+@dataclass(frozen=True)
+class Identity:
+    """Who a request is for: the principal, the caller's own token (None for a tenant a trusted
+    peer's header named: the service token mints), the namespace, and the peer."""
+
+    principal: Principal
+    token: str | None
+    namespace: str
+    peer: Peer
+
+
 class TenantGuard:
-    def __init__(self, config: GuardConfig, *, mint: MintFn | None = None, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, config: GuardConfig, *, mint: MintFn | None = None, http: httpx.AsyncClient | None = None,
+        audit: AuditSink | None = None,
+    ) -> None:
         if mint is None and not config.gateway_url:
             raise ConnectorConfigError("give a kvgate server URL (KVGATE_VLLM_GATEWAY_URL) or an in-process mint")
+        if config.tenant_header and mint is None and not config.service_token:
+            raise ConnectorConfigError(
+                "KVGATE_VLLM_TENANT_HEADER needs KVGATE_VLLM_SERVICE_TOKEN or ..._FILE (a kv.operator token that "
+                "mints capabilities for the tenants the header names)"
+            )
         self.config = config
         self._mint = mint
         self._http = http or httpx.AsyncClient(timeout=10.0, follow_redirects=False)
         self.verifier = OidcVerifier(config.issuers, http=self._http)
+        self.audit = audit
+        self._owned_audit: AuditWriter | None = None
+
+    @classmethod
+    async def open(cls, config: GuardConfig) -> TenantGuard:
+        """A guard with its audit writer started where ``audit_database_url`` is set."""
+        guard = cls(config)
+        if config.audit_database_url:
+            spool = config.audit_spool_dir or f"{tempfile.gettempdir()}/kvgate-vllm-audit-spool"
+            writer = AuditWriter(config.audit_database_url, spool_dir=spool)
+            await writer.start()
+            guard.audit = guard._owned_audit = writer
+        return guard
 
     async def aclose(self) -> None:
+        if self._owned_audit is not None:
+            await self._owned_audit.aclose()
         await self._http.aclose()
+
+    async def identify(self, peer: Peer, headers: Mapping[bytes, bytes]) -> Identity:
+        """The request's identity from its connection and headers (see the module docstring);
+        Unauthorized, BadRequest or Forbidden (refusals of an identity header audited)."""
+        cfg = self.config
+        auth = headers.get(b"authorization", b"").decode("latin-1") or None
+        named = headers.get(cfg.tenant_header.encode()) if cfg.tenant_header else None
+        asked = headers.get(cfg.namespace_header.encode()) if cfg.namespace_header else None
+        namespace = asked.decode("latin-1") if asked is not None else cfg.namespace
+        if named is not None:
+            tenant = named.decode("latin-1")
+            if not cfg.trusted_peers.trusts(peer):
+                await self._deny(peer, auth, tenant, namespace, "tenant header from an untrusted peer")
+                raise Forbidden(f"{cfg.tenant_header} is accepted only from a trusted gateway")
+            if not is_name(tenant):
+                await self._deny(peer, auth, tenant, namespace, "tenant header is not a tenant name")
+                raise BadRequest(f"{cfg.tenant_header} does not name a tenant")
+            token: str | None = None
+            if auth is not None:  # a token beside the header must be that tenant's
+                principal, token = await self.principal(auth)
+                if principal.tenant != tenant:
+                    await self._deny(peer, auth, tenant, namespace, "tenant header and token name different tenants")
+                    raise Forbidden(f"{cfg.tenant_header} and the bearer token name different tenants")
+            else:
+                principal = Principal(
+                    subject=f"peer:{peer}", issuer=TRUSTED_ISSUER, tenant=TenantId(tenant), roles=frozenset(),
+                    client_id=None, token_id=None, expires_at=time.time() + cfg.capability_ttl,
+                )
+            held = cfg.trusted_namespaces
+        else:
+            principal, token = await self.principal(auth)
+            held = frozenset(r[len(NAMESPACE_GRANT):] for r in principal.roles if r.startswith(NAMESPACE_GRANT))
+        if namespace != cfg.namespace and (not is_name(namespace) or (held is not None and namespace not in held)):
+            await self._deny(peer, auth, principal.tenant, namespace, "namespace not granted")
+            raise Forbidden("the namespace is not one this caller may use")
+        return Identity(principal, token, namespace, peer)
+
+    async def _deny(self, peer: Peer, auth: str | None, tenant: str, namespace: str, reason: str) -> None:
+        """Log and audit (``authz.denied``, durably) a refused identity header. The actor is the
+        peer, and the token's subject where one came and verifies."""
+        caller: Principal | None = None
+        if auth is not None:
+            try:
+                caller, _ = await self.principal(auth)
+            except Unauthorized:
+                pass
+        log.warning("refused a request from %s: %s", peer, reason)
+        if self.audit is None:
+            return
+        event = AuditEvent(
+            Actions.AUTHZ_DENIED, outcome="denied",
+            actor=Actor(
+                subject=caller.subject if caller else None, issuer=caller.issuer if caller else None,
+                tenant=caller.tenant if caller else None, client_id=caller.client_id if caller else None,
+                token_id=caller.token_id if caller else None, source=str(peer)[:200],
+            ),
+            target=Target(tenant=tenant if is_name(tenant) else None, namespace=namespace if is_name(namespace) else None),
+            details={"reason": reason, "claimed_tenant": escape(tenant, 80), "claimed_namespace": escape(namespace, 80)},
+        )
+        try:
+            await record_durably(self.audit, event)
+        except Exception as exc:  # the refusal stands; the audit log says why it has no row
+            log.error("the refusal from %s could not be audited (%s)", peer, type(exc).__name__)
 
     async def principal(self, authorization: str | None) -> tuple[Principal, str]:
         if not authorization or authorization[:7].lower() != "bearer ":
@@ -102,23 +229,27 @@ class TenantGuard:
         except AuthenticationFailed:
             raise Unauthorized("the bearer token was not accepted") from None
 
-    async def capability(self, principal: Principal, token: str) -> tuple[str, int, str]:
-        """A capability for the principal's tenant and the configured namespace, with the
-        namespace's current epoch and the revision of the published prefixes the tenant reads."""
+    async def capability(self, principal: Principal, token: str | None, namespace: str | None = None) -> tuple[str, int, str]:
+        """A capability for the principal's tenant and ``namespace`` (default: the configured
+        one), with the namespace's current epoch and the revision of the published prefixes the
+        tenant reads. ``token`` None: the service token mints, naming the tenant."""
+        namespace = namespace or self.config.namespace
         if self._mint is not None:
             try:
-                cap, epoch = await self._mint(principal, self.config.namespace)
+                cap, epoch = await self._mint(principal, namespace)
                 return cap, epoch, ""
             except (GatewayError, ValueError):  # refused: unknown or disabled tenant, bad name
                 raise Forbidden("no capability for this tenant") from None
             except Exception as exc:
                 log.warning("capability mint failed (%s): answering 503", type(exc).__name__)
                 raise Unavailable("kvgate cannot mint capabilities right now; retry shortly") from None
-        body = {"namespace": self.config.namespace, "ops": ["lookup", "get", "put"], "ttl": self.config.capability_ttl}
+        body: dict[str, Any] = {"namespace": namespace, "ops": ["lookup", "get", "put"], "ttl": self.config.capability_ttl}
+        if token is None:
+            body["tenant"] = principal.tenant
         try:
             r = await self._http.post(
                 self.config.gateway_url.rstrip("/") + "/v1/capabilities",  # type: ignore[union-attr]  # set whenever the guard mints (checked in config)
-                json=body, headers={"Authorization": f"Bearer {token}"},
+                json=body, headers={"Authorization": f"Bearer {token or self.config.service_token}"},
             )
         except httpx.HTTPError as exc:
             log.warning("the kvgate server at %s could not be reached (%s): answering 503",
@@ -142,19 +273,20 @@ class TenantGuard:
         principal, token = await self.principal(authorization)
         return principal, await self.rewrite(principal, token, body)
 
-    async def rewrite(self, principal: Principal, token: str, body: bytes) -> bytes:
+    async def rewrite(self, principal: Principal, token: str | None, body: bytes, namespace: str | None = None) -> bytes:
         """Mint and rewrite for an already verified principal (the middleware verifies the token
         before it reads the body)."""
+        namespace = namespace or self.config.namespace
         try:
             doc: Any = json.loads(body or b"{}")
         except (ValueError, UnicodeError):
             raise BadRequest("the request body must be a JSON object") from None
         if not isinstance(doc, dict):
             raise BadRequest("the request body must be a JSON object")
-        cap, epoch, shared = await self.capability(principal, token)
+        cap, epoch, shared = await self.capability(principal, token, namespace)
         doc.pop("cache_salt", None)
         doc.pop("kv_transfer_params", None)
-        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, self.config.namespace, epoch, shared)
+        doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, namespace, epoch, shared)
         doc["kv_transfer_params"] = {CAPABILITY_PARAM: cap}
         return json.dumps(doc).encode()
 

@@ -6,16 +6,20 @@ path under ``/v1`` needs a valid bearer token (401 otherwise, before any of the 
 POST to an inference path
 (``guard.GUARDED_PATHS``) also gets a capability and the tenant's cache_salt in its body (403 if
 no capability can be minted, 400 for a body that is not a JSON object, 413 past the size limit).
-Other paths (``/health``, ``/metrics``) pass untouched. Answers are problem+json.
+Other paths (``/health``, ``/metrics``) pass untouched. Answers are problem+json. The tenant
+and namespace may come from a trusted gateway's headers (``TenantGuard.identify``); a tenant
+header from any other peer is a 403, audited.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 from gateway.vllm.errors import TenantRequestError
 from gateway.vllm.guard import GUARDED_PATHS, GuardConfig, TenantGuard, problem
+from gateway.vllm.peers import peer_of
 
 __all__ = ["KvgateMiddleware"]
 
@@ -23,16 +27,17 @@ Scope = dict[str, Any]
 
 
 class KvgateMiddleware:
-    def __init__(self, app: Any, guard: TenantGuard | None = None) -> None:
+    def __init__(self, app: Any, guard: TenantGuard | None = None, *, env: Mapping[str, str] | None = None) -> None:
         self.app = app
         self._guard = guard
+        self._env = env  # where the settings are read from (default: the process environment)
         self._lock = asyncio.Lock()
 
     async def guard(self) -> TenantGuard:
         if self._guard is None:
             async with self._lock:
                 if self._guard is None:
-                    self._guard = TenantGuard(GuardConfig.from_env())
+                    self._guard = await TenantGuard.open(GuardConfig.from_env(self._env))
         return self._guard
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
@@ -41,19 +46,16 @@ class KvgateMiddleware:
             return
         guard = await self.guard()
         headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1") or None
         try:
+            # the identity first: no body is read for a caller who is not authenticated
+            who = await guard.identify(peer_of(scope), headers)
             if scope["method"] == "POST" and scope["path"] in GUARDED_PATHS:
-                # the token first: no body is read for a caller who is not authenticated
-                principal, token = await guard.principal(auth)
                 body = await _read_body(receive, guard.config.max_body_bytes)
-                body = await guard.rewrite(principal, token, body)
+                body = await guard.rewrite(who.principal, who.token, body, who.namespace)
                 scope = dict(scope)
                 scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"transfer-encoding")]
                 scope["headers"].append((b"content-length", str(len(body)).encode()))
                 receive = _replay(body)
-            else:
-                await guard.principal(auth)
         except TenantRequestError as exc:
             await _answer(send, exc.status, exc.title, exc.detail)
             return
