@@ -102,6 +102,14 @@ class ConnectorConfig(BaseModel):
     # loads into a CPU cache go layer by layer: the forward starts on the first layers while the
     # rest load (gateway/vllm/layers.py); false: every layer is in before the forward starts
     layerwise_loads: bool = True
+    # prefill/decode disaggregation (vLLM's kv_role; gateway/vllm/handoff.py): a kv_producer
+    # stores and loads only with producer_loads, a kv_consumer loads and stores only with
+    # consumer_stores; a consumer waits at most handoff_wait_s for a receipt's store to be
+    # visible (polling every handoff_poll_s), then recomputes what it cannot load
+    producer_loads: bool = False
+    consumer_stores: bool = False
+    handoff_wait_s: float = Field(5.0, ge=0, le=600)
+    handoff_poll_s: float = Field(0.02, gt=0, le=10)
     trace_path: str | None = None
 
     @classmethod

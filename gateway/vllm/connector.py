@@ -12,10 +12,14 @@ reads its own copy, gathered before ``wait_for_save`` returns, so a finished or 
 request's blocks are freed at once. The tenant comes only from the capability in
 ``kv_transfer_params["kvgate_capability"]``; a refused capability, a miss, a failed tag or an
 unreachable gateway never fails a request: fewer hit tokens or failed blocks, which vLLM
-computes (hook by hook, and why stores copy: docs/architecture.md, section 5)."""
+computes (hook by hook, and why stores copy: docs/architecture.md, section 5). Roles follow
+``kv_role`` (``handoff.py``): a kv_producer's finished request returns a receipt and keeps its
+blocks until its store is durable (``get_finished`` reports it sent); a kv_consumer given a
+receipt waits for it, bounded, without holding up the scheduler's other requests."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -30,6 +34,7 @@ from gateway.vllm.backend import SHARED, Backend
 from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.counters import ConnectorCounters
 from gateway.vllm.errors import ConnectorConfigError
+from gateway.vllm.handoff import HandoffWaits, audit_refused_receipt, roles, submit_lookup
 from gateway.vllm.ledger import LoadOp, StoreOp
 from gateway.vllm.logs import Tracer, ensure_visible_logging
 from gateway.vllm.scheduler import (
@@ -99,6 +104,7 @@ class KvgateConnector(KVConnectorBase_V1):
             raise ConnectorConfigError(f"chunk_tokens ({chunk}) must be a multiple of vLLM's block size ({block_size})")
         mc = vllm_config.model_config
         model_name = str(config.model_name or mc.served_model_name or mc.model)
+        kv_role = self._kv_transfer_config.kv_role
         self.stats = ConnectorCounters()  # this side's lookups, loads and stores by outcome
         trace = Tracer(config.trace_path)
         self._expected = _scheduler_model(vllm_config, model_name, block_size, config.layout)
@@ -110,7 +116,14 @@ class KvgateConnector(KVConnectorBase_V1):
                 result = backend.loop.call(backend.lookup(cap, model, tokens))
                 return result.hit_tokens, result.degraded
 
-            self._scheduler = SchedulerSide(chunk, block_size, lookup, stats=self.stats, trace=trace)
+            loads, stores = roles(kv_role, producer_loads=config.producer_loads, consumer_stores=config.consumer_stores)
+            self._scheduler = SchedulerSide(
+                chunk, block_size, lookup, stats=self.stats, trace=trace, loads=loads, stores=stores,
+                receipts=kv_role == "kv_producer", deny=functools.partial(audit_refused_receipt, backend),
+                handoff=HandoffWaits(
+                    functools.partial(submit_lookup, backend, model), config.handoff_wait_s, config.handoff_poll_s,
+                ) if loads else None,
+            )
         else:
             self._worker = WorkerSide(
                 self._backend, chunk, block_size, model_name, layout=config.layout, stats=self.stats, trace=trace,
@@ -153,7 +166,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self.scheduler.load_errors(connector_output.invalid_block_ids or ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self.scheduler.finished(request.request_id)
+        return self.scheduler.finish(request.request_id, getattr(request, "kv_transfer_params", None))
 
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -183,7 +196,8 @@ class KvgateConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self.worker.finished(finished_req_ids)
-        return None, None
+        sent = self.worker.handoffs.durable(finished_req_ids)  # a producer's blocks, freed now
+        return sent or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()

@@ -16,7 +16,7 @@ from typing import Literal, get_args
 
 __all__ = ["EVENTS", "OK", "TOKEN_KINDS", "ConnectorCounters", "Event", "TokenKind"]
 
-Event = Literal["lookup", "load", "store"]
+Event = Literal["lookup", "load", "store", "handoff"]
 TokenKind = Literal["lookup_hit", "loaded", "stored"]
 EVENTS: tuple[Event, ...] = get_args(Event)
 TOKEN_KINDS: tuple[TokenKind, ...] = get_args(TokenKind)

@@ -16,6 +16,7 @@ is causal). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +44,7 @@ class StoreOp:
     capability: str
     tokens: list[int]  # block-aligned prefix to store (its last chunk may be partial)
     block_ids: list[int]  # its blocks, one per ``block_size`` tokens
+    store_id: str = ""  # a producer's hand-off store (the worker reports when it is durable)
 
 
 @dataclass(frozen=True)
@@ -66,14 +68,19 @@ class _Request:
     hit_tokens: int = 0
     covered: int = 0  # leading tokens kvgate holds (the lookup said so) or vLLM's cache supplied
     stored: bool = False
+    store_id: str = ""  # the hand-off store's id, once it is built
     load: tuple[int, int, list[int], int] | None = None  # (retrieve, load tokens, block ids, skip blocks), once
 
 
 class SchedulerLedger:
-    def __init__(self, chunk_tokens: int, block_size: int) -> None:
+    def __init__(self, chunk_tokens: int, block_size: int, *, stores: bool = True, handoff: bool = False) -> None:
+        """``stores``: requests store at all (not a kv_consumer's); ``handoff``: a producer's, each
+        store takes every full block of the prompt (the decode side loads them from the shared
+        tier, whatever this engine's own cache held) and gets a store id."""
         if chunk_tokens <= 0 or block_size <= 0 or chunk_tokens % block_size:
             raise ValueError("chunk_tokens must be a positive multiple of block_size")
         self.chunk, self.block = chunk_tokens, block_size
+        self.stores, self.handoff = stores, handoff
         self._reqs: dict[str, _Request] = {}
         # at the last lookup: (tokens the engine had computed, tokens kvgate said it holds)
         self._local: dict[str, tuple[int, int]] = {}
@@ -100,7 +107,8 @@ class SchedulerLedger:
         """After vLLM allocated blocks; ``num_external`` tokens come from kvgate (a load)."""
         req = self._reqs.get(req_id)
         if req is None:
-            req = self._reqs[req_id] = _Request(capability, list(prompt), self.lookup_limit(len(prompt)))
+            store = self.lookup_limit(len(prompt)) if self.stores else 0
+            req = self._reqs[req_id] = _Request(capability, list(prompt), store)
         local, found = self._local.pop(req_id, (0, 0))
         req.covered = max(local, found)
         if num_external > 0:
@@ -128,9 +136,12 @@ class SchedulerLedger:
             done = s.num_computed_tokens + s.num_scheduled_tokens
             if not req.stored and req.store_tokens and done >= req.store_tokens:
                 req.stored = True
-                if max(req.hit_tokens, req.covered) < req.store_tokens:  # else nothing new to store
+                if self.handoff or max(req.hit_tokens, req.covered) < req.store_tokens:  # else nothing new
                     n = req.store_tokens // self.block
-                    stores.append(StoreOp(s.req_id, req.capability, req.prompt[: req.store_tokens], req.block_ids[:n]))
+                    req.store_id = secrets.token_hex(16) if self.handoff else ""
+                    stores.append(StoreOp(
+                        s.req_id, req.capability, req.prompt[: req.store_tokens], req.block_ids[:n], req.store_id,
+                    ))
         return loads, stores
 
     def load_errors(self, invalid_block_ids: Iterable[int]) -> set[str]:
@@ -150,6 +161,11 @@ class SchedulerLedger:
                 self.failed_loads += 1
                 hit.add(req_id)
         return hit
+
+    def handoff_store(self, req_id: str) -> tuple[str, str, int] | None:
+        """(store id, capability, tokens) of the request's hand-off store, if one was built."""
+        req = self._reqs.get(req_id)
+        return None if req is None or not req.store_id else (req.store_id, req.capability, req.store_tokens)
 
     def finished(self, req_id: str) -> int | None:
         """Forget the request; its hit tokens (None if kvgate never tracked it)."""

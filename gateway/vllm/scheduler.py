@@ -10,7 +10,11 @@ test drives it with plain dataclasses of the same shape:
     allocated(request, block_ids, n)    update_state_after_alloc: the blocks a hit loads into
     build(steps)                        build_connector_meta: per request one load and one store
     load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed
-    finished(req_id)                    request_finished: kv_transfer_params {"kvgate": ...} out
+    finish(req_id, params)              request_finished: kv_transfer_params {"kvgate": ...} out,
+                                        and a producer's receipt (its blocks freed once durable)
+With a receipt in the request's params (``handoff``), ``matched_tokens`` answers None (vLLM asks
+again) while the receipt's store is not visible to the request's own capability, for at most
+the hand-off wait; a receipt of another tenant loads nothing and is audited (``deny``).
 The rules (which loads and stores a step carries, where a failed load cuts a store) are
 ``ledger.SchedulerLedger``'s."""
 
@@ -24,8 +28,10 @@ from typing import Any
 
 from gateway.errors import GatewayError
 from gateway.vllm.counters import OK, ConnectorCounters
+from gateway.vllm.handoff import OTHER_OWNER, RECEIPT_PARAM, HandoffWaits, Receipt, check, epoch_of, owner_tag
 from gateway.vllm.ledger import LoadOp, SchedulerLedger, StepRequest, StoreOp
 from gateway.vllm.logs import RateLimitedLogger, Tracer, miss_reason
+from tenancy.errors import CapabilityDenied
 
 __all__ = ["CAPABILITY_PARAM", "LookupFn", "RequestView", "SchedulerSide", "capability_of", "request_view", "step_requests"]
 
@@ -51,14 +57,18 @@ class RequestView:
     req_id: str
     prompt: list[int]
     capability: str | None
+    receipt: Any = None  # a producer's receipt, as the request carries it (not yet checked)
+    epoch: int | None = None  # the namespace epoch the request's capability was minted at
 
 
 def request_view(request: Any) -> RequestView:
     """A vLLM ``Request`` (request_id, prompt_token_ids, kv_transfer_params) as a RequestView."""
+    params = getattr(request, "kv_transfer_params", None)
+    receipt = params.get(RECEIPT_PARAM) if isinstance(params, Mapping) else None
     return RequestView(
-        request.request_id, list(request.prompt_token_ids or []),
-        capability_of(getattr(request, "kv_transfer_params", None)),
+        request.request_id, list(request.prompt_token_ids or []), capability_of(params), receipt, epoch_of(params),
     )
+
 
 
 def step_requests(scheduler_output: Any, tracked: Callable[[str], bool]) -> list[StepRequest]:
@@ -86,8 +96,16 @@ class SchedulerSide:
     def __init__(
         self, chunk_tokens: int, block_size: int, lookup: LookupFn, *, stats: ConnectorCounters | None = None,
         trace: Tracer | None = None, lookup_log_interval_s: float = 10.0,
+        loads: bool = True, stores: bool = True, receipts: bool = False, handoff: HandoffWaits | None = None,
+        deny: Callable[[str, str, str], None] | None = None,
     ) -> None:
-        self.ledger = SchedulerLedger(chunk_tokens, block_size)
+        """``loads``/``stores``: the role's (``handoff.roles``); ``receipts``: a producer's,
+        every store is a hand-off; ``handoff``: waits for receipts; ``deny(capability, req_id,
+        reason)``: audits a refused receipt."""
+        self.ledger = SchedulerLedger(chunk_tokens, block_size, stores=stores, handoff=receipts)
+        self.loads, self.receipts = loads, receipts
+        self.handoff = handoff
+        self._deny = deny
         self.block = block_size
         self._lookup = lookup
         self.stats = ConnectorCounters() if stats is None else stats
@@ -96,9 +114,10 @@ class SchedulerSide:
         self._lookup_log = RateLimitedLogger(log, interval_s=lookup_log_interval_s)
         self._mismatch_said = False
 
-    def matched_tokens(self, req: RequestView, num_computed_tokens: int) -> int:
-        """Tokens beyond ``num_computed_tokens`` that kvgate can load (whole blocks)."""
-        if req.capability is None or not req.prompt:
+    def matched_tokens(self, req: RequestView, num_computed_tokens: int) -> int | None:
+        """Tokens beyond ``num_computed_tokens`` that kvgate can load (whole blocks); None: not
+        known yet (a receipt's store is not visible yet), vLLM asks again at a later step."""
+        if req.capability is None or not req.prompt or not self.loads:
             return 0
         limit = self.ledger.lookup_limit(len(req.prompt))
         loadable = self.ledger.load_limit(len(req.prompt))
@@ -106,11 +125,18 @@ class SchedulerSide:
             self.ledger.looked_up(req.req_id, num_computed_tokens)
             return 0
         t0 = time.perf_counter()
-        try:
-            hit, reason = self._lookup(req.capability, req.prompt[:limit])
-        except (GatewayError, ValueError) as exc:  # refused, expired, unreachable: a miss
-            hit, reason = 0, miss_reason(exc)
-            self._state_mismatch(exc)
+        waited = self._receipt(req, limit) if req.receipt is not None and self.handoff is not None else False
+        if waited is None:
+            return None
+        if isinstance(waited, tuple):
+            hit, reason = waited
+        else:
+            try:
+                hit, reason = self._lookup(req.capability, req.prompt[:limit])
+            except (GatewayError, ValueError) as exc:  # refused, expired, unreachable: a miss
+                hit, reason = 0, miss_reason(exc)
+                self._state_mismatch(exc)
+
         self.stats.count("lookup", reason or OK)
         self.stats.tokens("lookup_hit", hit)
         if reason:
@@ -119,6 +145,40 @@ class SchedulerSide:
         hit -= hit % self.block
         self.ledger.looked_up(req.req_id, num_computed_tokens, hit)
         return max(0, min(hit, loadable) - num_computed_tokens)
+
+    def _receipt(self, req: RequestView, limit: int) -> tuple[int, str] | bool | None:
+        """A request that carries a receipt: None while its store is not visible (and the wait
+        has time left), (hit, reason) once it is or the wait is over; False: the receipt is not
+        waited for (malformed, stale epoch), an ordinary lookup follows; a receipt of another
+        tenant: (0, its reason), nothing is loaded and the denial is audited."""
+        assert self.handoff is not None and req.capability is not None
+        receipt, why = check(req.receipt, req.capability, req.epoch)
+        if receipt is None:
+            self._handoff_outcome(req, why, 0, 0.0)
+            if why != OTHER_OWNER:
+                return False
+            if self._deny is not None:
+                self._deny(req.capability, req.req_id, why)
+            return 0, why
+        first = not self.handoff.waiting(req.req_id)
+        got = self.handoff.poll(req.req_id, req.capability, req.prompt[:limit], min(receipt.tokens, limit))
+        if got is None:
+            if first:
+                self._trace("handoff_wait", req=req.req_id, tokens=receipt.tokens, store=receipt.store_id)
+            return None
+        hit, late, lookup_reason, waited_s = got
+        self._handoff_outcome(req, late, hit, waited_s, lookup_reason)
+        return hit, lookup_reason
+
+    def _handoff_outcome(self, req: RequestView, reason: str, hit: int, waited_s: float, detail: str = "") -> None:
+        """Count, trace and (when it falls short) log what became of a request's receipt."""
+        self.stats.count("handoff", reason or OK)
+        self._trace("handoff", req=req.req_id, hit_tokens=hit, reason=reason, detail=detail, ms=waited_s * 1e3)
+        if reason:
+            self._lookup_log.warning(
+                "kvgate hand-off for %s falls back to recompute (%s%s); %d tokens loadable",
+                req.req_id, reason, f": {detail}" if detail else "", hit,
+            )
 
     def _state_mismatch(self, exc: BaseException) -> None:
         """A capability whose MAC does not verify here was minted against other kvgate state:
@@ -158,5 +218,26 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         """Forget the request; the kv_transfer_params it returns (None if kvgate never tracked it)."""
+        return self.finish(req_id)[1]
+
+    def finish(self, req_id: str, kv_transfer_params: Any = None) -> tuple[bool, dict[str, Any] | None]:
+        """Forget the request: (whether its blocks wait for a hand-off store, the kv_transfer_params
+        it returns, with a producer's receipt)."""
+        if self.handoff is not None:
+            self.handoff.forget(req_id)
+        store = self.ledger.handoff_store(req_id) if self.receipts else None
         hit = self.ledger.finished(req_id)
-        return None if hit is None else {"kvgate": {"hit_tokens": hit}}
+        if hit is None:
+            return False, None
+        params: dict[str, Any] = {"kvgate": {"hit_tokens": hit}}
+        if store is None:
+            return False, params
+        store_id, capability, tokens = store
+        try:
+            owner = owner_tag(capability)
+        except CapabilityDenied:  # a token that does not parse stored nothing: no receipt
+            return True, params
+        receipt = Receipt(store_id, owner, -(-tokens // self.ledger.chunk), tokens, epoch_of(kv_transfer_params))
+        params[RECEIPT_PARAM] = receipt.params()
+        self._trace("receipt", req=req_id, store=store_id, tokens=tokens)
+        return True, params

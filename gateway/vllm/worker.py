@@ -31,6 +31,7 @@ from gateway.types import KVModel, RetrieveResult, StoreResult
 from gateway.vllm.backend import Backend
 from gateway.vllm.counters import LAYER_HOOKS_MISSED, OK, STORE_CUT, STORE_DROPPED, ConnectorCounters
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
+from gateway.vllm.handoff import HandoffStores, durable_store
 from gateway.vllm.inflight import InFlight, StagingPool
 from gateway.vllm.layers import LayerLoads
 from gateway.vllm.ledger import LoadOp, StoreOp, WorkerLedger
@@ -61,6 +62,7 @@ class WorkerSide:
         self.model: KVModel | None = None
         self._load_errors: set[int] = set()
         self.in_flight: InFlight[StoreResult] = InFlight(max_in_flight_bytes)
+        self.handoffs = HandoffStores()  # a producer's stores, reported to vLLM once durable
         self._pool: StagingPool | None = None
         self._layers = LayerLoads(layerwise, wait_s=backend.loop.timeout_s + backend.loop.settle_s + 5.0)
 
@@ -227,6 +229,8 @@ class WorkerSide:
             if cut < len(op.tokens):  # a load of this request (or of these blocks) failed
                 self.stats.count("store", STORE_CUT)
                 self._trace("store_cut", req=op.req_id, tokens=len(op.tokens), cut_tokens=cut)
+            if op.store_id:  # a hand-off: until its store ends (or none is made), the blocks wait
+                self.handoffs.submitted(op.req_id, None)
             if not cut:
                 self._trace("store", req=op.req_id, tokens=0, stored_chunks=0, ms=0.0, reason="")
                 continue
@@ -255,8 +259,12 @@ class WorkerSide:
                 in_flight=len(self.in_flight) + 1, in_flight_bytes=self.in_flight.nbytes + nbytes,
             )
             store = self._backend.store(op.capability, model, op.tokens[:cut], compact, range(len(ids)))
+            if op.store_id:
+                store = durable_store(self._backend, store)
             future = self._backend.loop.submit(self._traced(op.req_id, cut, t0, store, ready))
             self.in_flight.add(future, nbytes, functools.partial(self._store_ended, op.req_id, buf))
+            if op.store_id:
+                self.handoffs.submitted(op.req_id, future)
 
     async def _traced(
         self, req_id: str, tokens: int, t0: float, store: Awaitable[StoreResult], ready: Any = None,
