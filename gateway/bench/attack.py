@@ -12,7 +12,12 @@ a fresh prompt (untimed), so only whether the probe shares its prefix differs.
 Targets: ``shared-baseline`` (kvgate with isolation off, ``baselines.shared_tenant_runtime``;
 expected p tiny), ``kvgate`` (as shipped: B's storage keys are HMACs under B's namespace secret,
 so both kinds of prompt miss alike; expected p >= 0.01), ``same-tenant-control`` (the victim times
-its own prompts, the positive control; p tiny). Design notes: docs/architecture.md, section 5."""
+its own prompts, the positive control; p tiny). ``kvgate-published`` and
+``same-tenant-control-published`` are the last two with a sharing scope of both tenants, a prefix
+published into it and warmed by its publisher, and capabilities that list the scope: every prompt
+starts with the published prefix (its first chunk), so both kinds of probe load the prefix and differ
+only in the victim's private part; the attacker's load of the prefix alone is checked first
+(``published_hit_tokens``). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -32,18 +37,20 @@ from gateway.bench.baselines import shared_tenant_runtime
 from gateway.config import Settings
 from gateway.services import dbschema
 from gateway.services.core import KVModel
-from gateway.services.runtime import open_embedded
+from gateway.services.prefixes import chain_from_digest
+from gateway.services.runtime import EmbeddedRuntime, open_embedded
 from kernels.layouts import KVGeometry, KVLayout
 from storage.base import Tier
 from storage.memory import MemoryTier
 
 __all__ = ["TARGETS", "AttackResult", "run_attack", "run_attacks"]
 
-TARGETS = ("shared-baseline", "kvgate", "same-tenant-control")
+TARGETS = ("shared-baseline", "kvgate", "same-tenant-control", "kvgate-published", "same-tenant-control-published")
 # a small model so 500 samples of long prompts fit in seconds: 2 KiB of KV per token
 ATTACK_GEOMETRY = KVGeometry(4, 2, 64, torch.float16, 16, KVLayout.KV_FIRST)
 ATTACK_MODEL = KVModel("bench-attack-model", ATTACK_GEOMETRY)
 _SHARED = "shared-pseudo-tenant"
+_SCOPE = "attack-scope"
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +61,8 @@ class AttackResult:
     samples: int  # per class (hit and miss each)
     hit_median_ms: float
     miss_median_ms: float
-    direct_hits: int  # hit probes whose RetrieveResult itself reported loaded tokens
+    direct_hits: int  # hit probes whose RetrieveResult itself reported loaded tokens beyond a published prefix
+    published_hit_tokens: int | None = None  # the attacker's load of the published prefix (published targets)
 
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -91,10 +99,6 @@ async def run_attack(
     try:
         for t in ("tenant-a", "tenant-b"):
             await rt.admin.create_tenant(t)
-        victim = await rt.gateway.mint_capability("tenant-a", "default", ["put", "get", "lookup"], 600)
-        attacker_tenant = "tenant-a" if target == "same-tenant-control" else "tenant-b"
-        attacker = await rt.gateway.mint_capability(attacker_tenant, "default", ["get", "lookup"], 600)
-
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
         blocks_n = -(-prompt_tokens // g.block_size)
@@ -103,8 +107,22 @@ async def run_attack(
         blocks = list(range(blocks_n))
         shared = int(prompt_tokens * shared_fraction)
 
+        # published targets: every prompt starts with the published prefix (one chunk), so hit and
+        # miss probes both load it and differ only in the victim's private part
+        published = target.endswith("-published")
+        lead = chunk_tokens if published else 0
+        if published and prompt_tokens < 2 * chunk_tokens:
+            raise ValueError(f"a published target needs prompts of at least {2 * chunk_tokens} tokens")
+        prefix = [rng.randrange(32000) for _ in range(lead)]
+
         def fresh() -> list[int]:
-            return [rng.randrange(32000) for _ in range(prompt_tokens)]
+            return prefix + [rng.randrange(32000) for _ in range(prompt_tokens - lead)]
+
+        if published:  # before the capabilities are minted, so that they list the scope
+            await _publish_and_warm(rt, prefix, src, blocks[: -(-lead // g.block_size)], chunk_tokens)
+        victim = await rt.gateway.mint_capability("tenant-a", "default", ["put", "get", "lookup"], 600)
+        attacker_tenant = "tenant-a" if target.startswith("same-tenant-control") else "tenant-b"
+        attacker = await rt.gateway.mint_capability(attacker_tenant, "default", ["get", "lookup"], 600)
 
         async def probe(prompt: list[int]) -> tuple[int, int]:
             t0 = time.perf_counter_ns()
@@ -112,6 +130,11 @@ async def run_attack(
             res = await rt.gateway.retrieve(attacker, ATTACK_MODEL, prompt, dst, block_ids=blocks)
             return time.perf_counter_ns() - t0, res.loaded_tokens
 
+        published_hit: int | None = None
+        if published:  # the scope is live for the attacker: the published prefix loads
+            _, published_hit = await probe(prefix)
+            if published_hit != lead:
+                raise RuntimeError(f"the attacker loaded {published_hit} tokens of the published prefix")
         # warm-up: staging buffers, key caches, the first namespace derivations
         for _ in range(5):
             p = fresh()
@@ -130,7 +153,7 @@ async def run_attack(
             candidate = victim_prompt[:shared] + fresh()[shared:] if is_hit else fresh()
             ns, loaded = await probe(candidate)
             (hits if is_hit else misses).append(ns)
-            if is_hit and loaded:
+            if is_hit and loaded > lead:
                 direct += 1
         p_value = float(ks_2samp(hits, misses, alternative="less").pvalue)
         return AttackResult(
@@ -141,6 +164,7 @@ async def run_attack(
             hit_median_ms=round(sorted(hits)[len(hits) // 2] / 1e6, 4),
             miss_median_ms=round(sorted(misses)[len(misses) // 2] / 1e6, 4),
             direct_hits=direct,
+            published_hit_tokens=published_hit,
         )
     finally:
         await rt.aclose()
@@ -150,6 +174,21 @@ async def run_attack(
             shutil.rmtree(state, ignore_errors=True)
 
 
+async def _publish_and_warm(
+    rt: EmbeddedRuntime, prefix: list[int], kv: list[torch.Tensor], blocks: list[int], chunk_tokens: int,
+) -> None:
+    """A scope of both tenants, ``prefix`` published into it and stored by a worker holding the
+    publish answer's capability, as an operator's warm-up does (docs/prefixes.md)."""
+    await rt.prefixes.create_scope(_SCOPE, members=["tenant-a", "tenant-b"])
+    pub = await rt.prefixes.publish(_SCOPE, ATTACK_MODEL.name, prefix)
+    digest = ATTACK_MODEL.fingerprint_digest
+    raw = b"".join(t.to_bytes(4, "little") for t in prefix)
+    await rt.prefixes.warm(pub.capability, pub.publication.id, digest, chain_from_digest(digest, raw, chunk_tokens))
+    res = await rt.gateway.store(pub.capability, ATTACK_MODEL, prefix, kv, block_ids=blocks)
+    if res.stored != pub.whole_chunks:
+        raise RuntimeError(f"the warm-up stored {res.stored} of {pub.whole_chunks} published chunks")
+
+
 async def run_attacks(*, samples: int = 250, prompt_tokens: int = 4096, seed: int = 0) -> list[AttackResult]:
-    """The three targets in turn, each in a fresh runtime."""
+    """Every target in turn, each in a fresh runtime."""
     return [await run_attack(t, samples=samples, prompt_tokens=prompt_tokens, seed=seed + i) for i, t in enumerate(TARGETS)]

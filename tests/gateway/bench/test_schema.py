@@ -35,9 +35,31 @@ async def test_attack_p_values_are_ordered(tmp_path):
     assert best > 1e4 * max(baseline.p_value, control.p_value)  # the ordering, with a wide margin
 
 
+async def test_attack_with_published_prefixes_present_stays_blind(tmp_path):
+    """Attacker and victim share a scope with a published, warmed prefix that every prompt starts
+    with: the attacker loads the published prefix (the scope is live), yet its probes of the
+    victim's private continuations time like its own misses (p >= 0.01, best of up to three runs
+    as above), while the victim timing its own prompts beside the same scope is still detected."""
+    control = await run_attack("same-tenant-control-published", samples=60, prompt_tokens=1024, base=tmp_path)
+    assert control.p_value < 1e-6 and control.direct_hits == 60, control
+    assert control.published_hit_tokens == 256, control  # one chunk of the server's 256
+    best = 0.0
+    for seed in range(3):
+        ours = await run_attack("kvgate-published", samples=60, prompt_tokens=1024, base=tmp_path, seed=seed)
+        assert ours.published_hit_tokens == 256, ours  # the attacker does read the scope
+        assert ours.direct_hits == 0, ours  # and never beyond it into the victim's prompts
+        best = max(best, ours.p_value)
+        if best >= 0.01:
+            break
+    assert best >= 0.01, best
+    assert best > 1e4 * control.p_value
+
+
 async def test_attack_rejects_unknown_target(tmp_path):
     with pytest.raises(ValueError):
         await run_attack("nobody", samples=2, base=tmp_path)
+    with pytest.raises(ValueError):  # a published target's prompts: the published chunk and a private one
+        await run_attack("kvgate-published", samples=2, prompt_tokens=256, base=tmp_path)
 
 
 def test_jain_index():
@@ -81,10 +103,12 @@ def test_quick_bench_json_schema(tmp_path):
     if not data["lmcache"].get("skipped"):
         assert data["comparisons"], data["lmcache"]
     attacks = {a["target"]: a for a in data["attacks"]}
-    assert set(attacks) == {"kvgate", "shared-baseline", "same-tenant-control"}
+    assert set(attacks) == {"kvgate", "shared-baseline", "same-tenant-control", "kvgate-published", "same-tenant-control-published"}
     for a in attacks.values():
         assert isinstance(a["name"], str) and isinstance(a["p_value"], float) and a["samples"] >= 60
     assert attacks["shared-baseline"]["p_value"] < 1e-6 and attacks["same-tenant-control"]["p_value"] < 1e-6
+    assert attacks["same-tenant-control-published"]["p_value"] < 1e-6
+    assert attacks["kvgate-published"]["published_hit_tokens"] == 256 and attacks["kvgate-published"]["direct_hits"] == 0
     assert [c["tenants"] for c in data["concurrency"]] == [2, 4]
     for c in data["concurrency"]:
         assert 0 < c["store"]["jain_fairness"] <= 1 and c["load"]["aggregate_gbps"] > 0
