@@ -8,11 +8,11 @@ view, ``recv_into``, then switched back).
 It keeps h11's books right: bytes read here are taken off its ``ContentLengthReader``, and the
 buffer handed to the kernel is never larger than what is left of the body, so the request still
 ends at its ``Content-Length`` and a pipelined request after it stays in the socket; once the body
-is read, uvicorn is told. A client that goes away mid-body is a ``ClientGone``; a body that stops
-arriving for ``timeout_s`` a 408. ``gatekeeper.bounded_h11`` (uvicorn's h11 protocol) offers it
-in the scope's extensions (``kvgate.raw_body``) for a ``Content-Length`` body on a plain (not TLS)
-socket; a route that wants it (``PUT /v1/chunks``) takes it from there, any other reads through
-ASGI. It reads h11's private state: docs/server.md ("Raw paths") says why, and h11 is pinned.
+is read, uvicorn is told (a body that ended unread is read from what uvicorn holds). A client gone
+mid-body is a ``ClientGone``; a body that stops arriving for ``timeout_s`` a 408. The server's
+protocol (``gatekeeper.bounded_h11``) offers it (scope extension ``kvgate.raw_body``) for a
+``Content-Length`` body on a plain (not TLS) socket; ``PUT /v1/chunks`` takes it, any other route
+reads through ASGI. It reads h11's private state: docs/server.md ("Raw paths") says why.
 """
 
 from __future__ import annotations
@@ -76,12 +76,20 @@ class RawBody:
         reader = getattr(self._p.conn, "_reader", None)
         return reader if isinstance(reader, h11._readers.ContentLengthReader) else None
 
+    def _readable(self) -> bool:
+        """Whether the body can still be read here: h11 is reading it, or it has read all of it
+        (uvicorn saw its end) and what is left of it waits in the cycle."""
+        cycle = self._p.cycle
+        if cycle is None or cycle.disconnected:
+            return False
+        return self._reader() is not None or not cycle.more_body
+
     def left(self) -> int:
         """Body bytes not yet read (through ASGI or here); 0 where this cannot read them."""
-        reader, cycle = self._reader(), self._p.cycle
-        if reader is None or cycle is None or cycle.disconnected:
+        if not self._readable():
             return 0
-        return int(reader._remaining) + len(cycle.body)
+        reader = self._reader()
+        return (int(reader._remaining) if reader is not None else 0) + len(self._p.cycle.body)
 
     async def readinto(self, view: memoryview) -> None:
         """Fill all of ``view`` with the next body bytes: ``ClientGone`` where the client went
@@ -89,7 +97,7 @@ class RawBody:
         view = view.cast("B")
         n = view.nbytes
         p, cycle, reader = self._p, self._p.cycle, self._reader()
-        if cycle is None or cycle.disconnected or reader is None:
+        if not self._readable():
             raise ClientGone("the client went away inside the body")
         if n > self.left():
             raise BadFrame("the body ends inside the frame")
@@ -104,6 +112,8 @@ class RawBody:
             view[:k] = cycle.body[:k]
             del cycle.body[:k]
             filled = k
+        if reader is None:  # the body ended while nobody read it: all of the rest was in the cycle
+            return
         # 2. what h11 holds of the body
         buf = p.conn._receive_buffer
         k = min(n - filled, len(buf._data), reader._remaining)
@@ -171,7 +181,9 @@ def offer_raw_body(protocol: Any, timeout_s: float) -> None:
         return
     if not isinstance(getattr(conn, "_reader", None), h11._readers.ContentLengthReader):
         return
-    if not isinstance(getattr(cycle, "body", None), bytearray) or not hasattr(cycle, "waiting_for_100_continue"):
+    if not isinstance(getattr(cycle, "body", None), bytearray):
+        return
+    if not all(hasattr(cycle, a) for a in ("more_body", "waiting_for_100_continue")):
         return
     extensions = scope.setdefault("extensions", {})
     if isinstance(extensions, dict):

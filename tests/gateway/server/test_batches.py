@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import threading
 import time
 from urllib.parse import urlsplit
 
@@ -410,4 +411,111 @@ async def test_a_tier_failing_mid_batch_refuses_it_whole_and_removes_what_it_sto
             r = await put_batch(http, hdr, frame(items))
             assert r.status_code == 204, r.text
             assert await stored(http, hdr, hashes) == [True] * 3
+            assert await fetch(http, hdr, hashes) == [(h, frames.OK, e) for h, e in items]
+
+
+
+async def _answer(rd: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One response off a raw connection: its head and its (Content-Length) body."""
+    head = await asyncio.wait_for(rd.readuntil(b"\r\n\r\n"), 30)
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")), 0)
+    return head, await asyncio.wait_for(rd.readexactly(length), 30)
+
+
+async def _lookup_on(live: LiveServer, rd: asyncio.StreamReader, w: asyncio.StreamWriter, hdr: dict[str, str], hashes: list[str]) -> int:
+    """``POST /v1/lookup`` on a connection kept open: the hit count (the answer must be a 200)."""
+    look = json.dumps({"hashes": hashes}).encode()
+    w.write(_request_head(live, "POST", "/v1/lookup", hdr, len(look), "application/json") + look)
+    await w.drain()
+    head, body = await _answer(rd)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return int(json.loads(body)["hit_chunks"])
+
+
+async def test_an_upload_to_a_namespace_the_mint_did_not_make_arrives_whole(live_server: LiveServer):
+    """A capability minted without its namespace made (``access.mint`` alone, as the mint answers
+    during a KEK outage): the upload makes it, between reading the frame's index and reading the
+    envelopes, and the envelopes, sent just after the index as a worker sends them, arrive
+    meanwhile. Every upload is stored bit for bit, and the connection serves the next request."""
+    live = live_server
+    u = urlsplit(live.base_url)
+    assert u.hostname is not None and u.port is not None
+    async with live.client() as http:
+        tenant = await live.create_tenant(http)
+        token = live.worker_token(tenant)
+        for k in range(5):
+            cap = await live.call(live.runtime.access.mint, tenant, f"fresh{k}", ["lookup", "get", "put"], 600)
+            hdr = live.headers(token, cap)
+            items = [(random_hash(), fake_envelope(n)) for n in (20_000, 9_000)]
+            hashes = [h for h, _e in items]
+            body = frame(items)
+            cut = frames.HEAD + len(items) * frames.INDEX_ITEM
+            rd, w = await asyncio.open_connection(u.hostname, u.port)
+            try:
+                w.write(_request_head(live, "PUT", "/v1/chunks", hdr, len(body), BATCH) + body[:cut])
+                await w.drain()
+                await asyncio.sleep(0.001)
+                w.write(body[cut:])
+                await w.drain()
+                head, _body = await _answer(rd)
+                assert head.startswith(b"HTTP/1.1 204"), head
+                assert await _lookup_on(live, rd, w, hdr, hashes) == 2
+            finally:
+                w.close()
+            assert await fetch(http, hdr, hashes) == [(h, frames.OK, e) for h, e in items]
+
+
+@pytest.mark.parametrize("case", ["ended", "paused", "split"])
+async def test_envelopes_that_arrive_while_the_upload_is_opened_are_all_read(
+    live_server: LiveServer, monkeypatch: pytest.MonkeyPatch, case: str,
+):
+    """The server is held between reading the frame's index and reading its envelopes (opening
+    the upload, as a namespace made on first use or a slow dependency holds it) while the client
+    sends the envelopes: ``ended``, all of them arrive (the body ends with nobody reading it);
+    ``paused``, more than the server buffers (it stops reading the socket); ``split``, half of
+    them, the rest after. Each upload is stored bit for bit and the connection serves the next
+    request; the positive control is the same upload with no hold."""
+    from gateway.chunks import batches
+
+    live = live_server
+    entered, release = threading.Event(), threading.Event()
+    real = batches.open_upload
+
+    async def held(*args, **kw):
+        entered.set()
+        while not release.is_set():
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.1)  # what the client sent meanwhile is received before the upload goes on
+        return await real(*args, **kw)
+
+    u = urlsplit(live.base_url)
+    assert u.hostname is not None and u.port is not None
+    sizes = {"ended": (20_000, 9_000), "paused": (3 << 20, 100), "split": (200_000, 50_000)}[case]
+    async with live.client() as http:
+        _a, hdr = await _setup(live, http)
+        for hold in (False, True):
+            monkeypatch.setattr(batches, "open_upload", held if hold else real)
+            entered.clear()
+            release.clear()
+            items = [(random_hash(), fake_envelope(n)) for n in sizes]
+            hashes = [h for h, _e in items]
+            body = frame(items)
+            cut = frames.HEAD + len(items) * frames.INDEX_ITEM
+            now = len(body) if case != "split" else cut + (len(body) - cut) // 2
+            rd, w = await asyncio.open_connection(u.hostname, u.port)
+            try:
+                w.write(_request_head(live, "PUT", "/v1/chunks", hdr, len(body), BATCH) + body[:cut])
+                await w.drain()
+                if hold:
+                    assert await _until(entered.is_set)  # the index is read; the envelopes are not
+                w.write(body[cut:now])  # not drained: a held server may not take all of it yet
+                await asyncio.sleep(0.05)
+                release.set()
+                w.write(body[now:])
+                await w.drain()
+                head, _body = await _answer(rd)
+                assert head.startswith(b"HTTP/1.1 204"), (hold, head)
+                assert await _lookup_on(live, rd, w, hdr, hashes) == 2
+            finally:
+                w.close()
             assert await fetch(http, hdr, hashes) == [(h, frames.OK, e) for h, e in items]
