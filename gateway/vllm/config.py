@@ -102,6 +102,10 @@ class ConnectorConfig(BaseModel):
     # loads into a CPU cache go layer by layer: the forward starts on the first layers while the
     # rest load (gateway/vllm/layers.py); false: every layer is in before the forward starts
     layerwise_loads: bool = True
+    # of a hit, how much is loaded (gateway/vllm/policy.py): always all of it; adaptive: none, a
+    # prefix or all, whichever the measured load and prefill times expect to reach the first token
+    # soonest; recompute: none (the hit is still looked up, and not stored again)
+    load_policy: Literal["always", "adaptive", "recompute"] = "always"
     # prefill/decode disaggregation (vLLM's kv_role; gateway/vllm/handoff.py): a kv_producer
     # stores and loads only with producer_loads, a kv_consumer loads and stores only with
     # consumer_stores; a consumer waits at most handoff_wait_s for a receipt's store to be

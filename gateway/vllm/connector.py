@@ -5,7 +5,8 @@ process's backend (``backend.SHARED.acquire``) and hands every hook to the side 
 ``scheduler.SchedulerSide`` (lookups, load and store plans, failed-load bookkeeping) or
 ``worker.WorkerSide`` (the KV cache, loads, stores, load errors); ``get_kv_connector_stats`` and
 ``shutdown`` go to both. Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no
-asynchronous sends or receives, no KV events, no handshake, no worker metadata. Invariants:
+asynchronous sends or receives, no KV events, no handshake; the worker metadata is the step's
+measured loads, for the scheduler side's load policy (``policy.py``). Invariants:
 a chunk is stored only from KV the engine computed or kvgate authenticated for that request
 ("A cache never makes an answer wrong", docs/architecture.md, section 1; ``ledger.py``). A store
 reads its own copy, gathered before ``wait_for_save`` returns, so a finished or preempted
@@ -37,13 +38,14 @@ from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.handoff import HandoffWaits, audit_refused_receipt, roles, submit_lookup
 from gateway.vllm.ledger import LoadOp, StoreOp
 from gateway.vllm.logs import Tracer, ensure_visible_logging
+from gateway.vllm.policy import LoadPolicy, LoadTimings, step_work
 from gateway.vllm.scheduler import (
     CAPABILITY_PARAM,
     SchedulerSide,
     request_view,
     step_requests,
 )
-from gateway.vllm.stats import KvgateConnectorStats, KvgatePromMetrics
+from gateway.vllm.stats import KvgateConnectorStats, KvgatePromMetrics, KvgateWorkerMeta
 from gateway.vllm.worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -106,7 +108,8 @@ class KvgateConnector(KVConnectorBase_V1):
         model_name = str(config.model_name or mc.served_model_name or mc.model)
         kv_role = self._kv_transfer_config.kv_role
         self.stats = ConnectorCounters()  # this side's lookups, loads and stores by outcome
-        trace = Tracer(config.trace_path)
+        trace = Tracer(config.trace_path) if role == KVConnectorRole.SCHEDULER else LoadTimings(config.trace_path)
+        self._load_timings = trace if isinstance(trace, LoadTimings) else None
         self._expected = _scheduler_model(vllm_config, model_name, block_size, config.layout)
         if role == KVConnectorRole.SCHEDULER:
             model = self._expected
@@ -117,8 +120,9 @@ class KvgateConnector(KVConnectorBase_V1):
                 return result.hit_tokens, result.degraded
 
             loads, stores = roles(kv_role, producer_loads=config.producer_loads, consumer_stores=config.consumer_stores)
+            policy = LoadPolicy(config.load_policy, chunk, path=config.mode)
             self._scheduler = SchedulerSide(
-                chunk, block_size, lookup, stats=self.stats, trace=trace, loads=loads, stores=stores,
+                chunk, block_size, lookup, stats=self.stats, trace=trace, policy=policy, loads=loads, stores=stores,
                 receipts=kv_role == "kv_producer", deny=functools.partial(audit_refused_receipt, backend),
                 handoff=HandoffWaits(
                     functools.partial(submit_lookup, backend, model), config.handoff_wait_s, config.handoff_poll_s,
@@ -160,10 +164,13 @@ class KvgateConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         side = self.scheduler
         loads, stores = side.build(step_requests(scheduler_output, side.tracked))
+        side.policy.step_built(step_work(scheduler_output, loads=bool(loads)))
         return KvgateMetadata(loads=loads, stores=stores)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.load_errors(connector_output.invalid_block_ids or ())
+        meta = connector_output.kv_connector_worker_meta
+        self.scheduler.policy.step_ended(meta.loads if isinstance(meta, KvgateWorkerMeta) else ())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finish(request.request_id, getattr(request, "kv_transfer_params", None))
@@ -201,6 +208,10 @@ class KvgateConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KvgateWorkerMeta | None:
+        loads = self._load_timings.take() if self._load_timings is not None else []
+        return KvgateWorkerMeta(loads=loads) if loads else None
 
     # -- both ---------------------------------------------------------------------------------
     def get_kv_connector_stats(self) -> KvgateConnectorStats | None:

@@ -3,9 +3,10 @@
 A lookup, a load or a store is counted with its outcome: ``ok`` or the reason it fell short (a
 miss reason of ``gateway.vllm.logs.miss_reason``, or one of the connector's own: a store cut
 after a failed load, dropped past the in-flight cap, a layer-wise load whose hooks were missed).
-Tokens are counted by kind (hit on lookup, loaded, stored). ``take`` hands over what was counted
-since the last call, as plain data that vLLM carries from the workers to its logger process
-(``gateway.vllm.stats`` wraps it in vLLM's ``KVConnectorStats``).
+A load-or-recompute choice is counted as a ``decision`` with its reason (``gateway.vllm.policy``).
+Tokens are counted by kind (hit on lookup, loaded, stored, declined: hit tokens recomputed).
+``take`` hands over what was counted since the last call, as plain data that vLLM carries from the
+workers to its logger process (``gateway.vllm.stats`` wraps it in vLLM's ``KVConnectorStats``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Literal, get_args
 
 __all__ = ["EVENTS", "OK", "TOKEN_KINDS", "ConnectorCounters", "Event", "TokenKind"]
 
-Event = Literal["lookup", "load", "store", "handoff"]
-TokenKind = Literal["lookup_hit", "loaded", "stored"]
+Event = Literal["lookup", "load", "store", "handoff", "decision"]
+TokenKind = Literal["lookup_hit", "loaded", "stored", "declined"]
 EVENTS: tuple[Event, ...] = get_args(Event)
 TOKEN_KINDS: tuple[TokenKind, ...] = get_args(TokenKind)
 OK = "ok"
@@ -63,9 +64,9 @@ class ConnectorCounters:
             return self._tokens[kind]
 
     def failures(self) -> dict[tuple[Event, str], int]:
-        """Every outcome but ``ok``, with its total."""
+        """Every outcome but ``ok`` (a decision's reason is none), with its total."""
         with self._lock:
-            return {k: n for k, n in self._events.items() if k[1] != OK and n}
+            return {k: n for k, n in self._events.items() if k[1] != OK and k[0] != "decision" and n}
 
     def take(self) -> dict[str, int]:
         """What was counted since the last call (``event/outcome`` and ``tokens/kind`` keys),

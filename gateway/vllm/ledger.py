@@ -114,8 +114,10 @@ class SchedulerLedger:
         if num_external > 0:
             total = local + num_external
             req.hit_tokens = total
-            # retrieve what the lookup found (the chunks as stored), load ``total`` of it
-            req.load = (max(found, total), total, list(block_ids), local // self.block)
+            # retrieve the chunks as stored that ``total`` reaches into (all the lookup found
+            # for a whole hit, fewer for a prefix of it), load ``total`` of them
+            retrieve = max(total, min(found, -(-total // self.chunk) * self.chunk))
+            req.load = (retrieve, total, list(block_ids), local // self.block)
 
     # -- one step -----------------------------------------------------------------------------
     def build(self, step: Iterable[StepRequest]) -> tuple[list[LoadOp], list[StoreOp]]:

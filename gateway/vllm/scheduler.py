@@ -6,7 +6,7 @@ test drives it with plain dataclasses of the same shape:
     matched_tokens(request, computed)   get_num_new_matched_tokens: a lookup of the prompt's full
                                         blocks, loadable up to the block before its last token; no
                                         capability: 0, no lookup; refused, outage or timeout: 0
-                                        (a counted, logged miss)
+                                        (a counted, logged miss); of a hit, what ``policy`` loads
     allocated(request, block_ids, n)    update_state_after_alloc: the blocks a hit loads into
     build(steps)                        build_connector_meta: per request one load and one store
     load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed
@@ -31,6 +31,7 @@ from gateway.vllm.counters import OK, ConnectorCounters
 from gateway.vllm.handoff import OTHER_OWNER, RECEIPT_PARAM, HandoffWaits, Receipt, check, epoch_of, owner_tag
 from gateway.vllm.ledger import LoadOp, SchedulerLedger, StepRequest, StoreOp
 from gateway.vllm.logs import RateLimitedLogger, Tracer, miss_reason
+from gateway.vllm.policy import LoadPolicy
 from tenancy.errors import CapabilityDenied
 
 __all__ = ["CAPABILITY_PARAM", "LookupFn", "RequestView", "SchedulerSide", "capability_of", "request_view", "step_requests"]
@@ -95,7 +96,7 @@ def step_requests(scheduler_output: Any, tracked: Callable[[str], bool]) -> list
 class SchedulerSide:
     def __init__(
         self, chunk_tokens: int, block_size: int, lookup: LookupFn, *, stats: ConnectorCounters | None = None,
-        trace: Tracer | None = None, lookup_log_interval_s: float = 10.0,
+        trace: Tracer | None = None, lookup_log_interval_s: float = 10.0, policy: LoadPolicy | None = None,
         loads: bool = True, stores: bool = True, receipts: bool = False, handoff: HandoffWaits | None = None,
         deny: Callable[[str, str, str], None] | None = None,
     ) -> None:
@@ -106,6 +107,7 @@ class SchedulerSide:
         self.loads, self.receipts = loads, receipts
         self.handoff = handoff
         self._deny = deny
+        self.policy = LoadPolicy("always", chunk_tokens) if policy is None else policy
         self.block = block_size
         self._lookup = lookup
         self.stats = ConnectorCounters() if stats is None else stats
@@ -144,7 +146,16 @@ class SchedulerSide:
         self._trace("lookup", req=req.req_id, hit_tokens=hit, reason=reason, ms=(time.perf_counter() - t0) * 1e3)
         hit -= hit % self.block
         self.ledger.looked_up(req.req_id, num_computed_tokens, hit)
-        return max(0, min(hit, loadable) - num_computed_tokens)
+        n = max(0, min(hit, loadable) - num_computed_tokens)
+        return self._decide(req, num_computed_tokens, n) if n else 0
+
+    def _decide(self, req: RequestView, num_computed_tokens: int, hit: int) -> int:
+        """Of ``hit`` loadable tokens, those the policy loads; the choice traced and counted."""
+        d = self.policy.decide(req.req_id, len(req.prompt), num_computed_tokens, hit)
+        self.stats.count("decision", d.reason)
+        self.stats.tokens("declined", hit - d.tokens)
+        self._trace("decision", req=req.req_id, hit_tokens=hit, **d.trace_fields())
+        return d.tokens
 
     def _receipt(self, req: RequestView, limit: int) -> tuple[int, str] | bool | None:
         """A request that carries a receipt: None while its store is not visible (and the wait
@@ -227,6 +238,7 @@ class SchedulerSide:
             self.handoff.forget(req_id)
         store = self.ledger.handoff_store(req_id) if self.receipts else None
         hit = self.ledger.finished(req_id)
+        self.policy.finished(req_id)
         if hit is None:
             return False, None
         params: dict[str, Any] = {"kvgate": {"hit_tokens": hit}}

@@ -5,6 +5,8 @@ either side: counts since the last call, summed across workers by vLLM, logged i
 "KV Transfer metrics" line. ``KvgatePromMetrics`` exports them on vLLM's ``/metrics`` as
 ``vllm:kvgate_connector_events_total{event, outcome}`` and
 ``vllm:kvgate_connector_tokens_total{kind}`` (per engine, with vLLM's own labels).
+``KvgateWorkerMeta`` carries the workers' measured loads of a step to the scheduler side's
+``policy.LoadPolicy`` (vLLM's worker metadata, aggregated across workers).
 """
 
 from __future__ import annotations
@@ -13,14 +15,28 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from gateway.vllm.counters import split_key
+from gateway.vllm.policy import LoadSample
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["KvgateConnectorStats", "KvgatePromMetrics"]
+__all__ = ["KvgateConnectorStats", "KvgatePromMetrics", "KvgateWorkerMeta"]
+
+
+@dataclass
+class KvgateWorkerMeta(KVConnectorWorkerMetadata):
+    """The loads the workers ran in one step (every worker's, for the same requests)."""
+
+    loads: list[LoadSample]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KvgateWorkerMeta:
+        if isinstance(other, KvgateWorkerMeta):
+            self.loads.extend(other.loads)
+        return self
 
 
 @dataclass

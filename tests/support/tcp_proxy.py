@@ -4,12 +4,14 @@ restore (a dependency outage without stopping the service, whose state then surv
     with tcp_proxy("127.0.0.1", port) as proxy:   # proxy.url_for("http") -> http://127.0.0.1:<its port>
         proxy.cut()       # the listener closed and every connection through it dropped: refused
         proxy.restore()   # listening again on the same port
+        proxy.rate_bps = 4e6   # each direction at most 4 MB/s (all connections together); None: as fast as it goes
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 
@@ -17,8 +19,10 @@ __all__ = ["TcpProxy", "tcp_proxy"]
 
 
 class TcpProxy:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, rate_bps: float | None = None) -> None:
         self.target = (host, port)
+        self.rate_bps = rate_bps
+        self._free_at: dict[bool, float] = {True: 0.0, False: 0.0}  # per direction: when the link is free
         self.port = 0
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -65,12 +69,23 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._conns |= {client, upstream}
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, down in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pump, args=(src, dst, down), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _throttle(self, nbytes: int, down: bool) -> None:
+        """Hold ``nbytes`` back until a link of ``rate_bps`` in that direction would carry them."""
+        rate = self.rate_bps
+        if not rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            done = self._free_at[down] = max(now, self._free_at[down]) + nbytes / rate
+        time.sleep(max(0.0, done - now))
+
+    def _pump(self, src: socket.socket, dst: socket.socket, down: bool = False) -> None:
         try:
             while data := src.recv(65536):
+                self._throttle(len(data), down)
                 dst.sendall(data)
         except OSError:
             pass
@@ -83,8 +98,8 @@ class TcpProxy:
 
 
 @contextmanager
-def tcp_proxy(host: str, port: int) -> Iterator[TcpProxy]:
-    proxy = TcpProxy(host, port)
+def tcp_proxy(host: str, port: int, rate_bps: float | None = None) -> Iterator[TcpProxy]:
+    proxy = TcpProxy(host, port, rate_bps)
     proxy.restore()
     try:
         yield proxy
