@@ -234,3 +234,66 @@ def test_a_stale_or_malformed_receipt_falls_back_to_an_ordinary_lookup():
     assert calls == [CAP_A, CAP_A]
     fails = side.stats.failures()
     assert fails[("handoff", STALE_EPOCH)] == 1 and fails[("handoff", MALFORMED)] == 1
+
+
+def test_a_handoff_store_ends_once_the_write_behind_copies_are_in():
+    import asyncio
+
+    from gateway.vllm.handoff import durable_store
+
+    order: list[str] = []
+
+    class Backend:
+        def __init__(self, behind: bool) -> None:
+            self.behind = behind
+
+        def copies_behind(self) -> bool:
+            return self.behind
+
+        async def copies_written(self) -> None:
+            order.append("copies")
+
+    async def store() -> str:
+        order.append("store")
+        return "result"
+
+    assert asyncio.run(durable_store(Backend(True), store())) == "result"
+    assert order == ["store", "copies"]
+    order.clear()
+    assert asyncio.run(durable_store(Backend(False), store())) == "result"
+    assert order == ["store"]
+
+
+def test_a_refused_receipt_is_audited_in_the_gateways_log():
+    from audit.types import AuditEvent
+    from gateway.vllm.backend import LoopThread
+    from gateway.vllm.handoff import audit_refused_receipt
+
+    events: list[AuditEvent] = []
+
+    class Audit:
+        def emit(self, event: AuditEvent) -> None:
+            events.append(event)
+
+    class Runtime:
+        audit = Audit()
+
+    class Backend:
+        runtime = Runtime()
+        loop = LoopThread(5.0)
+
+    Backend.loop.start()
+    try:
+        audit_refused_receipt(Backend(), CAP_B, "req-1", OTHER_OWNER)
+        Backend.loop.call(_noop())  # the emit ran on the loop before this
+    finally:
+        Backend.loop.stop()
+    (event,) = events
+    assert (event.action, event.outcome, event.target.tenant, event.target.namespace) == (
+        "authz.denied", "denied", "globex", "default",
+    )
+    assert event.details == {"op": "handoff", "reason": OTHER_OWNER, "request": "req-1"}
+
+
+async def _noop() -> None:
+    return None
