@@ -1,25 +1,19 @@
 """The tenant checks shared by the ASGI middleware and the reverse proxy.
 
-``TenantGuard.admit(authorization, body)``, for one inference request, returns the new body:
-    1. verify the bearer token (OIDC, ``tenancy.oidc.OidcVerifier``) -> the tenant; else 401
-    2. mint a capability for (tenant, namespace, lookup/get/put): through the kvgate server's
-       ``POST /v1/capabilities`` with the caller's own token (so the server's role checks and
-       audit apply), or in process with ``mint=`` (a coroutine); refused -> 403
-    3. strip any client-supplied ``cache_salt`` and ``kv_transfer_params`` from the JSON body and
-       set ``cache_salt`` (``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability}
+For one inference request: ``identify`` finds the tenant and namespace (a bearer token, OIDC,
+else 401; or a trusted gateway's tenant header, ``peers.TrustedPeers``, a 403 audited as
+``authz.denied`` from any other peer; a namespace header only for a namespace the caller holds),
+then ``rewrite`` mints a capability through the kvgate server's ``POST /v1/capabilities`` (the
+caller's token, or the service token for a header-named tenant, so the server's role checks and
+audit apply; or in process with ``mint=``; refused -> 403), strips the client's ``cache_salt``
+and ``kv_transfer_params`` (but a prefill engine's receipt) and sets ``cache_salt``
+(``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability, kvgate_epoch[, kvgate_receipt]}.
 
-Identity from a gateway in front (``identify``): with ``tenant_header`` set, a request that
-carries it is served as that tenant only from a trusted peer (``peers.TrustedPeers``) and minted
-with the service token; from any other peer it is a 403, audited as ``authz.denied``. A namespace
-in ``namespace_header`` must be one the caller holds: a token's ``kv.namespace:NAME`` roles or
-scope values (``NAMESPACE_GRANT``), a header-named tenant's ``trusted_namespaces``; the configured
-namespace is always held.
-
-The salt's epoch is the namespace's own, as the kvgate server reports it with each minted
-capability (every request mints one, so it is never stale): a secure clear bumps it, and the next
-request's salt shares no prefix-cache block with any block vLLM cached before the clear; the
-same answer's ``shared`` revision does that for a published prefix revoked or a scope left. ``GuardConfig.from_env()`` reads
-``KVGATE_VLLM_*`` through ``config.MiddlewareSettings`` (see docs/vllm.md)."""
+The salt's epoch is the namespace's own, as the server reports it with each capability: a secure
+clear bumps it, so the next request's salt shares no prefix-cache block with any cached before;
+the answer's ``shared`` revision does that for a published prefix revoked or a scope left.
+Settings: ``KVGATE_VLLM_*`` through ``config.MiddlewareSettings``; design: docs/architecture.md.
+"""
 
 from __future__ import annotations
 
@@ -45,6 +39,7 @@ from gateway.vllm.errors import (
     Unauthorized,
     Unavailable,
 )
+from gateway.vllm.handoff import EPOCH_PARAM, RECEIPT_PARAM
 from gateway.vllm.peers import Peer, TrustedPeers
 from gateway.vllm.salt import cache_salt
 from tenancy.errors import AuthenticationFailed
@@ -285,9 +280,14 @@ class TenantGuard:
             raise BadRequest("the request body must be a JSON object")
         cap, epoch, shared = await self.capability(principal, token, namespace)
         doc.pop("cache_salt", None)
-        doc.pop("kv_transfer_params", None)
+        client = doc.pop("kv_transfer_params", None)
         doc["cache_salt"] = cache_salt(self.config.salt_secret, principal.tenant, namespace, epoch, shared)
-        doc["kv_transfer_params"] = {CAPABILITY_PARAM: cap}
+        params: dict[str, Any] = {CAPABILITY_PARAM: cap, EPOCH_PARAM: epoch}
+        if isinstance(client, dict) and RECEIPT_PARAM in client:
+            # a prefill engine's receipt, passed on by the P/D proxy: it grants nothing (the
+            # connector loads under this request's own capability and checks the receipt's epoch)
+            params[RECEIPT_PARAM] = client[RECEIPT_PARAM]
+        doc["kv_transfer_params"] = params
         return json.dumps(doc).encode()
 
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -87,7 +88,13 @@ class Engine:
 
 @contextmanager
 def engine(env: dict[str, str]) -> Iterator[Engine]:
-    app = KvgateMiddleware(echo_body, env=env)
+    with serve(KvgateMiddleware(echo_body, env=env)) as eng:
+        yield eng
+
+
+@contextmanager
+def serve(app: Any, lifespan: str = "off") -> Iterator[Engine]:
+    """``app`` on a TCP port of 127.0.0.1 and a Unix socket, by one uvicorn server in a thread."""
     tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     tcp.bind(("127.0.0.1", 0))
     workdir = tempfile.mkdtemp(prefix="kvgate-th-")  # short: a socket path is at most 107 bytes
@@ -97,15 +104,16 @@ def engine(env: dict[str, str]) -> Iterator[Engine]:
     for s in (tcp, uds):
         s.listen(64)
         s.set_inheritable(True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
     loop = asyncio.new_event_loop()
 
     async def serve() -> None:
         try:
             await server.serve(sockets=[tcp, uds])
         finally:
-            if app._guard is not None:  # the guard's audit writer and HTTP client live on this loop
-                await app._guard.aclose()
+            guard = getattr(app, "_guard", None)
+            if guard is not None:  # the guard's audit writer and HTTP client live on this loop
+                await guard.aclose()
 
     thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
     thread.start()
