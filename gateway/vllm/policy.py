@@ -12,9 +12,11 @@
     LoadTimings       the worker side's ``Tracer`` that also keeps each load's measured time for the
                       scheduler side (vLLM carries it back as worker metadata)
 Cold start: a hit loads until both estimators have a measurement. While the policy recomputes, a
-probe loads one chunk of a hit once per probe interval (doubling up to ``probe_max_s`` while
-recompute keeps winning; at once again after a load under half its predicted time), so a tier
-that recovers is seen again. Design: docs/architecture.md.
+probe loads one chunk of a hit, so that a tier that recovers is seen again: at most once per probe
+interval (doubling up to ``probe_max_s`` while recompute keeps winning) and only while the time
+probes are expected to add stays within ``probe_budget`` of the recompute time of the hits
+decided so far; at once again after a load ran under half its predicted time. Design:
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -243,7 +245,7 @@ class LoadPolicy:
 
     def __init__(
         self, mode: PolicyMode, chunk_tokens: int, path: str = "", *, probe_s: float = 1.0, probe_max_s: float = 8.0,
-        clock: Clock = time.monotonic,
+        probe_budget: float = 0.05, clock: Clock = time.monotonic,
     ) -> None:
         self.mode, self.chunk, self.path = mode, chunk_tokens, path
         self._clock = clock
@@ -254,6 +256,8 @@ class LoadPolicy:
         self._probe_every = probe_s
         self._last_probe = -math.inf
         self._doubt = False  # a load ran under half its predicted time: probe again at once
+        self.probe_budget = probe_budget
+        self._credit_ms = 0.0  # what probes may still add: probe_budget x recompute time, less probes' cost
         self._steps: deque[tuple[float, StepWork]] = deque(maxlen=8)  # built, output not yet seen
         self._last_end = -math.inf
 
@@ -300,11 +304,14 @@ class LoadPolicy:
                 best, best_ms = k, ms
         now = self._clock()
         if best == 0:
-            if self._doubt or (est.age_s() >= self._probe_every and now - self._last_probe >= self._probe_every):
+            self._credit_ms += self.probe_budget * (recompute or 0.0)
+            k = ends[0]
+            ms = lat + per * (k + queued) + (self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
+            due = est.age_s() >= self._probe_every and now - self._last_probe >= self._probe_every
+            if self._doubt or (due and ms - best_ms <= self._credit_ms):
                 self._last_probe, self._doubt = now, False
                 self._probe_every = min(self.probe_max_s, self._probe_every * 2)
-                k = ends[0]
-                ms = lat + per * (k + queued) + (self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
+                self._credit_ms = max(0.0, self._credit_ms - (ms - best_ms))
                 return Decision(k, "probe", load, spread, recompute, ms)
             return Decision(0, "recompute_faster", load, spread, recompute, best_ms)
         self._probe_every = self.probe_s

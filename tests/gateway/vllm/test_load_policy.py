@@ -33,9 +33,9 @@ class Clock:
         return self.t
 
 
-def _policy(mode: str = "adaptive", clock: Clock | None = None) -> tuple[LoadPolicy, Clock]:
+def _policy(mode: str = "adaptive", clock: Clock | None = None, probe_budget: float = 0.05) -> tuple[LoadPolicy, Clock]:
     clock = clock or Clock()
-    return LoadPolicy(mode, CHUNK, "embedded", clock=clock), clock  # type: ignore[arg-type]
+    return LoadPolicy(mode, CHUNK, "embedded", clock=clock, probe_budget=probe_budget), clock  # type: ignore[arg-type]
 
 
 def _learn_prefill(policy: LoadPolicy, clock: Clock, per_token_ms: float = 0.01, per_pair_ms: float = 1e-6) -> None:
@@ -178,7 +178,7 @@ def test_load_policy_sudden_slowdown_moves_the_decision_within_seconds():
 
 
 def test_load_policy_recovery_is_found_by_a_probe():
-    policy, clock = _policy()
+    policy, clock = _policy(probe_budget=10.0)
     _learn_prefill(policy, clock)
     _learn_loads(policy, clock, ms_per_token=0.5)
     assert policy.decide("a", 4097, 0, 4096).reason == "recompute_faster"
@@ -198,7 +198,7 @@ def test_load_policy_recovery_is_found_by_a_probe():
 
 
 def test_load_policy_probes_back_off_while_recompute_keeps_winning():
-    policy, clock = _policy()
+    policy, clock = _policy(probe_budget=10.0)
     _learn_prefill(policy, clock)
     _learn_loads(policy, clock, ms_per_token=0.5)
     times = []
@@ -247,8 +247,32 @@ def test_load_policy_loads_in_flight_count_against_a_new_load():
     assert policy.decide("b", 4097, 0, 4096).load_ms == pytest.approx(first.load_ms, rel=0.2)
 
 
+def test_load_policy_probes_cost_at_most_their_budget_of_recompute_time():
+    """Probes on a link that stays slow add at most ``probe_budget`` of the time recomputing
+    took (and one probe), and they still happen."""
+    policy, clock = _policy(probe_budget=0.05)
+    _learn_prefill(policy, clock, per_token_ms=0.05)
+    _learn_loads(policy, clock, ms_per_token=0.1)
+    recompute = extra = 0.0
+    probes = 0
+    for i in range(400):
+        clock.t += 1.0
+        d = policy.decide(f"r{i}", 4097, 0, 4096)
+        best = policy.prefill.compute_ms(4097, 0)
+        assert best is not None and d.recompute_ms is not None and d.ttft_ms is not None
+        recompute += d.recompute_ms
+        if d.reason == "probe":
+            probes += 1
+            extra += d.ttft_ms - best
+            policy.loads_ended([LoadSample(f"r{i}", d.tokens, 0.1 * d.tokens)])  # still slow
+        else:
+            assert d.reason == "recompute_faster"
+    one = extra / max(1, probes)
+    assert probes >= 3 and extra <= 0.05 * recompute + one
+
+
 def test_load_policy_prefixes_end_on_chunk_boundaries():
-    policy, clock = _policy()
+    policy, clock = _policy(probe_budget=10.0)
     _learn_prefill(policy, clock)
     _learn_loads(policy, clock, ms_per_token=0.5)
     clock.t += policy.probe_s
@@ -284,7 +308,7 @@ def test_load_policy_decision_is_traced_and_counted(tmp_path):
 
 def test_load_policy_prefix_load_retrieves_only_its_chunks():
     clock = Clock()
-    policy = LoadPolicy("adaptive", CHUNK, "embedded", clock=clock)
+    policy = LoadPolicy("adaptive", CHUNK, "embedded", clock=clock, probe_budget=10.0)
     _learn_prefill(policy, clock)
     _learn_loads(policy, clock, ms_per_token=0.5)
     clock.t += policy.probe_s
