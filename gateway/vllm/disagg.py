@@ -130,7 +130,14 @@ def create_pd_proxy(
                 await send({"type": "http.response.start", "status": r.status_code, "headers": kept})
                 await send({"type": "http.response.body", "body": r.content})
                 return
-            params = r.json().get("kv_transfer_params")
+            try:
+                answer = r.json()
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict):
+                await refuse(send, 502, "Bad Gateway", "the prefill engine's answer is not a JSON object")
+                return
+            params = answer.get("kv_transfer_params")
             body = json.dumps(dict(doc, kv_transfer_params=params) if params else doc).encode()
         client, base = next(dec)
         req = client.build_request(scope["method"], base + path, headers=out, content=body)
