@@ -28,6 +28,7 @@ from crypto.envelope import ChunkCipher
 from crypto.errors import DecryptionFailed
 from gateway.datapath.buffers import BufferPool
 from gateway.datapath.codec import EnvelopeCodec, KeyRef, codec_of, layer_segment_bytes
+from gateway.datapath.gate import STEPS
 from gateway.datapath.sealers import (
     CpuSealer,
     DeviceSealer,
@@ -59,6 +60,12 @@ def _call_and_forget(held: list[Any]) -> Any:
         return fn(*args)
     finally:
         del fn, args
+
+
+def _after_turn(latest: float, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` once no forward step runs, or at ``latest`` (a store's slice)."""
+    STEPS.wait_turn(latest)
+    return fn(*args)
 
 
 def _be_nice(nice: int) -> None:
@@ -132,14 +139,17 @@ class DataPath:
                 executor.shutdown(wait=True)
         self._executor = self._store_executor = None
 
-    async def run(self, fn: Callable[..., T], *args: Any, store: bool = False) -> T:
+    async def run(self, fn: Callable[..., T], *args: Any, store: bool = False, latest: float | None = None) -> T:
         """``fn(*args)`` on a worker thread (inline without one); ``store``: on a store thread
-        (``store_nice``) where there are. A thread cannot be stopped, and what it writes (an
+        (``store_nice``) where there are, once the engine's forward step has ended or at
+        ``latest`` (``gate.STEPS``). A thread cannot be stopped, and what it writes (an
         open scattering into an engine's cache, a seal into a reserved slot) must not outlive
         the call that asked for it: a cancelled ``run`` ends only once its thread has."""
         executor = self._store_executor if store and self._store_executor is not None else self._executor
         if executor is None:
             return fn(*args)
+        if executor is self._store_executor and latest is not None:
+            fn, args = _after_turn, (latest, fn, *args)
         fut = asyncio.get_running_loop().run_in_executor(executor, _call_and_forget, [fn, args])
         try:
             return await asyncio.shield(fut)

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -29,6 +30,7 @@ from crypto.envelope import EnvelopeKeys
 from crypto.errors import DecryptionFailed, KekError, KeyUnavailable
 from gateway.chunking import Chunk
 from gateway.chunks.service import ChunkStats
+from gateway.datapath.gate import STEPS
 from gateway.datapath.path import DataPath
 from gateway.datapath.plan import TokensLike, chunks_of, request_slots
 from gateway.datapath.sealers import OnLayers, OpenJob, SealJob
@@ -191,9 +193,11 @@ class DataPlane:
         if not jobs:
             return 0, 0
         gate = asyncio.Semaphore(max(1, self.datapath.threads))
+        batches = self._batches(len(jobs), model, chunks)
+        start = time.monotonic()
 
-        async def run(batch: list[int]) -> tuple[int, int]:
-            """The chunks of ``batch`` stored, and their bytes."""
+        async def run(batch: list[int], b: int) -> tuple[int, int]:
+            """The chunks of ``batch`` (the ``b``-th) stored, and their bytes."""
             # Each envelope is sealed straight into its slot of the fastest tier where one is
             # handed out (gather + encrypt in one pass, no allocation), else into a pool buffer.
             reserved: dict[int, Reserved] = {}
@@ -205,7 +209,11 @@ class DataPlane:
                     job.out = slot.view
             try:
                 async with gate:
-                    envelopes = await self.datapath.run(self.datapath.seal_batch, kv, [jobs[k] for k in batch], store=True)
+                    # between the engine's forward steps, or once this slice is due (gate.py)
+                    envelopes = await self.datapath.run(
+                        self.datapath.seal_batch, kv, [jobs[k] for k in batch], store=True,
+                        latest=STEPS.deadline(start, b, len(batches)),
+                    )
             except BaseException:
                 for slot in reserved.values():
                     session.abort(slot)
@@ -230,7 +238,7 @@ class DataPlane:
         # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
         # job reads the KV any more (a caller may reuse that memory at once). Only a cancelled
         # store can leave one running in the pool.
-        ended = await asyncio.gather(*(run(b) for b in self._batches(len(jobs), model, chunks)), return_exceptions=True)
+        ended = await asyncio.gather(*(run(batch, b) for b, batch in enumerate(batches)), return_exceptions=True)
         for outcome in ended:
             if isinstance(outcome, BaseException):
                 raise outcome

@@ -1,0 +1,110 @@
+"""A store seals between the engine's forward steps (``gateway.datapath.gate``): while a forward
+runs its slices wait, as the forward ends they run, and a forward that never ends only delays
+each slice to its deadline, so the store still finishes within ``finish_s``. Loads never wait."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from gateway.datapath import DataPath
+from gateway.datapath.gate import STEPS, StepGate
+from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="stores get threads of their own only on Linux")
+
+TOKENS = list(range(300, 300 + 16 * 8))  # 8 chunks of 16 tokens, 32 blocks of 4
+
+
+@pytest.fixture
+def steps() -> Iterator[StepGate]:
+    yield STEPS
+    STEPS.forward_ends()
+    STEPS.finish_s = 0.0
+
+
+@pytest.fixture
+def seals(monkeypatch) -> list[float]:
+    """The monotonic time each store slice started sealing."""
+    at: list[float] = []
+    seal = DataPath.seal_batch
+
+    def spy(self, *a):
+        at.append(time.monotonic())
+        return seal(self, *a)
+
+    monkeypatch.setattr(DataPath, "seal_batch", spy)
+    return at
+
+
+def test_the_gate_lets_a_slice_run_when_idle_when_the_forward_ends_or_at_its_deadline() -> None:
+    gate = StepGate(finish_s=1.0)
+    assert gate.deadline(10.0, 0, 4) == 10.25 and gate.deadline(10.0, 3, 4) == 11.0
+    assert StepGate().deadline(10.0, 0, 4) is None  # finish_s 0: never waits
+    assert gate.wait_turn(time.monotonic() + 30) == 0.0  # no forward: at once
+    gate.forward_begins()
+    t0 = time.monotonic()
+    gate.wait_turn(t0 + 0.2)  # a forward that does not end: until the deadline
+    assert 0.15 <= time.monotonic() - t0 < 2.0
+    loop_ends = asyncio.new_event_loop()
+    try:
+        loop_ends.call_later(0.1, gate.forward_ends)
+        t0 = time.monotonic()
+        loop_ends.run_until_complete(asyncio.to_thread(gate.wait_turn, t0 + 30))
+        assert time.monotonic() - t0 < 5.0  # the forward's end, not the 30 s deadline
+    finally:
+        loop_ends.close()
+
+
+async def test_a_store_seals_only_once_the_forward_has_ended(tmp_path, steps, seals) -> None:
+    g = small_geometry()
+    model = model_for(g)
+    src = random_cache(g, 32, seed=5)
+    async with gateway_runtime(tmp_path, store_nice=9) as rt:
+        await rt.admin.create_tenant("acme")
+        cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
+        steps.finish_s = 60.0
+        steps.forward_begins()
+        store = asyncio.ensure_future(rt.gateway.store(cap, model, TOKENS, src, block_ids=list(range(32))))
+        await asyncio.sleep(0.5)
+        assert not seals and not store.done()  # the forward runs: nothing sealed
+        ended = time.monotonic()
+        steps.forward_ends()
+        res = await asyncio.wait_for(store, 30)
+        assert res.stored == 8 and seals and min(seals) >= ended
+        # loads are never held back by a forward (the engine waits for them)
+        steps.forward_begins()
+        dst = zero_cache(g, 32)
+        t0 = time.monotonic()
+        got = await rt.gateway.retrieve(cap, model, TOKENS, dst, block_ids=list(range(32)))
+        assert time.monotonic() - t0 < 30 and got.loaded_tokens == len(TOKENS)
+        assert torch.equal(gathered(src, g, range(32), len(TOKENS)), gathered(dst, g, range(32), len(TOKENS)))
+
+
+async def test_a_forward_that_never_ends_delays_a_store_to_its_bound_and_no_further(tmp_path, steps, seals) -> None:
+    g = small_geometry()
+    model = model_for(g)
+    src = random_cache(g, 32, seed=6)
+    async with gateway_runtime(tmp_path, store_nice=9) as rt:
+        await rt.admin.create_tenant("acme")
+        cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
+        steps.finish_s = 1.0
+        steps.forward_begins()  # and never ends
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(rt.gateway.store(cap, model, TOKENS, src, block_ids=list(range(32))), 30)
+        took = time.monotonic() - t0
+        assert res.stored == 8
+        assert 0.8 <= took < 1.0 + 10  # the last slice started at its deadline, not before
+        assert max(seals) - min(seals) >= 0.4  # slices spread over the bound, not all at its end
+        # the control: with finish_s 0 a forward does not hold a store back at all
+        steps.finish_s = 0.0
+        seals.clear()
+        other = [t + 10_000 for t in TOKENS]
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(rt.gateway.store(cap, model, other, src, block_ids=list(range(32))), 30)
+        assert res.stored == 8 and time.monotonic() - t0 < 0.8
