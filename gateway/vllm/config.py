@@ -99,6 +99,10 @@ class ConnectorConfig(BaseModel):
     # the nice value of the threads that seal stores (Linux), so that decoding goes first while a
     # store is in flight (gateway.datapath.path); 0: stores at the engine's own priority
     store_nice: int = Field(10, ge=0, le=19)
+    # a store seals between the engine's forward steps, slice by slice, and a slice that waited
+    # that long runs anyway: a store's last slice starts at most this many seconds after it
+    # began (gateway/datapath/gate.py); 0: stores seal at once, beside the forward
+    store_finish_s: float = Field(4.0, ge=0, le=3600)
     # loads into a CPU cache go layer by layer: the forward starts on the first layers while the
     # rest load (gateway/vllm/layers.py); false: every layer is in before the forward starts
     layerwise_loads: bool = True

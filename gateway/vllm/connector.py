@@ -132,6 +132,7 @@ class KvgateConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 self._backend, chunk, block_size, model_name, layout=config.layout, stats=self.stats, trace=trace,
                 max_in_flight_bytes=config.store_in_flight_bytes, layerwise=config.layerwise_loads,
+                store_finish_s=config.store_finish_s,
             )
 
     @property
@@ -188,6 +189,10 @@ class KvgateConnector(KVConnectorBase_V1):
                 f"scheduler looks them up in {want.geometry.chunk_format!r}: set kv_connector_extra_config.layout "
                 "to the caches' layout (cpu, kv_first or block_first)"
             )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self.worker.forward_begins()  # before every forward step (start_load_kv may come after it)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.load(self._metadata().loads)

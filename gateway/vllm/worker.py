@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from gateway.datapath.gate import STEPS
 from gateway.errors import GatewayError
 from gateway.types import KVModel, RetrieveResult, StoreResult
 from gateway.vllm.backend import Backend
@@ -48,9 +49,10 @@ class WorkerSide:
     def __init__(
         self, backend: Backend, chunk_tokens: int, block_size: int, model_name: str, *, layout: str = "auto",
         stats: ConnectorCounters | None = None, trace: Tracer | None = None, max_in_flight_bytes: int = 1 << 30,
-        layerwise: bool = True,
+        layerwise: bool = True, store_finish_s: float = 0.0,
     ) -> None:
         self._backend = backend
+        STEPS.finish_s = store_finish_s  # stores seal between this engine's steps (datapath/gate.py)
         self.block = block_size
         self._model_name = model_name
         self._layout = layout
@@ -213,7 +215,18 @@ class WorkerSide:
         self._pool_give(compact)
         return result
 
+    def forward_begins(self) -> None:
+        """bind_connector_metadata, before each forward step: stores' sealing waits for its end."""
+        STEPS.forward_begins()
+
     def save(self, stores: Sequence[StoreOp]) -> None:
+        """wait_for_save: the forward step has ended (stores may seal until the next), then its stores."""
+        try:
+            self._save(stores)
+        finally:
+            STEPS.forward_ends()
+
+    def _save(self, stores: Sequence[StoreOp]) -> None:
         """One step's stores, each cut before the first block whose load failed, gathered now
         into a pooled compact buffer and submitted (sealed and put on the backend's loop, not
         waited for). A store past the in-flight cap is dropped, never waited for."""
