@@ -5,7 +5,8 @@ engine's request metrics); decode rate is (generated - 1) / (last token - first 
 identity compares a request's greedy tokens with the no-connector run of the same prompt. Load
 GB/s is the kvgate connector's trace: bytes of KV loaded (tokens x bytes per token) over the
 load's own time, for the loads of that prompt length's hits; store GB/s the same for the stores of
-its misses (a store runs after the forward step that computed the KV, beside decoding).
+its misses (a store runs after the forward step that computed the KV, beside decoding), and a
+miss's ``decode_vs_none`` its decode rate (during its own store) over no connector's.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def _decode(r: dict[str, Any]) -> float | None:
     return (n - 1) / (b - a) if n > 1 and a and b and b > a else None
 
 
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a and b else None
+
+
 def _gbps(events: list[dict[str, Any]], field: str, tokens: int, kvb: int) -> float | None:
     xs = [e[field] * kvb / (e["ms"] / 1e3) / 1e9 for e in events if e.get(field) == tokens and e["ms"] > 0]
     return _med(xs)
@@ -65,6 +70,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
     base = {(r["tag"]["length"], r["tag"]["i"]): r["tokens"] for r in base_rows}
     base_ms = {L: statistics.median([_ttft_ms(r) for r in base_rows if r["tag"]["length"] == L])
                for L in cfg["lengths"] if any(r["tag"]["length"] == L for r in base_rows)}
+    base_decode = {L: _med([d for r in base_rows if r["tag"]["length"] == L and (d := _decode(r))], 4) for L in base_ms}
     rows, isolation, multi = [], [], {}
     for key, run in runs.items():
         by: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
@@ -86,6 +92,10 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     "speedup_vs_none": round(base_ms[length] / ttft["median"], 2) if length in base_ms and ttft else None,
                     "cached_tokens": _med([r["cached"] for r in rs], 0),
                     "decode_tok_s": _med([d for d in map(_decode, rs) if d]),
+                    # a miss decodes while its own store runs (kvgate's is asynchronous): its rate
+                    # over no connector's decode of the same prompts
+                    "decode_vs_none": _ratio(_med([d for d in map(_decode, rs) if d], 4), base_decode.get(length))
+                    if kind == "miss" else None,
                     "identical_to_none": _identical(rs, base, "length,i") if kind != "base" else None,
                     "load_gbps": _gbps(loads, "loaded_tokens", hit_tokens, kvb) if kind == "hit" and loads else None,
                     "store_gbps": _gbps(stores, "tokens", stored_tokens, kvb) if kind == "miss" and stores else None,
