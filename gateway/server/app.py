@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -22,7 +23,7 @@ from gateway.metrics import ByLabel
 from gateway.server import admin_routes, data, rawlookup
 from gateway.server.bodylimits import BodyLimits
 from gateway.server.deps import Authorize, Scope, ServerState, StateDep, on_every_tenant
-from gateway.server.gatekeeper import Gatekeeper
+from gateway.server.gatekeeper import HEAD_REFUSALS, Gatekeeper
 from gateway.server.problems import install_problem_handlers, problem, problem_responses
 from gateway.server.shm import Regions
 from gateway.server.telemetry import Telemetry
@@ -81,7 +82,7 @@ def _no_native_telemetry() -> dict[str, Any]:
 
 def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, Any]]:
         telemetry = Telemetry()
         from opentelemetry import trace
 
@@ -97,8 +98,14 @@ def create_app(settings: Settings) -> FastAPI:
             )
             state = ServerState(settings, runtime, plane, verifier, telemetry, dev, regions=Regions(settings.shm_max_bytes, populate=settings.shm_populate))
             _observe(state)
+            refused: Counter[int] = Counter()  # request heads the server's protocol refused (gatekeeper)
+            telemetry.observe(
+                "kvgate_http_heads_refused", "request heads refused before any route (400, 408, 431, 501), by status",
+                lambda: [(n, {"status": str(k)}) for k, n in sorted(refused.items())] or [(0, {"status": "400"})],
+                monotonic=True,
+            )
             app.state.kvgate = state
-            yield
+            yield {HEAD_REFUSALS: refused}
         finally:
             with contextlib.suppress(Exception):
                 await app.state.kvgate.verifier.aclose()

@@ -4,7 +4,8 @@
 app: it must arrive within ``header_timeout_s`` (408), be at most ``max_header_bytes`` whole
 (431), and not frame its body by both ``Transfer-Encoding`` and ``Content-Length`` (400;
 ``RequestHeads``). A refused head is answered with problem+json, then a lingering close; nothing
-after it is parsed. The protocol also offers ``rawchunks`` and ``rawbody`` in the request's scope.
+after it is parsed. It is counted by status (``HEAD_REFUSALS``), not logged: uvicorn's warning per
+invalid request is dropped for a head. The protocol also offers ``rawchunks`` and ``rawbody``.
 
 ``Gatekeeper``, the outermost ASGI middleware, then, before a byte of the body is read: at most
 ``max_header_count`` fields (431); under ``/v1`` and ``/metrics`` a verified bearer token
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any
@@ -33,9 +36,13 @@ from gateway.server.listen import peer_source
 from gateway.server.rawbody import offer_raw_body
 from gateway.server.rawchunks import offer_raw_chunks
 
-__all__ = ["Gatekeeper", "RequestHeads", "bounded_h11", "uvicorn_options"]
+__all__ = ["HEAD_REFUSALS", "Gatekeeper", "RequestHeads", "bounded_h11", "uvicorn_options"]
 
 _AUTHENTICATED = ("/v1/", "/metrics")
+
+HEAD_REFUSALS = "kvgate.head_refusals"
+"""The key, in the app's lifespan state, of a ``Counter`` of refused request heads by status
+(400, 408, 431, 501) that the server's protocol adds to; the app reports it as a metric."""
 
 
 async def _refuse(send: Any, status: int, title: str, detail: str, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -194,6 +201,27 @@ class RequestHeads(h11.Connection):
             raise refusal
 
 
+class _ProtocolLog(logging.LoggerAdapter[logging.Logger]):
+    """uvicorn's protocol logger, less its warning per invalid request where ``quiet()`` says the
+    invalid request is a refused head (counted instead)."""
+
+    def __init__(self, logger: logging.Logger, quiet: Callable[[], bool]) -> None:
+        super().__init__(logger, {})
+        self._quiet = quiet
+
+    @property
+    def level(self) -> int:  # uvicorn reads it to decide on its trace lines
+        return self.logger.level
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if level == logging.WARNING and msg == _UVICORN_INVALID and self._quiet():
+            return
+        super().log(level, msg, *args, **kwargs)
+
+
+_UVICORN_INVALID = "Invalid HTTP request received."  # uvicorn's warning before ``send_400_response``
+
+
 def _refusal(status: int, detail: str) -> bytes:
     """A whole problem+json response that closes the connection, as bytes."""
     body = json.dumps({"type": "about:blank", "title": HTTPStatus(status).phrase, "status": status, "detail": detail}).encode()
@@ -219,6 +247,12 @@ def bounded_h11(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.conn = RequestHeads(max_head_bytes)
+            self.logger = _ProtocolLog(self.logger, lambda: not self._active())  # type: ignore[assignment]
+
+        def _count_refusal(self, status: int) -> None:
+            counts = self.app_state.get(HEAD_REFUSALS)
+            if isinstance(counts, Counter):
+                counts[status] += 1
 
         def _arm(self) -> None:
             self._disarm()
@@ -237,6 +271,7 @@ def bounded_h11(
             if self.transport.is_closing() or self._active():
                 return
             if self.conn.trailing_data[0]:  # part of a request head: say why, then cut
+                self._count_refusal(408)
                 self.transport.write(
                     b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain\r\ncontent-length: 26\r\n"
                     b"connection: close\r\n\r\nthe request head was late\n"
@@ -255,6 +290,7 @@ def bounded_h11(
             if status not in _HEAD_REFUSALS:
                 status = 400
             detail = str(refusal) if isinstance(refusal, _Refused) else _HEAD_REFUSALS[status]
+            self._count_refusal(status)
             self._disarm()
             self._unset_keepalive_if_required()
             self.transport.write(_refusal(status, detail))
