@@ -7,8 +7,10 @@
                       pairs): a fit over its recent steps that carried no load, so the cost of
                       computing n tokens after a context of k is ``b n + c (n k + n (n + 1) / 2)``
     LoadPolicy        per hit, the prefix to load (none, whole chunks, or all of it) whose expected
-                      time to first token, load (behind the loads already in flight) plus recompute
-                      of the rest, is least; ``always`` loads every hit, ``recompute`` none
+                      time to first token is least: of the load (behind the loads already in
+                      flight) and the compute of the rest, the longer plus ``overlap`` times the
+                      shorter, ``overlap`` learned from the steps that carried loads (1: one after
+                      the other, 0: wholly side by side); ``always`` loads every hit, ``recompute`` none
     LoadTimings       the worker side's ``Tracer`` that also keeps each load's measured time for the
                       scheduler side (vLLM carries it back as worker metadata)
 Cold start: a hit loads until both estimators have a measurement. While the policy recomputes, a
@@ -260,6 +262,8 @@ class LoadPolicy:
         self._credit_ms = 0.0  # what probes may still add: probe_budget x recompute time, less probes' cost
         self._steps: deque[tuple[float, StepWork]] = deque(maxlen=8)  # built, output not yet seen
         self._last_end = -math.inf
+        self.overlap = 1.0  # the share of the shorter of load and compute a step adds (1 until measured)
+        self.overlap_samples = 0
 
     def load_estimator(self, path: str | None = None) -> LoadEstimator:
         key = self.path if path is None else path
@@ -289,7 +293,7 @@ class LoadPolicy:
         if load_fit is not None:
             load, spread = load_fit[0] + load_fit[1] * (hit + queued), load_fit[2]
         if self.mode == "always":
-            ttft = None if load is None or c_full is None else load + c_full
+            ttft = None if load is None or c_full is None else self._together(load, c_full)
             return Decision(hit, "always", load, spread, recompute, ttft)
         if load_fit is None:
             return Decision(hit, "cold_load", load, spread, recompute)
@@ -299,14 +303,14 @@ class LoadPolicy:
         best, best_ms = 0, c0
         ends = sorted({*range(self.chunk - computed % self.chunk, hit, self.chunk), hit})
         for k in ends:  # a prefix ends on a chunk boundary (or the hit's end)
-            ms = lat + per * (k + queued) + (self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
+            ms = self._together(lat + per * (k + queued), self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
             if ms < best_ms:
                 best, best_ms = k, ms
         now = self._clock()
         if best == 0:
             self._credit_ms += self.probe_budget * (recompute or 0.0)
             k = ends[0]
-            ms = lat + per * (k + queued) + (self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
+            ms = self._together(lat + per * (k + queued), self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
             due = est.age_s() >= self._probe_every and now - self._last_probe >= self._probe_every
             if self._doubt or (due and ms - best_ms <= self._credit_ms):
                 self._last_probe, self._doubt = now, False
@@ -316,6 +320,11 @@ class LoadPolicy:
             return Decision(0, "recompute_faster", load, spread, recompute, best_ms)
         self._probe_every = self.probe_s
         return Decision(best, "load_faster" if best == hit else "prefix_faster", load, spread, recompute, best_ms)
+
+    def _together(self, load_ms: float, compute_ms: float) -> float:
+        """A step's expected time for a load and a compute: the longer, and the share of the
+        shorter that the step does not hide."""
+        return max(load_ms, compute_ms) + self.overlap * min(load_ms, compute_ms)
 
     # -- measurements -------------------------------------------------------------------------
     def step_built(self, work: StepWork) -> None:
@@ -327,17 +336,43 @@ class LoadPolicy:
         """update_connector_output: the oldest built step ended, with the workers' loads. Its
         time runs from when it could start (built, and the step before it ended) to now."""
         now = self._clock()
+        samples = list(samples)
         if self._steps:
             built, work = self._steps.popleft()
-            self.prefill.observe(work, (now - max(built, self._last_end)) * 1e3)
+            ms = (now - max(built, self._last_end)) * 1e3
+            if work.loads:
+                self._learn_overlap(work, ms, samples)
+            else:
+                self.prefill.observe(work, ms)
         self._last_end = now
         self.loads_ended(samples)
 
+    def _learn_overlap(self, work: StepWork, ms: float, samples: list[LoadSample]) -> None:
+        """From a step that carried loads: how much of the shorter of its load (each request's
+        loads one after another; a request's workers side by side) and its predicted compute it
+        added beyond the longer. Steps where the shorter is under a tenth of the step tell nothing."""
+        per_req: dict[str, float] = {}
+        for s in samples:
+            per_req[s.req_id] = max(per_req.get(s.req_id, 0.0), s.ms)
+        load, fit = sum(per_req.values()), self.prefill.fit()
+        if load <= 0 or fit is None:
+            return
+        compute = fit[0] + fit[1] * work.tokens + fit[2] * work.attention
+        short, long = min(load, compute), max(load, compute)
+        if short < 0.1 * ms:
+            return
+        share = min(1.0, max(0.0, (ms - long) / short))
+        self.overlap = share if self.overlap_samples == 0 else 0.7 * self.overlap + 0.3 * share
+        self.overlap_samples += 1
+
     def loads_ended(self, samples: Iterable[LoadSample]) -> None:
+        """The workers' loads. A load that failed (a tier past its deadline, a chunk gone) cost
+        its time and then the recompute of what it was to load: that is its measurement."""
         est = self.load_estimator()
         for s in samples:
             self.in_flight.pop(s.req_id, None)
-            if est.observe(s.tokens, s.ms) < 0:
+            ms = s.ms if s.ok else s.ms + (self.prefill.compute_ms(s.tokens, 0) or 0.0)
+            if est.observe(s.tokens, ms) < 0:
                 self._doubt, self._probe_every = True, self.probe_s
 
     def finished(self, req_id: str) -> None:

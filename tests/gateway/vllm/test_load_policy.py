@@ -340,3 +340,55 @@ def test_load_policy_worker_load_timings_reach_the_policy(tmp_path):
     clock.t += 0.05
     policy.step_ended(samples)
     assert policy.in_flight == {} and policy.load_estimator().count == 2 and policy.prefill.count == 0
+
+
+def _load_steps(policy: LoadPolicy, clock: Clock, hidden: bool, n: int = 6) -> None:
+    """Steps that each load 3072 tokens and compute the prompt's last 1025, timed as a step that
+    runs them side by side (``hidden``) or one after the other would be."""
+    fit = policy.prefill.fit()
+    assert fit is not None
+    for i in range(n):
+        work = StepWork(1025, attention_pairs(1025, 3072), loads=True)
+        compute = fit[0] + fit[1] * work.tokens + fit[2] * work.attention
+        load = 0.02 * 3072
+        policy.step_built(work)
+        clock.t += (max(compute, load) if hidden else compute + load) / 1e3
+        policy.step_ended([LoadSample(f"l{i}", 3072, load)])
+
+
+def test_load_policy_overlap_of_load_and_compute_is_learned_and_picks_a_prefix():
+    policy, clock = _policy()
+    _learn_prefill(policy, clock, per_token_ms=0.01, per_pair_ms=1e-6)
+    _learn_loads(policy, clock, ms_per_token=0.02, latency_ms=0.0)
+    assert policy.overlap == 1.0 and policy.decide("a", 4097, 0, 4096).reason == "recompute_faster"
+    policy.finished("a")
+    _load_steps(policy, clock, hidden=True)
+    assert policy.overlap == pytest.approx(0.0, abs=0.02) and policy.overlap_samples == 6
+    d = policy.decide("b", 4097, 0, 4096)
+    assert d.reason == "prefix_faster" and 0 < d.tokens < 4096 and d.tokens % CHUNK == 0, d
+    assert d.ttft_ms < policy.prefill.compute_ms(4097, 0)  # type: ignore[operator]
+    # the prefix balances the two: its load and the compute of the rest take about as long
+    load = 0.02 * d.tokens
+    rest = policy.prefill.compute_ms(4097 - d.tokens, d.tokens)
+    assert rest is not None and abs(load - rest) <= 0.02 * CHUNK + 1.0
+
+
+def test_load_policy_loads_one_after_compute_keep_the_overlap_at_one():
+    policy, clock = _policy()
+    _learn_prefill(policy, clock, per_token_ms=0.01, per_pair_ms=1e-6)
+    _learn_loads(policy, clock, ms_per_token=0.02, latency_ms=0.0)
+    _load_steps(policy, clock, hidden=False)
+    assert policy.overlap == pytest.approx(1.0, abs=0.02)
+    assert policy.decide("b", 4097, 0, 4096).reason == "recompute_faster"
+
+
+def test_load_policy_a_failed_load_costs_its_time_and_the_recompute():
+    """A load that ran into a tier's deadline after 300 ms loaded nothing: the request waited and
+    then computed it all. Measured so, a path whose loads fail is not chosen again."""
+    policy, clock = _policy()
+    _learn_prefill(policy, clock, per_token_ms=0.1)
+    assert policy.decide("a", 1025, 0, 1024).reason == "cold_load"
+    clock.t += 0.5
+    policy.loads_ended([LoadSample("a", 1024, 60.0, ok=False)])  # faster than computing 1024 (~100 ms)
+    d = policy.decide("b", 1025, 0, 1024)
+    assert d.reason == "recompute_faster" and d.load_ms > 60.0 + 100.0  # type: ignore[operator]
