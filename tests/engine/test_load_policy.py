@@ -57,6 +57,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
         settings = dict(
             state_dir=str(work / "state"), tiers=["redis"], redis_url=proxy.url_for("redis") + "/0", redis_prefix=prefix,
             chunk_tokens=CHUNK, cpu_threads=1,
+            # a load over the slow link takes seconds: it must end, not miss the tier's read deadline
+            tier_read_timeout_s=60.0, tier_write_timeout_s=60.0,
         )
         try:
             caps = asyncio.run(_setup(settings))
