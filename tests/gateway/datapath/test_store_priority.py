@@ -91,3 +91,34 @@ def test_kvgate_store_nice_in_the_environment_is_honoured_by_the_connector(tmp_p
     assert EmbeddedBackend({"state_dir": str(tmp_path)}, store_nice=10).settings.store_nice == 3
     monkeypatch.delenv("KVGATE_STORE_NICE")  # the control: without it, the connector's value
     assert EmbeddedBackend({"state_dir": str(tmp_path)}, store_nice=10).settings.store_nice == 10
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell a pinned thread from a free one")
+def test_data_path_threads_started_by_a_pinned_thread_run_on_every_cpu_of_the_process() -> None:
+    """A CPU engine pins its main thread to one core; threads it starts inherit that mask. The data
+    path's threads (loads and stores) must not: they run on every CPU the process may use."""
+    import asyncio
+
+    every = os.sched_getaffinity(0)
+    one = {min(every)}
+    seen: dict[str, set[int]] = {}
+
+    def pinned_engine_thread() -> None:
+        os.sched_setaffinity(0, one)  # as vLLM's CPU worker pins its main thread
+        plain: list[set[int]] = []
+        t = threading.Thread(target=lambda: plain.append(os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        seen["plain"] = plain[0]  # the control: an ordinary thread inherits the pin
+        dp = DataPath(ChunkCipher(), 2, store_nice=5)
+        try:
+            seen["load"] = asyncio.run(dp.run(os.sched_getaffinity, 0))
+            seen["store"] = asyncio.run(dp.run(os.sched_getaffinity, 0, store=True))
+        finally:
+            dp.close()
+
+    t = threading.Thread(target=pinned_engine_thread)
+    t.start()
+    t.join()
+    assert seen["plain"] == one
+    assert seen["load"] == every and seen["store"] == every
