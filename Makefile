@@ -139,9 +139,15 @@ test-vllm: vllm-setup
 #   (E2E_ARGS="--lengths 1024,4096,8192 --reps 3": about 20). Writes bench-results/e2e.json, e2e.md, e2e_ttft.png;
 #   E2E_ARGS="--docs" also refreshes docs/e2e.*, docs/img/e2e_ttft.png and the README table,
 #   E2E_ARGS="--quick" runs a tiny model on short prompts (checks the harness in minutes).
-.PHONY: bench-e2e
+#   E2E_ARGS="--published" adds the published-prefix workload (16 tenants behind one published 4K-token
+#   system prompt: strict isolation, published prefix, ExampleConnector; scripts/bench_e2e/published.py),
+#   make bench-e2e-published runs it alone (with --docs: docs/e2e.md's section and docs/e2e-published.json).
+.PHONY: bench-e2e bench-e2e-published
 E2E_ARGS ?=
 bench-e2e: vllm-setup
 	$(VPY) -m pip install -q --disable-pip-version-check "matplotlib>=3.8,<4"
 	mkdir -p bench-results
 	PYTHONPATH=$(CURDIR) $(VPY) -m scripts.bench_e2e.run $(E2E_ARGS)
+
+bench-e2e-published:
+	$(MAKE) bench-e2e E2E_ARGS="--published-only $(E2E_ARGS)"

@@ -133,4 +133,9 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
         rs = [r for r in runs[key]["rows"] if r["tag"].get("kind") == "mt"]
         m["identical_to_none"] = _identical(rs, mt_base, "tenant,q") if key != "none" else None
     sys_meta = {k: {kk: v for kk, v in r.items() if kk not in ("rows", "trace")} for k, r in runs.items()}
-    return {"meta": {**meta, "systems": sys_meta}, "ttft": rows, "isolation": isolation, "multi_tenant": multi}
+    out = {"meta": {**meta, "systems": sys_meta}, "ttft": rows, "isolation": isolation, "multi_tenant": multi}
+    if raw.get("published"):  # the published-prefix workload (published.py)
+        from scripts.bench_e2e.published import analyze as analyze_published
+
+        out["published"] = analyze_published(raw["published"], cfg["chunk_tokens"])
+    return out

@@ -129,15 +129,21 @@ def setup_line(result: dict[str, Any]) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    parts = [setup_line(result), "", ttft_table(result), "",
-             "Isolation (tenant B sends tenant A's prompt right after A's hit; the control is A's own hit):", "",
-             isolation_table(result)]
+    parts = [setup_line(result)]
+    if result["ttft"] or result["isolation"] or _absent(result):
+        parts += ["", ttft_table(result), "",
+                  "Isolation (tenant B sends tenant A's prompt right after A's hit; the control is A's own hit):", "",
+                  isolation_table(result)]
     mt = multi_table(result)
     if mt:
         c = result["meta"]["config"]
         title = (f"Multi-tenant workload ({c['tenants']} tenants, each with its own {_k(c['context'])}-token context, "
                  f"{c['questions']} rounds of one {c['question_tokens']}-token question per tenant, each round one batch):")
         parts += ["", title, "", mt]
+    if result.get("published"):
+        from scripts.bench_e2e.published import markdown as published_table
+
+        parts += ["", published_table(result["published"]).rstrip("\n")]
     return "\n".join(parts) + "\n"
 
 
@@ -208,17 +214,27 @@ def _readme(md: str, readme: Path) -> None:
     readme.write_text(pat.sub(lambda _: block, text))
 
 
-def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, docs: bool) -> None:
+def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, docs: bool, published_only: bool = False) -> None:
+    """``published_only``: no TTFT figures, and with ``docs`` only the published section of
+    docs/e2e.md and docs/e2e-published.json are refreshed (the rest of docs/ and the README stay)."""
+    from scripts.bench_e2e.published import write_docs
+
     json_path.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(result, indent=1) + "\n")
-    (json_path.parent / "e2e-raw.json").write_text(json.dumps(raw) + "\n")
+    stem = json_path.stem if published_only else "e2e"  # a run of the workload alone keeps the others' files
+    (json_path.parent / f"{stem}-raw.json").write_text(json.dumps(raw) + "\n")
     md = markdown(result)
-    (json_path.parent / "e2e.md").write_text(md)
-    plot(result, json_path.parent / "e2e_ttft.png")
+    (json_path.parent / f"{stem}.md").write_text(md)
+    if not published_only:
+        plot(result, json_path.parent / "e2e_ttft.png")
     print(md)
-    if docs:
+    if docs and published_only:
+        write_docs(result.get("published"), json_path=ROOT / "docs" / "e2e-published.json")
+    elif docs:
         (ROOT / "docs" / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
-        (ROOT / "docs" / "e2e.md").write_text(DOC_HEAD + md + "\n![TTFT](img/e2e_ttft.png)\n")
+        main_md = markdown({**result, "published": None})  # the published table: its own section
+        (ROOT / "docs" / "e2e.md").write_text(DOC_HEAD + main_md + "\n![TTFT](img/e2e_ttft.png)\n")
         plot(result, ROOT / "docs" / "img" / "e2e_ttft.png")
         _readme(summary(result), ROOT / "README.md")
-    print(f"wrote {json_path}, {json_path.parent / 'e2e.md'}, {json_path.parent / 'e2e_ttft.png'}" + (", docs/ and README.md" if docs else ""))
+        write_docs(result.get("published"), json_path=ROOT / "docs" / "e2e-published.json")
+    print(f"wrote {json_path}, {json_path.parent / f'{stem}.md'}" + ("" if published_only else f", {json_path.parent / 'e2e_ttft.png'}") + (", docs/ and README.md" if docs and not published_only else ", docs/e2e.md's published section" if docs else ""))

@@ -9,10 +9,10 @@ thread count, drives it through the same steps, stops it by process id, and writ
 docs/e2e.md, docs/e2e.json, docs/img/e2e_ttft.png and the README section between its markers).
 Steps per system: a warm-up; per prompt length and repetition, tenant A misses and stores, the
 store settles, A hits, at the isolation length tenant B sends A's prompt, then the store is
-flushed; the multi-tenant workload. A system that cannot run is not dropped silently: its reason
-(``systems.NotRun``, or a preflight that saw no hit) goes to ``meta.not_run``, one that fails
-mid-run to ``meta.failed``, and the report gives each a row. Design notes: docs/architecture.md,
-section 5."""
+flushed; the multi-tenant workload (``--published``: then published.py's workload; alone with
+``--published-only``). A system that cannot run is not dropped silently: its reason
+(``systems.NotRun``, or a preflight that saw no hit) goes to ``meta.not_run``, one that fails mid-run
+to ``meta.failed``, and the report gives each a row. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.bench_e2e import published
 from scripts.bench_e2e.model import SIZES, build_llama
 from scripts.bench_e2e.systems import ROOT, NotRun, System, describe, open_system, salts, stop_process
 
@@ -288,7 +289,8 @@ def merge_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
     meta["config"] = {**cfg, "systems": list(dict.fromkeys(order))}
     if len(raws) > 1:
         meta["merged_runs"] = len(raws)
-    return {"meta": meta, "runs": runs}
+    pub = [r["published"] for r in raws if r.get("published")]  # the last run's published workload
+    return {"meta": meta, "runs": runs, **({"published": pub[-1]} if pub else {})}
 
 
 def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
@@ -306,7 +308,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--redis-url")
     p.add_argument("--lmcache-vllm-python", dest="lmcache_python",
                    help="python of an environment with vLLM and LMCache (default: $KVGATE_E2E_LMCACHE_PYTHON or .venv-lmcache-vllm)")
-    p.add_argument("--json", type=Path, default=ROOT / "bench-results" / "e2e.json")
+    p.add_argument("--json", type=Path, help="default: bench-results/e2e.json (--published-only: e2e-published.json)")
     p.add_argument("--docs", action="store_true", help="also refresh docs/e2e.*, docs/img/e2e_ttft.png and the README table")
     p.add_argument("--from-raw", type=Path, nargs="+",
                    help="no engines: analyze and report an earlier run's e2e-raw.json; several: their systems merged "
@@ -315,6 +317,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
 
     pd_workload.add_args(p)
     p.add_argument("--workdir", type=Path, help="keep engine logs, plans and traces here (default: a temporary directory)")
+    published.add_args(p)
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
     for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python"):
@@ -322,6 +325,10 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
             setattr(cfg, name, getattr(a, name))
     if cfg.iso_length not in cfg.lengths:
         cfg.iso_length = cfg.lengths[len(cfg.lengths) // 2]
+    if a.published_only:
+        cfg.systems = []
+    a.json = a.json or ROOT / "bench-results" / ("e2e-published.json" if a.published_only else "e2e.json")
+    a.pub = published.config(a)
     return cfg, a
 
 
@@ -342,11 +349,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="kvgate-e2e-") as tmp:
             raw = run(cfg, a.workdir or Path(tmp))
+            if a.pub is not None:  # the published-prefix workload (published.py), after the systems
+                raw["published"] = published.run(a.pub, cfg, a.workdir or Path(tmp))
         raw["meta"]["total_wall_s"] = round(time.monotonic() - t0, 1)
     if pd is not None:  # --pd: after the systems, with files of its own
         pd_workload.run_and_write(pd, a.workdir)
     result = analyze(raw)
-    write_all(result, raw, a.json, docs=a.docs)
+    write_all(result, raw, a.json, docs=a.docs, published_only=a.published_only)
 
 
 if __name__ == "__main__":
