@@ -272,3 +272,18 @@ def test_header_settings_are_refused_without_their_peers_audit_or_service_token(
 
     with pytest.raises(ConnectorConfigError, match="KVGATE_VLLM_SERVICE_TOKEN"):
         TenantGuard(cfg)
+
+
+def test_trusted_peers_read_the_connection_only():
+    from gateway.vllm.peers import Peer, TrustedPeers, peer_of
+
+    trusted = TrustedPeers.parse("10.0.0.0/8, unix:/run/gw.sock, fd00::/8")
+    assert trusted.trusts(Peer("tcp", "10.1.2.3")) and trusted.trusts(Peer("tcp", "::ffff:10.1.2.3"))
+    assert trusted.trusts(Peer("tcp", "fd00::1")) and trusted.trusts(Peer("unix", "/run/gw.sock"))
+    assert not trusted.trusts(Peer("tcp", "11.0.0.1")) and not trusted.trusts(Peer("unix", "/run/other.sock"))
+    assert not trusted.trusts(Peer("unknown", "")) and not trusted.trusts(Peer("tcp", "not-an-address"))
+    # a forwarding header is the client's word: the peer is the connection's
+    scope = {"client": ("203.0.113.9", 5555), "headers": [(b"x-forwarded-for", b"10.1.2.3"), (b"forwarded", b"for=10.1.2.3")]}
+    assert peer_of(scope) == Peer("tcp", "203.0.113.9") and not trusted.trusts(peer_of(scope))
+    assert peer_of({"client": None, "server": ("/run/gw.sock", None)}) == Peer("unix", "/run/gw.sock")
+    assert not TrustedPeers.parse("") and not TrustedPeers.parse(None)
