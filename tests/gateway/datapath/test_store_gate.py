@@ -14,6 +14,11 @@ import torch
 
 from gateway.datapath import DataPath
 from gateway.datapath.gate import STEPS, StepGate
+from gateway.vllm.backend import SharedBackends
+from gateway.vllm.config import ConnectorConfig
+from gateway.vllm.ledger import LoadOp, StoreOp
+from gateway.vllm.worker import WorkerSide
+from tests.gateway.vllm import test_worker as wt
 from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="stores get threads of their own only on Linux")
@@ -108,3 +113,43 @@ async def test_a_forward_that_never_ends_delays_a_store_to_its_bound_and_no_furt
         t0 = time.monotonic()
         res = await asyncio.wait_for(rt.gateway.store(cap, model, other, src, block_ids=list(range(32))), 30)
         assert res.stored == 8 and time.monotonic() - t0 < 0.8
+
+
+
+def test_the_connectors_worker_holds_a_store_while_the_next_step_runs_and_lets_it_go_at_its_end(tmp_path, steps) -> None:
+    """On the worker side (a real embedded backend, the CPU paged layout): a store submitted at
+    one step's ``wait_for_save`` does not seal while the next step's forward runs (begun at
+    ``bind_connector_metadata``), and seals once that step's ``wait_for_save`` ends it; it loads
+    back bit-exact. A ``save`` that fails still ends the step."""
+    shared = SharedBackends()
+    backend = shared.acquire(ConnectorConfig.from_extra({"kvgate_settings": {
+        "state_dir": str(tmp_path), "tiers": ["memory"], "memory_bytes": 64 << 20, "chunk_tokens": wt.CHUNK,
+        "segment_bytes": 4096, "cpu_threads": 1,
+    }}))
+    try:
+        cap = wt._capability(backend)
+        gated = wt.GatedBackend(backend)  # its store waits for gated.gate (a slow tier) first
+        src, dst = wt._cpu_cache(seed=7), wt._cpu_cache(seed=8)
+        writer = wt._gated_worker(gated, src, tmp_path, store_finish_s=60.0)
+        assert steps.finish_s == 60.0
+        ids, dst_ids = list(range(3, 15)), list(range(20, 32))
+        writer.forward_begins()
+        writer.save([StoreOp("w", cap, wt.TOKENS, ids)])  # the step's end: submitted, held by the tier
+        assert not steps.busy
+        writer.forward_begins()  # the next step's forward
+        gated.gate.set()
+        assert not writer.wait_stores(1.0)  # its sealing waits for the forward
+        writer.save([])  # that step ends
+        assert writer.wait_stores(30)
+        reader = wt._worker(backend, dst, tmp_path)
+        reader.load([LoadOp("r", cap, wt.TOKENS, dst_ids)])
+        assert reader.take_load_errors() == set()
+        for a, b in zip(wt._blocks(src, ids), wt._blocks(dst, dst_ids), strict=True):
+            assert torch.equal(a, b)
+        unregistered = WorkerSide(gated, wt.CHUNK, wt.BLOCK, "tiny")
+        unregistered.forward_begins()
+        with pytest.raises(RuntimeError, match="registered"):
+            unregistered.save([StoreOp("x", cap, wt.TOKENS, ids)])
+        assert not steps.busy
+    finally:
+        shared.release(backend)
