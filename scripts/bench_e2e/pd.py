@@ -177,6 +177,7 @@ def _open(key: str, cfg: PdConfig, model: Path, work: Path, max_len: int) -> Sta
         ktc: dict[str, Any] = {"kv_connector": "ExampleConnector", "kv_connector_extra_config": {"shared_storage_path": str(store)}}
     else:
         tenants = [TENANT_A, TENANT_B]
+        (work / "kvgate").mkdir(exist_ok=True)
         if key == "pd-kvgate-uds":
             system = _remote(work / "kvgate", tenants, main, uds=True)
             closers.append(system)
@@ -288,15 +289,18 @@ async def _complete(c: httpx.AsyncClient, ids: list[int], tenant: str | None, cf
     return {"ttft_s": first - t0, "decode_tps": decode_tps, "text": "".join(text), "cached": cached, "chunks": n}
 
 
-async def _prefill_receipt(stack: Stack, ids: list[int], tenant: str) -> dict[str, Any] | None:
-    """What the proxy would hand the decode engine after tenant's prefill (its kv_transfer_params)."""
+async def _prefill_receipt(stack: Stack, ids: list[int], tenant: str) -> tuple[dict[str, Any] | None, float]:
+    """What the proxy would hand the decode engine after tenant's prefill (its kv_transfer_params),
+    and the seconds the prefill leg took."""
     async with _uds_client(stack.entry.parent / "prefill.sock") as c:
+        t0 = time.perf_counter()
         r = await c.post("/v1/completions", headers={HEADER: tenant},
                          json={"model": "bench", "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": False,
                                "kv_transfer_params": {"do_remote_decode": True}})
         r.raise_for_status()
+        took = time.perf_counter() - t0
         params = r.json().get("kv_transfer_params")
-        return params if isinstance(params, dict) else None
+        return (params if isinstance(params, dict) else None), took
 
 
 async def _drive(key: str, stack: Stack, cfg: PdConfig) -> dict[str, Any]:
@@ -328,14 +332,15 @@ async def _drive(key: str, stack: Stack, cfg: PdConfig) -> dict[str, Any]:
         # receipt, it loads whatever the prompt's files hold)
         length = cfg.lengths[-1]
         ids = prompt_ids(length, 777_000)
-        params = await _prefill_receipt(stack, ids, TENANT_A) if key != "pd-example" else None
+        params, prefill_s = await _prefill_receipt(stack, ids, TENANT_A) if key != "pd-example" else (None, None)
         kv = {k: v for k, v in (params or {}).items() if k == "kvgate_receipt"} or None
         if key == "pd-example":
             async with _uds_client(stack.entry) as c:
                 await _complete(c, ids, None, cfg)  # A's request through the proxy stores the prompt's files
         async with _uds_client(stack.decode) as c:
             got = await _complete(c, ids, TENANT_B if key != "pd-example" else None, cfg, kv)
-        out["b_on_a"] = {"length": length, "cached": got["cached"], "text": got["text"], "had_receipt": kv is not None}
+        out["b_on_a"] = {"length": length, "cached": got["cached"], "text": got["text"], "had_receipt": kv is not None,
+                         "prefill_leg_s": prefill_s, "consumer_ttft_s": got["ttft_s"]}
     return out
 
 
