@@ -443,13 +443,34 @@ def prefixes_publish(
     model: Annotated[str, typer.Option(help="the model id the prefix is for")],
     tokens: Annotated[Optional[str], typer.Option(help="the token ids, comma-separated")] = None,
     tokens_file: Annotated[Optional[Path], typer.Option(help="a JSON list of the token ids")] = None,
+    text_file: Annotated[Optional[Path], typer.Option(help="the prefix as text (UTF-8), with --tokenizer")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(
+        help="the text's Hugging Face tokenizer (a hub name or a directory); needs transformers")] = None,
+    add_special_tokens: Annotated[bool, typer.Option(
+        help="text: with the tokenizer's special tokens, as vLLM tokenizes a completion prompt")] = True,
     ttl: Annotated[Optional[int], typer.Option(min=1, help="the warm-up capability's lifetime (seconds)")] = None,
 ) -> None:
-    """Publish a prefix into a scope; prints its id and the warm-up's write capability (JSON)."""
-    ids = _token_ids(tokens, tokens_file)
+    """Publish a prefix into a scope, as token ids or as text with its tokenizer; prints its id
+    and the warm-up's write capability (JSON)."""
+    if text_file is not None or tokenizer is not None:
+        if text_file is None or tokenizer is None or tokens is not None or tokens_file is not None:
+            raise typer.BadParameter("give --text-file with --tokenizer, and no token ids")
+        try:
+            text = text_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeError) as exc:
+            raise typer.BadParameter(f"text: {exc}") from None
+        from gateway.errors import InvalidRequest
+        from gateway.services.prefixes import tokenize
+
+        try:
+            ids = tokenize(text, tokenizer, add_special_tokens=add_special_tokens)
+        except InvalidRequest as exc:
+            raise typer.BadParameter(str(exc)) from None
+    else:
+        ids = _token_ids(tokens, tokens_file)
 
     async def go(rt: Runtime) -> None:
-        got = await rt.prefixes.publish(scope, model, ids, ttl=ttl)
+        got = await rt.prefixes.publish(scope, model, ids, ttl=ttl, tokenizer=tokenizer)
         p = got.publication
         console.print_json(json.dumps({
             "id": p.id, "scope": p.scope, "model": p.model, "digest": p.digest, "num_tokens": p.num_tokens,

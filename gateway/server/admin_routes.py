@@ -7,6 +7,7 @@ tenants). Every action is audited by the core; every refusal is audited here."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -43,6 +44,7 @@ from gateway.server.deps import (
 )
 from gateway.server.jsonbody import JsonBodyRoute
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
+from gateway.services.prefixes import tokenize
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles
 from tenancy.types import Principal
@@ -357,10 +359,26 @@ class MemberResponse(BaseModel):
 class PublishRequest(Strict):
     scope: Name
     model: str = Field(min_length=1, max_length=256, description="the model id the prefix is for")
-    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
-        min_length=1, max_length=_MAX_PREFIX_TOKENS, description="the prefix's token ids; its whole chunks are shared",
+    token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        default=None, min_length=1, max_length=_MAX_PREFIX_TOKENS,
+        description="the prefix's token ids; its whole chunks are shared (or: text with tokenizer)",
     )
+    text: str | None = Field(default=None, min_length=1, max_length=4 << 20, description="the prefix as text, with tokenizer")
+    tokenizer: str | None = Field(
+        default=None, min_length=1, max_length=512,
+        description="text's Hugging Face tokenizer (a hub name or a directory on the server); needs transformers there",
+    )
+    add_special_tokens: bool = Field(default=True, description="text: with the tokenizer's special tokens, as vLLM "
+                                     "tokenizes a completion prompt (a leading BOS)")
     ttl: int | None = Field(default=None, ge=1, le=86400, description="the warm-up capability's lifetime (seconds)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> PublishRequest:
+        if (self.token_ids is None) == (self.text is None):
+            raise ValueError("give the prefix as token_ids or as text (one of them)")
+        if (self.text is None) != (self.tokenizer is None):
+            raise ValueError("text and tokenizer go together")
+        return self
 
 
 class PrefixResponse(BaseModel):
@@ -434,10 +452,17 @@ async def remove_member(name: NamePath, tenant: NamePath, scope: PrefixesScope, 
 @router.post("/prefixes", response_model=PublishResponse, status_code=201)
 @takes(BodySize.BULK)
 async def publish_prefix(body: PublishRequest, scope: PrefixesScope, state: StateDep) -> PublishResponse:
-    """Publish a prefix into a scope (audited ``prefix.publish`` with its digest): the answer's
+    """Publish a prefix into a scope, as token ids or as text with its tokenizer (audited
+    ``prefix.publish`` with the digest of the token ids): the answer's
     capability is the only one that may write its chunks, for a warm-up that reports them first
     (``POST /v1/admin/prefixes/{id}/chunks``) and then stores them as any worker does."""
-    got = await state.runtime.prefixes.publish(body.scope, body.model, body.token_ids, ttl=body.ttl, actor=scope.actor)
+    ids = body.token_ids
+    if ids is None:  # text and its tokenizer (the validator asks for both)
+        assert body.text is not None and body.tokenizer is not None
+        ids = await asyncio.to_thread(tokenize, body.text, body.tokenizer, add_special_tokens=body.add_special_tokens)
+    got = await state.runtime.prefixes.publish(
+        body.scope, body.model, ids, ttl=body.ttl, actor=scope.actor, tokenizer=body.tokenizer,
+    )
     return PublishResponse(
         **_prefix(got.publication), whole_chunks=got.whole_chunks, chunk_tokens=state.settings.chunk_tokens,
         capability=got.capability, cap_id=got.cap_id, expires_at=got.expires_at,

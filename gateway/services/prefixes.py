@@ -9,13 +9,15 @@ into a scope's namespace: a capability of the scope's owner (minted by ``publish
 chunks a warm-up reported and that chain from the published tokens (``warm``). ``revoke``
 crypto-shreds (the publication's data-key version, or every key of the scope and its namespace
 epoch with its last publication), deletes the chunks from every tier, then audits; a revoke cut
-short by a crash is finished at the next start (``resume``).
+short by a crash is finished at the next start (``resume``). ``tokenize`` turns a prefix
+published as text into its token ids.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib
 import logging
 import re
 import struct
@@ -53,12 +55,14 @@ from tenancy.types import Capability
 if TYPE_CHECKING:
     from gateway.services.broadcast import Broadcaster
 
-__all__ = ["SCOPE_NAMESPACE", "Prefixes", "Published", "RevokeResult", "SharedMatch", "chain_from_digest"]
+__all__ = ["SCOPE_NAMESPACE", "Prefixes", "Published", "RevokeResult", "SharedMatch", "chain_from_digest", "tokenize"]
 
 log = logging.getLogger("kvgate.prefixes")
 
 _MAX_TOKENS = 1 << 20
 _MAX_MODEL = 256
+_MAX_TEXT = 4 << 20
+_MAX_TOKENIZER = 512
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _WRITE_OPS = ("lookup", "put")  # a warm-up's store checks what is there, then puts
 
@@ -74,6 +78,30 @@ def chain_from_digest(fingerprint: str, tokens: bytes, chunk_tokens: int) -> lis
         prev = hashlib.sha256(prev + tokens[start : start + width]).digest()
         out.append(prev.hex())
     return out
+
+
+def tokenize(text: str, tokenizer: str, *, add_special_tokens: bool = True) -> list[int]:
+    """The token ids of ``text`` under the Hugging Face tokenizer ``tokenizer`` (a hub name or a
+    directory where this process runs), loaded with ``transformers.AutoTokenizer`` without remote
+    code; ``add_special_tokens`` as vLLM tokenizes a completion prompt (a leading BOS). Blocking:
+    run it off the event loop. InvalidRequest where the text or name is not one, transformers is
+    not installed here, or the tokenizer cannot be loaded."""
+    if not isinstance(text, str) or not 0 < len(text) <= _MAX_TEXT:
+        raise InvalidRequest(f"text is 1..{_MAX_TEXT} characters")
+    if not isinstance(tokenizer, str) or not 0 < len(tokenizer) <= _MAX_TOKENIZER or not tokenizer.isprintable():
+        raise InvalidRequest(f"tokenizer is a Hugging Face tokenizer name or path, 1..{_MAX_TOKENIZER} printable characters")
+    try:
+        auto = importlib.import_module("transformers").AutoTokenizer  # only a publish by text loads it
+    except ImportError:
+        raise InvalidRequest(
+            "publishing text needs transformers where kvgate runs (pip install transformers); or publish token ids"
+        ) from None
+    try:
+        tok = auto.from_pretrained(tokenizer, trust_remote_code=False)
+        ids = tok(text, add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as exc:  # a name that is no tokenizer fails in many ways: each is the caller's
+        raise InvalidRequest(f"tokenizer {tokenizer!r} could not be loaded or used ({type(exc).__name__})") from None
+    return [int(t) for t in ids]
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,9 +337,11 @@ class Prefixes:
     # -- publish, warm, revoke -------------------------------------------------------------------
     async def publish(
         self, scope: str, model: str, token_ids: Sequence[int], *, ttl: int | None = None, actor: Actor | None = None,
+        tokenizer: str | None = None,
     ) -> Published:
         """Record a prefix for ``scope`` and hand back the one capability that may write it (a
-        warm-up's: ops lookup and put on the scope's namespace, for the chunks ``warm`` records)."""
+        warm-up's: ops lookup and put on the scope's namespace, for the chunks ``warm`` records).
+        ``tokenizer``: the one the token ids came from (``tokenize``), for the audit record."""
         try:
             check_name(scope, "scope")
         except InvalidName as exc:
@@ -337,6 +367,7 @@ class Prefixes:
             details={
                 "prefix_id": pub.id, "scope": scope, "model": model, "digest": digest, "num_tokens": len(token_ids),
                 "whole_chunks": whole, "key_version": version, "cap_id": cap.cap_id, "expires_at": cap.expires_at,
+                **({"tokenizer": tokenizer} if tokenizer is not None else {}),
             },
         ))
         return Published(pub, token, cap.cap_id, cap.expires_at, whole)
