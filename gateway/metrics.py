@@ -72,6 +72,7 @@ class Metrics:
     denials: int = 0  # kvgate_capability_denials
     store_rollback_removed: int = 0  # kvgate_store_rollbacks{outcome="removed"}
     store_rollback_left: int = 0  # kvgate_store_rollbacks{outcome="left"}
+    shared_chunks_loaded: int = 0  # kvgate_shared_chunks_loaded: published chunks read from their scope for a member
     load_failed: ByLabel[LoadReason] = field(default_factory=lambda: ByLabel[LoadReason](get_args(LoadReason)))  # kvgate_load_failures
     lookup_degraded: ByLabel[LookupReason] = field(default_factory=lambda: ByLabel[LookupReason](get_args(LookupReason)))  # kvgate_lookup_degraded
     load_degraded: ByLabel[TierReason] = field(default_factory=lambda: ByLabel[TierReason](get_args(TierReason)))  # kvgate_load_degraded

@@ -156,6 +156,10 @@ class ChunkStats:
         self.metrics.chunks_loaded += chunks
         self.metrics.bytes_out += nbytes
 
+    def shared_loaded(self) -> None:
+        """A published prefix's chunk read from its scope for a member."""
+        self.metrics.shared_chunks_loaded += 1
+
     def loaded_bytes(self, nbytes: int) -> None:
         self.metrics.bytes_out += nbytes
 
@@ -380,6 +384,8 @@ class NamespaceChunks:
             raise FetchFailed(failure_reason(exc.tier_errors) or "miss") from None
         except TierError as exc:
             raise FetchFailed(failure_reason([exc]) or "tier_unavailable", unavailable=True) from None
+        if i < self.shared_count:
+            self.counts.shared_loaded()
         return Found(found, passed_over)
 
     def reserve(self, i: int, nbytes: int) -> Reservation | None:

@@ -257,6 +257,7 @@ def _observe(state: ServerState) -> None:
         ("kvgate_lookups", "lookup calls by result", lambda: [(m.lookup_hits, {"result": "hit"}), (m.lookup_misses, {"result": "miss"})]),
         ("kvgate_loads", "retrieve calls by result", lambda: [(m.load_hits, {"result": "hit"}), (m.load_misses, {"result": "miss"})]),
         ("kvgate_chunks", "chunks stored and loaded", lambda: [(m.chunks_stored, {"op": "store"}), (m.chunks_loaded, {"op": "load"})]),
+        ("kvgate_shared_chunks_loaded", "chunks of published prefixes read from their scope for a member", lambda: [(m.shared_chunks_loaded, {})]),
         ("kvgate_core_bytes", "bytes through the core", lambda: [(m.bytes_in, {"direction": "in"}), (m.bytes_out, {"direction": "out"})]),
         ("kvgate_integrity_failures", "envelopes that failed authentication", lambda: [(m.integrity_failures, {})]),
         ("kvgate_capability_denials", "capability checks denied", lambda: [(m.denials, {})]),
