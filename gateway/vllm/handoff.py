@@ -193,9 +193,10 @@ class HandoffStores:
     stored nothing, the blocks need not wait), ``durable`` answers, of the requests vLLM has
     finished, those whose store has ended (get_finished's finished_sending)."""
 
-    def __init__(self) -> None:
+    def __init__(self, yield_s: float = 0.001) -> None:
         self._stores: dict[str, Future[Any] | None] = {}
         self._finished: set[str] = set()
+        self.yield_s = yield_s
 
     def submitted(self, req_id: str, future: Future[Any] | None) -> None:
         self._stores[req_id] = future
@@ -206,6 +207,10 @@ class HandoffStores:
         for r in done:
             del self._stores[r]
         self._finished -= done
+        if self._finished:
+            # vLLM steps without pause while blocks wait for a send: give the backend's loop
+            # thread, which runs the stores, the interpreter and the core for a moment
+            time.sleep(self.yield_s)
         return done
 
     def __len__(self) -> int:
