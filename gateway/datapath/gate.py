@@ -2,16 +2,17 @@
 
     StepGate.forward_begins() / forward_ends()   the engine's worker, around each forward step
     StepGate.wait_turn(latest)                    a store thread, before each slice of a store:
-                                                  returns at once while no forward runs, else
-                                                  when it ends or at ``latest`` (monotonic), the
-                                                  slice's deadline, whichever comes first
+                                                  the engine idle, one of the ``per_gap`` slices
+                                                  of a gap between two steps, or ``latest`` (the
+                                                  slice's deadline, monotonic), whichever first
     STEPS                                         this process's gate (one engine per process)
 
 A CPU engine's forward keeps every core busy and waits at each barrier for its slowest thread, so
-a store slice that runs during a forward slows the whole step. ``DataPlane`` gives slice ``k`` of
-``n`` the deadline ``start + finish_s * (k + 1) / n``: a store never starves, and its last slice
-starts at most ``finish_s`` after the store did. ``finish_s`` 0 (the default, and any process
-without an engine) never waits. Design notes: docs/architecture.md, section 5."""
+a slice that runs during a forward slows the whole step, and one that began runs to its end: a gap
+takes ``per_gap`` slices; ``idle_s`` after a forward ended with none begun, every slice runs.
+``DataPlane`` gives slice ``k`` of ``n`` the deadline ``start + finish_s * (k + 1) / n``: a store
+never starves and its last slice starts at most ``finish_s`` after it began. ``finish_s`` 0 (the
+default, any process without an engine) never waits. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -22,11 +23,15 @@ __all__ = ["STEPS", "StepGate"]
 
 
 class StepGate:
-    def __init__(self, finish_s: float = 0.0) -> None:
+    def __init__(self, finish_s: float = 0.0, per_gap: int = 1, idle_s: float = 0.05) -> None:
         self.finish_s = finish_s  # a store's last slice starts at most this long after the store
+        self.per_gap = per_gap  # slices that may start between two forward steps
+        self.idle_s = idle_s  # no forward for this long: the engine is idle, every slice may start
         self._cond = threading.Condition()
         self._busy = False
-        self.waited_s = 0.0  # slices' total wait (traced by the worker)
+        self._ended = float("-inf")  # when the last forward ended (monotonic)
+        self._started = 0  # slices started since then
+        self.waited_s = 0.0  # slices' total wait
 
     @property
     def busy(self) -> bool:
@@ -40,6 +45,8 @@ class StepGate:
         with self._cond:
             if self._busy:
                 self._busy = False
+                self._ended = time.monotonic()
+                self._started = 0
                 self._cond.notify_all()
 
     def deadline(self, start: float, k: int, n: int) -> float | None:
@@ -50,17 +57,26 @@ class StepGate:
         return start + self.finish_s * (k + 1) / n
 
     def wait_turn(self, latest: float | None) -> float:
-        """Wait until no forward runs or ``latest`` (``time.monotonic``) has passed; the seconds
-        waited."""
-        if latest is None or not self._busy:
+        """Wait for a turn: the engine idle, or one of the ``per_gap`` slices of the gap between
+        two forward steps, or ``latest`` (``time.monotonic``) passed; the seconds waited."""
+        if latest is None:
             return 0.0
         t0 = time.monotonic()
         with self._cond:
-            while self._busy:
-                left = latest - time.monotonic()
-                if left <= 0:
+            while True:
+                now = time.monotonic()
+                if now >= latest:
                     break
-                self._cond.wait(left)
+                wait = latest - now
+                if not self._busy:
+                    idle_at = self._ended + self.idle_s
+                    if now >= idle_at:
+                        break
+                    if self._started < self.per_gap:
+                        self._started += 1
+                        break
+                    wait = min(wait, idle_at - now)
+                self._cond.wait(wait)
         waited = time.monotonic() - t0
         self.waited_s += waited
         return waited

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -51,7 +52,7 @@ def test_the_gate_lets_a_slice_run_when_idle_when_the_forward_ends_or_at_its_dea
     gate = StepGate(finish_s=1.0)
     assert gate.deadline(10.0, 0, 4) == 10.25 and gate.deadline(10.0, 3, 4) == 11.0
     assert StepGate().deadline(10.0, 0, 4) is None  # finish_s 0: never waits
-    assert gate.wait_turn(time.monotonic() + 30) == 0.0  # no forward: at once
+    assert gate.wait_turn(time.monotonic() + 30) < 0.2  # no forward yet: at once
     gate.forward_begins()
     t0 = time.monotonic()
     gate.wait_turn(t0 + 0.2)  # a forward that does not end: until the deadline
@@ -64,6 +65,29 @@ def test_the_gate_lets_a_slice_run_when_idle_when_the_forward_ends_or_at_its_dea
         assert time.monotonic() - t0 < 5.0  # the forward's end, not the 30 s deadline
     finally:
         loop_ends.close()
+
+
+def test_a_gap_between_steps_takes_one_slice_and_an_idle_engine_takes_every_slice() -> None:
+    gate = StepGate(finish_s=1.0, per_gap=1, idle_s=1.0)
+    far = time.monotonic() + 30
+    gate.forward_begins()
+    gate.forward_ends()
+    assert gate.wait_turn(far) < 0.2  # the gap's one slice
+    waiter = threading.Thread(target=gate.wait_turn, args=(far,))
+    t0 = time.monotonic()
+    waiter.start()  # a second slice of the same gap waits ...
+    time.sleep(0.2)
+    assert waiter.is_alive()
+    gate.forward_begins()  # ... through the next forward, for the next gap
+    time.sleep(0.1)
+    assert waiter.is_alive()
+    gate.forward_ends()
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 0.9  # that gap's slice, not the idle second
+    t0 = time.monotonic()
+    gate.wait_turn(far)  # no third step comes: the engine is idle after idle_s, and the slice runs
+    assert 0.5 <= time.monotonic() - t0 < 5
+    assert gate.wait_turn(far) < 0.2 and gate.wait_turn(far) < 0.2  # idle: every slice at once
 
 
 async def test_a_store_seals_only_once_the_forward_has_ended(tmp_path, steps, seals) -> None:
