@@ -23,6 +23,17 @@ Made by `make bench-e2e` (`scripts/bench_e2e/`); the figures of the last run, it
 machine and load averages are in [e2e.json](e2e.json). Rerun with
 `make bench-e2e VLLM_VENV=/path/to/.venv-vllm E2E_ARGS=--docs` to refresh this page and the README.
 
+The bandwidth sweep (`scripts/bench_e2e/sweep.py`; `--sweep` after the systems, its list
+`bandwidth_sweep` in e2e.json and its table here; `--sweep-only` alone, into
+`bench-results/e2e-sweep.json` and `e2e-sweep.md`) runs kvgate embedded with Redis as its only tier
+behind a TCP proxy held to 0.05, 0.2, 1 and 5 GB/s (the tier's deadlines raised so a slow load
+ends), one engine per bandwidth and `load_policy` (`always`, `recompute`, `adaptive`), and times a
+hit of 1,024, 4,096 and 8,192 tokens three times each: per point the median TTFT of always-load,
+always-recompute and adaptive, adaptive's ratio to the better of the two and how often it loaded.
+To refresh docs/e2e.json with the sweep, on a quiet host:
+`flock /tmp/engine.lock make bench-e2e E2E_ARGS="--lengths 1024,4096,8192 --reps 3 --sweep --docs"`
+(`--quick --sweep-only` checks the harness: the tiny model, 0.005 and 1 GB/s, 512 tokens).
+
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
 (plaintext files), each as a `kv_producer` and a `kv_consumer` engine behind `gateway.vllm.disagg`,
@@ -144,6 +155,10 @@ def markdown(result: dict[str, Any]) -> str:
         from scripts.bench_e2e.published import markdown as published_table
 
         parts += ["", published_table(result["published"]).rstrip("\n")]
+    if result.get("bandwidth_sweep"):
+        from scripts.bench_e2e.sweep import markdown as sweep_table
+
+        parts += ["", sweep_table(result["bandwidth_sweep"]).rstrip("\n")]
     return "\n".join(parts) + "\n"
 
 

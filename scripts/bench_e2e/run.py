@@ -317,6 +317,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
 
     pd_workload.add_args(p)
     p.add_argument("--workdir", type=Path, help="keep engine logs, plans and traces here (default: a temporary directory)")
+    from scripts.bench_e2e import sweep
+
+    sweep.add_args(p)
     published.add_args(p)
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
@@ -337,6 +340,12 @@ def main(argv: list[str] | None = None) -> None:
     from scripts.bench_e2e.report import write_all
 
     cfg, a = parse(argv)
+    from scripts.bench_e2e import sweep
+
+    sweep_cfg = sweep.config(a)
+    if sweep_cfg is not None and a.sweep_only:  # the bandwidth sweep alone: bench-results/e2e-sweep.*
+        sweep.run_and_write(sweep_cfg, cfg, a.workdir, a.sweep_json)
+        return
     from scripts.bench_e2e import pd as pd_workload
 
     pd = pd_workload.config(a)
@@ -349,12 +358,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         with tempfile.TemporaryDirectory(prefix="kvgate-e2e-") as tmp:
             raw = run(cfg, a.workdir or Path(tmp))
+            if sweep_cfg is not None:  # --sweep: the bandwidth sweep (sweep.py), after the systems
+                raw["sweep"] = sweep.run(sweep_cfg, cfg, a.workdir or Path(tmp))
             if a.pub is not None:  # the published-prefix workload (published.py), after the systems
                 raw["published"] = published.run(a.pub, cfg, a.workdir or Path(tmp))
         raw["meta"]["total_wall_s"] = round(time.monotonic() - t0, 1)
     if pd is not None:  # --pd: after the systems, with files of its own
         pd_workload.run_and_write(pd, a.workdir)
     result = analyze(raw)
+    if raw.get("sweep"):
+        result["bandwidth_sweep"] = sweep.analyze(raw["sweep"])
     write_all(result, raw, a.json, docs=a.docs, published_only=a.published_only)
 
 

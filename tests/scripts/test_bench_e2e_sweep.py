@@ -1,0 +1,50 @@
+"""bench-e2e's bandwidth sweep (scripts/bench_e2e/sweep.py) without engines: its command line,
+its plan and the list it makes of raw rows (the engines' part runs in ``make bench-e2e``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.bench_e2e import sweep
+from scripts.bench_e2e.run import Config, parse
+
+
+def _rows(policy: str, gbps: float, ttft: dict[int, list[float]], loaded: bool) -> dict:
+    rows = [{"tag": {"kind": "miss", "length": n, "i": 0}, "ttft_s": 9.0, "cached": 0} for n in ttft]
+    for n, values in ttft.items():
+        rows += [{"tag": {"kind": "hit", "length": n, "i": i}, "ttft_s": v / 1e3, "cached": n - 32 if loaded else 0}
+                 for i, v in enumerate(values)]
+    return {"policy": policy, "gbps": gbps, "rows": rows}
+
+
+def test_load_policy_sweep_list_has_the_medians_of_every_policy():
+    raw = {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": [
+        _rows("always", 0.05, {1024: [900.0, 1000.0, 950.0]}, True),
+        _rows("recompute", 0.05, {1024: [300.0, 310.0, 305.0]}, False),
+        _rows("adaptive", 0.05, {1024: [900.0, 312.0, 306.0]}, False),
+        _rows("always", 5.0, {1024: [100.0, 110.0, 105.0]}, True),
+        _rows("recompute", 5.0, {1024: [300.0, 300.0, 300.0]}, False),
+        _rows("adaptive", 5.0, {1024: [104.0, 106.0, 300.0]}, True),
+    ]}
+    out = sweep.analyze(raw)
+    assert [(r["gbps"], r["length"]) for r in out] == [(0.05, 1024), (5.0, 1024)]
+    slow, fast = out
+    assert (slow["always_load_ms"], slow["always_recompute_ms"], slow["adaptive_ms"]) == (950.0, 305.0, 312.0)
+    assert slow["adaptive_vs_best"] == pytest.approx(312 / 305, abs=1e-3) and slow["adaptive_loaded"] == 0
+    assert (fast["always_load_ms"], fast["adaptive_ms"], fast["adaptive_loaded"]) == (105.0, 106.0, 3)
+    table = sweep.markdown(out)
+    assert "| 0.05 | 1024 | 950 | 305 | 312 |" in table
+
+
+def test_load_policy_sweep_command_line_and_plan():
+    cfg, a = parse(["--sweep-only", "--quick", "--sweep-gbps", "0.1,2", "--sweep-lengths", "512"])
+    sc = sweep.config(a)
+    assert sc is not None and sc.gbps == [0.1, 2.0] and sc.lengths == [512] and sc.policies == list(sweep.POLICIES)
+    plan = sweep.steps(sc, cfg)
+    kinds = [s["reqs"][0]["tag"]["kind"] if s["op"] == "gen" else s["op"] for s in plan]
+    assert kinds == ["warmup", "warmup", *(["miss", "settle", "hit", "flush"] * sc.reps)]
+    assert {s["reqs"][0]["cap"] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] != "warmup"} == {sweep.TENANT}
+    assert sweep.config(parse([])[1]) is None
+    with pytest.raises(SystemExit):
+        sweep.config(parse(["--sweep", "--sweep-policies", "sometimes"])[1])
+    assert isinstance(cfg, Config)
