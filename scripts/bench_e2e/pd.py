@@ -307,7 +307,8 @@ async def _drive(key: str, stack: Stack, cfg: PdConfig) -> dict[str, Any]:
     tenant = TENANT_A if key != "single" else None
     rows: list[dict[str, Any]] = []
     async with _uds_client(stack.entry) as c:
-        await _complete(c, prompt_ids(64, 1), tenant, cfg)  # warm-up
+        for who in ((TENANT_A, TENANT_B) if tenant else (None,)):  # warm-up: each engine's first request of a tenant
+            await _complete(c, prompt_ids(64, 1), who, cfg)
         for length in cfg.lengths:
             for i in range(cfg.reps):
                 got = await _complete(c, prompt_ids(length, length * 1000 + i), tenant, cfg)
