@@ -32,6 +32,7 @@ class StepGate:
         self._ended = float("-inf")  # when the last forward ended (monotonic)
         self._started = 0  # slices started since then
         self.waited_s = 0.0  # slices' total wait
+        self.forced = 0  # slices that ran at their deadline, the engine not idle
 
     @property
     def busy(self) -> bool:
@@ -66,6 +67,7 @@ class StepGate:
             while True:
                 now = time.monotonic()
                 if now >= latest:
+                    self.forced += 1
                     break
                 wait = latest - now
                 if not self._busy:

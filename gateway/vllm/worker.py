@@ -283,8 +283,10 @@ class WorkerSide:
         self, req_id: str, tokens: int, t0: float, store: Awaitable[StoreResult], ready: Any = None,
     ) -> StoreResult:
         """The store (once the gather's copy has run, on CUDA), and on the loop's thread as it
-        ends its trace line (``ms`` from submit)."""
+        ends its trace line (``ms`` from submit; ``gate_wait_ms`` and ``gate_forced``: what store slices
+        waited for forward steps, and how many ran at their deadline, while it ran)."""
         stored, reason = 0, ""
+        waited, forced = STEPS.waited_s, STEPS.forced  # the gate's, while this store runs
         try:
             if ready is not None:
                 await asyncio.to_thread(ready.synchronize)
@@ -300,7 +302,8 @@ class WorkerSide:
         finally:
             behind = bool(stored) and self._trace.path is not None and self._backend.copies_behind()
             self._trace("store", req=req_id, tokens=tokens, stored_chunks=stored,
-                        ms=(time.perf_counter() - t0) * 1e3, reason=reason, copies_behind=behind)
+                        ms=(time.perf_counter() - t0) * 1e3, reason=reason, copies_behind=behind,
+                        gate_wait_ms=round((STEPS.waited_s - waited) * 1e3, 1), gate_forced=STEPS.forced - forced)
             if behind:  # traced only: when the shared tiers (the scheduler's lookups) hold it too
                 self._copies.add(task := asyncio.ensure_future(self._copies_traced(req_id, t0)))
                 task.add_done_callback(self._copies.discard)

@@ -129,6 +129,7 @@ async def test_a_forward_that_never_ends_delays_a_store_to_its_bound_and_no_furt
         took = time.monotonic() - t0
         assert res.stored == 8
         assert 0.8 <= took < 1.0 + 10  # the last slice started at its deadline, not before
+        assert steps.forced >= 2
         assert max(seals) - min(seals) >= 0.4  # slices spread over the bound, not all at its end
         # the control: with finish_s 0 a forward does not hold a store back at all
         steps.finish_s = 0.0
@@ -165,6 +166,8 @@ def test_the_connectors_worker_holds_a_store_while_the_next_step_runs_and_lets_i
         assert not writer.wait_stores(1.0)  # its sealing waits for the forward
         writer.save([])  # that step ends
         assert writer.wait_stores(30)
+        (end,) = [e for e in wt._events(tmp_path) if e["event"] == "store"]
+        assert end["stored_chunks"] == 3 and end["gate_wait_ms"] >= 500 and end["gate_forced"] == 0
         reader = wt._worker(backend, dst, tmp_path)
         reader.load([LoadOp("r", cap, wt.TOKENS, dst_ids)])
         assert reader.take_load_errors() == set()
