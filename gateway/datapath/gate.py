@@ -6,20 +6,25 @@
                                                   of a gap between two steps, or ``latest`` (the
                                                   slice's deadline, monotonic), whichever first
     STEPS                                         this process's gate (one engine per process)
+    spread()                                      a kvgate thread's start: every CPU of the process
 
-A CPU engine's forward keeps every core busy and waits at each barrier for its slowest thread, so
-a slice that runs during a forward slows the whole step, and one that began runs to its end: a gap
-takes ``per_gap`` slices; ``idle_s`` after a forward ended with none begun, every slice runs.
-``DataPlane`` gives slice ``k`` of ``n`` the deadline ``start + finish_s * (k + 1) / n``: a store
-never starves and its last slice starts at most ``finish_s`` after it began. ``finish_s`` 0 (the
-default, any process without an engine) never waits. Design notes: docs/architecture.md, section 5."""
+A slice run during a forward slows the whole step (the engine waits at each barrier for its slowest
+thread) and one that began runs to its end: a gap takes ``per_gap`` slices, an idle engine (``idle_s``
+after a forward ended, none begun) all. Slice ``k`` of ``n`` is due at ``start + finish_s * (k + 1)
+/ n`` (``DataPlane``): a store never starves and its last slice starts within ``finish_s``; 0 (the
+default, a process without an engine) never waits. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
 
-__all__ = ["STEPS", "StepGate"]
+__all__ = ["STEPS", "StepGate", "spread"]
+
+log = logging.getLogger("kvgate.datapath")
 
 
 class StepGate:
@@ -85,3 +90,47 @@ class StepGate:
 
 
 STEPS = StepGate()  # this process's: the connector's worker side marks its engine's steps
+
+
+def _cpu_list(text: str) -> set[int]:
+    """``0-3,6`` (a kernel CPU list) as a set."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        if lo.isdigit():
+            cpus.update(range(int(lo), int(hi if hi.isdigit() else lo) + 1))
+    return cpus
+
+
+def _process_cpus() -> set[int]:
+    """Every CPU some thread of this process may run on (Linux; empty where unknown)."""
+    cpus: set[int] = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return cpus
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("Cpus_allowed_list:"):
+                        cpus |= _cpu_list(line.split(":", 1)[1])
+                        break
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return cpus
+
+
+def spread() -> None:
+    """A kvgate thread's start (the data path's, the connector's loop): free to run on every CPU
+    the process's threads may use. A CPU engine pins each of its compute threads to one core, its
+    main thread included, and a thread inherits the mask of the thread that started it: without
+    this, every seal and open of the process would share the main thread's one core."""
+    if sys.platform != "linux":
+        return
+    cpus = _process_cpus()
+    try:
+        if cpus and cpus != os.sched_getaffinity(0):
+            os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # refused: the thread keeps the mask it inherited
+        log.warning("kvgate threads keep their inherited CPUs: %s", exc)

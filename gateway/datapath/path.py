@@ -28,7 +28,7 @@ from crypto.envelope import ChunkCipher
 from crypto.errors import DecryptionFailed
 from gateway.datapath.buffers import BufferPool
 from gateway.datapath.codec import EnvelopeCodec, KeyRef, codec_of, layer_segment_bytes
-from gateway.datapath.gate import STEPS
+from gateway.datapath.gate import STEPS, spread
 from gateway.datapath.sealers import (
     CpuSealer,
     DeviceSealer,
@@ -68,54 +68,10 @@ def _after_turn(latest: float, fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
-def _cpu_list(text: str) -> set[int]:
-    """``0-3,6`` (a kernel CPU list) as a set."""
-    cpus: set[int] = set()
-    for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if lo.isdigit():
-            cpus.update(range(int(lo), int(hi if hi.isdigit() else lo) + 1))
-    return cpus
-
-
-def _process_cpus() -> set[int]:
-    """Every CPU some thread of this process may run on (Linux; empty where unknown)."""
-    cpus: set[int] = set()
-    try:
-        tasks = os.listdir("/proc/self/task")
-    except OSError:
-        return cpus
-    for tid in tasks:
-        try:
-            with open(f"/proc/self/task/{tid}/status", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("Cpus_allowed_list:"):
-                        cpus |= _cpu_list(line.split(":", 1)[1])
-                        break
-        except OSError:  # a thread that ended meanwhile
-            continue
-    return cpus
-
-
-def _spread() -> None:
-    """A data-path thread's start: free to run on every CPU the process's threads may use. A CPU
-    engine pins each of its compute threads to one core, its main thread included, and a thread
-    inherits the mask of the thread that started it: without this, every seal and open of the
-    process would share the main thread's one core while the others' go unused."""
-    if sys.platform != "linux":
-        return
-    cpus = _process_cpus()
-    try:
-        if cpus and cpus != os.sched_getaffinity(0):
-            os.sched_setaffinity(0, cpus)
-    except OSError as exc:  # refused: the thread keeps the mask it inherited
-        log.warning("kvgate data path threads keep their inherited CPUs: %s", exc)
-
-
 def _be_nice(nice: int) -> None:
     """A store thread's start: its own nice value (Linux: a thread's, not the process's), never
-    below what it inherited (a process already niced stays as nice), on every CPU (``_spread``)."""
-    _spread()
+    below what it inherited (a process already niced stays as nice), on every CPU (``spread``)."""
+    spread()
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
@@ -156,7 +112,7 @@ class DataPath:
         if not 0 <= store_nice <= 19:
             raise ValueError("store_nice must lie in [0, 19]")
         self._executor = (
-            ThreadPoolExecutor(threads, thread_name_prefix="kvgate-cpu", initializer=_spread) if threads else None
+            ThreadPoolExecutor(threads, thread_name_prefix="kvgate-cpu", initializer=spread) if threads else None
         )
         self.store_nice = store_nice if sys.platform == "linux" else 0  # elsewhere a nice value is the whole process's
         self._store_executor = (

@@ -57,7 +57,7 @@ class LoopThread:
     def start(self) -> None:
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
-            self._thread = threading.Thread(target=self._loop.run_forever, name=self._name, daemon=True)
+            self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name=self._name, daemon=True)
             self._thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -116,6 +116,15 @@ class LoopThread:
         if loop is not None and thread is not None:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(10)
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The loop thread: on every CPU of the process (``gate.spread``: a CPU engine pins the thread
+    that starts it), then the loop."""
+    from gateway.datapath.gate import spread
+
+    spread()
+    loop.run_forever()
 
 
 class Backend(Protocol):

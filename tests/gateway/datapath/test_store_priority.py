@@ -13,7 +13,7 @@ import torch
 
 from crypto.envelope import ChunkCipher
 from gateway.datapath import DataPath
-from gateway.vllm.backend import EmbeddedBackend
+from gateway.vllm.backend import EmbeddedBackend, LoopThread
 from gateway.vllm.config import ConnectorConfig
 from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
 
@@ -116,9 +116,19 @@ def test_data_path_threads_started_by_a_pinned_thread_run_on_every_cpu_of_the_pr
             seen["store"] = asyncio.run(dp.run(os.sched_getaffinity, 0, store=True))
         finally:
             dp.close()
+        loop = LoopThread(timeout_s=10)  # the connector's loop thread
+        loop.start()
+
+        async def where() -> set[int]:
+            return os.sched_getaffinity(0)
+
+        try:
+            seen["loop"] = loop.call(where())
+        finally:
+            loop.stop()
 
     t = threading.Thread(target=pinned_engine_thread)
     t.start()
     t.join()
     assert seen["plain"] == one
-    assert seen["load"] == every and seen["store"] == every
+    assert seen["load"] == every and seen["store"] == every and seen["loop"] == every
