@@ -119,8 +119,8 @@ class KvgateConnector(KVConnectorBase_V1):
                 result = backend.loop.call(backend.lookup(cap, model, tokens))
                 return result.hit_tokens, result.degraded
 
-            loads, stores = roles(kv_role, producer_loads=config.producer_loads, consumer_stores=config.consumer_stores)
             policy = LoadPolicy(config.load_policy, chunk, path=config.mode)
+            loads, stores = roles(kv_role, producer_loads=config.producer_loads, consumer_stores=config.consumer_stores)
             self._scheduler = SchedulerSide(
                 chunk, block_size, lookup, stats=self.stats, trace=trace, policy=policy, loads=loads, stores=stores,
                 receipts=kv_role == "kv_producer", deny=functools.partial(audit_refused_receipt, backend),

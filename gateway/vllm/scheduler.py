@@ -71,7 +71,6 @@ def request_view(request: Any) -> RequestView:
     )
 
 
-
 def step_requests(scheduler_output: Any, tracked: Callable[[str], bool]) -> list[StepRequest]:
     """vLLM's ``SchedulerOutput`` (new and cached requests of one step), flattened into the
     ledger's StepRequests for the requests ``tracked`` names (block ids of KV cache group 0)."""
@@ -138,7 +137,6 @@ class SchedulerSide:
             except (GatewayError, ValueError) as exc:  # refused, expired, unreachable: a miss
                 hit, reason = 0, miss_reason(exc)
                 self._state_mismatch(exc)
-
         self.stats.count("lookup", reason or OK)
         self.stats.tokens("lookup_hit", hit)
         if reason:
