@@ -1,23 +1,18 @@
 """The prefix-cache timing attack, reproduced the way the published audits run it.
 
-Gu et al., "Auditing Prompt Caching in Language Model APIs" (ICML 2025): ``hit`` prompts share a
-long prefix (95%) with the victim's prompt, ``miss`` prompts share nothing, 250 of each in shuffled
-order; a one-sided two-sample Kolmogorov-Smirnov test compares the two latency distributions, and
-a tiny p-value means the cache leaks whether the victim's prompt is cached. Here the victim is
-tenant A, and the attacker times ``lookup`` then ``retrieve`` of the candidate (what a worker does
-before prefill); on this path a hit is *slower* (the load moves and decrypts the hit chunks), so
-the alternative is "hit samples are stochastically larger". Before every sample the victim stores
-a fresh prompt (untimed), so only whether the probe shares its prefix differs.
+Gu et al., "Auditing Prompt Caching in Language Model APIs" (ICML 2025): 250 ``hit`` prompts sharing a
+long prefix (95%) with the victim's and 250 ``miss`` prompts sharing nothing, shuffled; a one-sided
+two-sample Kolmogorov-Smirnov test of their latencies gives a tiny p-value when the cache leaks whether
+the victim's prompt is cached. The victim is tenant A; the attacker times ``lookup`` then ``retrieve``
+of the candidate (what a worker does before prefill). Here a hit is *slower* (the load moves and
+decrypts its chunks): the alternative is "hit samples are stochastically larger". Before every sample
+the victim stores a fresh prompt (untimed), so only whether the probe shares its prefix differs.
 
-Targets: ``shared-baseline`` (kvgate with isolation off, ``baselines.shared_tenant_runtime``;
-expected p tiny), ``kvgate`` (as shipped: B's storage keys are HMACs under B's namespace secret,
-so both kinds of prompt miss alike; expected p >= 0.01), ``same-tenant-control`` (the victim times
-its own prompts, the positive control; p tiny). ``kvgate-published`` and
-``same-tenant-control-published`` are the last two with a sharing scope of both tenants, a prefix
-published into it and warmed by its publisher, and capabilities that list the scope: every prompt
-starts with the published prefix (its first chunk), so both kinds of probe load the prefix and differ
-only in the victim's private part; the attacker's load of the prefix alone is checked first
-(``published_hit_tokens``). Design notes: docs/architecture.md, section 5."""
+Targets (expected p): ``shared-baseline`` (isolation off, ``baselines.shared_tenant_runtime``; tiny),
+``kvgate`` (as shipped: B's storage keys are HMACs under B's namespace secret; >= 0.01) and
+``same-tenant-control`` (the victim times its own prompts; tiny); ``kvgate-published`` and
+``same-tenant-control-published`` are the last two behind a prefix published to both tenants
+(``published_hit_tokens``; their set-up: docs/architecture.md, section 5)."""
 
 from __future__ import annotations
 

@@ -7,12 +7,11 @@ app: it must arrive within ``header_timeout_s`` (408), be at most ``max_header_b
 after it is parsed. It is counted by status (``HEAD_REFUSALS``), not logged: uvicorn's warning per
 invalid request is dropped for a head. The protocol also offers ``rawchunks`` and ``rawbody``.
 
-``Gatekeeper``, the outermost ASGI middleware, then, before a byte of the body is read: at most
+``Gatekeeper``, the outermost ASGI middleware, then checks before a byte of the body is read: at most
 ``max_header_count`` fields (431); under ``/v1`` and ``/metrics`` a verified bearer token
-(``deps.authenticate``; 401/429); the body within its route's limit (``bodylimits``: 413, a chunked
-body counted as it arrives) and each read within ``body_timeout_s`` (408); then the app routes
-it. A refusal is sent at once; a body sent anyway is discarded as it arrives, and the connection
-cut ``header_timeout_s`` later.
+(``deps.authenticate``; 401/429); the body within its route's limit (``bodylimits``: 413, a chunked body
+counted as it arrives) and each read within ``body_timeout_s`` (408); then the app routes it. A refusal
+is sent at once; a body sent anyway is discarded as it arrives, the connection cut ``header_timeout_s`` later.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """``KvgateConnector``: a vLLM 0.32 KV connector (KVConnectorBase_V1) on the kvgate core.
 
-A thin shell: it reads ``kv_connector_extra_config`` (``config.ConnectorConfig``), opens the
-process's backend (``backend.SHARED.acquire``) and hands every hook to the side vLLM built it for:
+A thin shell: it reads ``kv_connector_extra_config`` (``config.ConnectorConfig``), opens the process's
+backend (``backend.SHARED.acquire``) and hands every hook to the side vLLM built it for:
 ``scheduler.SchedulerSide`` (lookups, load and store plans, failed-load bookkeeping) or
-``worker.WorkerSide`` (the KV cache, loads, stores, load errors); ``get_kv_connector_stats`` and
-``shutdown`` go to both. Every other hook of ``KVConnectorBase_V1`` keeps vLLM's default: no
-asynchronous sends or receives, no KV events, no handshake; the worker metadata is the step's
-measured loads, for the scheduler side's load policy (``policy.py``). Invariants:
-a chunk is stored only from KV the engine computed or kvgate authenticated for that request
-("A cache never makes an answer wrong", docs/architecture.md, section 1; ``ledger.py``). A store
-reads its own copy, gathered before ``wait_for_save`` returns, so a finished or preempted
-request's blocks are freed at once. The tenant comes only from the capability in
-``kv_transfer_params["kvgate_capability"]``; a refused capability, a miss, a failed tag or an
-unreachable gateway never fails a request: fewer hit tokens or failed blocks, which vLLM
-computes (hook by hook, and why stores copy: docs/architecture.md, section 5). Roles follow
-``kv_role`` (``handoff.py``): a kv_producer's finished request returns a receipt and keeps its
-blocks until its store is durable (``get_finished`` reports it sent); a kv_consumer given a
-receipt waits for it, bounded, without holding up the scheduler's other requests."""
+``worker.WorkerSide`` (the KV cache, loads, stores, load errors); stats and ``shutdown`` go to both,
+worker metadata carries the step's measured loads to the load policy (``policy.py``), and every other hook
+keeps vLLM's default. A chunk is stored only from KV the engine computed or kvgate authenticated for that
+request (docs/architecture.md, section 1; ``ledger.py``), read from its own copy gathered before
+``wait_for_save`` returns, so a finished or preempted request's blocks are freed at once. The tenant comes
+only from ``kv_transfer_params["kvgate_capability"]``; a refused capability, a miss, a failed tag or an
+unreachable gateway never fails a request: fewer hit tokens or failed blocks, which vLLM computes. Roles
+follow ``kv_role`` (``handoff.py``): a kv_producer's finished request returns a receipt and keeps its
+blocks until its store is durable; a kv_consumer given a receipt waits for it, bounded, without holding up
+other requests. Each hook, and why stores copy: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

@@ -1,18 +1,17 @@
 """The tenant checks shared by the ASGI middleware and the reverse proxy.
 
-For one inference request: ``identify`` finds the tenant and namespace (a bearer token, OIDC,
-else 401; or a trusted gateway's tenant header, ``peers.TrustedPeers``, a 403 audited as
-``authz.denied`` from any other peer; a namespace header only for a namespace the caller holds),
-then ``rewrite`` mints a capability through the kvgate server's ``POST /v1/capabilities`` (the
-caller's token, or the service token for a header-named tenant, so the server's role checks and
-audit apply; or in process with ``mint=``; refused -> 403), strips the client's ``cache_salt``
-and ``kv_transfer_params`` (but a prefill engine's receipt) and sets ``cache_salt``
-(``salt.cache_salt``) and ``kv_transfer_params`` {kvgate_capability, kvgate_epoch[, kvgate_receipt]}.
+For one inference request: ``identify`` finds the tenant and namespace (a bearer token, OIDC, else 401;
+or a trusted gateway's tenant header, ``peers.TrustedPeers``, from any other peer a 403 audited as
+``authz.denied``; a namespace header only for a namespace the caller holds); ``rewrite`` then mints a
+capability through the kvgate server's ``POST /v1/capabilities`` (the caller's token, or the service
+token for a header-named tenant, so the server's role checks and audit apply; or in process with
+``mint=``; refused -> 403) and replaces the client's ``cache_salt`` with ``salt.cache_salt`` and its
+``kv_transfer_params`` (but a prefill engine's receipt) with {kvgate_capability, kvgate_epoch[, kvgate_receipt]}.
 
-The salt's epoch is the namespace's own, as the server reports it with each capability: a secure
-clear bumps it, so the next request's salt shares no prefix-cache block with any cached before;
-the answer's ``shared`` revision does that for a published prefix revoked or a scope left.
-Settings: ``KVGATE_VLLM_*`` through ``config.MiddlewareSettings``; design: docs/architecture.md.
+The salt's epoch is the namespace's own, as the server reports it with each capability: a secure clear
+bumps it, so the next request's salt shares no prefix-cache block with any cached before; the answer's
+``shared`` revision does that for a published prefix revoked or a scope left. Settings:
+``KVGATE_VLLM_*`` through ``config.MiddlewareSettings``; design: docs/architecture.md.
 """
 
 from __future__ import annotations

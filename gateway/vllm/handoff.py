@@ -5,9 +5,8 @@
                            chunks, tokens and its owner tag; travels in ``kv_transfer_params``
     check(receipt, ...)    the consumer's reading of a receipt against its own request: "" (wait
                            for it), or why it is refused (malformed, another owner, stale epoch)
-    HandoffWaits           per request, lookups with the request's own capability, submitted
-                           without blocking the scheduler, until the receipt's tokens are
-                           visible or ``wait_s`` has passed
+    HandoffWaits           per request, lookups with its own capability that never block the
+                           scheduler, until the receipt's tokens are visible or ``wait_s`` has passed
     HandoffStores          a producer worker's hand-off stores, reported once durable
 
 A receipt is not a capability: it grants nothing and names no key. The consumer looks up and

@@ -1,24 +1,17 @@
 """Load or recompute: how many of a hit's tokens the scheduler side loads, from measured costs.
 
-    LoadEstimator     a load's time as ``latency + tokens x cost``: a weighted least-squares fit
-                      over the workers' recent measured loads of one path (mode), the newest weighing
-                      most (by age and by rank), with the spread of its residuals
+    LoadEstimator     a load's time as ``latency + tokens x cost``: a weighted least-squares fit over
+                      one path's (mode's) recent measured loads, newest weighing most; its residuals' spread
     PrefillEstimator  this engine's step time as ``a + b x tokens + c x attention`` (query x context
-                      pairs): a fit over its recent steps that carried no load, so the cost of
-                      computing n tokens after a context of k is ``b n + c (n k + n (n + 1) / 2)``
-    LoadPolicy        per hit, the prefix to load (none, whole chunks, or all of it) whose expected
-                      time to first token is least: of the load (behind the loads already in
-                      flight) and the compute of the rest, the longer plus ``overlap`` times the
-                      shorter, ``overlap`` learned from the steps that carried loads (1: one after
-                      the other, 0: wholly side by side); ``always`` loads every hit, ``recompute`` none
+                      pairs), fit over its recent steps that carried no load
+    LoadPolicy        per hit, the prefix to load (none, whole chunks, or all of it) with the least
+                      expected time to first token: its load (behind those in flight) and the rest's
+                      compute, combined by a learned ``overlap``; ``always`` loads all, ``recompute`` none
     LoadTimings       the worker side's ``Tracer`` that also keeps each load's measured time for the
                       scheduler side (vLLM carries it back as worker metadata)
 Cold start: a hit loads until both estimators have a measurement. While the policy recomputes, a
-probe loads one chunk of a hit, so that a tier that recovers is seen again: at most once per probe
-interval (doubling up to ``probe_max_s`` while recompute keeps winning) and only while the time
-probes are expected to add stays within ``probe_budget`` of the recompute time of the hits
-decided so far; at once again after a load ran under half its predicted time. Design:
-docs/architecture.md.
+probe loads one chunk of a hit now and then, within ``probe_budget``, so that a tier that recovers
+is seen again. The model's terms, the overlap and the probes' schedule: docs/architecture.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """The connector's scheduler side: lookups, load and store plans, finished requests.
 
-Pure bookkeeping: no vLLM, no torch, no I/O of its own; the one call out is the lookup, a function
-handed in. What vLLM passes in is read by attribute (``request_view``, ``step_requests``), so a
-test drives it with plain dataclasses of the same shape:
-    matched_tokens(request, computed)   get_num_new_matched_tokens: a lookup of the prompt's full
-                                        blocks, loadable up to the block before its last token; no
-                                        capability: 0, no lookup; refused, outage or timeout: 0
-                                        (a counted, logged miss); of a hit, what ``policy`` loads
+Pure bookkeeping on ``ledger.SchedulerLedger``'s rules (which loads and stores a step carries, where a
+failed load cuts a store): no vLLM, no torch, no I/O but the lookup, a function handed in. What vLLM
+passes in is read by attribute (``request_view``, ``step_requests``), so tests use plain dataclasses:
+    matched_tokens(request, computed)   get_num_new_matched_tokens: a lookup of the prompt's full blocks,
+                                        loadable up to the block before its last token (a hit: what
+                                        ``policy`` loads); 0 with no capability (no lookup) or on a
+                                        refusal, outage or timeout (a counted, logged miss)
     allocated(request, block_ids, n)    update_state_after_alloc: the blocks a hit loads into
     build(steps)                        build_connector_meta: per request one load and one store
     load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed
-    finish(req_id, params)              request_finished: kv_transfer_params {"kvgate": ...} out,
-                                        and a producer's receipt (its blocks freed once durable)
-With a receipt in the request's params (``handoff``), ``matched_tokens`` answers None (vLLM asks
-again) while the receipt's store is not visible to the request's own capability, for at most
-the hand-off wait; a receipt of another tenant loads nothing and is audited (``deny``).
-The rules (which loads and stores a step carries, where a failed load cuts a store) are
-``ledger.SchedulerLedger``'s."""
+    finish(req_id, params)              request_finished: kv_transfer_params {"kvgate": ...}; a producer's receipt
+With a receipt (``handoff``), ``matched_tokens`` answers None (ask again) until its store is visible to
+the request's own capability, at most the hand-off wait; another tenant's loads nothing, audited (``deny``)."""
 
 from __future__ import annotations
 

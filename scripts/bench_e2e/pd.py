@@ -1,18 +1,17 @@
 """bench-e2e's ``pd`` workload: prefill/decode disaggregation as a client sees it through the proxy.
 
     python -m scripts.bench_e2e.pd [--quick] [--pd-lengths 1024,4096] [--pd-reps 3] [--pd-systems ...]
-    python -m scripts.bench_e2e.run --pd-only [--quick]        # the same, through bench-e2e
+    python -m scripts.bench_e2e.run --pd-only [--quick]        # the same, through bench-e2e; docs/e2e.md
 
-Rows: ``single`` (one engine, no connector, the client on its socket), ``pd-kvgate-embedded``
-(a kv_producer and a kv_consumer engine with kvgate embedded, memory + Redis tiers),
-``pd-kvgate-uds`` (the same in remote mode through a ``kvgate serve --uds`` on this host) and
-``pd-example`` (vLLM's ExampleConnector as producer and consumer: plaintext files, the baseline).
-Engines serve vLLM's OpenAI API on Unix sockets; P/D rows go through ``gateway.vllm.disagg`` on
-a socket of its own, the client acting as the authenticating gateway (``x-tenant-id``; kvgate's
-engines run the tenant middleware, trusting the proxy's socket). Per row: TTFT (request sent to
-first streamed token) per prompt length, decode tokens/s, requests/s at a concurrency, outputs
-against ``single``'s, and the tokens tenant B's consumer loads when B sends A's prompt with A's
-receipt straight to the decode engine (kvgate: must be 0). Commands: docs/e2e.md.
+Rows: ``single`` (one engine, no connector, the client on its socket), ``pd-kvgate-embedded`` (a
+kv_producer and a kv_consumer engine with kvgate embedded, memory + Redis tiers), ``pd-kvgate-uds``
+(the same in remote mode through a ``kvgate serve --uds`` on this host) and ``pd-example`` (vLLM's
+ExampleConnector both ways: plaintext files, the baseline). Engines serve vLLM's OpenAI API on Unix
+sockets; P/D rows go through ``gateway.vllm.disagg`` on a socket of its own, the client acting as the
+authenticating gateway (``x-tenant-id``; kvgate's engines run the tenant middleware, trusting the
+proxy's socket). Per row: TTFT (request sent to first streamed token) per prompt length, decode
+tokens/s, requests/s at a concurrency, outputs against ``single``'s, and the tokens tenant B's consumer
+loads when B sends A's prompt with A's receipt straight to the decode engine (kvgate: must be 0).
 """
 
 from __future__ import annotations

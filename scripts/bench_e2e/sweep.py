@@ -4,18 +4,15 @@
     python -m scripts.bench_e2e.run --sweep ...    (after the systems: into e2e.json as well)
 
 kvgate embedded with one tier, a Redis reached through a TCP proxy that holds each direction to G
-GB/s (``tests/support/tcp_proxy.py``, all connections together; the tier's read and write
-deadlines raised so a slow load ends rather than fails). Per bandwidth and per
-``load_policy`` (``always``: always load, ``recompute``: always recompute, ``adaptive``) one
-engine of its own: a warm-up, then per length and repetition a miss that stores (settled), the
-hit that is timed, and a flush. The engine starts cold each time, as a fresh one would: adaptive's
-first hit loads to measure the link. Output (``analyze``): ``bandwidth_sweep``, a list of
-``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
+GB/s (``tests/support/tcp_proxy.py``, all connections together; the tier's deadlines raised so a slow
+load ends rather than fails). Per bandwidth and ``load_policy`` (``always``: always load,
+``recompute``: always recompute, ``adaptive``) one engine, started cold: a warm-up, then per length and
+repetition a stored miss, the timed hit and a flush. Output (``analyze``): ``bandwidth_sweep``, a list
+of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
 hits, with ``adaptive_loaded`` (the hits adaptive loaded, of its repetitions) and the ratio of
-adaptive to the better of the other two. Alone (``--sweep-only``) it writes
-bench-results/e2e-sweep.json (``--sweep-json``), its raw rows beside it and a Markdown table;
-with ``--sweep`` the list goes into e2e.json and its table into e2e.md. Design notes: docs/architecture.md, section 5;
-docs/e2e.md, "Bandwidth sweep"."""
+adaptive to the better of the other two. Alone (``--sweep-only``) it writes bench-results/e2e-sweep.json
+(``--sweep-json``), its raw rows beside it and a Markdown table; with ``--sweep`` the list goes into
+e2e.json and its table into e2e.md. Design notes: docs/architecture.md, section 5; docs/e2e.md."""
 
 from __future__ import annotations
 

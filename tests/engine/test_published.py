@@ -1,10 +1,10 @@
 """Published prefixes on a real vLLM engine (CPU, tiny Llama), the connector in remote mode against a
 live ``kvgate serve`` (Postgres registry; memory, disk and Redis tiers).
 
-Four tenants in a scope and one outside it; a system prompt of whole chunks published (as text
-with the model's tokenizer) and warmed by the engine itself, a request carrying the scope's write
-capability (the publish answer's).
-One module-scoped scenario drives three engine lifetimes and the tests check its pieces:
+Four tenants in a scope and one outside it; a system prompt of whole chunks published (as text with the
+model's tokenizer) and warmed by the engine itself with the scope's write capability (the publish
+answer's). vLLM's own prefix cache is off: every cached token counted came through kvgate. One
+module-scoped scenario drives three engine lifetimes; the tests check its pieces:
 
     engine 1: baselines (no capability) | warm-up | each member's first request | A again |
               B on A's private suffix | the outsider | prompts differing in a chunk's last token
@@ -12,8 +12,6 @@ One module-scoped scenario drives three engine lifetimes and the tests check its
     engine 2: members hit again, D with its own copies of the prefix stored beside the scope's
     a tenant clear of D (the scope untouched), then the prefix revoked
     engine 3: every member misses (its first request after the revoke)
-
-vLLM's own prefix cache is off, so every cached token counted here came through kvgate.
 """
 
 from __future__ import annotations
