@@ -9,10 +9,10 @@
     spread()                                      a kvgate thread's start: every CPU of the process
 
 A slice run during a forward slows the whole step (the engine waits at each barrier for its slowest
-thread) and one that began runs to its end: a gap takes ``per_gap`` slices, an idle engine (``idle_s``
-after a forward ended, none begun) all. Slice ``k`` of ``n`` is due at ``start + finish_s * (k + 1)
-/ n`` (``DataPlane``): a store never starves and its last slice starts within ``finish_s``; 0 (the
-default, a process without an engine) never waits. Design notes: docs/architecture.md, section 5."""
+thread), and one begun in a gap runs on into the next forward: a gap takes ``per_gap`` (0) slices,
+an idle engine (``idle_s`` after a forward ended, none begun) all. Slice ``k`` of ``n`` is due at
+``start + finish_s * (k + 1) / n`` (``DataPlane``): a store never starves, its last slice starts
+within ``finish_s``; 0 (any process without an engine) never waits. Design: architecture.md, 5."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ log = logging.getLogger("kvgate.datapath")
 
 
 class StepGate:
-    def __init__(self, finish_s: float = 0.0, per_gap: int = 1, idle_s: float = 0.05) -> None:
+    def __init__(self, finish_s: float = 0.0, per_gap: int = 0, idle_s: float = 0.05) -> None:
         self.finish_s = finish_s  # a store's last slice starts at most this long after the store
         self.per_gap = per_gap  # slices that may start between two forward steps
         self.idle_s = idle_s  # no forward for this long: the engine is idle, every slice may start
