@@ -162,8 +162,13 @@ class TenantGuard:
         if named is not None:
             tenant = named.decode("latin-1")
             if not cfg.trusted_peers.trusts(peer):
-                await self._deny(peer, auth, tenant, namespace, "tenant header from an untrusted peer")
-                raise Forbidden(f"{cfg.tenant_header} is accepted only from a trusted gateway")
+                forwarded = peer.kind == "forwarded"
+                why = "tenant header beside X-Forwarded-For on TCP" if forwarded else "tenant header from an untrusted peer"
+                await self._deny(peer, auth, tenant, namespace, why)
+                raise Forbidden(
+                    f"{cfg.tenant_header} is accepted only from a trusted gateway"
+                    + (" (over TCP, without X-Forwarded-For: the peer address may be that header's)" if forwarded else "")
+                )
             if not is_name(tenant):
                 await self._deny(peer, auth, tenant, namespace, "tenant header is not a tenant name")
                 raise BadRequest(f"{cfg.tenant_header} does not name a tenant")

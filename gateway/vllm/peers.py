@@ -4,8 +4,10 @@
 this server), ``unix:/path`` (a peer of that socket only) and addresses or networks (CIDR,
 IPv4 or IPv6). ``peer_of(scope)`` reads the ASGI scope as uvicorn fills it: a TCP peer's
 address is ``scope["client"]``; a Unix-socket peer has no client address and the socket's path
-as ``scope["server"]``. The identity is the connection's, never a header's (a
-``Forwarded`` or ``X-Forwarded-For`` header is the client's word and is not read).
+as ``scope["server"]``. The identity is the connection's, never a header's. uvicorn's proxy
+headers (on by default, for loopback peers) overwrite ``scope["client"]`` with
+``X-Forwarded-For``'s word, so a TCP request carrying that header is a ``forwarded`` peer, never
+trusted: its address may be the header's (a Unix-socket peer is not rewritten).
 
 An authenticating gateway in front (Envoy, Istio, Kong) that terminates mTLS reaches the engine
 over a Unix socket or from an allowlisted address; uvicorn does not pass a client certificate
@@ -28,8 +30,9 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 @dataclass(frozen=True)
 class Peer:
-    """``kind`` is ``unix`` (``address``: the socket path, or "") or ``tcp`` (the IP address);
-    ``unknown`` where the server said nothing about the connection."""
+    """``kind`` is ``unix`` (``address``: the socket path, or ""), ``tcp`` (the IP address),
+    ``forwarded`` (a TCP address that may be X-Forwarded-For's) or ``unknown`` (the server said
+    nothing about the connection)."""
 
     kind: str
     address: str
@@ -41,7 +44,8 @@ class Peer:
 def peer_of(scope: Mapping[str, Any]) -> Peer:
     client = scope.get("client")
     if client:
-        return Peer("tcp", str(client[0]))
+        forwarded = any(name.lower() == b"x-forwarded-for" for name, _ in scope.get("headers") or ())
+        return Peer("forwarded" if forwarded else "tcp", str(client[0]))
     server = scope.get("server")
     if server and server[1] is None and isinstance(server[0], str):
         return Peer("unix", server[0])

@@ -215,6 +215,26 @@ async def test_an_address_allowlist_trusts_only_its_networks(live, tenants, tmp_
     assert len(await _denials(live, victim)) == 2
 
 
+async def test_an_x_forwarded_for_naming_a_trusted_address_is_refused_and_audited(live, tenants, tmp_path):
+    """uvicorn's proxy headers (on by default for loopback peers, as in vLLM's server) put
+    X-Forwarded-For's address into the request's client: a local attacker naming the trusted
+    gateway's address there is refused, beside the gateway itself, which is served."""
+    victim, attacker = tenants
+    with engine(_env(live, tmp_path, KVGATE_VLLM_TRUSTED_PEERS="unix, 10.9.9.9/32, 127.0.0.1/32")) as eng:
+        async with eng.client(over_socket=False) as c:
+            for spoof in ("10.9.9.9", "127.0.0.1"):  # with no token (the service token would mint) and with its own
+                for token in ({}, _bearer(live.worker_token(attacker))):
+                    r = await _post(c, {"x-tenant-id": victim, "X-Forwarded-For": spoof, **token})
+                    _refused(r)
+                    assert "X-Forwarded-For" in r.text
+            _served_as(await _post(c, {"x-tenant-id": victim}), victim)  # the loopback peer, with no such header
+        async with eng.client(over_socket=True) as c:  # the gateway on the Unix socket, with its header
+            _served_as(await _post(c, {"x-tenant-id": victim, "X-Forwarded-For": "203.0.113.9"}), victim)
+    rows = await _denials(live, victim)
+    assert [row["details"]["reason"] for row in rows] == ["tenant header beside X-Forwarded-For on TCP"] * 4
+    assert all(row["outcome"] == "denied" for row in rows)
+
+
 async def test_a_socket_path_allowlist_names_one_socket(live, tenants, tmp_path):
     victim, _ = tenants
     with engine(_env(live, tmp_path, KVGATE_VLLM_TRUSTED_PEERS="unix:/run/elsewhere.sock")) as eng:
@@ -283,7 +303,10 @@ def test_trusted_peers_read_the_connection_only():
     assert not trusted.trusts(Peer("tcp", "11.0.0.1")) and not trusted.trusts(Peer("unix", "/run/other.sock"))
     assert not trusted.trusts(Peer("unknown", "")) and not trusted.trusts(Peer("tcp", "not-an-address"))
     # a forwarding header is the client's word: the peer is the connection's
-    scope = {"client": ("203.0.113.9", 5555), "headers": [(b"x-forwarded-for", b"10.1.2.3"), (b"forwarded", b"for=10.1.2.3")]}
+    scope = {"client": ("203.0.113.9", 5555), "headers": [(b"forwarded", b"for=10.1.2.3")]}
     assert peer_of(scope) == Peer("tcp", "203.0.113.9") and not trusted.trusts(peer_of(scope))
+    # uvicorn may already have put X-Forwarded-For's word into "client": never trusted then
+    scope = {"client": ("10.1.2.3", 5555), "headers": [(b"X-Forwarded-For", b"10.1.2.3")]}
+    assert peer_of(scope) == Peer("forwarded", "10.1.2.3") and not trusted.trusts(peer_of(scope))
     assert peer_of({"client": None, "server": ("/run/gw.sock", None)}) == Peer("unix", "/run/gw.sock")
     assert not TrustedPeers.parse("") and not TrustedPeers.parse(None)
