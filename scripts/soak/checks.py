@@ -22,8 +22,9 @@ BATCH_LOSS_WINDOW_S = 1.0
 @dataclass
 class Limits:
     p99_s: float
-    rss_slope_mib_per_min: float
+    rss_slope_mib_per_min: float | None
     rss_warmup_s: float
+    rss_ceiling_mib: float | None = None
 
 
 def load_logs(paths: list[Path]) -> list[dict[str, Any]]:
@@ -184,9 +185,13 @@ def audit_complete(recs: list[dict[str, Any]], rows: list[dict[str, Any]], kills
                 missing_count=len(missing), batched_lost_near_sigkill=excused, rows=len(rows))
 
 
-def rss_trend(samples: list[tuple[float, int, int]], warmup_s: float, limit: float) -> dict[str, Any]:
+def rss_trend(
+    samples: list[tuple[float, int, int]], warmup_s: float, limit: float | None, ceiling_mib: float | None = None,
+) -> dict[str, Any]:
     """The least-squares slope of the server's resident memory over time, pooled over its
-    processes (one intercept per process: a restart starts afresh), after ``warmup_s`` of each."""
+    processes (one intercept per process: a restart starts afresh), after ``warmup_s`` of each,
+    at most ``limit`` MiB/min; and every sample at most ``ceiling_mib``. A run too short for a
+    process to level off judges the ceiling only (``limit`` None) and reports the slope."""
     by_pid: dict[int, list[tuple[float, int]]] = defaultdict(list)
     for t, pid, kib in samples:
         by_pid[pid].append((t, kib))
@@ -206,11 +211,16 @@ def rss_trend(samples: list[tuple[float, int, int]], warmup_s: float, limit: flo
         sxx += sum((t - mt) ** 2 for t, _ in kept)
         sxy += sum((t - mt) * (y - my) for t, y in kept)
         used += len(kept)
+    peak = max((k / 1024.0 for _t, _pid, k in samples), default=0.0)
+    under = ceiling_mib is None or (bool(samples) and peak <= ceiling_mib)
     if sxx <= 0:
+        if limit is None and samples:
+            return _inv(under, why="too few samples after warm-up for a slope", max_mib=round(peak, 1),
+                        ceiling_mib=ceiling_mib, segments=segments)
         return _inv(False, why="too few samples after warm-up", segments=segments)
     slope = sxy / sxx * 60.0
-    return _inv(slope <= limit, slope_mib_per_min=round(slope, 3), limit_mib_per_min=limit, samples=used,
-                warmup_s=warmup_s, segments=segments)
+    return _inv((limit is None or slope <= limit) and under, slope_mib_per_min=round(slope, 3), limit_mib_per_min=limit,
+                max_mib=round(peak, 1), ceiling_mib=ceiling_mib, samples=used, warmup_s=warmup_s, segments=segments)
 
 
 def p99_outside_faults(recs: list[dict[str, Any]], faults: list[dict[str, Any]], bound: float) -> dict[str, Any]:
@@ -269,7 +279,7 @@ def evaluate(recs: list[dict[str, Any]], faults: list[dict[str, Any]], scopes: d
         "no_integrity_failures": integrity(recs),
         "audit_acknowledged_actions_logged": audit["complete"],
         "audit_chain_verifies_and_extends_checkpoints": audit["verified"],
-        "rss_no_upward_trend": rss_trend(rss, limits.rss_warmup_s, limits.rss_slope_mib_per_min),
+        "rss_no_upward_trend": rss_trend(rss, limits.rss_warmup_s, limits.rss_slope_mib_per_min, limits.rss_ceiling_mib),
         "p99_bounded_outside_faults": p99_outside_faults(recs, faults, limits.p99_s),
         "recovered_after_every_fault": _inv(all(f["recovery_all_s"] is not None for f in faults) and bool(faults),
                                             faults=[{"kind": f["kind"], "recovery_first_s": f["recovery_first_s"],

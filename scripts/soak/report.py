@@ -17,7 +17,7 @@ _KEY_EVIDENCE = {
     "no_integrity_failures": ("loads_with_hits_checked", "failure_count"),
     "audit_acknowledged_actions_logged": ("acknowledged", "missing_count", "batched_lost_near_sigkill", "rows"),
     "audit_chain_verifies_and_extends_checkpoints": ("rows", "checkpoints", "output"),
-    "rss_no_upward_trend": ("slope_mib_per_min", "limit_mib_per_min", "samples", "why"),
+    "rss_no_upward_trend": ("slope_mib_per_min", "limit_mib_per_min", "max_mib", "ceiling_mib", "samples", "why"),
     "p99_bounded_outside_faults": ("bound_s", "lookup", "load"),
     "sigterm_exits_0": ("exits",),
 }

@@ -54,8 +54,9 @@ class Config:
     checkpoint_every_s: float = 30.0
     server_checkpoint_interval_s: float = 60.0
     p99_bound_s: float = 2.0
-    rss_slope_mib_per_min: float = 2.0
+    rss_slope_mib_per_min: float | None = 2.0
     rss_warmup_s: float = 30.0
+    rss_ceiling_mib: float | None = None
     rss_interval_s: float = 0.5
     think_s: float = 0.0
     seed: int = 1
@@ -270,7 +271,7 @@ class Soak:
             kills = [f.start for f in plan if f.kind == "sigkill_restart"]
             if "complete" not in audit:  # an export that failed is broken for both audit invariants
                 audit["complete"] = checks.audit_complete(recs, audit["rows"], kills)
-            limits = checks.Limits(cfg.p99_bound_s, cfg.rss_slope_mib_per_min, cfg.rss_warmup_s)
+            limits = checks.Limits(cfg.p99_bound_s, cfg.rss_slope_mib_per_min, cfg.rss_warmup_s, cfg.rss_ceiling_mib)
             fault_dicts = [f.as_dict() for f in plan]
             for f in fault_dicts:  # times relative to the start, as in the plan
                 f["start_rel_s"], f["end_rel_s"] = round(f["start"] - go, 3), round(f["end"] - go, 3)

@@ -29,9 +29,10 @@ def test_soak_one_minute_under_faults(tmp_path: Path) -> None:
         holds={"redis_stall": 2.0, "redis_restart": 0.5, "kek_outage": 4.0, "postgres_outage": 3.0,
                "sigterm_restart": 0.0, "sigkill_restart": 0.0},
         checkpoint_every_s=10, rss_warmup_s=15, p99_bound_s=2.0, out=tmp_path / "soak",
-        # the last server process lives about 45 s here, allocator warm-up and the faults in it
-        # included: a looser trend bound than the ten-minute run's 2 MiB/min
-        rss_slope_mib_per_min=8.0,
+        # a server process here lives under a minute, and one takes about that long to level off:
+        # too short to tell a leak from a process still levelling off, so this run bounds resident
+        # memory (about twice a level process's) and the ten-minute run judges the trend
+        rss_slope_mib_per_min=None, rss_ceiling_mib=384.0,
     )
     result = run(cfg)
     assert "error" not in result, result.get("error")
