@@ -31,7 +31,18 @@ from typing import Any
 import httpx
 
 from scripts.bench_e2e.model import SIZES, build_llama, prompt_ids
-from scripts.bench_e2e.systems import ROOT, NotRun, _embedded, _kvgate, _remote, free_port, stop_process
+from scripts.bench_e2e.systems import (
+    ROOT,
+    NotRun,
+    _embedded,
+    _kvgate,
+    _remote,
+    free_port,
+    start_process,
+    start_serve,
+    stop_process,
+    wait_up,
+)
 
 __all__ = ["LABELS", "PdConfig", "add_args", "analyze", "config", "markdown", "run", "run_and_write"]
 
@@ -89,24 +100,11 @@ def _uds_client(path: Path, timeout: float = 600.0) -> httpx.AsyncClient:
 
 
 def _wait_up(path: Path, proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{log.name}: exited ({proc.returncode}):\n" + log.read_text(errors="replace")[-3000:])
-        try:
-            with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), timeout=2) as c:
-                if c.get("http://bench/health").status_code == 200:
-                    return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{log.name}: not up after {timeout_s} s:\n" + log.read_text(errors="replace")[-3000:])
-        time.sleep(1.0)
+    wait_up(proc, "http://bench/health", log, timeout_s, uds=path, interval_s=1.0)
 
 
 def _start(cmd: list[str], env: dict[str, str], log: Path, procs: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = start_process(cmd, env, log)
     procs.append(proc)
     return proc
 
@@ -194,17 +192,7 @@ def _open(key: str, cfg: PdConfig, model: Path, work: Path, max_len: int) -> Sta
             url = f"http://127.0.0.1:{port}"
             serve_env = {**os.environ, "PYTHONPATH": str(ROOT), "KVGATE_STATE_DIR": str(state), "KVGATE_TIERS": '["memory"]',
                          "KVGATE_LOG_LEVEL": "warning", "KVGATE_CAPABILITY_MAX_TTL_S": "3600"}
-            _start([sys.executable, "-m", "gateway", "serve", "--port", str(port)], serve_env, work / "serve.log", procs)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("kvgate serve did not start:\n" + (work / "serve.log").read_text()[-3000:])
-                time.sleep(0.5)
+            procs.append(start_serve(port, serve_env, work / "serve.log", timeout_s=120))
         token_env = {**os.environ, "PYTHONPATH": str(ROOT), "KVGATE_STATE_DIR": str(state)}
         operator = _kvgate(["token", "mint", "--tenant", "platform", "--roles", "kv.operator", "--ttl", "3600"], token_env)
         middleware_env = {

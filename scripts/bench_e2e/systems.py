@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LABELS", "NotRun", "System", "open_system", "stop_process"]
+__all__ = ["LABELS", "NotRun", "System", "open_system", "start_process", "start_serve", "stop_process", "wait_up"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
@@ -98,6 +98,46 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         except ProcessLookupError:
             return
         time.sleep(1.0)
+
+
+def start_process(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    """``cmd`` in a process group of its own (``stop_process`` ends it), its output to ``log``."""
+    with open(log, "wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_up(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float, *,
+            uds: Path | None = None, interval_s: float = 0.5) -> None:
+    """Return once GET ``url`` answers 200 (over the Unix socket ``uds`` where given); raise with
+    the tail of ``log`` where ``proc`` exits first or ``timeout_s`` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{log.name}: exited ({proc.returncode}):\n" + log.read_text(errors="replace")[-3000:])
+        try:
+            with httpx.Client(transport=httpx.HTTPTransport(uds=str(uds)) if uds else None, timeout=2) as c:
+                if c.get(url).status_code == 200:
+                    return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{log.name}: not up after {timeout_s} s:\n" + log.read_text(errors="replace")[-3000:])
+        time.sleep(interval_s)
+
+
+def start_serve(port: int, env: dict[str, str], log: Path, extra: list[str] | None = None,
+                timeout_s: float = 180.0) -> subprocess.Popen[bytes]:
+    """``kvgate serve --port port`` (and ``extra`` flags), up once its ``/healthz`` answers; stopped
+    again where it does not come up."""
+    proc = start_process([sys.executable, "-m", "gateway", "serve", "--port", str(port), *(extra or [])], env, log)
+    try:
+        wait_up(proc, f"http://127.0.0.1:{port}/healthz", log, timeout_s)
+    except BaseException:
+        stop_process(proc)
+        raise
+    return proc
 
 
 def salts(tenants: list[str]) -> dict[str, str]:
@@ -175,27 +215,11 @@ def _remote(
         # a region per tenant (a quarter of the server's shared memory each)
         **({"KVGATE_SHM_MAX_BYTES": str(max(4 * shm_mb, shm_mb * len(tenants)) << 20)} if shm_mb else {}),
     }
-    with open(work / "serve.log", "wb") as log:  # the child keeps its own descriptor
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway", "serve", "--port", str(port), *(["--uds", str(sock)] if sock else [])],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    proc = start_serve(port, env, work / "serve.log", ["--uds", str(sock)] if sock else [])
     key = "kvgate-remote-shm" if shm_mb else "kvgate-remote-uds" if uds else "kvgate-remote"
     system = System(key if layerwise else key + "-whole", None, procs=[proc])
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError("kvgate serve exited:\n" + (work / "serve.log").read_text()[-3000:])
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("kvgate serve did not start:\n" + (work / "serve.log").read_text()[-3000:])
-            time.sleep(0.5)
         # the operator's token from the CLI (the development issuer of this state directory); the
         # tenants and their capabilities over REST with it, as a platform operator would
         operator = _kvgate(["token", "mint", "--tenant", "platform", "--roles", "kv.operator", "--ttl", str(CAP_TTL)], env)
