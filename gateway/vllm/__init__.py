@@ -11,7 +11,8 @@ Inside: ``connector`` (the shell vLLM instantiates; hands each hook to one side)
 errors), ``ledger`` (the rules of both sides: which loads and stores a step carries, where a failed
 load cuts a store), ``backend`` (embedded core or remote server, and its loop thread), ``config``
 (kv_connector_extra_config and KVGATE_VLLM_* as pydantic models), ``guard``, ``middleware``,
-``proxy``, ``salt`` (the tenant checks in front of vLLM's OpenAI server), ``logs``, ``errors``.
+``proxy``, ``salt`` (the tenant checks in front of vLLM's OpenAI server), ``disagg`` (the P/D proxy),
+``relay`` (the HTTP forwarding of both proxies), ``logs``, ``errors``.
 vLLM is imported only by ``connector`` (so ``import gateway`` and the middleware never need it)."""
 
 __all__: list[str] = []

@@ -32,6 +32,7 @@ from audit.types import Actions, Actor, AuditEvent, AuditSink, Target, record_du
 from audit.writer import AuditWriter
 from gateway.vllm.guard import problem
 from gateway.vllm.peers import TrustedPeers, peer_of
+from gateway.vllm.relay import end_to_end, read_body, relay, target
 from tenancy.names import escape, is_name
 
 __all__ = ["PD_PATHS", "create_pd_proxy", "main"]
@@ -41,7 +42,6 @@ PD_PATHS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's disaggregation proxy asks the prefill engine for a remote decode with these
 _REMOTE_DECODE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"host", b"content-length"}
 
 
 def _client(url: str, timeout: float) -> tuple[httpx.AsyncClient, str]:
@@ -97,16 +97,11 @@ def create_pd_proxy(
                 await record_durably(audit, event)
             await refuse(send, 403, "Forbidden", f"{tenant_header} is accepted only from a trusted gateway")
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        body = await read_body(receive)
         out = [(k, v) for k, v in scope["headers"] if k.lower() in passed]
         if b"x-request-id" not in headers:
             out.append((b"x-request-id", uuid.uuid4().hex.encode()))
-        path = scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
+        path = target(scope)
         if scope["method"] == "POST" and scope["path"] in PD_PATHS:
             try:
                 doc = json.loads(body)
@@ -126,8 +121,7 @@ def create_pd_proxy(
                 await refuse(send, 502, "Bad Gateway", "the prefill engine could not be reached")
                 return
             if r.status_code != 200:  # the engine's answer (a 401 or 403 of its middleware) as it is
-                kept = [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP]
-                await send({"type": "http.response.start", "status": r.status_code, "headers": kept})
+                await send({"type": "http.response.start", "status": r.status_code, "headers": end_to_end(r.headers.raw)})
                 await send({"type": "http.response.body", "body": r.content})
                 return
             try:
@@ -141,19 +135,8 @@ def create_pd_proxy(
             body = json.dumps(dict(doc, kv_transfer_params=params) if params else doc).encode()
         client, base = next(dec)
         req = client.build_request(scope["method"], base + path, headers=out, content=body)
-        try:
-            resp = await client.send(req, stream=True)
-        except httpx.HTTPError:
+        if not await relay(client, req, send):
             await refuse(send, 502, "Bad Gateway", "the decode engine could not be reached")
-            return
-        try:
-            kept = [(k, v) for k, v in resp.headers.raw if k.lower() not in _HOP]
-            await send({"type": "http.response.start", "status": resp.status_code, "headers": kept})
-            async for chunk in resp.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            await resp.aclose()
 
     return app
 

@@ -17,10 +17,9 @@ from gateway.vllm.config import MiddlewareSettings
 from gateway.vllm.errors import ConnectorConfigError
 from gateway.vllm.guard import GuardConfig, TenantGuard
 from gateway.vllm.middleware import KvgateMiddleware
+from gateway.vllm.relay import end_to_end, read_body, relay, target
 
 __all__ = ["app_from_env", "create_proxy"]
-
-_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-authorization", b"host", b"content-length"}
 
 
 def create_proxy(upstream: str, guard: TenantGuard | None = None, *, timeout: float = 600.0) -> Any:
@@ -38,29 +37,12 @@ def create_proxy(upstream: str, guard: TenantGuard | None = None, *, timeout: fl
                     await client.aclose()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP and k.lower() != b"authorization"]
-        url = base + scope["path"] + (("?" + scope["query_string"].decode("latin-1")) if scope.get("query_string") else "")
-        req = client.build_request(scope["method"], url, headers=headers, content=body)
-        try:
-            r = await client.send(req, stream=True)
-        except httpx.HTTPError:
+        body = await read_body(receive)
+        headers = [(k, v) for k, v in end_to_end(scope["headers"]) if k.lower() != b"authorization"]
+        req = client.build_request(scope["method"], base + target(scope), headers=headers, content=body)
+        if not await relay(client, req, send):
             await send({"type": "http.response.start", "status": 502, "headers": [(b"content-type", b"text/plain")]})
             await send({"type": "http.response.body", "body": b"upstream unavailable"})
-            return
-        try:
-            out = [(k, v) for k, v in r.headers.raw if k.lower() not in _HOP]
-            await send({"type": "http.response.start", "status": r.status_code, "headers": out})
-            async for chunk in r.aiter_raw():
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b""})
-        finally:
-            await r.aclose()
 
     return KvgateMiddleware(forward, guard)
 

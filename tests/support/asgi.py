@@ -4,13 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from gateway.vllm.relay import read_body
+
 
 async def echo_body(scope: Any, receive: Any, send: Any) -> None:
-    body = b""
-    while True:
-        msg = await receive()
-        body += msg.get("body", b"")
-        if not msg.get("more_body"):
-            break
+    body = await read_body(receive)
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
     await send({"type": "http.response.body", "body": body})

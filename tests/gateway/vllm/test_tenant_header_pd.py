@@ -23,6 +23,7 @@ from audit.writer import AuditWriter
 from gateway.vllm.disagg import create_pd_proxy
 from gateway.vllm.middleware import KvgateMiddleware
 from gateway.vllm.peers import TrustedPeers
+from gateway.vllm.relay import read_body
 from tenancy.capabilities import read_unverified
 from tests.gateway.vllm.test_tenant_header import _bearer, _env, _refused, serve
 from tests.support.audit_events import live_rows
@@ -39,13 +40,7 @@ def _engine_app(role: str, seen: list[tuple[str, dict[str, Any]]]) -> Any:
     """What the middleware hands on, recorded; answers as a completion, the prefill with a receipt."""
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        doc = json.loads(body)
+        doc = json.loads(await read_body(receive))
         seen.append((role, doc))
         answer = {"choices": [{"index": 0, "text": role}],
                   "kv_transfer_params": {"kvgate_receipt": {"store": "s-1"}} if role == "prefill" else None}
