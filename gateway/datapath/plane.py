@@ -130,8 +130,11 @@ class DataPlane:
         block_ids: BlockIds = None,
         slot_mapping: BlockIds = None,
         skip_existing: bool = True,
+        first_chunk: int = 0,
     ) -> StoreResult:
-        """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``."""
+        """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``, from chunk
+        ``first_chunk`` on (the chunks before it are chained into the hashes, never sealed: the
+        caller knows them stored and holds no KV for them)."""
         chunks = self.chunks(model, tokens)
         kv, slots = request_slots(model, kv_layers, chunks[-1].end, block_ids, slot_mapping)
         try:
@@ -139,9 +142,9 @@ class DataPlane:
         except KeysUnavailable:  # nothing can be sealed now; the engine goes on
             self.counts.store_failed(len(chunks))
             return StoreResult(tokens=chunks[-1].end, chunks=len(chunks), stored=0, skipped=0, bytes_stored=0)
-        todo = list(range(len(chunks)))
+        todo = list(range(max(0, first_chunk), len(chunks)))
         try:
-            if skip_existing:
+            if skip_existing and todo:
                 try:
                     present = (await session.presence()).present
                 except KeysUnavailable:  # a server whose KEK cannot unwrap the namespace now

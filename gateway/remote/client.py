@@ -321,13 +321,14 @@ class RemoteGateway:
         block_ids: Sequence[int] | torch.Tensor | None = None,
         slot_mapping: Sequence[int] | torch.Tensor | None = None,
         skip_existing: bool = True,
+        first_chunk: int = 0,
     ) -> StoreResult:
         """Seal every chunk of ``tokens`` on this worker (its device, as embedded mode does) and
-        PUT the envelopes in batches."""
+        PUT the envelopes in batches; from chunk ``first_chunk`` on (``DataPlane.store``)."""
         self._prepare_region()
         return await self._plane.store(
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping,
-            skip_existing=skip_existing,
+            skip_existing=skip_existing, first_chunk=first_chunk,
         )
 
     async def retrieve(

@@ -135,7 +135,7 @@ class Gateway:
     # -- data operations: a span each, the tenant only as its opaque owner label --------------
     async def store(self, token: str, model: KVModel, tokens: Any, kv_layers: Any, **kw: Any) -> StoreResult:
         """Encrypt and store every chunk of ``tokens`` whose KV sits in ``kv_layers``
-        (``block_ids`` or ``slot_mapping``; ``skip_existing``)."""
+        (``block_ids`` or ``slot_mapping``; ``skip_existing``; ``first_chunk``)."""
         with _tracer.start_as_current_span("kvgate.store") as span:
             res = await self.plane.store(self.store_, token, model, tokens, kv_layers, **kw)
             span.set_attributes({"kvgate.chunks": res.chunks, "kvgate.stored": res.stored, "kvgate.bytes": res.bytes_stored})

@@ -146,8 +146,11 @@ class Backend(Protocol):
         ...
 
     async def store(
-        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
-    ) -> StoreResult: ...
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
+        first_chunk: int = 0,
+    ) -> StoreResult:
+        """``first_chunk``: the chunks before it are stored already and not in ``layers``."""
+        ...
 
     def copies_behind(self) -> bool:
         """Whether a store's copies in the slower tiers are written after it returns."""
@@ -197,9 +200,12 @@ class EmbeddedBackend:
         return result
 
     async def store(
-        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
+        first_chunk: int = 0,
     ) -> StoreResult:
-        result: StoreResult = await self.runtime.gateway.store(cap, model, tokens, layers, block_ids=list(block_ids))
+        result: StoreResult = await self.runtime.gateway.store(
+            cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
+        )
         return result
 
     def copies_behind(self) -> bool:
@@ -297,9 +303,12 @@ class RemoteBackend:
         return None
 
     async def store(
-        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int]
+        self, cap: str, model: KVModel, tokens: Sequence[int], layers: list[torch.Tensor], block_ids: Sequence[int],
+        first_chunk: int = 0,
     ) -> StoreResult:
-        result: StoreResult = await self._client(cap).store(model, tokens, layers, block_ids=list(block_ids))
+        result: StoreResult = await self._client(cap).store(
+            model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
+        )
         return result
 
     async def aclose(self) -> None:

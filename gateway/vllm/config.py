@@ -94,8 +94,11 @@ class ConnectorConfig(BaseModel):
     model_name: str | None = None
     layout: Literal["auto", "cpu", "kv_first", "block_first"] = "auto"
     timeout_s: float = Field(30.0, gt=0)
-    # stores sealing and putting in the background, per worker: past it a new store is dropped
+    # stores sealing and putting in the background, per worker (their staging copies): past it a
+    # step's end waits for room, at most ``store_wait_s``; a store that finds none is dropped, and
+    # so is every store past the cap until one fits again (no second wait while the tiers lag)
     store_in_flight_bytes: int = Field(1 << 30, gt=0)
+    store_wait_s: float = Field(5.0, ge=0, le=600)
     # the nice value of the threads that seal stores (Linux), so that decoding goes first while a
     # store is in flight (gateway.datapath.path); 0: stores at the engine's own priority
     store_nice: int = Field(10, ge=0, le=19)

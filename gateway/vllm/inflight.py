@@ -17,8 +17,9 @@ next store's gather never overwrites KV being sealed under another request's key
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -120,6 +121,20 @@ class InFlight(Generic[T]):
         for s in ended:
             s.on_end(s.future)
         return len(ended)
+
+    def wait_for_room(self, nbytes: int, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until ``nbytes`` more fit, reaping the stores that end;
+        True if they fit."""
+        deadline = time.monotonic() + timeout_s
+        while not self.admit(nbytes):
+            with self._lock:
+                futures = [s.future for s in self._pending]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            wait(futures, timeout=left, return_when=FIRST_COMPLETED)
+            self.reap()
+        return True
 
     def wait(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) for every store in flight, then reap; True if none is left."""

@@ -10,7 +10,8 @@ KV a store may take ("A cache never makes an answer wrong", docs/architecture.md
     WorkerLedger      per step: the blocks whose load failed here; per request: where its first
                       failed load began. ``store_cut`` trims a store to the chunks before both.
 
-A store takes every full block of the prompt, a load only those before its last token. A store
+A store takes every full block of the prompt after the whole chunks its lookup found, a load only
+those before its last token. A store
 never takes a block at or after a failed load, nor KV computed over it in the same step (attention
 is causal). Design notes: docs/architecture.md, section 5."""
 
@@ -45,6 +46,7 @@ class StoreOp:
     tokens: list[int]  # block-aligned prefix to store (its last chunk may be partial)
     block_ids: list[int]  # its blocks, one per ``block_size`` tokens
     store_id: str = ""  # a producer's hand-off store (the worker reports when it is durable)
+    skip_tokens: int = 0  # leading whole chunks kvgate holds (its lookup found them): not gathered, not sealed
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     hit_tokens: int = 0
     covered: int = 0  # leading tokens kvgate holds (the lookup said so) or vLLM's cache supplied
+    found: int = 0  # leading tokens kvgate's lookup found (its own or a published scope's chunks)
     stored: bool = False
     store_id: str = ""  # the hand-off store's id, once it is built
     load: tuple[int, int, list[int], int] | None = None  # (retrieve, load tokens, block ids, skip blocks), once
@@ -111,6 +114,7 @@ class SchedulerLedger:
             req = self._reqs[req_id] = _Request(capability, list(prompt), store)
         local, found = self._local.pop(req_id, (0, 0))
         req.covered = max(local, found)
+        req.found = found
         if num_external > 0:
             total = local + num_external
             req.hit_tokens = total
@@ -141,8 +145,12 @@ class SchedulerLedger:
                 if self.handoff or max(req.hit_tokens, req.covered) < req.store_tokens:  # else nothing new
                     n = req.store_tokens // self.block
                     req.store_id = secrets.token_hex(16) if self.handoff else ""
+                    # what the lookup found is stored already: a store seals only the chunks after
+                    # it (a hand-off's receipt counts every chunk, so it takes them all)
+                    skip = 0 if self.handoff else min(req.found, req.store_tokens) // self.chunk * self.chunk
                     stores.append(StoreOp(
                         s.req_id, req.capability, req.prompt[: req.store_tokens], req.block_ids[:n], req.store_id,
+                        skip,
                     ))
         return loads, stores
 

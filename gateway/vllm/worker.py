@@ -49,7 +49,7 @@ class WorkerSide:
     def __init__(
         self, backend: Backend, chunk_tokens: int, block_size: int, model_name: str, *, layout: str = "auto",
         stats: ConnectorCounters | None = None, trace: Tracer | None = None, max_in_flight_bytes: int = 1 << 30,
-        layerwise: bool = True, store_finish_s: float = 0.0,
+        layerwise: bool = True, store_finish_s: float = 0.0, store_wait_s: float = 0.0,
     ) -> None:
         self._backend = backend
         STEPS.finish_s = store_finish_s  # stores seal between this engine's steps (datapath/gate.py)
@@ -64,6 +64,9 @@ class WorkerSide:
         self.model: KVModel | None = None
         self._load_errors: set[int] = set()
         self.in_flight: InFlight[StoreResult] = InFlight(max_in_flight_bytes)
+        self.store_wait_s = store_wait_s  # how long a step's end waits for room in flight
+        self._congested = False  # a wait found no room: stores past the cap drop until one fits
+        self._per_chunk = chunk_tokens // block_size
         self.handoffs = HandoffStores()  # a producer's stores, reported to vLLM once durable
         self._pool: StagingPool | None = None
         self._layers = LayerLoads(layerwise, wait_s=backend.loop.timeout_s + backend.loop.settle_s + 5.0)
@@ -227,9 +230,11 @@ class WorkerSide:
             STEPS.forward_ends()
 
     def _save(self, stores: Sequence[StoreOp]) -> None:
-        """One step's stores, each cut before the first block whose load failed, gathered now
-        into a pooled compact buffer and submitted (sealed and put on the backend's loop, not
-        waited for). A store past the in-flight cap is dropped, never waited for."""
+        """One step's stores, each cut before the first block whose load failed, its blocks after
+        ``skip_tokens`` gathered now into a pooled compact buffer and submitted (sealed and put on
+        the backend's loop, not waited for). A store past the in-flight cap waits for room, at
+        most ``store_wait_s`` (stores in flight seal meanwhile: the forward has ended); one that
+        finds none is dropped, and so is every store past the cap until one fits again."""
         self.finish_loads()  # a store is cut before blocks whose load failed: know them first
         self.in_flight.reap()
         if not stores:
@@ -247,9 +252,13 @@ class WorkerSide:
             if not cut:
                 self._trace("store", req=op.req_id, tokens=0, stored_chunks=0, ms=0.0, reason="")
                 continue
-            ids = op.block_ids[: cut // self.block]
+            skip = min(op.skip_tokens, cut) // self.block
+            ids = op.block_ids[skip : cut // self.block]
+            if not ids:  # every chunk is stored already
+                self._trace("store", req=op.req_id, tokens=cut, stored_chunks=0, ms=0.0, reason="")
+                continue
             nbytes = pool.nbytes(len(ids))
-            if not self.in_flight.admit(nbytes):
+            if not self._room(nbytes, op.req_id):
                 self.stats.count("store", STORE_DROPPED)
                 log.debug(
                     "kvgate store for %s dropped: %d bytes in flight, cap %d", op.req_id, self.in_flight.nbytes,
@@ -271,13 +280,30 @@ class WorkerSide:
                 "store_submit", req=op.req_id, tokens=cut, ms=(time.perf_counter() - t0) * 1e3,
                 in_flight=len(self.in_flight) + 1, in_flight_bytes=self.in_flight.nbytes + nbytes,
             )
-            store = self._backend.store(op.capability, model, op.tokens[:cut], compact, range(len(ids)))
+            # the skipped blocks' slots point into the buffer too: chained into the hashes, never sealed
+            slots = [0] * skip + list(range(len(ids)))
+            store = self._backend.store(op.capability, model, op.tokens[:cut], compact, slots, skip // self._per_chunk)
             if op.store_id:
                 store = durable_store(self._backend, store)
             future = self._backend.loop.submit(self._traced(op.req_id, cut, t0, store, ready))
             self.in_flight.add(future, nbytes, functools.partial(self._store_ended, op.req_id, buf))
             if op.store_id:
                 self.handoffs.submitted(op.req_id, future)
+
+    def _room(self, nbytes: int, req_id: str) -> bool:
+        """Whether a store of ``nbytes`` fits in flight, after waiting for stores to end (at most
+        ``store_wait_s``, and not while congested: the last wait found no room)."""
+        if self.in_flight.admit(nbytes):
+            self._congested = False
+            return True
+        if self._congested or self.store_wait_s <= 0:
+            return False
+        STEPS.forward_ends()  # the stores in flight seal while this step's end waits for them
+        t0 = time.perf_counter()
+        fits = self.in_flight.wait_for_room(nbytes, self.store_wait_s)
+        self._congested = not fits
+        self._trace("store_wait", req=req_id, ms=(time.perf_counter() - t0) * 1e3, admitted=fits)
+        return fits
 
     async def _traced(
         self, req_id: str, tokens: int, t0: float, store: Awaitable[StoreResult], ready: Any = None,

@@ -161,3 +161,24 @@ def test_resumed_request_takes_its_new_blocks():
 def test_chunk_must_be_a_multiple_of_the_block():
     with pytest.raises(ValueError):
         SchedulerLedger(60, 16)
+
+
+@pytest.mark.parametrize("found,skip", [(0, 0), (64, 64), (208, 192), (320, 320)])
+def test_a_store_skips_the_whole_chunks_its_lookup_found(found, skip):
+    """What the lookup found is stored already: the store starts after its whole chunks."""
+    s = SchedulerLedger(CHUNK, BLOCK)
+    s.looked_up("r1", 0, found)
+    s.allocated("r1", "cap", PROMPT, list(range(100, 120)), 0)  # recomputed (say, the policy's choice)
+    _, stores = s.build([StepRequest("r1", 0, len(PROMPT), list(range(100, 120)), new=True)])
+    if found == 320:
+        assert stores == []  # everything is there: no store at all
+        return
+    assert [(len(op.tokens), op.skip_tokens) for op in stores] == [(320, skip)]
+
+
+def test_a_hand_off_store_takes_every_chunk_even_those_found():
+    s = SchedulerLedger(CHUNK, BLOCK, handoff=True)
+    s.looked_up("r1", 0, 128)
+    s.allocated("r1", "cap", PROMPT, list(range(100, 120)), 0)
+    _, (store,) = s.build([StepRequest("r1", 0, len(PROMPT), list(range(100, 120)), new=True)])
+    assert (len(store.tokens), store.skip_tokens) == (320, 0)

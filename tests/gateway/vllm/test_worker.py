@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -305,12 +306,12 @@ class GatedBackend:
     async def copies_written(self):
         await self.inner.copies_written()
 
-    async def store(self, cap, model, tokens, layers, block_ids):
+    async def store(self, cap, model, tokens, layers, block_ids, first_chunk=0):
         self.started += 1
         await asyncio.to_thread(self.gate.wait, 30)
         if self.fail is not None:
             raise self.fail
-        return await self.inner.store(cap, model, tokens, layers, block_ids)
+        return await self.inner.store(cap, model, tokens, layers, block_ids, first_chunk)
 
 
 def _events(tmp_path) -> list[dict]:
@@ -373,6 +374,81 @@ def test_a_store_past_the_in_flight_cap_is_dropped_and_counted(backend, tmp_path
     writer.save([StoreOp("b", cap, other, list(range(15, 27)))])
     assert writer.wait_stores(30) and writer.stats.failures() == {("store", "dropped_in_flight"): 1}
     assert backend.loop.call(backend.lookup(cap, writer.model, other)).hit_tokens == 48
+
+
+def test_a_store_past_the_cap_waits_for_room_and_is_stored(backend, tmp_path):
+    """The step's end waits while the store in flight ends (here: its tier lets it go after a
+    moment), then submits the next: both stored, nothing dropped."""
+    cap = _capability(backend)
+    gated = GatedBackend(backend)
+    writer = _gated_worker(gated, _cpu_cache(seed=1), tmp_path, max_in_flight_bytes=1, store_wait_s=30)
+    other = list(range(900, 948))
+    writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])  # none in flight: admitted past the cap
+    threading.Timer(0.3, gated.gate.set).start()
+    t0 = time.monotonic()
+    writer.save([StoreOp("b", cap, other, list(range(15, 27)))])  # waits for "a" to end
+    waited = time.monotonic() - t0
+    assert 0.2 < waited < 25 and writer.stats.failures() == {}
+    assert writer.wait_stores(30) and writer.model is not None
+    events = [(e["event"], e["req"], e.get("admitted")) for e in _events(tmp_path)]
+    assert events == [("store_submit", "a", None), ("store", "a", None), ("store_wait", "b", True),
+                      ("store_submit", "b", None), ("store", "b", None)]
+    for tokens in (TOKENS, other):
+        assert backend.loop.call(backend.lookup(cap, writer.model, tokens)).hit_tokens == 48
+
+
+def test_a_wait_that_finds_no_room_drops_and_the_next_stores_drop_without_waiting(backend, tmp_path):
+    """A tier that holds every store: one bounded wait, then drops at once (the engine is not held
+    up again) until a store fits, which then waits again when it must."""
+    cap = _capability(backend)
+    gated = GatedBackend(backend)
+    writer = _gated_worker(gated, _cpu_cache(seed=1), tmp_path, max_in_flight_bytes=1, store_wait_s=0.3)
+    writer.save([StoreOp("a", cap, TOKENS, list(range(3, 15)))])
+    t0 = time.monotonic()
+    writer.save([StoreOp("b", cap, list(range(900, 948)), list(range(15, 27)))])  # waits 0.3 s, dropped
+    writer.save([StoreOp("c", cap, list(range(700, 748)), list(range(15, 27)))])  # dropped at once
+    assert 0.25 < time.monotonic() - t0 < 5
+    assert writer.stats.failures() == {("store", "dropped_in_flight"): 2}
+    assert [e["req"] for e in _events(tmp_path) if e["event"] == "store_wait"] == ["b"]
+    gated.gate.set()
+    assert writer.wait_stores(30)
+    writer.save([StoreOp("c", cap, list(range(700, 748)), list(range(15, 27)))])  # fits: admitted
+    writer.save([StoreOp("d", cap, list(range(600, 648)), list(range(3, 15)))])  # waits again, fits
+    assert writer.wait_stores(30) and writer.stats.failures() == {("store", "dropped_in_flight"): 2}
+    assert [(e["req"], e["admitted"]) for e in _events(tmp_path) if e["event"] == "store_wait"] == [
+        ("b", False), ("d", True),
+    ]
+
+
+def test_a_store_seals_only_the_chunks_after_those_its_lookup_found(backend, tmp_path):
+    """``skip_tokens``: the leading chunks are stored already; their blocks are neither gathered
+    nor sealed (here they hold other KV, which never reaches the tier), the rest chain onto them."""
+    cap = _capability(backend)
+    src, dst = _cpu_cache(seed=1), _cpu_cache(seed=2)
+    original = {name: t.clone() for name, t in src.items()}
+    writer = _worker(backend, src, tmp_path)
+    ids = list(range(3, 15))
+    writer.save([StoreOp("w", cap, TOKENS[:CHUNK], ids[: CHUNK // BLOCK])])  # the first chunk, stored
+    assert writer.wait_stores(30)
+    for t in src.values():  # the first chunk's blocks now hold other KV
+        t[ids[: CHUNK // BLOCK]] = torch.randn_like(t[ids[: CHUNK // BLOCK]])
+    writer.save([StoreOp("x", cap, TOKENS, ids, skip_tokens=CHUNK)])
+    assert writer.wait_stores(30)
+    ends = [e for e in _events(tmp_path) if e["event"] == "store"]
+    assert [e["stored_chunks"] for e in ends] == [1, 2]
+    submits = [e["in_flight_bytes"] for e in _events(tmp_path) if e["event"] == "store_submit"]
+    assert submits[1] < 3 * submits[0]  # eight blocks gathered (pooled), not twelve
+    reader = _worker(backend, dst, tmp_path)
+    reader.load([LoadOp("r", cap, TOKENS, list(range(20, 32)))])
+    assert reader.take_load_errors() == set()
+    for a, b in zip(_blocks(original, ids), _blocks(dst, list(range(20, 32)))):
+        assert torch.equal(a, b)  # chunk 0 as first stored, chunks 1 and 2 from the second store
+    # control: with nothing stored before it, what is skipped is missing, so nothing after it hits
+    writer.save([StoreOp("y", cap, list(range(800, 848)), ids, skip_tokens=CHUNK)])
+    assert writer.wait_stores(30) and writer.model is not None
+    assert backend.loop.call(backend.lookup(cap, writer.model, list(range(800, 848)))).hit_tokens == 0
+    writer.save([StoreOp("z", cap, TOKENS, ids, skip_tokens=48)])  # every chunk found: nothing gathered
+    assert writer.wait_stores(30) and [e["event"] for e in _events(tmp_path)][-1] == "store"
 
 
 def test_a_failing_store_ends_counted_and_frees_its_place(backend, tmp_path):
