@@ -22,13 +22,12 @@ import json
 import re
 import secrets
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from scripts.bench_e2e.model import SIZES, build_llama, prompt_ids
-from scripts.bench_e2e.systems import ROOT, NotRun, System, open_system, salts
+from scripts.bench_e2e.systems import ROOT, System, open_system, salts
 
 __all__ = ["QUICK", "PubConfig", "add_args", "analyze", "config", "doc_section", "markdown", "run", "write_docs"]
 
@@ -192,7 +191,7 @@ def steps(cfg: PubConfig, main: Any, key: str, salt: dict[str, str]) -> list[dic
 
 def run(cfg: PubConfig, main: Any, work: Path) -> dict[str, Any]:
     """Every row in an engine of its own; the raw rows (``analyze`` makes the figures)."""
-    from scripts.bench_e2e.run import _load, engine_env, run_engine
+    from scripts.bench_e2e.run import run_system
 
     size = SIZES[main.size]
     model = build_llama(work / f"model-{main.size}", size)
@@ -210,32 +209,19 @@ def run(cfg: PubConfig, main: Any, work: Path) -> dict[str, Any]:
     for key in cfg.systems:
         sys_work = work / f"published-{key}"
         sys_work.mkdir(parents=True, exist_ok=True)
-        t0, load_before = time.monotonic(), _load()
-        print(f"[bench-e2e] published/{key}: starting (load {load_before})", flush=True)
         info: dict[str, Any] = {}
-        try:
+
+        def open_() -> System:
             if key == "example":
-                system = open_system("example", sys_work, cfg.names, asdict(main))
-            else:
-                system, info = _kvgate(key, sys_work, cfg, main, prefix)
-            try:
-                plan = {"model": str(model), "engine": engine, "kv_transfer_config": system.ktc, "caps": system.caps,
-                        "flush": system.flush, "steps": steps(cfg, main, key, salt)}
-                rows = run_engine(plan, sys_work, engine_env(system.env, env_cfg), main.engine_timeout_s, system.python)
-            finally:
-                system.close()
-        except NotRun as exc:
-            not_run[key] = str(exc)
-            continue
-        except Exception as exc:
-            print(f"[bench-e2e] published/{key}: FAILED: {exc}", flush=True)
-            failed[key] = str(exc)[-2000:]
-            continue
-        trace = [json.loads(x) for x in system.trace.read_text().splitlines()] if system.trace and system.trace.exists() else []
-        runs[key] = {"label": LABELS[key], "rows": rows, "publication": info,
-                     "trace": [e for e in trace if e["event"] in ("load", "store")],
-                     "wall_s": round(time.monotonic() - t0, 1), "load_before": load_before, "load_after": _load()}
-        print(f"[bench-e2e] published/{key}: {len(rows)} requests in {runs[key]['wall_s']} s", flush=True)
+                return open_system("example", sys_work, cfg.names, asdict(main))
+            system, got = _kvgate(key, sys_work, cfg, main, prefix)
+            info.update(got)
+            return system
+
+        plan = {"model": str(model), "engine": engine, "steps": steps(cfg, main, key, salt)}
+        ran = run_system(key, f"published/{key}", open_, plan, env_cfg, sys_work, failed, not_run)
+        if ran is not None:
+            runs[key] = {"label": LABELS[key], "publication": info, **ran[1]}
     return {"config": asdict(cfg), "engine": engine, "runs": runs, "failed": failed, "not_run": not_run}
 
 

@@ -24,13 +24,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from scripts.bench_e2e import published
 from scripts.bench_e2e.model import SIZES, build_llama
-from scripts.bench_e2e.systems import ROOT, NotRun, System, describe, open_system, salts, stop_process
+from scripts.bench_e2e.systems import ROOT, NotRun, System, describe, open_system, salts, start_process, stop_process
 
 ISO_A, ISO_B = "acme", "globex"
 
@@ -123,17 +124,13 @@ def run_engine(plan: dict[str, Any], work: Path, env: dict[str, str], timeout_s:
     work.mkdir(parents=True, exist_ok=True)
     plan_path, out_path, log_path = work / "plan.json", work / "results.jsonl", work / "engine.log"
     plan_path.write_text(json.dumps(plan))
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [python, "-m", "scripts.bench_e2e.engine", str(plan_path), str(out_path)],
-            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            rc = -1
-        finally:
-            stop_process(proc)  # its process group: vLLM's engine core and workers too
+    proc = start_process([python, "-m", "scripts.bench_e2e.engine", str(plan_path), str(out_path)], env, log_path)
+    try:
+        rc = proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        rc = -1
+    finally:
+        stop_process(proc)  # its process group: vLLM's engine core and workers too
     rows = [json.loads(x) for x in out_path.read_text().splitlines()] if out_path.exists() else []
     if rc != 0:
         tail = log_path.read_text(errors="replace")[-4000:]
@@ -179,6 +176,41 @@ def preflight(system: System, cfg: Config, plan: dict[str, Any], work: Path) -> 
     errors = _log_errors((sub / "engine.log").read_text(errors="replace"))
     raise NotRun(f"{_versions(system)}: the engine starts but never loads KV (the second request of the same "
                  f"{length}-token prompt had 0 cached tokens); engine log: {' / '.join(errors) or '(no error lines)'}")
+
+
+def run_system(
+    key: str, name: str, open_: Callable[[], System], plan: dict[str, Any], cfg: Config, work: Path,
+    failed: dict[str, str], not_run: dict[str, str],
+) -> tuple[System, dict[str, Any]] | None:
+    """One system's engine lifetime: ``open_`` it, run ``plan`` (its model, engine and steps; the
+    system's connector, capabilities and flush are added) after the system's preflight, close it.
+    Gives the system and its rows, the connector's loads and stores, the wall time and the load
+    averages; None where it was not run (the reason in ``not_run[key]``) or failed (``failed[key]``)."""
+    t0 = time.monotonic()
+    load_before = _load()
+    print(f"[bench-e2e] {name}: starting (load {load_before})", flush=True)
+    try:
+        system = open_()
+        try:
+            plan = {**plan, "kv_transfer_config": system.ktc, "caps": system.caps, "flush": system.flush}
+            if system.preflight:
+                preflight(system, cfg, plan, work)
+            rows = run_engine(plan, work, engine_env(system.env, cfg), cfg.engine_timeout_s, system.python)
+        finally:
+            system.close()
+    except NotRun as exc:
+        print(f"[bench-e2e] {name}: not run: {exc}", flush=True)
+        not_run[key] = str(exc)
+        return None
+    except Exception as exc:
+        print(f"[bench-e2e] {name}: FAILED: {exc}", flush=True)
+        failed[key] = str(exc)[-2000:]
+        return None
+    trace = [json.loads(x) for x in system.trace.read_text().splitlines()] if system.trace and system.trace.exists() else []
+    out = {"rows": rows, "trace": [e for e in trace if e["event"] in ("load", "store")],
+           "wall_s": round(time.monotonic() - t0, 1), "load_before": load_before, "load_after": _load()}
+    print(f"[bench-e2e] {name}: {len(rows)} requests in {out['wall_s']} s", flush=True)
+    return system, out
 
 
 def _versions(system: System) -> str:
@@ -233,31 +265,13 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
 
     for key in cfg.systems:
         sys_work = work / key
-        t0 = time.monotonic()
-        load_before = _load()
-        print(f"[bench-e2e] {key}: starting (load {load_before})", flush=True)
-        try:
-            system = open_system(key, sys_work, tenants, asdict(cfg))
-            try:
-                plan = {"model": str(model), "engine": engine, "kv_transfer_config": system.ktc, "caps": system.caps,
-                        "flush": system.flush, "steps": steps(cfg, key, salt)}
-                if system.preflight:
-                    preflight(system, cfg, plan, sys_work)
-                rows = run_engine(plan, sys_work, engine_env(system.env, cfg), cfg.engine_timeout_s, system.python)
-            finally:
-                system.close()
-        except NotRun as exc:
-            print(f"[bench-e2e] {key}: not run: {exc}", flush=True)
-            not_run[key] = str(exc)
+        plan = {"model": str(model), "engine": engine, "steps": steps(cfg, key, salt)}
+        ran = run_system(key, key, lambda: open_system(key, sys_work, tenants, asdict(cfg)), plan, cfg, sys_work,
+                         failed, not_run)
+        if ran is None:
             continue
-        except Exception as exc:
-            print(f"[bench-e2e] {key}: FAILED: {exc}", flush=True)
-            failed[key] = str(exc)[-2000:]
-            continue
-        trace = [json.loads(x) for x in system.trace.read_text().splitlines()] if system.trace and system.trace.exists() else []
-        runs[key] = {**describe(system), "rows": rows, "trace": [e for e in trace if e["event"] in ("load", "store")],
-                     "wall_s": round(time.monotonic() - t0, 1), "load_before": load_before, "load_after": _load()}
-        print(f"[bench-e2e] {key}: {len(rows)} requests in {runs[key]['wall_s']} s", flush=True)
+        system, out = ran
+        runs[key] = {**describe(system), **out}
         # what ran so far, in the shape of e2e-raw.json (``--from-raw`` reports it)
         (work / "raw-partial.json").write_text(json.dumps({"meta": {**meta(), "failed": failed, "not_run": not_run}, "runs": runs}))
     return {"meta": {**meta(), "failed": failed, "not_run": not_run}, "runs": runs}

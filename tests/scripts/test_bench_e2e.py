@@ -163,6 +163,38 @@ def test_preflight_refuses_a_connector_that_never_hits_and_passes_one_that_does(
     assert ran["steps"][0]["reqs"] == ran["steps"][1]["reqs"] and ran["steps"][0]["reqs"][0]["parts"][0][0] == 512
 
 
+def test_run_system_gives_rows_and_trace_and_records_systems_not_run_or_failed(tmp_path: Path):
+    """The one engine lifetime bench-e2e's and the published workload's rows go through."""
+    from scripts.bench_e2e.run import Config, run_system
+    from scripts.bench_e2e.systems import NotRun, System
+
+    cfg = Config(lengths=[256], chunk_tokens=256, engine_timeout_s=60)
+    plan = {"model": "m", "engine": {"block_size": 32}, "steps": [{"op": "gen", "name": "x", "reqs": []}]}
+    failed: dict[str, str] = {}
+    not_run: dict[str, str] = {}
+
+    def missing() -> System:
+        raise NotRun("no such environment")
+
+    assert run_system("a", "a", missing, plan, cfg, tmp_path / "a", failed, not_run) is None
+    crashed = System("lmcache", None, python=_fake_engine(tmp_path, 480, rc=1))
+    assert run_system("b", "b", lambda: crashed, plan, cfg, tmp_path / "b", failed, not_run) is None
+    assert not_run == {"a": "no such environment"} and list(failed) == ["b"] and "engine exited with 1" in failed["b"]
+    # positive control: an engine that runs gives its rows, the system's loads and stores, and ran
+    # the plan with the system's connector and capabilities
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"event": "load", "n": 1}\n{"event": "step"}\n{"event": "store", "n": 2}\n')
+    good = System("kvgate-embedded", {"kv_connector": "K"}, caps={"acme": "cap"}, trace=trace,
+                  python=_fake_engine(tmp_path, 480))
+    ran = run_system("c", "c", lambda: good, plan, cfg, tmp_path / "c", failed, not_run)
+    assert ran is not None and ran[0] is good
+    out = ran[1]
+    assert [r["cached"] for r in out["rows"]] == [0, 480] and [e["event"] for e in out["trace"]] == ["load", "store"]
+    assert set(out) == {"rows", "trace", "wall_s", "load_before", "load_after"} and "c" not in failed
+    sent = json.loads((tmp_path / "c" / "plan.json").read_text())
+    assert sent == {**plan, "kv_transfer_config": {"kv_connector": "K"}, "caps": {"acme": "cap"}, "flush": {}}
+
+
 def test_lmcache_system_needs_an_environment_with_lmcache(tmp_path: Path):
     from scripts.bench_e2e.systems import NotRun, open_system
 
