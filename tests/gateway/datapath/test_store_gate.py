@@ -8,13 +8,17 @@ import asyncio
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from gateway.datapath import DataPath
 from gateway.datapath.gate import STEPS, StepGate
+from gateway.types import KVModel
 from gateway.vllm.backend import SharedBackends
 from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.ledger import LoadOp, StoreOp
@@ -90,13 +94,20 @@ def test_a_gap_between_steps_takes_one_slice_and_an_idle_engine_takes_every_slic
     assert gate.wait_turn(far) < 0.2 and gate.wait_turn(far) < 0.2  # idle: every slice at once
 
 
-async def test_a_store_seals_only_once_the_forward_has_ended(tmp_path, steps, seals) -> None:
+@asynccontextmanager
+async def _acme(tmp_path: Path, seed: int) -> AsyncIterator[tuple[Any, KVModel, str, list[torch.Tensor]]]:
+    """An embedded gateway whose stores run at nice 9, tenant acme's capability, the model and a
+    cache of 32 random blocks to store from."""
     g = small_geometry()
-    model = model_for(g)
-    src = random_cache(g, 32, seed=5)
     async with gateway_runtime(tmp_path, store_nice=9) as rt:
         await rt.admin.create_tenant("acme")
         cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
+        yield rt, model_for(g), cap, random_cache(g, 32, seed=seed)
+
+
+async def test_a_store_seals_only_once_the_forward_has_ended(tmp_path, steps, seals) -> None:
+    async with _acme(tmp_path, seed=5) as (rt, model, cap, src):
+        g = model.geometry
         steps.finish_s = 60.0
         steps.forward_begins()
         store = asyncio.ensure_future(rt.gateway.store(cap, model, TOKENS, src, block_ids=list(range(32))))
@@ -116,12 +127,7 @@ async def test_a_store_seals_only_once_the_forward_has_ended(tmp_path, steps, se
 
 
 async def test_a_forward_that_never_ends_delays_a_store_to_its_bound_and_no_further(tmp_path, steps, seals) -> None:
-    g = small_geometry()
-    model = model_for(g)
-    src = random_cache(g, 32, seed=6)
-    async with gateway_runtime(tmp_path, store_nice=9) as rt:
-        await rt.admin.create_tenant("acme")
-        cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
+    async with _acme(tmp_path, seed=6) as (rt, model, cap, src):
         steps.finish_s = 1.0
         steps.forward_begins()  # and never ends
         t0 = time.monotonic()
