@@ -156,6 +156,11 @@ class Backend(Protocol):
         """Whether a store's copies in the slower tiers are written after it returns."""
         ...
 
+    async def report_warm(self, cap: str, prefix_id: str, fingerprint: str, hashes: Sequence[str]) -> int:
+        """A published prefix's warm-up reports the chunks it stores (``cap``: the scope's write
+        capability); how many the server recorded. AccessDenied or InvalidRequest if refused."""
+        ...
+
     async def copies_written(self) -> None:
         """Wait until the slower tiers hold what was stored so far (the write-behind copies)."""
         ...
@@ -207,6 +212,12 @@ class EmbeddedBackend:
             cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
         )
         return result
+
+    async def report_warm(self, cap: str, prefix_id: str, fingerprint: str, hashes: Sequence[str]) -> int:
+        from audit.types import Actor
+
+        got = await self.runtime.prefixes.warm(cap, prefix_id, fingerprint, hashes, actor=Actor(subject="kvgate:connector"))
+        return len(got)
 
     def copies_behind(self) -> bool:
         """The scheduler's process looks up in the tiers it shares with the workers (Redis, a
@@ -295,6 +306,26 @@ class RemoteBackend:
             write_upto=write_upto, on_layers=on_layers,
         )
         return result
+
+    async def report_warm(self, cap: str, prefix_id: str, fingerprint: str, hashes: Sequence[str]) -> int:
+        """``POST /v1/admin/prefixes/{id}/chunks`` with the service token (an operator's: the route
+        reaches every member of the scope) and the capability in ``X-KV-Capability``."""
+        import httpx
+
+        from gateway.remote.status import check
+        from gateway.remote.wire import RemoteUnavailable
+
+        what = "POST /v1/admin/prefixes/{id}/chunks"
+        try:
+            r = await self._connections.http.post(
+                f"{self.url.rstrip('/')}/v1/admin/prefixes/{prefix_id}/chunks",
+                json={"fingerprint": fingerprint, "hashes": list(hashes)},
+                headers={"Authorization": f"Bearer {self._token}", "X-KV-Capability": cap},
+            )
+        except httpx.HTTPError as exc:
+            raise RemoteUnavailable(f"{what}: {type(exc).__name__}") from None
+        check(r.status_code, what, r.text)
+        return int(r.json()["recorded"])
 
     def copies_behind(self) -> bool:
         return False  # the server keeps the tiers: what it took, every worker and scheduler sees

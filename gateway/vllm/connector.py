@@ -12,10 +12,12 @@ only from ``kv_transfer_params["kvgate_capability"]``; a refused capability, a m
 unreachable gateway never fails a request: fewer hit tokens or failed blocks, which vLLM computes. Roles
 follow ``kv_role`` (``handoff.py``): a kv_producer's finished request returns a receipt and keeps its
 blocks until its store is durable; a kv_consumer given a receipt waits for it, bounded, without holding up
-other requests. Each hook, and why stores copy: docs/architecture.md, section 5."""
+other requests. A published prefix's warm-up (the scope's write capability and ``kvgate_warm_up``) has
+its whole chunks reported to the server, for every tensor-parallel rank, before it is stored. Each hook, and why stores copy: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -86,6 +88,20 @@ def _scheduler_model(cfg: VllmConfig, name: str, block_size: int, layout: str) -
     return KVModel(name, geometry, tp_rank=0, tp_size=pc.tensor_parallel_size)
 
 
+def _rank_models(model: KVModel) -> list[KVModel]:
+    """The model identity of each tensor-parallel rank: each stores its chunks under its own
+    fingerprint, so a warm-up reports the prefix for every rank."""
+    return [dataclasses.replace(model, tp_rank=r) for r in range(model.tp_size)]
+
+
+def _whole_chunks(model: KVModel, tokens: Sequence[int], chunk: int) -> list[str]:
+    """The chained hashes (hex) of the whole chunks of ``tokens`` under ``model``."""
+    from gateway.chunking import chain_hashes
+
+    whole = len(tokens) - len(tokens) % chunk
+    return [c.chained_hash.hex() for c in chain_hashes(list(tokens[:whole]), model.fingerprint, chunk)] if whole else []
+
+
 class KvgateConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -115,11 +131,17 @@ class KvgateConnector(KVConnectorBase_V1):
                 result = backend.loop.call(backend.lookup(cap, model, tokens))
                 return result.hit_tokens, result.degraded
 
+            def report(cap: str, prefix_id: str, tokens: Sequence[int]) -> int:
+                return sum(
+                    backend.loop.call(backend.report_warm(cap, prefix_id, m.fingerprint_digest, _whole_chunks(m, tokens, chunk)))
+                    for m in _rank_models(model)
+                )
+
             policy = LoadPolicy(config.load_policy, chunk, path=config.mode)
             loads, stores = roles(kv_role, producer_loads=config.producer_loads, consumer_stores=config.consumer_stores)
             self._scheduler = SchedulerSide(
                 chunk, block_size, lookup, stats=self.stats, trace=trace, policy=policy, loads=loads, stores=stores,
-                receipts=kv_role == "kv_producer", deny=functools.partial(audit_refused_receipt, backend),
+                receipts=kv_role == "kv_producer", deny=functools.partial(audit_refused_receipt, backend), report=report,
                 handoff=HandoffWaits(
                     functools.partial(submit_lookup, backend, model), config.handoff_wait_s, config.handoff_poll_s,
                 ) if loads else None,

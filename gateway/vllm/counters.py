@@ -3,7 +3,8 @@
 A lookup, a load or a store is counted with its outcome: ``ok`` or the reason it fell short (a
 miss reason of ``gateway.vllm.logs.miss_reason``, or one of the connector's own: a store cut
 after a failed load, dropped past the in-flight cap, a layer-wise load whose hooks were missed).
-A load-or-recompute choice is counted as a ``decision`` with its reason (``gateway.vllm.policy``).
+A load-or-recompute choice is counted as a ``decision`` with its reason (``gateway.vllm.policy``), a
+published prefix's warm-up report as a ``warm_report``.
 Tokens are counted by kind (hit on lookup, loaded, stored, declined: hit tokens recomputed).
 ``take`` hands over what was counted since the last call, as plain data that vLLM carries from the
 workers to its logger process (``gateway.vllm.stats`` wraps it in vLLM's ``KVConnectorStats``).
@@ -17,7 +18,7 @@ from typing import Literal, get_args
 
 __all__ = ["EVENTS", "OK", "TOKEN_KINDS", "ConnectorCounters", "Event", "TokenKind"]
 
-Event = Literal["lookup", "load", "store", "handoff", "decision"]
+Event = Literal["lookup", "load", "store", "handoff", "decision", "warm_report"]
 TokenKind = Literal["lookup_hit", "loaded", "stored", "declined"]
 EVENTS: tuple[Event, ...] = get_args(Event)
 TOKEN_KINDS: tuple[TokenKind, ...] = get_args(TokenKind)

@@ -10,7 +10,9 @@ token for a header-named tenant, so the server's role checks and audit apply; or
 
 The salt's epoch is the namespace's own, as the server reports it with each capability: a secure clear
 bumps it, so the next request's salt shares no prefix-cache block with any cached before; the answer's
-``shared`` revision does that for a published prefix revoked or a scope left. Settings:
+``shared`` revision does that for a published prefix revoked or a scope left. A published prefix's
+warm-up (``warm_up``: headers X-KV-Warm-Up and X-KV-Capability, a scope's write capability) passes only
+from a trusted peer or with an operator's token (else 403, audited), with a fresh cache_salt. Settings:
 ``KVGATE_VLLM_*`` through ``config.MiddlewareSettings``; design: docs/architecture.md.
 """
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import secrets
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -41,12 +45,19 @@ from gateway.vllm.errors import (
 from gateway.vllm.handoff import EPOCH_PARAM, RECEIPT_PARAM
 from gateway.vllm.peers import Peer, TrustedPeers
 from gateway.vllm.salt import cache_salt
-from tenancy.errors import AuthenticationFailed
+from gateway.vllm.scheduler import MAX_CAPABILITY_CHARS, WARM_PARAM
+from tenancy.capabilities import read_unverified
+from tenancy.errors import AuthenticationFailed, CapabilityDenied
 from tenancy.names import escape, is_name
 from tenancy.oidc import IssuerConfig, OidcVerifier
+from tenancy.roles import KV_OPERATOR
+from tenancy.sharing import SCOPE_NAMESPACE, is_scope_owner
 from tenancy.types import Principal, TenantId
 
-__all__ = ["CAPABILITY_PARAM", "GUARDED_PATHS", "NAMESPACE_GRANT", "GuardConfig", "Identity", "TenantGuard"]
+__all__ = [
+    "CAPABILITY_PARAM", "GUARDED_PATHS", "NAMESPACE_GRANT", "WARM_HEADER", "WARM_PATH", "GuardConfig", "Identity",
+    "TenantGuard", "WarmUp",
+]
 
 log = logging.getLogger("kvgate.vllm")
 RETRY_AFTER_S = 5  # Retry-After of a 503 (the gateway is down or cannot mint now)
@@ -54,6 +65,10 @@ RETRY_AFTER_S = 5  # Retry-After of a 503 (the gateway is down or cannot mint no
 CAPABILITY_PARAM = "kvgate_capability"
 NAMESPACE_GRANT = "kv.namespace:"  # a role or scope value kv.namespace:NAME grants namespace NAME
 TRUSTED_ISSUER = "kvgate:trusted-peer"  # the issuer of a principal a trusted peer's header names
+WARM_HEADER = "x-kv-warm-up"  # a published prefix's id: the request is its warm-up
+WARM_CAPABILITY_HEADER = "x-kv-capability"  # the warm-up's capability (the publish answer's)
+WARM_PATH = "/v1/completions"  # a warm-up's prompt is the prefix's token ids
+_PREFIX_ID = re.compile(r"[0-9a-f]{24}")
 GUARDED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate")
 # in-process mint: (principal, namespace) -> (capability, namespace epoch); it reads no published
 # prefixes (their revision, which the server's mint answer carries, is "")
@@ -113,6 +128,16 @@ class Identity:
     principal: Principal
     token: str | None
     namespace: str
+    peer: Peer
+
+
+@dataclass(frozen=True)
+class WarmUp:
+    """A published prefix's warm-up as the middleware admitted it: the prefix, the scope's write
+    capability (checked by the kvgate server on the report and on every put) and the peer."""
+
+    prefix_id: str
+    capability: str = field(repr=False)
     peer: Peer
 
 
@@ -191,6 +216,62 @@ class TenantGuard:
             await self._deny(peer, auth, principal.tenant, namespace, "namespace not granted")
             raise Forbidden("the namespace is not one this caller may use")
         return Identity(principal, token, namespace, peer)
+
+    async def warm_up(self, peer: Peer, headers: Mapping[bytes, bytes], method: str, path: str) -> WarmUp | None:
+        """A request that names a warm-up (``WARM_HEADER`` or ``WARM_CAPABILITY_HEADER``): admitted
+        from a trusted peer (``trusted_peers``) or with a bearer token of ``kv.operator``, else
+        Forbidden, audited; BadRequest unless it is a POST to ``WARM_PATH`` with a prefix id and a
+        scope's capability. None for any other request (the member path)."""
+        prefix = headers.get(WARM_HEADER.encode())
+        held = headers.get(WARM_CAPABILITY_HEADER.encode())
+        if prefix is None and held is None:
+            return None
+        auth = headers.get(b"authorization", b"").decode("latin-1") or None
+        cap = (held or b"").decode("latin-1")
+        try:
+            claimed = read_unverified(cap) if 0 < len(cap) <= MAX_CAPABILITY_CHARS else None
+        except CapabilityDenied:
+            claimed = None
+        owner = claimed.tenant if claimed is not None else ""
+        if not self.config.trusted_peers.trusts(peer) and not await self._operator(auth):
+            forwarded = peer.kind == "forwarded"
+            why = "warm-up beside X-Forwarded-For on TCP" if forwarded else "warm-up from an untrusted peer"
+            await self._deny(peer, auth, owner, SCOPE_NAMESPACE, why)
+            raise Forbidden("a warm-up is accepted only from a trusted peer or with an operator's token")
+        if method != "POST" or path != WARM_PATH:
+            raise BadRequest(f"a warm-up is a POST to {WARM_PATH}")
+        name = (prefix or b"").decode("latin-1")
+        if not _PREFIX_ID.fullmatch(name):
+            raise BadRequest(f"{WARM_HEADER} names the published prefix (its id, 24 hex digits)")
+        if claimed is None or not is_scope_owner(claimed.tenant) or claimed.namespace != SCOPE_NAMESPACE:
+            raise BadRequest(f"{WARM_CAPABILITY_HEADER} is the publish answer's capability (a scope's)")
+        return WarmUp(name, cap, peer)
+
+    async def _operator(self, auth: str | None) -> bool:
+        """Whether ``auth`` is a verified bearer token of an operator (``kv.operator``)."""
+        if auth is None:
+            return False
+        try:
+            principal, _ = await self.principal(auth)
+        except Unauthorized:
+            return False
+        return KV_OPERATOR in principal.roles
+
+    @staticmethod
+    def rewrite_warm_up(warm: WarmUp, body: bytes) -> bytes:
+        """The warm-up's body: the client's cache_salt and kv_transfer_params replaced by a fresh
+        salt (no prefix-cache block of a warm-up is ever shared, and it computes every token) and
+        {kvgate_capability, kvgate_warm_up}."""
+        try:
+            doc: Any = json.loads(body or b"{}")
+        except (ValueError, UnicodeError):
+            raise BadRequest("the request body must be a JSON object") from None
+        if not isinstance(doc, dict):
+            raise BadRequest("the request body must be a JSON object")
+        doc.pop("kv_transfer_params", None)
+        doc["cache_salt"] = "warm-up:" + secrets.token_hex(16)
+        doc["kv_transfer_params"] = {CAPABILITY_PARAM: warm.capability, WARM_PARAM: warm.prefix_id}
+        return json.dumps(doc).encode()
 
     async def _deny(self, peer: Peer, auth: str | None, tenant: str, namespace: str, reason: str) -> None:
         """Log and audit (``authz.denied``, durably) a refused identity header. The actor is the

@@ -8,7 +8,10 @@ POST to an inference path
 no capability can be minted, 400 for a body that is not a JSON object, 413 past the size limit).
 Other paths (``/health``, ``/metrics``) pass untouched. Answers are problem+json. The tenant
 and namespace may come from a trusted gateway's headers (``TenantGuard.identify``); a tenant
-header from any other peer is a 403, audited.
+header from any other peer is a 403, audited. A published prefix's warm-up (headers X-KV-Warm-Up and
+X-KV-Capability, ``TenantGuard.warm_up``) passes with the scope's capability from a trusted peer or
+with an operator's token, and is a 403, audited, from anyone else; a capability or warm-up field in
+any other request's body is replaced, as ever.
 """
 
 from __future__ import annotations
@@ -48,10 +51,16 @@ class KvgateMiddleware:
         headers = dict(scope.get("headers") or [])
         try:
             # the identity first: no body is read for a caller who is not authenticated
-            who = await guard.identify(peer_of(scope), headers)
+            peer = peer_of(scope)
+            warm = await guard.warm_up(peer, headers, scope["method"], scope["path"])
+            who = await guard.identify(peer, headers) if warm is None else None
             if scope["method"] == "POST" and scope["path"] in GUARDED_PATHS:
                 body = await _read_body(receive, guard.config.max_body_bytes)
-                body = await guard.rewrite(who.principal, who.token, body, who.namespace)
+                if warm is not None:
+                    body = guard.rewrite_warm_up(warm, body)
+                else:
+                    assert who is not None
+                    body = await guard.rewrite(who.principal, who.token, body, who.namespace)
                 scope = dict(scope)
                 scope["headers"] = [(k, v) for k, v in scope["headers"] if k not in (b"content-length", b"transfer-encoding")]
                 scope["headers"].append((b"content-length", str(len(body)).encode()))

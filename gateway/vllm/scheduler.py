@@ -12,11 +12,15 @@ passes in is read by attribute (``request_view``, ``step_requests``), so tests u
     load_errors(invalid_block_ids)      update_connector_output: blocks whose load failed
     finish(req_id, params)              request_finished: kv_transfer_params {"kvgate": ...}; a producer's receipt
 With a receipt (``handoff``), ``matched_tokens`` answers None (ask again) until its store is visible to
-the request's own capability, at most the hand-off wait; another tenant's loads nothing, audited (``deny``)."""
+the request's own capability, at most the hand-off wait; another tenant's loads nothing, audited (``deny``).
+A published prefix's warm-up (``kvgate_warm_up``: the prefix id, beside the scope's write capability)
+reports the prompt's whole chunks (``report``) before its lookup, once per request; its store follows
+the ordinary path, and the server takes only the chunks that report recorded."""
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,21 +34,34 @@ from gateway.vllm.logs import RateLimitedLogger, Tracer, miss_reason
 from gateway.vllm.policy import LoadPolicy
 from tenancy.errors import CapabilityDenied
 
-__all__ = ["CAPABILITY_PARAM", "LookupFn", "RequestView", "SchedulerSide", "capability_of", "request_view", "step_requests"]
+__all__ = [
+    "CAPABILITY_PARAM", "WARM_PARAM", "LookupFn", "ReportFn", "RequestView", "SchedulerSide", "capability_of",
+    "request_view", "step_requests", "warm_up_of",
+]
 
 log = logging.getLogger("kvgate.vllm")
 CAPABILITY_PARAM = "kvgate_capability"
+WARM_PARAM = "kvgate_warm_up"  # a published prefix's id: this request is its warm-up
 MAX_CAPABILITY_CHARS = 8192
+_PREFIX_ID = re.compile(r"[0-9a-f]{24}")
 
 #: (capability, block-aligned prompt prefix) -> (hit tokens, degraded reason or ""); may raise
 #: GatewayError or ValueError (refused, expired, unreachable: a miss)
 LookupFn = Callable[[str, Sequence[int]], tuple[int, str]]
+#: (capability, prefix id, prompt) -> chunks the server recorded; may raise GatewayError or ValueError
+ReportFn = Callable[[str, str, Sequence[int]], int]
 
 
 def capability_of(kv_transfer_params: Any) -> str | None:
     """The request's capability from its ``kv_transfer_params`` (set by the tenant middleware)."""
     cap = kv_transfer_params.get(CAPABILITY_PARAM) if isinstance(kv_transfer_params, Mapping) else None
     return cap if isinstance(cap, str) and 0 < len(cap) <= MAX_CAPABILITY_CHARS else None
+
+
+def warm_up_of(kv_transfer_params: Any) -> str | None:
+    """The published prefix a request warms up (its id), where it says so."""
+    warm = kv_transfer_params.get(WARM_PARAM) if isinstance(kv_transfer_params, Mapping) else None
+    return warm if isinstance(warm, str) and _PREFIX_ID.fullmatch(warm) else None
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class RequestView:
     capability: str | None
     receipt: Any = None  # a producer's receipt, as the request carries it (not yet checked)
     epoch: int | None = None  # the namespace epoch the request's capability was minted at
+    warm_up: str | None = None  # the published prefix this request warms up
 
 
 def request_view(request: Any) -> RequestView:
@@ -64,6 +82,7 @@ def request_view(request: Any) -> RequestView:
     receipt = params.get(RECEIPT_PARAM) if isinstance(params, Mapping) else None
     return RequestView(
         request.request_id, list(request.prompt_token_ids or []), capability_of(params), receipt, epoch_of(params),
+        warm_up_of(params),
     )
 
 
@@ -93,13 +112,13 @@ class SchedulerSide:
         self, chunk_tokens: int, block_size: int, lookup: LookupFn, *, stats: ConnectorCounters | None = None,
         trace: Tracer | None = None, lookup_log_interval_s: float = 10.0, policy: LoadPolicy | None = None,
         loads: bool = True, stores: bool = True, receipts: bool = False, handoff: HandoffWaits | None = None,
-        deny: Callable[[str, str, str], None] | None = None,
+        deny: Callable[[str, str, str], None] | None = None, report: ReportFn | None = None,
     ) -> None:
         """``loads``/``stores``: the role's (``handoff.roles``); ``receipts``: a producer's,
         every store is a hand-off; ``handoff``: waits for receipts; ``deny(capability, req_id,
-        reason)``: audits a refused receipt."""
+        reason)``: audits a refused receipt; ``report``: a warm-up's chunk report."""
         self.ledger = SchedulerLedger(chunk_tokens, block_size, stores=stores, handoff=receipts)
-        self.loads, self.receipts = loads, receipts
+        self.loads, self.stores, self.receipts = loads, stores, receipts
         self.handoff = handoff
         self._deny = deny
         self.policy = LoadPolicy("always", chunk_tokens) if policy is None else policy
@@ -110,11 +129,17 @@ class SchedulerSide:
         # an outage degrades every lookup: say so, not each one
         self._lookup_log = RateLimitedLogger(log, interval_s=lookup_log_interval_s)
         self._mismatch_said = False
+        self._report = report
+        self._reported: set[str] = set()  # warm-ups whose chunks were reported (once per request)
 
     def matched_tokens(self, req: RequestView, num_computed_tokens: int) -> int | None:
         """Tokens beyond ``num_computed_tokens`` that kvgate can load (whole blocks); None: not
         known yet (a receipt's store is not visible yet), vLLM asks again at a later step."""
-        if req.capability is None or not req.prompt or not self.loads:
+        if req.capability is None or not req.prompt:
+            return 0
+        if req.warm_up is not None and self.stores:
+            self._warm_up(req)
+        if not self.loads:
             return 0
         limit = self.ledger.lookup_limit(len(req.prompt))
         loadable = self.ledger.load_limit(len(req.prompt))
@@ -142,6 +167,23 @@ class SchedulerSide:
         self.ledger.looked_up(req.req_id, num_computed_tokens, hit)
         n = max(0, min(hit, loadable) - num_computed_tokens)
         return self._decide(req, num_computed_tokens, n) if n else 0
+
+    def _warm_up(self, req: RequestView) -> None:
+        """Report the chunks a warm-up is about to store, once per request; a refusal or an
+        outage is counted and logged (the server then takes none of its puts)."""
+        if req.req_id in self._reported or req.capability is None or req.warm_up is None:
+            return
+        self._reported.add(req.req_id)
+        if self._report is None:
+            self.stats.count("warm_report", "unsupported")
+            return
+        try:
+            recorded, reason = self._report(req.capability, req.warm_up, req.prompt), ""
+        except (GatewayError, ValueError) as exc:
+            recorded, reason = 0, miss_reason(exc)
+            log.warning("kvgate warm-up report for prefix %s (%s) failed: %s", req.warm_up, req.req_id, reason)
+        self.stats.count("warm_report", reason or OK)
+        self._trace("warm_report", req=req.req_id, prefix=req.warm_up, recorded=recorded, reason=reason)
 
     def _decide(self, req: RequestView, num_computed_tokens: int, hit: int) -> int:
         """Of ``hit`` loadable tokens, those the policy loads; the choice traced and counted."""
@@ -230,6 +272,7 @@ class SchedulerSide:
         it returns, with a producer's receipt)."""
         if self.handoff is not None:
             self.handoff.forget(req_id)
+        self._reported.discard(req_id)
         store = self.ledger.handoff_store(req_id) if self.receipts else None
         hit = self.ledger.finished(req_id)
         self.policy.finished(req_id)
