@@ -449,9 +449,18 @@ def prefixes_publish(
     add_special_tokens: Annotated[bool, typer.Option(
         help="text: with the tokenizer's special tokens, as vLLM tokenizes a completion prompt")] = True,
     ttl: Annotated[Optional[int], typer.Option(min=1, help="the warm-up capability's lifetime (seconds)")] = None,
+    warm_engine: Annotated[Optional[str], typer.Option(
+        help="warm the prefix up on this vLLM engine's OpenAI server (URL) through its kvgate connector")] = None,
+    warm_model: Annotated[Optional[str], typer.Option(
+        help="--warm-engine: the engine's served model name (default: the engine's own)")] = None,
+    warm_token_file: Annotated[Optional[Path], typer.Option(
+        help="--warm-engine: a file holding an operator's bearer token, for an engine that does not trust this host")] = None,
+    warm_timeout: Annotated[float, typer.Option(
+        min=1, help="--warm-engine: seconds until the prefix must be warm (recorded and stored)")] = 120.0,
 ) -> None:
     """Publish a prefix into a scope, as token ids or as text with its tokenizer; prints its id
-    and the warm-up's write capability (JSON)."""
+    and the warm-up's write capability (JSON). With --warm-engine, the engine warms it up at once
+    and the answer says so under "warm"; a warm-up that fails exits 1 (the prefix stays published)."""
     if text_file is not None or tokenizer is not None:
         if text_file is None or tokenizer is None or tokens is not None or tokens_file is not None:
             raise typer.BadParameter("give --text-file with --tokenizer, and no token ids")
@@ -468,17 +477,40 @@ def prefixes_publish(
             raise typer.BadParameter(str(exc)) from None
     else:
         ids = _token_ids(tokens, tokens_file)
+    if warm_engine is None and (warm_model is not None or warm_token_file is not None):
+        raise typer.BadParameter("--warm-model and --warm-token-file go with --warm-engine")
+    warm_token: Optional[str] = None
+    if warm_token_file is not None:
+        try:
+            warm_token = warm_token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeError) as exc:
+            raise typer.BadParameter(f"--warm-token-file: {exc}") from None
 
-    async def go(rt: Runtime) -> None:
+    async def go(rt: Runtime) -> Optional[BaseException]:
+        from gateway.services.warmup import WarmUpFailed, warm_up
+
         got = await rt.prefixes.publish(scope, model, ids, ttl=ttl, tokenizer=tokenizer)
         p = got.publication
-        console.print_json(json.dumps({
+        doc: dict[str, Any] = {
             "id": p.id, "scope": p.scope, "model": p.model, "digest": p.digest, "num_tokens": p.num_tokens,
             "whole_chunks": got.whole_chunks, "chunk_tokens": rt.settings.chunk_tokens, "key_version": p.key_version,
             "capability": got.capability, "expires_at": got.expires_at,
-        }))
+        }
+        failed: Optional[BaseException] = None
+        if warm_engine is not None:
+            try:
+                done = await warm_up(rt.prefixes, got, warm_engine, model=warm_model, token=warm_token, timeout_s=warm_timeout)
+                doc["warm"] = done.as_dict()
+            except WarmUpFailed as exc:
+                failed = exc
+                doc["warm"] = {"engine": warm_engine, "warm": False, "error": str(exc)}
+        console.print_json(json.dumps(doc))
+        return failed
 
-    asyncio.run(_with_runtime(_settings(), go))
+    failed = asyncio.run(_with_runtime(_settings(), go))
+    if failed is not None:
+        _fail(failed)
+        raise typer.Exit(1)
 
 
 @prefixes_app.command("list")

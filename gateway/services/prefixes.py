@@ -410,6 +410,18 @@ class Prefixes:
         ))
         return expected
 
+    async def warm_state(self, prefix_id: str) -> tuple[int, int]:
+        """(chunks recorded for the prefix, of those in a tier of this process): a warm-up is
+        done when every recorded chunk is stored."""
+        pub = await self.get(prefix_id)
+        hashes = [bytes.fromhex(h) for h in await self.sharing.chunks_of(prefix_id)]
+        owner = scope_owner(pub.scope)
+        if not hashes or await self.registry.get_namespace(owner, SCOPE_NAMESPACE) is None:
+            return len(hashes), 0  # no store has been made: the first one creates the namespace
+        ns = await self.resolver.keys(owner, SCOPE_NAMESPACE)
+        present = await self.tiers.contains_many(self.resolver.chunk_keys(ns, hashes))
+        return len(hashes), sum(present)
+
     async def revoke(self, prefix_id: str, *, actor: Actor | None = None) -> RevokeResult:
         pub = await self.get(prefix_id)
         if pub.state == "revoked":
