@@ -360,6 +360,12 @@ class RemoteGateway:
         except GatewayError:
             pass
 
+    async def report_refused_receipt(self, request: str, reason: str) -> None:
+        """Tell the server a P/D receipt was refused for a request holding this client's
+        capability (``POST /v1/handoff/refusals``): it verifies the capability and audits
+        ``authz.denied`` (op ``handoff``). Raises what the call raises (GatewayError)."""
+        await self._send("POST", "/v1/handoff/refusals", json={"request": request[:128], "reason": reason})
+
 
 class _HttpSession:
     """One request against the server, and the only holder of its envelopes' keys. Sealing keys

@@ -1,11 +1,12 @@
-"""Data-plane routes: capabilities, lookup, chunks, pins, per-envelope keys and integrity reports.
+"""Data-plane routes: capabilities, lookup, chunks, pins, per-envelope keys, integrity and hand-off reports.
 
 A prefix moves in one request each way: ``PUT /v1/chunks`` takes a frame of envelopes and stores
 all of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes
 back, each envelope after the key that opens it (frames: ``gateway.protocol.frames``; buffers and
 the prefix walk: ``gateway.chunks.batches``). ``POST /v1/keys/envelopes`` issues the keys a remote
 worker seals envelopes with, ``POST /v1/chunks/integrity-failures`` takes its report of one that
-failed to open (``gateway.chunks.envelopes``).
+failed to open (``gateway.chunks.envelopes``), ``POST /v1/handoff/refusals`` a vLLM consumer's
+report of a P/D receipt it refused (audited).
 """
 
 from __future__ import annotations
@@ -132,6 +133,15 @@ class IntegrityReport(Strict):
 
 class IntegrityReportResponse(BaseModel):
     dropped: bool = Field(description="the stored copy was that envelope and is gone from every tier")
+
+
+# a P/D receipt's reasons for refusal (gateway.vllm.handoff), as a consumer reports them
+RefusalReason = Literal["receipt_other_tenant", "receipt_malformed", "receipt_stale_epoch"]
+
+
+class HandoffRefusal(Strict):
+    request: str = Field(min_length=1, max_length=128, description="the vLLM request id the receipt came with")
+    reason: RefusalReason = Field(description="why the consumer refused the receipt (docs/vllm.md)")
 
 
 class RegionRequest(Strict):
@@ -533,6 +543,16 @@ async def report_integrity_failure(body: IntegrityReport, scope: GetScope, state
         _cap(scope), body.hash, bytes.fromhex(body.envelope_sha256), actor=scope.actor,
     )
     return IntegrityReportResponse(dropped=dropped)
+
+
+@router.post("/handoff/refusals", status_code=204)
+async def report_refused_receipt(body: HandoffRefusal, scope: LookupScope, state: StateDep) -> Response:
+    """A vLLM consumer (remote mode) refused a P/D receipt for a request holding this capability
+    (op ``lookup``): audited as ``authz.denied`` (op ``handoff``, the reason, the request) in the
+    capability's tenant and namespace, with the caller as actor, as an embedded connector records
+    it; answered once the event is durable. A capability that fails verification is 403."""
+    await state.runtime.access.refused_receipt(_cap(scope), body.request, body.reason, actor=scope.actor)
+    return Response(status_code=204)
 
 
 @router.post("/pins", status_code=204, responses=_NOT_FOUND)

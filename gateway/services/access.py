@@ -24,7 +24,21 @@ from tenancy.errors import CapabilityDenied, CapabilityRequestInvalid
 from tenancy.registry import Registry, TenantDisabled, UnknownTenant
 from tenancy.types import Capability
 
-__all__ = ["Access"]
+__all__ = ["Access", "refused_receipt_event"]
+
+_REQUEST_CHARS = 128  # a request id as a refused receipt's event names it
+
+
+def refused_receipt_event(
+    tenant: str, namespace: str, request: str, reason: str, actor: Actor | None = None,
+) -> AuditEvent:
+    """The ``authz.denied`` event (op ``handoff``) of a P/D receipt a vLLM consumer refused for a
+    request of ``tenant`` and ``namespace`` (``gateway.vllm.handoff``): the same event embedded
+    and, with the reporting worker as ``actor``, on a server (``Access.refused_receipt``)."""
+    return AuditEvent(
+        Actions.AUTHZ_DENIED, outcome="denied", actor=actor or Actor(), target=Target(tenant=tenant, namespace=namespace),
+        details={"op": "handoff", "reason": reason, "request": request[:_REQUEST_CHARS]},
+    )
 
 
 class Access:
@@ -82,6 +96,13 @@ class Access:
         except CapabilityDenied as exc:
             self.denied(op, exc.reason)
             raise AccessDenied(exc.reason) from None
+
+    async def refused_receipt(self, token: str, request: str, reason: str, *, actor: Actor | None = None) -> None:
+        """A remote worker's report that it refused a P/D receipt for a request holding ``token``:
+        the capability verified (op ``lookup``; a refusal is AccessDenied, audited as any), then
+        ``refused_receipt_event`` recorded durably in the capability's tenant and namespace."""
+        cap = self.authorize(token, "lookup")
+        await record_durably(self.audit, refused_receipt_event(cap.tenant, cap.namespace, request, reason, actor))
 
     def denied(self, op: str, reason: str) -> None:
         """Count and audit a refusal (capability checks, and a tenant gone since minting)."""

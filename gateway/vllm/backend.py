@@ -327,6 +327,15 @@ class RemoteBackend:
         check(r.status_code, what, r.text)
         return int(r.json()["recorded"])
 
+    async def report_refused_receipt(self, cap: str, req_id: str, reason: str) -> None:
+        """A P/D receipt refused for a request holding ``cap``, reported to the server, which
+        audits it (``gateway.vllm.handoff.audit_refused_receipt``). Best effort: a failure is
+        logged, never raised."""
+        try:
+            await self._client(cap).report_refused_receipt(req_id, reason)
+        except Exception as exc:  # unreachable, refused, a capability that does not parse
+            log.warning("kvgate could not report the refused receipt of %s to the server: %s", req_id, exc)
+
     def copies_behind(self) -> bool:
         return False  # the server keeps the tiers: what it took, every worker and scheduler sees
 

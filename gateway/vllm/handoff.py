@@ -236,10 +236,17 @@ def submit_lookup(backend: Backend, model: KVModel, capability: str, tokens: Seq
 
 
 def audit_refused_receipt(backend: Backend, capability: str, req_id: str, reason: str) -> None:
-    """Audit a receipt refused for a request (``authz.denied``, op ``handoff``), in embedded
-    mode into the gateway's audit log; a remote backend's server never sees the receipt, so
-    there it is logged at WARNING only. Never raises, never waits."""
+    """Audit a receipt refused for a request (``authz.denied``, op ``handoff``): embedded, into
+    the gateway's audit log; remote, reported to the server (``report_refused_receipt``), which
+    verifies the capability and records the same event. Never raises, never waits."""
     log.warning("kvgate refused the hand-off receipt of %s (%s): it loads nothing and recomputes", req_id, reason)
+    report = getattr(backend, "report_refused_receipt", None)
+    if report is not None:
+        try:
+            backend.loop.submit(report(capability, req_id, reason))
+        except RuntimeError:  # the loop thread is not running
+            pass
+        return
     runtime = getattr(backend, "runtime", None)
     if runtime is None:
         return
@@ -247,12 +254,9 @@ def audit_refused_receipt(backend: Backend, capability: str, req_id: str, reason
         cap = read_unverified(capability)
     except CapabilityDenied:
         return
-    from audit.types import Actions, AuditEvent, Target
+    from gateway.services.access import refused_receipt_event
 
-    event = AuditEvent(
-        Actions.AUTHZ_DENIED, outcome="denied", target=Target(tenant=cap.tenant, namespace=cap.namespace),
-        details={"op": "handoff", "reason": reason, "request": req_id[:128]},
-    )
+    event = refused_receipt_event(cap.tenant, cap.namespace, req_id, reason)
 
     async def emit() -> None:
         runtime.audit.emit(event)
