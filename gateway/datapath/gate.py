@@ -1,6 +1,7 @@
 """When a store's sealing may run: between the engine's forward steps, or once it is due.
 
     StepGate.forward_begins() / forward_ends()   the engine's worker, around each forward step
+    StepGate.idle()                               the engine's worker, at a step with no forward
     StepGate.wait_turn(latest)                    a store thread, before each slice of a store:
                                                   the engine idle, one of the ``per_gap`` slices
                                                   of a gap between two steps, or ``latest`` (the
@@ -54,6 +55,15 @@ class StepGate:
                 self._ended = time.monotonic()
                 self._started = 0
                 self._cond.notify_all()
+
+    def idle(self) -> None:
+        """A step that runs no forward (nothing scheduled, e.g. blocks waiting for a hand-off
+        store): the engine is idle now, every slice may start without waiting ``idle_s``."""
+        with self._cond:
+            self._busy = False
+            self._ended = float("-inf")
+            self._started = 0
+            self._cond.notify_all()
 
     def deadline(self, start: float, k: int, n: int) -> float | None:
         """Slice ``k`` of ``n`` of a store that started at ``start``: when it runs at the latest

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from gateway.datapath.gate import STEPS
 from gateway.vllm.backend import SHARED, Backend
 from gateway.vllm.config import ConnectorConfig
 from gateway.vllm.counters import ConnectorCounters
@@ -65,6 +66,7 @@ __all__ = ["CAPABILITY_PARAM", "KvgateConnector", "KvgateMetadata"]
 class KvgateMetadata(KVConnectorMetadata):
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+    forward: bool = True  # False: a step with nothing scheduled, which vLLM runs without a forward
 
 
 def _scheduler_model(cfg: VllmConfig, name: str, block_size: int, layout: str) -> KVModel:
@@ -184,7 +186,7 @@ class KvgateConnector(KVConnectorBase_V1):
         side = self.scheduler
         loads, stores = side.build(step_requests(scheduler_output, side.tracked))
         side.policy.step_built(step_work(scheduler_output, loads=bool(loads)))
-        return KvgateMetadata(loads=loads, stores=stores)
+        return KvgateMetadata(loads=loads, stores=stores, forward=scheduler_output.total_num_scheduled_tokens > 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler.load_errors(connector_output.invalid_block_ids or ())
@@ -210,7 +212,10 @@ class KvgateConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self.worker.forward_begins()  # before every forward step (start_load_kv may come after it)
+        if getattr(connector_metadata, "forward", True):
+            self.worker.forward_begins()  # before every forward step (start_load_kv may come after it)
+        else:  # vLLM steps without pause while nothing is scheduled: the engine is idle, stores run
+            STEPS.idle()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.load(self._metadata().loads)

@@ -94,6 +94,29 @@ def test_a_gap_between_steps_takes_one_slice_and_an_idle_engine_takes_every_slic
     assert gate.wait_turn(far) < 0.2 and gate.wait_turn(far) < 0.2  # idle: every slice at once
 
 
+def test_a_step_without_a_forward_is_idle_at_once() -> None:
+    """vLLM steps without pause while nothing is scheduled (a producer's blocks waiting for their
+    hand-off store): such a step marks the engine idle, so a slice runs at once, not after idle_s
+    of no steps (which never come) or at its deadline; the next forward holds slices again."""
+    gate = StepGate(finish_s=60.0, idle_s=30.0)
+    far = time.monotonic() + 60
+    gate.forward_begins()
+    gate.forward_ends()  # the prefill's forward ended just now
+    waiter = threading.Thread(target=gate.wait_turn, args=(far,))
+    waiter.start()
+    time.sleep(0.2)
+    assert waiter.is_alive()  # a gap after a forward: waits for idle_s
+    t0 = time.monotonic()
+    gate.forward_begins()
+    gate.forward_ends()  # positive control: a step that ran a forward does not make it idle
+    time.sleep(0.2)
+    assert waiter.is_alive()
+    gate.idle()  # a step with nothing scheduled
+    waiter.join(5)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 2.0
+    assert gate.wait_turn(far) < 0.2 and gate.forced == 0
+
+
 @asynccontextmanager
 async def _acme(tmp_path: Path, seed: int) -> AsyncIterator[tuple[Any, KVModel, str, list[torch.Tensor]]]:
     """An embedded gateway whose stores run at nice 9, tenant acme's capability, the model and a
