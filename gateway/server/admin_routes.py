@@ -45,6 +45,7 @@ from gateway.server.deps import (
 from gateway.server.jsonbody import JsonBodyRoute
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
 from gateway.services.prefixes import tokenize
+from gateway.services.warmup import WarmUpFailed, warm_up
 from storage.types import ChunkKey
 from tenancy.roles import Action, Role, parse_roles
 from tenancy.types import Principal
@@ -371,6 +372,13 @@ class PublishRequest(Strict):
     add_special_tokens: bool = Field(default=True, description="text: with the tokenizer's special tokens, as vLLM "
                                      "tokenizes a completion prompt (a leading BOS)")
     ttl: int | None = Field(default=None, ge=1, le=86400, description="the warm-up capability's lifetime (seconds)")
+    warm_engine: str | None = Field(
+        default=None, min_length=8, max_length=2048, pattern=r"^https?://[^\s]+$",
+        description="a vLLM engine's OpenAI server (URL) that warms the prefix up through its kvgate connector; its "
+        "middleware must trust this server's address (KVGATE_VLLM_TRUSTED_PEERS)",
+    )
+    warm_model: str | None = Field(default=None, min_length=1, max_length=256, description="warm_engine's served model name")
+    warm_timeout: float = Field(default=120.0, ge=1, le=600, description="seconds until the prefix must be warm")
 
     @model_validator(mode="after")
     def _one_source(self) -> PublishRequest:
@@ -378,6 +386,8 @@ class PublishRequest(Strict):
             raise ValueError("give the prefix as token_ids or as text (one of them)")
         if (self.text is None) != (self.tokenizer is None):
             raise ValueError("text and tokenizer go together")
+        if self.warm_engine is None and self.warm_model is not None:
+            raise ValueError("warm_model goes with warm_engine")
         return self
 
 
@@ -398,6 +408,10 @@ class PublishResponse(PrefixResponse):
                             "chunks POST /v1/admin/prefixes/{id}/chunks records")
     cap_id: str
     expires_at: float
+    warm: dict[str, Any] | None = Field(
+        default=None, description="with warm_engine: {engine, warm, whole_chunks, recorded, stored, seconds}, or "
+        "{engine, warm: false, error} (the prefix stays published)",
+    )
 
 
 class WarmRequest(Strict):
@@ -455,7 +469,8 @@ async def publish_prefix(body: PublishRequest, scope: PrefixesScope, state: Stat
     """Publish a prefix into a scope, as token ids or as text with its tokenizer (audited
     ``prefix.publish`` with the digest of the token ids): the answer's
     capability is the only one that may write its chunks, for a warm-up that reports them first
-    (``POST /v1/admin/prefixes/{id}/chunks``) and then stores them as any worker does."""
+    (``POST /v1/admin/prefixes/{id}/chunks``) and then stores them as any worker does; with
+    ``warm_engine`` the server sends that engine the warm-up and answers ``warm``."""
     ids = body.token_ids
     if ids is None:  # text and its tokenizer (the validator asks for both)
         assert body.text is not None and body.tokenizer is not None
@@ -463,9 +478,17 @@ async def publish_prefix(body: PublishRequest, scope: PrefixesScope, state: Stat
     got = await state.runtime.prefixes.publish(
         body.scope, body.model, ids, ttl=body.ttl, actor=scope.actor, tokenizer=body.tokenizer,
     )
+    warm: dict[str, Any] | None = None
+    if body.warm_engine is not None:  # docs/prefixes.md, "The warm-up"
+        try:
+            done = await warm_up(state.runtime.prefixes, got, body.warm_engine, model=body.warm_model,
+                                 timeout_s=body.warm_timeout)
+            warm = done.as_dict()
+        except WarmUpFailed as exc:
+            warm = {"engine": body.warm_engine, "warm": False, "error": str(exc)}
     return PublishResponse(
         **_prefix(got.publication), whole_chunks=got.whole_chunks, chunk_tokens=state.settings.chunk_tokens,
-        capability=got.capability, cap_id=got.cap_id, expires_at=got.expires_at,
+        capability=got.capability, cap_id=got.cap_id, expires_at=got.expires_at, warm=warm,
     )
 
 
