@@ -7,7 +7,7 @@ Rows: ``single`` (one engine, no connector, the client on its socket), ``pd-kvga
 kv_producer and a kv_consumer engine with kvgate embedded, memory + Redis tiers), ``pd-kvgate-uds``
 (the same in remote mode through a ``kvgate serve --uds`` on this host) and ``pd-example`` (vLLM's
 ExampleConnector both ways: plaintext files, the baseline). Engines serve vLLM's OpenAI API on Unix
-sockets; P/D rows go through ``gateway.vllm.disagg`` on a socket of its own, the client acting as the
+sockets, a P/D row's two on cores of their own (``--pd-shared-cores``: all); P/D rows go through ``gateway.vllm.disagg`` on a socket of its own, the client acting as the
 authenticating gateway (``x-tenant-id``; kvgate's engines run the tenant middleware, trusting the
 proxy's socket). Per row: TTFT (request sent to first streamed token) per prompt length, decode
 tokens/s, requests/s at a concurrency, outputs against ``single``'s, and the tokens tenant B's consumer
@@ -67,6 +67,9 @@ class PdConfig:
     kv_cache_gb: int = 2
     redis_url: str = "redis://127.0.0.1:6379/0"
     start_timeout_s: int = 600
+    # a P/D row's producer on the first half of the CPUs, its consumer on the rest (as P/D is deployed;
+    # on shared cores each engine's forward waits at its barriers for cores the other's processes hold)
+    split_cores: bool = True
 
 
 QUICK: dict[str, Any] = {"size": "tiny", "lengths": [256, 512], "reps": 2, "out_tokens": 8, "requests": 4,
@@ -79,6 +82,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pd-lengths", type=lambda s: [int(x) for x in s.split(",")])
     p.add_argument("--pd-reps", type=int)
     p.add_argument("--pd-systems", type=lambda s: [x for x in s.split(",") if x], help=f"of {','.join(LABELS)}")
+    p.add_argument("--pd-shared-cores", action="store_true", help="a P/D row's two engines on every CPU, not a half each")
 
 
 def config(a: argparse.Namespace) -> PdConfig | None:
@@ -88,6 +92,7 @@ def config(a: argparse.Namespace) -> PdConfig | None:
     for name in ("lengths", "reps", "systems"):
         if getattr(a, "pd_" + name) is not None:
             setattr(cfg, name, getattr(a, "pd_" + name))
+    cfg.split_cores = not getattr(a, "pd_shared_cores", False)
     if any(s not in LABELS for s in cfg.systems) or "single" not in cfg.systems:
         raise SystemExit(f"P/D workload: systems of {', '.join(LABELS)}, single among them (the outputs' reference)")
     return cfg
@@ -115,6 +120,17 @@ def _engine_env(cfg: PdConfig, extra: dict[str, str]) -> dict[str, str]:
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.update(extra)
     return env
+
+
+def _placement(cfg: PdConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """The producer's and the consumer's OpenMP cores (``VLLM_CPU_OMP_THREADS_BIND``): a half of
+    this process's CPUs each, or both unset (every CPU) with ``split_cores`` off or a single CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not cfg.split_cores or len(cpus) < 2:
+        return {}, {}
+    half = len(cpus) // 2
+    return ({"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[:half]))},
+            {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[half:]))})
 
 
 def _engine_cmd(model: Path, sock: Path, cfg: PdConfig, max_len: int, ktc: dict[str, Any] | None, middleware: bool) -> list[str]:
@@ -206,10 +222,13 @@ def _open(key: str, cfg: PdConfig, model: Path, work: Path, max_len: int) -> Sta
     pre, dec, proxy = work / "prefill.sock", work / "decode.sock", work / "proxy.sock"
     kvgate = key != "pd-example"
     env = _engine_env(cfg, {**engine_extra, **middleware_env})
+    bind_pre, bind_dec = _placement(cfg)
     stack = Stack(proxy, dec, procs, closers, ktc)
     try:
-        p1 = _start(_engine_cmd(model, pre, cfg, max_len, _with_role(ktc, "kv_producer"), kvgate), env, work / "prefill.log", procs)
-        p2 = _start(_engine_cmd(model, dec, cfg, max_len, _with_role(ktc, "kv_consumer"), kvgate), env, work / "decode.log", procs)
+        p1 = _start(_engine_cmd(model, pre, cfg, max_len, _with_role(ktc, "kv_producer"), kvgate), {**env, **bind_pre},
+                    work / "prefill.log", procs)
+        p2 = _start(_engine_cmd(model, dec, cfg, max_len, _with_role(ktc, "kv_consumer"), kvgate), {**env, **bind_dec},
+                    work / "decode.log", procs)
         _wait_up(pre, p1, work / "prefill.log", cfg.start_timeout_s)
         _wait_up(dec, p2, work / "decode.log", cfg.start_timeout_s)
         args = [sys.executable, "-m", "gateway.vllm.disagg", "--prefill", f"unix:{pre}", "--decode", f"unix:{dec}", "--uds", str(proxy)]
