@@ -152,7 +152,7 @@ class KvgateConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 self._backend, chunk, block_size, model_name, layout=config.layout, stats=self.stats, trace=trace,
                 max_in_flight_bytes=config.store_in_flight_bytes, layerwise=config.layerwise_loads,
-                store_finish_s=config.store_finish_s, store_wait_s=config.store_wait_s,
+                store_finish_s=config.store_finish_for(kv_role), store_wait_s=config.store_wait_s,
             )
 
     @property

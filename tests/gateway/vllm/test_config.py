@@ -118,3 +118,13 @@ def test_a_bad_middleware_variable_is_refused_by_name(env, named):
     with pytest.raises(ConnectorConfigError, match=named) as err:
         GuardConfig.from_env(env)
     assert SECRET_HEX not in str(err.value)
+
+
+def test_a_producers_hand_off_stores_seal_at_once_unless_store_finish_s_is_set():
+    """A kv_producer's stores are on the consumer's way to its first token: the store gate does
+    not defer them behind other requests' prefills unless the operator bounds them explicitly."""
+    default = ConnectorConfig.from_extra({})
+    assert default.store_finish_for("kv_producer") == 0.0
+    for role in ("kv_consumer", "kv_both", None):  # positive control: other roles keep the gate
+        assert default.store_finish_for(role) == default.store_finish_s == 4.0
+    assert ConnectorConfig.from_extra({"store_finish_s": 2.5}).store_finish_for("kv_producer") == 2.5
