@@ -23,6 +23,7 @@ from typing import Any
 from gateway.vllm.errors import TenantRequestError
 from gateway.vllm.guard import GUARDED_PATHS, GuardConfig, TenantGuard, problem
 from gateway.vllm.peers import peer_of
+from gateway.vllm.relay import BodyTooLarge, read_body
 
 __all__ = ["KvgateMiddleware"]
 
@@ -55,7 +56,7 @@ class KvgateMiddleware:
             warm = await guard.warm_up(peer, headers, scope["method"], scope["path"])
             who = await guard.identify(peer, headers) if warm is None else None
             if scope["method"] == "POST" and scope["path"] in GUARDED_PATHS:
-                body = await _read_body(receive, guard.config.max_body_bytes)
+                body = await read_body(receive, guard.config.max_body_bytes)
                 if warm is not None:
                     body = guard.rewrite_warm_up(warm, body)
                 else:
@@ -68,30 +69,10 @@ class KvgateMiddleware:
         except TenantRequestError as exc:
             await _answer(send, exc.status, exc.title, exc.detail)
             return
-        except _TooLarge:
+        except BodyTooLarge:
             await _answer(send, 413, "Content Too Large", "the request body is too large")
             return
         await self.app(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _read_body(receive: Any, limit: int) -> bytes:
-    chunks, size = [], 0
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            break
-        chunk = msg.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _TooLarge
-        chunks.append(chunk)
-        if not msg.get("more_body"):
-            break
-    return b"".join(chunks)
 
 
 def _replay(body: bytes) -> Any:
