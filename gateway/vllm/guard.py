@@ -262,12 +262,7 @@ class TenantGuard:
         """The warm-up's body: the client's cache_salt and kv_transfer_params replaced by a fresh
         salt (no prefix-cache block of a warm-up is ever shared, and it computes every token) and
         {kvgate_capability, kvgate_warm_up}."""
-        try:
-            doc: Any = json.loads(body or b"{}")
-        except (ValueError, UnicodeError):
-            raise BadRequest("the request body must be a JSON object") from None
-        if not isinstance(doc, dict):
-            raise BadRequest("the request body must be a JSON object")
+        doc = _json_object(body)
         doc.pop("kv_transfer_params", None)
         doc["cache_salt"] = "warm-up:" + secrets.token_hex(16)
         doc["kv_transfer_params"] = {CAPABILITY_PARAM: warm.capability, WARM_PARAM: warm.prefix_id}
@@ -357,12 +352,7 @@ class TenantGuard:
         """Mint and rewrite for an already verified principal (the middleware verifies the token
         before it reads the body)."""
         namespace = namespace or self.config.namespace
-        try:
-            doc: Any = json.loads(body or b"{}")
-        except (ValueError, UnicodeError):
-            raise BadRequest("the request body must be a JSON object") from None
-        if not isinstance(doc, dict):
-            raise BadRequest("the request body must be a JSON object")
+        doc = _json_object(body)
         cap, epoch, shared = await self.capability(principal, token, namespace)
         doc.pop("cache_salt", None)
         client = doc.pop("kv_transfer_params", None)
@@ -384,3 +374,14 @@ def problem(status: int, title: str, detail: str) -> tuple[list[tuple[bytes, byt
     if status == 503:
         headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
     return headers, body
+
+
+def _json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or BadRequest."""
+    try:
+        doc: Any = json.loads(body or b"{}")
+    except (ValueError, UnicodeError):
+        raise BadRequest("the request body must be a JSON object") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return doc
