@@ -134,13 +134,15 @@ class ConnectorConfig(BaseModel):
         except ValidationError as exc:
             raise ConnectorConfigError(explain_validation(exc, "kv_connector_extra_config")) from None
 
-    def store_finish_for(self, kv_role: str | None) -> float:
-        """The store gate's bound for a worker of ``kv_role``: a kv_producer's stores are hand-offs,
-        which the consumer's first token waits for, so they seal at once (0) unless
-        ``store_finish_s`` was set; any other role: ``store_finish_s``."""
-        if kv_role == "kv_producer" and "store_finish_s" not in self.model_fields_set:
-            return 0.0
-        return self.store_finish_s
+    def for_role(self, kv_role: str | None) -> ConnectorConfig:
+        """This configuration as a worker of ``kv_role`` runs it. A kv_producer's stores are
+        hand-offs, which the consumer's first token waits for, and a producer does not decode: its
+        stores seal at once (``store_finish_s`` 0) at the engine's priority (``store_nice`` 0),
+        each unless set. Any other role: unchanged."""
+        if kv_role != "kv_producer":
+            return self
+        unset = {"store_finish_s": 0.0, "store_nice": 0}
+        return self.model_copy(update={k: v for k, v in unset.items() if k not in self.model_fields_set})
 
     def backend_key(self) -> tuple[Any, ...]:
         """What makes two connectors of a process share one backend."""

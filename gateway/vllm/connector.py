@@ -107,7 +107,8 @@ def _whole_chunks(model: KVModel, tokens: Sequence[int], chunk: int) -> list[str
 class KvgateConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config)
+        kv_role = self._kv_transfer_config.kv_role
+        config = ConnectorConfig.from_extra(self._kv_transfer_config.kv_connector_extra_config).for_role(kv_role)
         block_size = vllm_config.cache_config.block_size
         ensure_visible_logging()
         self._scheduler: SchedulerSide | None = None
@@ -120,7 +121,6 @@ class KvgateConnector(KVConnectorBase_V1):
             raise ConnectorConfigError(f"chunk_tokens ({chunk}) must be a multiple of vLLM's block size ({block_size})")
         mc = vllm_config.model_config
         model_name = str(config.model_name or mc.served_model_name or mc.model)
-        kv_role = self._kv_transfer_config.kv_role
         self.stats = ConnectorCounters()  # this side's lookups, loads and stores by outcome
         trace = Tracer(config.trace_path) if role == KVConnectorRole.SCHEDULER else LoadTimings(config.trace_path)
         self._load_timings = trace if isinstance(trace, LoadTimings) else None
@@ -152,7 +152,7 @@ class KvgateConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 self._backend, chunk, block_size, model_name, layout=config.layout, stats=self.stats, trace=trace,
                 max_in_flight_bytes=config.store_in_flight_bytes, layerwise=config.layerwise_loads,
-                store_finish_s=config.store_finish_for(kv_role), store_wait_s=config.store_wait_s,
+                store_finish_s=config.store_finish_s, store_wait_s=config.store_wait_s,
             )
 
     @property

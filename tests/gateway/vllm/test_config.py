@@ -120,11 +120,15 @@ def test_a_bad_middleware_variable_is_refused_by_name(env, named):
     assert SECRET_HEX not in str(err.value)
 
 
-def test_a_producers_hand_off_stores_seal_at_once_unless_store_finish_s_is_set():
-    """A kv_producer's stores are on the consumer's way to its first token: the store gate does
-    not defer them behind other requests' prefills unless the operator bounds them explicitly."""
+def test_a_producers_hand_off_stores_seal_at_once_at_the_engines_priority_unless_set():
+    """A kv_producer's stores are on the consumer's way to its first token: neither the store
+    gate nor a lower priority defers them behind the producer's other work unless the operator
+    sets them explicitly."""
     default = ConnectorConfig.from_extra({})
-    assert default.store_finish_for("kv_producer") == 0.0
-    for role in ("kv_consumer", "kv_both", None):  # positive control: other roles keep the gate
-        assert default.store_finish_for(role) == default.store_finish_s == 4.0
-    assert ConnectorConfig.from_extra({"store_finish_s": 2.5}).store_finish_for("kv_producer") == 2.5
+    producer = default.for_role("kv_producer")
+    assert (producer.store_finish_s, producer.store_nice) == (0.0, 0)
+    for role in ("kv_consumer", "kv_both", None):  # positive control: other roles keep both
+        assert (default.for_role(role).store_finish_s, default.for_role(role).store_nice) == (4.0, 10)
+    kept = ConnectorConfig.from_extra({"store_finish_s": 2.5, "store_nice": 5}).for_role("kv_producer")
+    assert (kept.store_finish_s, kept.store_nice) == (2.5, 5)
+    assert ConnectorConfig.from_extra({"store_nice": 5}).for_role("kv_producer").store_finish_s == 0.0
