@@ -71,6 +71,9 @@ def _half_sent_mint(s: Serve, token: str, namespace: str) -> tuple[socket.socket
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock = socket.create_connection(("127.0.0.1", s.port), timeout=30)
     sock.sendall(head + body[: len(body) // 2])
+    # the server has read that head once it answers a request sent after it (one event loop, in
+    # order): until then the connection is idle to it, and a shutdown closes an idle connection
+    assert httpx.get(s.url + "/healthz", timeout=10).status_code == 200
     return sock, body[len(body) // 2 :]
 
 
