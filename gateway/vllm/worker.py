@@ -254,8 +254,8 @@ class WorkerSide:
                 continue
             skip = min(op.skip_tokens, cut) // self.block
             ids = op.block_ids[skip : cut // self.block]
-            if not ids:  # every chunk is stored already
-                self._trace("store", req=op.req_id, tokens=cut, stored_chunks=0, ms=0.0, reason="")
+            if not ids:  # every chunk is stored already: nothing submitted (a store of 0 tokens)
+                self._trace("store", req=op.req_id, tokens=0, stored_chunks=0, ms=0.0, reason="")
                 continue
             nbytes = pool.nbytes(len(ids))
             if not self._room(nbytes, op.req_id):
