@@ -27,9 +27,11 @@ The bandwidth sweep (`scripts/bench_e2e/sweep.py`; `--sweep` after the systems, 
 `bandwidth_sweep` in e2e.json and its table here; `--sweep-only` alone, into
 `bench-results/e2e-sweep.json` and `e2e-sweep.md`) runs kvgate embedded with Redis as its only tier
 behind a TCP proxy held to 0.05, 0.2, 1 and 5 GB/s (the tier's deadlines raised so a slow load
-ends), one engine per bandwidth and `load_policy` (`always`, `recompute`, `adaptive`), and times a
-hit of 1,024, 4,096 and 8,192 tokens three times each: per point the median TTFT of always-load,
-always-recompute and adaptive, adaptive's ratio to the better of the two and how often it loaded.
+ends), one engine per bandwidth and `load_policy` (`always`, `adaptive`), and times a hit of 1,024,
+4,096 and 8,192 tokens three times each: per point the median TTFT of always-load, always-recompute
+and adaptive, adaptive's ratio to the better of the two and how often it loaded. Always-recompute
+reads nothing over the link but its lookups, so its one engine runs at the fastest bandwidth and
+stands for every point (`always_recompute_gbps` in a row says so).
 To refresh docs/e2e.json with the sweep, on a quiet host:
 `flock /tmp/engine.lock make bench-e2e E2E_ARGS="--lengths 1024,4096,8192 --reps 3 --sweep --docs"`
 (`--quick --sweep-only` checks the harness: the tiny model, 0.005 and 1 GB/s, 512 tokens).
@@ -229,6 +231,16 @@ def _readme(md: str, readme: Path) -> None:
     readme.write_text(pat.sub(lambda _: block, text))
 
 
+def _doc(md: str, doc: Path) -> None:
+    """docs/e2e.md with the run's tables between its markers; the text around them (the other
+    workloads' sections and their readings) stays. A page without markers is written anew."""
+    text = doc.read_text() if doc.exists() else ""
+    if BEGIN in text and END in text:
+        _readme(md, doc)
+    else:
+        doc.write_text(f"{DOC_HEAD}{BEGIN}\n{md}{END}\n")
+
+
 def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, docs: bool, published_only: bool = False) -> None:
     """``published_only``: no TTFT figures, and with ``docs`` only the published section of
     docs/e2e.md and docs/e2e-published.json are refreshed (the rest of docs/ and the README stay)."""
@@ -248,8 +260,9 @@ def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, d
     elif docs:
         (ROOT / "docs" / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
         main_md = markdown({**result, "published": None})  # the published table: its own section
-        (ROOT / "docs" / "e2e.md").write_text(DOC_HEAD + main_md + "\n![TTFT](img/e2e_ttft.png)\n")
+        _doc(main_md + "\n![TTFT](img/e2e_ttft.png)\n", ROOT / "docs" / "e2e.md")
         plot(result, ROOT / "docs" / "img" / "e2e_ttft.png")
         _readme(summary(result), ROOT / "README.md")
-        write_docs(result.get("published"), json_path=ROOT / "docs" / "e2e-published.json")
+        if result.get("published"):  # a run without the workload keeps the last one's section
+            write_docs(result["published"], json_path=ROOT / "docs" / "e2e-published.json")
     print(f"wrote {json_path}, {json_path.parent / f'{stem}.md'}" + ("" if published_only else f", {json_path.parent / 'e2e_ttft.png'}") + (", docs/ and README.md" if docs and not published_only else ", docs/e2e.md's published section" if docs else ""))

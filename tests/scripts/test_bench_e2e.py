@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from scripts.bench_e2e.analyze import analyze, quantile
-from scripts.bench_e2e.report import BEGIN, END, _readme, markdown, summary
+from scripts.bench_e2e.report import BEGIN, DOC_HEAD, END, _doc, _readme, markdown, summary
 
 
 def _row(kind: str, length: int, i: int, ttft_s: float, tokens: list[int], cached: int = 0, **tag: object) -> dict:
@@ -69,6 +69,16 @@ def test_readme_table_goes_between_the_markers_only(tmp_path: Path):
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit):
         _readme("x\n", readme)
+
+
+def test_the_docs_page_keeps_the_other_workloads_sections_around_the_tables(tmp_path: Path):
+    doc = tmp_path / "e2e.md"
+    doc.write_text(f"head\nthe P/D run's reading\n{BEGIN}\nold tables\n{END}\n<!-- published -->\nits reading\n")
+    _doc("new tables\n", doc)
+    assert doc.read_text() == f"head\nthe P/D run's reading\n{BEGIN}\nnew tables\n{END}\n<!-- published -->\nits reading\n"
+    doc.unlink()  # a page without markers (a fresh one) gets the head and a marked section
+    _doc("tables\n", doc)
+    assert doc.read_text() == f"{DOC_HEAD}{BEGIN}\ntables\n{END}\n"
 
 
 def test_the_readme_summary_gives_each_hit_beside_no_connector_and_example_from_one_result():

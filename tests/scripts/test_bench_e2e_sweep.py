@@ -36,6 +36,24 @@ def test_load_policy_sweep_list_has_the_medians_of_every_policy():
     assert "| 0.05 | 1024 | 950 | 305 | 312 |" in table
 
 
+def test_load_policy_sweep_recompute_measured_once_stands_for_every_bandwidth():
+    raw = {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": [
+        _rows("always", 0.05, {1024: [900.0, 1000.0, 950.0]}, True),
+        _rows("adaptive", 0.05, {1024: [900.0, 312.0, 306.0]}, False),
+        _rows("always", 5.0, {1024: [100.0, 110.0, 105.0]}, True),
+        _rows("recompute", 5.0, {1024: [300.0, 290.0, 310.0]}, False),
+        _rows("adaptive", 5.0, {1024: [104.0, 106.0, 300.0]}, True),
+    ]}
+    slow, fast = sweep.analyze(raw)
+    assert slow["always_recompute_ms"] == fast["always_recompute_ms"] == 300.0
+    assert slow["always_recompute_gbps"] == 5.0 and "always_recompute_gbps" not in fast
+    assert slow["adaptive_vs_best"] == pytest.approx(312 / 300, abs=1e-3)
+    # with no recompute run the column is absent and the ratio is to always-load alone
+    raw["runs"] = [r for r in raw["runs"] if r["policy"] != "recompute"]
+    slow, _ = sweep.analyze(raw)
+    assert "always_recompute_ms" not in slow and slow["adaptive_vs_best"] == pytest.approx(312 / 950, abs=1e-3)
+
+
 def test_load_policy_sweep_command_line_and_plan():
     cfg, a = parse(["--sweep-only", "--quick", "--sweep-gbps", "0.1,2", "--sweep-lengths", "512"])
     sc = sweep.config(a)
