@@ -26,8 +26,9 @@ machine and load averages are in [e2e.json](e2e.json). Rerun with
 The bandwidth sweep (`scripts/bench_e2e/sweep.py`; `--sweep` after the systems, its list
 `bandwidth_sweep` in e2e.json and its table here; `--sweep-only` alone, into
 `bench-results/e2e-sweep.json` and `e2e-sweep.md`) runs kvgate embedded with Redis as its only tier
-behind a TCP proxy held to 0.05, 0.2, 1 and 5 GB/s (the tier's deadlines raised so a slow load
-ends), one engine per bandwidth and `load_policy` (`always`, `adaptive`), and times a hit of 1,024,
+behind a TCP proxy that holds Redis's answers (the loads) to 0.01, 0.02, 0.05 and 1 GB/s, spanning
+this machine's crossover (the stores, untimed, go at full speed; the tier's deadlines raised so a slow
+load ends), one engine per bandwidth and `load_policy` (`always`, `adaptive`), and times a hit of 1,024,
 4,096 and 8,192 tokens three times each: per point the median TTFT of always-load, always-recompute
 and adaptive, adaptive's ratio to the better of the two and how often it loaded. Always-recompute
 reads nothing over the link but its lookups, so its one engine runs at the fastest bandwidth and

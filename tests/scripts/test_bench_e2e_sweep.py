@@ -66,3 +66,16 @@ def test_load_policy_sweep_command_line_and_plan():
     with pytest.raises(SystemExit):
         sweep.config(parse(["--sweep", "--sweep-policies", "sometimes"])[1])
     assert isinstance(cfg, Config)
+
+
+def test_load_policy_sweep_proxy_holds_only_the_answers_when_asked():
+    from tests.support.tcp_proxy import TcpProxy
+
+    proxy = TcpProxy("127.0.0.1", 1, rate_bps=1e9)
+    proxy._throttle(10_000_000, down=False)  # both directions held: the upload books the link's time
+    assert proxy._free_at[False] > 0 and proxy._free_at[True] == 0
+    proxy = TcpProxy("127.0.0.1", 1, rate_bps=1e9)
+    proxy.throttle_up = False
+    proxy._throttle(10_000_000, down=False)  # the client's writes pass at once
+    proxy._throttle(10_000_000, down=True)  # the service's answers are held
+    assert proxy._free_at[False] == 0 and proxy._free_at[True] > 0

@@ -5,6 +5,7 @@ restore (a dependency outage without stopping the service, whose state then surv
         proxy.cut()       # the listener closed and every connection through it dropped: refused
         proxy.restore()   # listening again on the same port
         proxy.rate_bps = 4e6   # each direction at most 4 MB/s (all connections together); None: as fast as it goes
+        proxy.throttle_up = False   # only the service's answers held to it (a client's writes go as fast as they go)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class TcpProxy:
     def __init__(self, host: str, port: int, rate_bps: float | None = None) -> None:
         self.target = (host, port)
         self.rate_bps = rate_bps
+        self.throttle_up = True
         self._free_at: dict[bool, float] = {True: 0.0, False: 0.0}  # per direction: when the link is free
         self.port = 0
         self._listener: socket.socket | None = None
@@ -75,7 +77,7 @@ class TcpProxy:
     def _throttle(self, nbytes: int, down: bool) -> None:
         """Hold ``nbytes`` back until a link of ``rate_bps`` in that direction would carry them."""
         rate = self.rate_bps
-        if not rate:
+        if not rate or not (down or self.throttle_up):
             return
         with self._lock:
             now = time.monotonic()
