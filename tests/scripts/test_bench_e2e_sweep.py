@@ -17,15 +17,20 @@ def _rows(policy: str, gbps: float, ttft: dict[int, list[float]], loaded: bool) 
     return {"policy": policy, "gbps": gbps, "rows": rows}
 
 
-def test_load_policy_sweep_list_has_the_medians_of_every_policy():
-    raw = {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": [
+def _raw(recompute: dict[float, list[float]]) -> dict:
+    """Two bandwidths, always and adaptive at each, recompute where ``recompute`` names."""
+    runs = [
         _rows("always", 0.05, {1024: [900.0, 1000.0, 950.0]}, True),
-        _rows("recompute", 0.05, {1024: [300.0, 310.0, 305.0]}, False),
         _rows("adaptive", 0.05, {1024: [900.0, 312.0, 306.0]}, False),
         _rows("always", 5.0, {1024: [100.0, 110.0, 105.0]}, True),
-        _rows("recompute", 5.0, {1024: [300.0, 300.0, 300.0]}, False),
         _rows("adaptive", 5.0, {1024: [104.0, 106.0, 300.0]}, True),
-    ]}
+    ]
+    runs += [_rows("recompute", gbps, {1024: ttft}, False) for gbps, ttft in recompute.items()]
+    return {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": runs}
+
+
+def test_load_policy_sweep_list_has_the_medians_of_every_policy():
+    raw = _raw({0.05: [300.0, 310.0, 305.0], 5.0: [300.0, 300.0, 300.0]})
     out = sweep.analyze(raw)
     assert [(r["gbps"], r["length"]) for r in out] == [(0.05, 1024), (5.0, 1024)]
     slow, fast = out
@@ -37,13 +42,7 @@ def test_load_policy_sweep_list_has_the_medians_of_every_policy():
 
 
 def test_load_policy_sweep_recompute_measured_once_stands_for_every_bandwidth():
-    raw = {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": [
-        _rows("always", 0.05, {1024: [900.0, 1000.0, 950.0]}, True),
-        _rows("adaptive", 0.05, {1024: [900.0, 312.0, 306.0]}, False),
-        _rows("always", 5.0, {1024: [100.0, 110.0, 105.0]}, True),
-        _rows("recompute", 5.0, {1024: [300.0, 290.0, 310.0]}, False),
-        _rows("adaptive", 5.0, {1024: [104.0, 106.0, 300.0]}, True),
-    ]}
+    raw = _raw({5.0: [300.0, 290.0, 310.0]})
     slow, fast = sweep.analyze(raw)
     assert slow["always_recompute_ms"] == fast["always_recompute_ms"] == 300.0
     assert slow["always_recompute_gbps"] == 5.0 and "always_recompute_gbps" not in fast
