@@ -111,11 +111,41 @@ class LoopThread:
     def running(self) -> bool:
         return self._loop is not None
 
+    def drain(self, timeout_s: float = 5.0) -> int:
+        """Wait, at most ``timeout_s``, for the work on the loop to end (a report submitted and
+        not waited for); returns how many tasks were still running then."""
+        if self._loop is None:
+            return 0
+
+        async def wait() -> int:
+            me = asyncio.current_task()
+            pending = {t for t in asyncio.all_tasks() if t is not me}
+            if not pending:
+                return 0
+            _done, still = await asyncio.wait(pending, timeout=timeout_s)
+            return len(still)
+
+        return self.call(wait(), timeout=timeout_s + self.settle_s)
+
     def stop(self) -> None:
+        """Stop the loop: the tasks still on it are cancelled and let end first (at most
+        ``settle_s``), so none is dropped while pending."""
         loop, thread, self._loop, self._thread = self._loop, self._thread, None, None
-        if loop is not None and thread is not None:
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
+        if loop is None or thread is None:
+            return
+        settle_s = self.settle_s
+
+        async def shut() -> None:
+            me = asyncio.current_task()
+            pending = [t for t in asyncio.all_tasks() if t is not me]
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.wait(pending, timeout=settle_s)
+            loop.stop()
+
+        asyncio.run_coroutine_threadsafe(shut(), loop)
+        thread.join(settle_s + 10)
 
 
 def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -375,8 +405,14 @@ def start(backend: Backend, open_timeout_s: float = 120.0) -> None:
         raise
 
 
-def close(backend: Backend) -> None:
+def close(backend: Backend, drain_s: float = 5.0) -> None:
+    """Let the work submitted to the backend end (at most ``drain_s``: a report sent and not
+    waited for), close the backend, stop its loop thread."""
     try:
+        if backend.loop.running:
+            still = backend.loop.drain(drain_s)
+            if still:
+                log.warning("kvgate closes with %d tasks still running after %g s; they are cancelled", still, drain_s)
         backend.loop.call(backend.aclose(), timeout=60)
     finally:
         backend.loop.stop()

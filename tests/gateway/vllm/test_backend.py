@@ -51,6 +51,50 @@ def test_a_late_answer_is_a_timeout_and_the_work_is_cancelled():
     assert not _loop_threads()
 
 
+def test_closing_lets_submitted_work_end_and_cancels_what_outlives_the_bound(caplog):
+    """A report submitted and not waited for (a refused receipt's) ends before the backend
+    closes; work that outlives the bound is cancelled, not dropped while pending (asyncio's
+    "Task was destroyed but it is pending")."""
+    from gateway.vllm import backend as backend_mod
+
+    class Fake:
+        def __init__(self) -> None:
+            self.loop = LoopThread(timeout_s=5.0, settle_s=2.0)
+            self.closed_after: list[str] = []
+
+        async def aclose(self) -> None:
+            self.closed_after = list(events)
+
+    events: list[str] = []
+    cancelled = threading.Event()
+
+    async def report() -> None:
+        await asyncio.sleep(0.2)
+        events.append("reported")
+
+    async def stuck() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    fake = Fake()
+    fake.loop.start()
+    report_done = fake.loop.submit(report())
+    backend_mod.close(fake, drain_s=5.0)  # type: ignore[arg-type]
+    assert report_done.result(0) is None and fake.closed_after == ["reported"]  # ended, then closed
+    assert not _loop_threads()
+
+    fake = Fake()
+    fake.loop.start()
+    fake.loop.submit(stuck())
+    with caplog.at_level("WARNING", logger="kvgate.vllm"):
+        backend_mod.close(fake, drain_s=0.1)  # type: ignore[arg-type]
+    assert cancelled.is_set() and "tasks still running after 0.1 s" in caplog.text
+    assert not _loop_threads()
+
+
 def test_a_timed_out_call_returns_only_once_its_worker_threads_have_stopped_writing():
     """A load that decrypts straight into the engine's cache runs its scatter on the data path's
     threads; when the connector gives up on it (timeout), vLLM recomputes or reuses those blocks
