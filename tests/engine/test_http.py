@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.engine.engine_env import PYTHON, engine_env, require_vllm
+from tests.engine.engine_env import engine_env, openai_server, remote_connector, require_vllm
 from tests.engine.tiny_model import build_tiny_llama, prompt_words
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -27,8 +26,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 def stack(tmp_path_factory: pytest.TempPathFactory):
     require_vllm()
     from tests.support.server_fixture import running_server
-    from tests.support.services import free_port
-
     work = tmp_path_factory.mktemp("vllm-http")
     model_dir = build_tiny_llama(work / "model")
     trace = work / "trace.jsonl"
@@ -42,49 +39,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory):
                     await live.create_tenant(http, t)
 
         asyncio.run(tenants())
-        port = free_port()
-        ktc = {
-            "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "mode": "remote", "remote_url": live.base_url,  # the token comes from the environment
-                "chunk_tokens": 64, "trace_path": str(trace), "model_name": "tiny-llama",
-            },
-        }
-        cmd = [
-            PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--block-size", "32", "--dtype", "float32", "--max-model-len", "1024",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny",
-            "--middleware", "gateway.vllm.middleware.KvgateMiddleware", "--kv-transfer-config", json.dumps(ktc),
-        ]
+        ktc = remote_connector(live.base_url, 64, trace)
         env = engine_env(
             KVGATE_VLLM_ISSUER=live.base_url + "/dev-issuer", KVGATE_VLLM_GATEWAY_URL=live.base_url,
             KVGATE_VLLM_SALT_SECRET=secret, KVGATE_REMOTE_TOKEN=live.operator_token(),
         )
-        log = open(work / "vllm.log", "w")
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parents[2]))
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 240
-            while True:
-                if proc.poll() is not None:
-                    raise AssertionError("vLLM server exited:\n" + (work / "vllm.log").read_text()[-6000:])
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError("vLLM server did not start:\n" + (work / "vllm.log").read_text()[-6000:])
-                time.sleep(1)
+        with openai_server(work, model_dir, ktc, env, prefix_caching=True, start_s=240) as url:
             yield {"url": url, "live": live, "secret": bytes.fromhex(secret), "trace": trace}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
 
 
 def _settled(trace: Path, timeout_s: float = 60.0) -> list[dict]:

@@ -16,16 +16,13 @@ from __future__ import annotations
 import importlib
 import json
 import secrets
-import subprocess
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.engine.engine_env import PYTHON, engine_env, require_vllm
+from tests.engine.engine_env import engine_env, openai_server, remote_connector, require_vllm
 from tests.engine.engine_steps import _ids
 from tests.engine.tiny_model import build_tiny_llama
 
@@ -40,56 +37,18 @@ SUFFIX = 96
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     require_vllm()
     from tests.support.server_fixture import running_server, scratch_pg_database
-    from tests.support.services import free_port
-
     work = tmp_path_factory.mktemp("vllm-warm-up")
     model_dir = build_tiny_llama(work / "model")
     trace = work / "trace.jsonl"
     with scratch_pg_database() as db, running_server(work / "kvgate", db, chunk_tokens=CHUNK) as live:
-        port = free_port()
-        ktc = {
-            "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
-            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "mode": "remote", "remote_url": live.base_url, "chunk_tokens": CHUNK, "trace_path": str(trace),
-                "model_name": "tiny-llama",
-            },
-        }
-        cmd = [
-            PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host", "127.0.0.1",
-            "--port", str(port), "--enforce-eager", "--block-size", "32", "--dtype", "float32", "--max-model-len", "1024",
-            "--no-enable-prefix-caching", "--enable-prompt-tokens-details", "--served-model-name", "tiny",
-            "--middleware", "gateway.vllm.middleware.KvgateMiddleware", "--kv-transfer-config", json.dumps(ktc),
-        ]
+        ktc = remote_connector(live.base_url, CHUNK, trace)
         env = engine_env(
             KVGATE_VLLM_ISSUER=live.base_url + "/dev-issuer", KVGATE_VLLM_GATEWAY_URL=live.base_url,
             KVGATE_VLLM_SALT_SECRET=secrets.token_hex(32), KVGATE_REMOTE_TOKEN=live.operator_token(),
             KVGATE_VLLM_TRUSTED_PEERS="127.0.0.1",
         )
-        log = open(work / "vllm.log", "w")
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parents[2]))
-        try:
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise AssertionError("vLLM server exited:\n" + (work / "vllm.log").read_text()[-6000:])
-                try:
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise AssertionError("vLLM server did not start:\n" + (work / "vllm.log").read_text()[-6000:])
-                time.sleep(1)
+        with openai_server(work, model_dir, ktc, env, prefix_caching=False) as url:
             yield {"url": url, "live": live, "trace": trace, "model_dir": model_dir, "work": work}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
 
 
 def _complete(stack: dict[str, Any], token: str, ids: list[int]) -> httpx.Response:
