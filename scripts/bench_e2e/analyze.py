@@ -6,7 +6,9 @@ identity compares a request's greedy tokens with the no-connector run of the sam
 GB/s is the kvgate connector's trace: bytes of KV loaded (tokens x bytes per token) over the
 load's own time, for the loads of that prompt length's hits; store GB/s the same for the stores of
 its misses (a store runs after the forward step that computed the KV, beside decoding), and a
-miss's ``decode_vs_none`` its decode rate (during its own store) over no connector's.
+miss's ``decode_vs_none`` its decode rate (during its own store) over no connector's. With
+``--paired-miss`` a miss's ``miss_vs_capless`` is the median, over its repetitions, of the TTFT of
+the same prompt sent just before without a capability (no lookup, no store) over the miss's.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     "load_gbps": _gbps(loads, "loaded_tokens", hit_tokens, kvb) if kind == "hit" and loads else None,
                     "store_gbps": _gbps(stores, "tokens", stored_tokens, kvb) if kind == "miss" and stores else None,
                 })
+                if kind == "miss" and by.get(("capless", length)):
+                    capless = {r["tag"]["i"]: _ttft_ms(r) for r in by[("capless", length)]}
+                    paired = [capless[r["tag"]["i"]] / _ttft_ms(r) for r in rs if r["tag"]["i"] in capless]
+                    rows[-1]["miss_vs_capless"] = round(statistics.median(paired), 3) if paired else None
         iso = [r for r in run["rows"] if r["tag"].get("kind") == "b_on_a"]
         if iso:
             length = iso[0]["tag"]["length"]

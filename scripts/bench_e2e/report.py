@@ -97,6 +97,11 @@ def ttft_table(result: dict[str, Any]) -> str:
             f"{_f(r['load_gbps'], 2)} | {_f(r.get('store_gbps'), 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
         )
     lines += [f"| {label} | - | {reason} | - | - | - | - | - | - | - |" for label, reason in _absent(result)]
+    paired = [r for r in result["ttft"] if r.get("miss_vs_capless") is not None]
+    if paired:
+        lines += ["", "A miss beside the same prompt sent just before it without a capability, in the same engine "
+                  "(no lookup, no store; the median of the pairs' TTFT ratios, capless over miss): "
+                  + "; ".join(f"{r['label']} {_k(r['length'])}: {r['miss_vs_capless']:.3f}x" for r in paired)]
     return "\n".join(lines)
 
 

@@ -56,6 +56,9 @@ class Config:
     shm_mb: int = 512  # kvgate-remote-shm: each tenant's region (an 8K-token load of the model is 393 MB)
     kv_cache_gb: int = 3
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # before each miss, the same prompt without a capability in the same engine: no lookup and no
+    # store, so the pair times what the connector adds to a miss free of the machine's drift
+    paired_miss: bool = False
     engine_timeout_s: int = 1500
     # LMCache's environment (vLLM + LMCache; systems.py): the option, the variable, or the default place
     lmcache_python: str = field(default_factory=lambda: os.environ.get(
@@ -90,6 +93,8 @@ def steps(cfg: Config, key: str, salt: dict[str, str]) -> list[dict[str, Any]]:
             if key == "none":
                 out.append(gen(f"base {length}/{i}", [_req(parts, ISO_A, salt, kind="base", length=length, i=i)]))
                 continue
+            if cfg.paired_miss:
+                out.append(gen(f"capless {length}/{i}", [_req(parts, None, salt, kind="capless", length=length, i=i)]))
             out.append(gen(f"miss {length}/{i}", [_req(parts, ISO_A, salt, kind="miss", length=length, i=i)]))
             out.append({"op": "settle"})  # the miss's store has ended: the hit measures a load
             out.append(gen(f"hit {length}/{i}", [_req(parts, ISO_A, salt, kind="hit", length=length, i=i)]))
@@ -320,6 +325,8 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--questions", type=int)
     p.add_argument("--chunk-tokens", type=int)
     p.add_argument("--redis-url")
+    p.add_argument("--paired-miss", action="store_true", default=None,
+                   help="before each miss the same prompt without a capability, in the same engine (miss_vs_capless)")
     p.add_argument("--lmcache-vllm-python", dest="lmcache_python",
                    help="python of an environment with vLLM and LMCache (default: $KVGATE_E2E_LMCACHE_PYTHON or .venv-lmcache-vllm)")
     p.add_argument("--json", type=Path, help="default: bench-results/e2e.json (--published-only: e2e-published.json)")
@@ -337,7 +344,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     published.add_args(p)
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
-    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python"):
+    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if cfg.iso_length not in cfg.lengths:

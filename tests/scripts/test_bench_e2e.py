@@ -11,6 +11,7 @@ import pytest
 
 from scripts.bench_e2e.analyze import analyze, quantile
 from scripts.bench_e2e.report import BEGIN, DOC_HEAD, END, _doc, _readme, markdown, summary
+from scripts.bench_e2e.run import parse
 
 
 def _row(kind: str, length: int, i: int, ttft_s: float, tokens: list[int], cached: int = 0, **tag: object) -> dict:
@@ -59,6 +60,23 @@ def test_analysis_speedup_identity_load_rate_and_isolation():
     assert "| store GB/s |" in md
     row = next(line for line in md.splitlines() if line.startswith("| kvgate embedded miss | 1K |"))
     assert row.split(" | ")[6:8] == ["-", f"{miss['store_gbps']:.2f}"]
+
+
+def test_a_paired_miss_is_timed_against_the_same_prompt_without_a_capability_in_its_engine():
+    from scripts.bench_e2e.run import ISO_A, steps
+
+    cfg, _ = parse(["--quick", "--lengths", "256", "--reps", "2", "--paired-miss"])
+    plan = [s for s in steps(cfg, "kvgate-embedded", {ISO_A: "a", "globex": "b", **{t: t for t in cfg.mt_tenants}})
+            if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] in ("capless", "miss")]
+    assert [(s["reqs"][0]["tag"]["kind"], s["reqs"][0]["cap"]) for s in plan] == [("capless", None), ("miss", ISO_A)] * 2
+    assert plan[0]["reqs"][0]["parts"] == plan[1]["reqs"][0]["parts"]  # the same prompt
+    raw = _raw()
+    emb = raw["runs"]["kvgate-embedded"]["rows"]
+    emb += [_row("capless", 1024, i, ttft, [i, 1]) for i, ttft in enumerate((2.2, 2.0, 2.42))]  # misses: 2.2 each
+    row = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert row["miss_vs_capless"] == pytest.approx(1.0)  # the median of 1.0, 0.909 and 1.1
+    assert "kvgate embedded 1K: 1.000x" in markdown(analyze(raw))
+    assert "miss_vs_capless" not in next(r for r in analyze(_raw())["ttft"] if r["kind"] == "miss")  # not asked for
 
 
 def test_readme_table_goes_between_the_markers_only(tmp_path: Path):
