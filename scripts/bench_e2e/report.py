@@ -37,6 +37,12 @@ To refresh docs/e2e.json with the sweep, on a quiet host:
 `flock /tmp/engine.lock make bench-e2e E2E_ARGS="--lengths 1024,4096,8192 --reps 3 --sweep --docs"`
 (`--quick --sweep-only` checks the harness: the tiny model, 0.005 and 1 GB/s, 512 tokens).
 
+Systems run one after another, and on this shared VM the machine's speed can drift by a fifth
+over a run, more than a miss's cost. `--paired-miss` sends each miss's prompt just before it
+without a capability, in the same engine (no lookup, no store), and gives each miss row
+`miss_vs_capless`, the median of the pairs' TTFT ratios; its last run is
+[e2e-miss.json](e2e-miss.json).
+
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
 (plaintext files), each as a `kv_producer` and a `kv_consumer` engine behind `gateway.vllm.disagg`,
