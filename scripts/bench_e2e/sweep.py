@@ -5,12 +5,12 @@
 
 kvgate embedded with one tier, a Redis reached through a TCP proxy that holds Redis's answers (the
 loads) to G GB/s (``tests/support/tcp_proxy.py``, all connections together; the stores, untimed,
-go at full speed; the tier's deadlines raised so a slow load ends rather than fails). Per bandwidth and ``load_policy`` (``always``: always load,
-``adaptive``) one engine, started cold: a warm-up, then per length and repetition a stored miss, the
-timed hit and a flush. ``recompute`` (always recompute) reads nothing over the link but the lookup,
-so it runs once, at the fastest bandwidth, and its medians stand for every bandwidth
-(``always_recompute_gbps`` says where they were measured). Output (``analyze``): ``bandwidth_sweep``, a list
-of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
+go at full speed; the tier's deadlines raised so a slow load ends rather than fails). Per bandwidth
+and ``load_policy`` (``always``: always load, ``adaptive``) one engine, started cold: a warm-up, then
+per length and repetition a stored miss, the timed hit and a flush. ``recompute`` (always
+recompute) reads nothing over the link but the lookup, so it runs once, at the fastest bandwidth,
+and its medians stand for every bandwidth (``always_recompute_gbps`` says where they were
+measured). Output (``analyze``): ``bandwidth_sweep``, a list of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
 hits, with ``adaptive_loaded`` (the hits adaptive loaded, of its repetitions) and the ratio of
 adaptive to the better of the other two. Alone (``--sweep-only``) it writes bench-results/e2e-sweep.json
 (``--sweep-json``), its raw rows beside it and a Markdown table; with ``--sweep`` the list goes into
@@ -176,12 +176,13 @@ def analyze(raw: dict[str, Any]) -> list[dict[str, Any]]:
                 run_ = next((r for r in runs if r["gbps"] == gbps), runs[0] if len(runs) == 1 else None)
                 if run_ is None:
                     continue
-                row[column] = median_ms(hits(run_, length))
+                got = hits(run_, length)
+                row[column] = median_ms(got)
                 if run_["gbps"] != gbps:
                     row[column.replace("_ms", "_gbps")] = run_["gbps"]
                 if policy == "adaptive":
-                    row["adaptive_loaded"] = sum(1 for r in hits(run_, length) if r.get("cached", 0) > 0)
-                    row["adaptive_reps"] = len(hits(run_, length))
+                    row["adaptive_loaded"] = sum(1 for r in got if r.get("cached", 0) > 0)
+                    row["adaptive_reps"] = len(got)
             best: list[float] = [v for c in ("always_load_ms", "always_recompute_ms") if (v := row.get(c))]
             if best and row.get("adaptive_ms"):
                 row["adaptive_vs_best"] = round(row["adaptive_ms"] / min(best), 3)
