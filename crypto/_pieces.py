@@ -1,22 +1,30 @@
 """Sealing the concatenation of a list of buffers (a chunk's contiguous runs straight out of a
-paged KV cache) without gathering them first; used by ``ChunkCipher.seal_pieces_into``."""
+paged KV cache) without gathering them first, and opening a segment straight into such a list;
+used by ``ChunkCipher.seal_pieces_into`` and ``ChunkCipher.iter_segments_into``."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from crypto.aead import TAG_BYTES, Aead, wipe
-from crypto.errors import InvalidParameter
+from crypto.errors import DecryptionFailed, InvalidParameter
 from crypto.format import flat_view
-from crypto.segments import KeySchedule
+from crypto.segments import KeySchedule, Segment
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["piece_views", "seal_gathered", "seal_streaming"]
+__all__ = ["BOUNCE_BYTES", "Target", "open_gathered", "open_streaming", "piece_views", "seal_gathered", "seal_streaming"]
+
+Target = memoryview | int
+"""Where a run of a segment's plaintext goes: a writable flat byte view that receives it, or a
+byte count that is authenticated and dropped."""
+
+BOUNCE_BYTES = 64  # the least scratch ``open_streaming`` needs: the 15-byte tail of a run, and room
 
 
 def piece_views(pieces: Sequence[Buffer], plaintext_len: int) -> list[memoryview]:
@@ -88,3 +96,74 @@ def seal_gathered(schedule: KeySchedule, aead: Aead, views: list[memoryview], ds
                 vi, off = vi + 1, 0
         aead.seal_into(s.nonce, buf[:n], s.aad, dst[s.offset : s.sealed_end])
     wipe(buf)
+
+
+def open_streaming(aes: algorithms.AES, s: Segment, src: memoryview, targets: Sequence[Target], bounce: memoryview) -> bool:
+    """Decrypt segment ``s`` of the envelope ``src`` straight into ``targets`` (they concatenate
+    to its plaintext) as one streaming AES-GCM operation, then check its tag. True if authentic;
+    False on a bad tag, with every target zeroed. ``bounce`` (at least ``BOUNCE_BYTES``, wiped
+    before returning) takes what cannot be decrypted in place: ``update_into`` wants 15 bytes of
+    room past its output, which a target has not, so each target's last 15 bytes go through it,
+    and so does a dropped run. The plaintext is written before the tag is known: a caller lets
+    nothing read the targets until this returned True."""
+    room = bounce.nbytes - 15
+    if room < BOUNCE_BYTES - 15:
+        raise InvalidParameter(f"the bounce buffer must hold {BOUNCE_BYTES} bytes, has {bounce.nbytes}")
+    ct = src[s.offset : s.tag_offset]
+    dec = Cipher(aes, modes.GCM(s.nonce, bytes(src[s.tag_offset : s.sealed_end]))).decryptor()
+    dec.authenticate_additional_data(s.aad)
+    update = dec.update_into
+    pos, ok = 0, False
+    try:
+        for t in targets:
+            if isinstance(t, int):  # authenticated, dropped
+                end = pos + t
+                while pos < end:
+                    take = min(room, end - pos)
+                    update(ct[pos : pos + take], bounce[: take + 15])
+                    pos += take
+                continue
+            n = t.nbytes
+            inplace = max(0, n - 15)  # the rest of the target is the room update_into wants
+            if inplace and update(ct[pos : pos + inplace], t) != inplace:
+                raise InvalidParameter("the AES-GCM stream did not decrypt a run whole")
+            tail = n - inplace
+            if update(ct[pos + inplace : pos + n], bounce[: tail + 15]) != tail:
+                raise InvalidParameter("the AES-GCM stream did not decrypt a run whole")
+            t[inplace:] = bounce[:tail]
+            pos += n
+        if pos != s.length:
+            raise InvalidParameter(f"the targets hold {pos} bytes, the segment {s.length}")
+        try:
+            dec.finalize()
+            ok = True
+        except InvalidTag:
+            pass
+    finally:
+        wipe(bounce)
+        if not ok:
+            for t in targets:
+                if not isinstance(t, int):
+                    wipe(t)
+    return ok
+
+
+def open_gathered(aead: Aead, s: Segment, src: memoryview, targets: Sequence[Target], scratch: memoryview) -> bool:
+    """Any other AEAD: open the segment into ``scratch`` (its length at least), then copy it out
+    to the targets; ``scratch`` is wiped before returning. False on a bad tag (nothing copied)."""
+    part = scratch[: s.length]
+    try:
+        aead.open_into(s.nonce, src[s.offset : s.sealed_end], s.aad, part)
+    except DecryptionFailed:
+        return False
+    try:
+        pos = 0
+        for t in targets:
+            if isinstance(t, int):
+                pos += t
+                continue
+            t[:] = part[pos : pos + t.nbytes]
+            pos += t.nbytes
+    finally:
+        wipe(part)
+    return True

@@ -19,8 +19,10 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from cryptography.hazmat.primitives.ciphers import algorithms
+
 from crypto import _device
-from crypto._pieces import piece_views, seal_gathered, seal_streaming
+from crypto._pieces import BOUNCE_BYTES, Target, open_gathered, open_streaming, piece_views, seal_gathered, seal_streaming
 from crypto.aead import AeadFactory, CpuAesGcm, wipe
 from crypto.errors import DecryptionFailed, InvalidParameter
 from crypto.format import (
@@ -242,6 +244,53 @@ class ChunkCipher(_device.DeviceSealing):
             finally:
                 if not ended:  # a bad tag, or closed early: no plaintext is left behind
                     wipe(dst[:need])
+        if not authentic:
+            raise DecryptionFailed  # raised outside any handler: no buffer view survives in a traceback
+
+    def iter_segments_into(
+        self,
+        keys: EnvelopeKeys,
+        ctx: EnvelopeContext,
+        envelope: Buffer,
+        targets: Callable[[int, int], Sequence[Target]],
+        scratch: WritableBuffer,
+    ) -> Iterator[tuple[int, int]]:
+        """Open segment after segment straight into where its plaintext belongs: ``targets(start,
+        end)`` gives writable views (or byte counts to authenticate and drop) that concatenate to
+        plaintext bytes ``[start, end)``. Each ``(start, end)`` comes once that segment's tag
+        checked. A bad tag raises ``DecryptionFailed`` from the step that would have yielded it,
+        with nothing of that segment left in its targets (they are zeroed where it was written;
+        the earlier segments are authentic, and what to do with them is the caller's). The plaintext lands in the targets before the tag is known, so nothing may
+        read them until the step returned. The default AEAD decrypts in place (streaming GCM,
+        ``scratch`` of ``BOUNCE_BYTES`` is enough); any other opens each segment into ``scratch``
+        (``segment_scratch_bytes``) and copies it out. ``scratch`` holds no plaintext afterwards.
+        The header is read (and the key derived) at this call, as in ``iter_segments``."""
+        return self._iter_into(open_schedule(keys, ctx, envelope), envelope, targets, scratch)
+
+    def _iter_into(
+        self, sched: KeySchedule, envelope: Buffer, targets: Callable[[int, int], Sequence[Target]],
+        scratch: WritableBuffer,
+    ) -> Iterator[tuple[int, int]]:
+        plan = sched.plan
+        streaming = self._aead_factory is CpuAesGcm
+        need = BOUNCE_BYTES if streaming else plan.scratch_bytes
+        authentic = True
+        with (
+            flat_view(envelope, writable=False, what="envelope") as src,
+            flat_view(scratch, writable=True, what="scratch") as tmp,
+        ):
+            if tmp.nbytes < need:
+                raise InvalidParameter(f"scratch must hold {need} bytes, has {tmp.nbytes}")
+            bounce = tmp[: min(tmp.nbytes, 4096)]  # wiped after every segment: kept small
+            aes = algorithms.AES(sched.key)
+            aead = None if streaming else self._aead_factory(sched.key)
+            for s in plan.segments():
+                into = targets(s.start, s.end)
+                ok = open_streaming(aes, s, src, into, bounce) if aead is None else open_gathered(aead, s, src, into, tmp)
+                if not ok:
+                    authentic = False
+                    break
+                yield s.start, s.end
         if not authentic:
             raise DecryptionFailed  # raised outside any handler: no buffer view survives in a traceback
 

@@ -2,8 +2,9 @@
 
 ``ChunkPieces`` lists, in exact chunk order (``layouts``: the chunk format of the cache's layout),
 the byte runs of a chunk inside each layer's tensor: memoryviews the cipher reads straight out of
-the cache (``chunk_pieces``), so sealing needs no ``pack`` copy; ``unpack_range`` scatters a byte
-range of the chunk layout (one decrypted segment) back into the cache. A layer's run list is
+the cache (``chunk_pieces``), so sealing needs no ``pack`` copy; ``targets`` gives a byte range
+of the chunk layout as writable views of the cache (a segment decrypts straight into them), and
+``unpack_range`` scatters such a range from a buffer. A layer's run list is
 computed once per chunk from the slots, is the same for every layer, and coalesces consecutive rows.
 ``write_tokens`` makes the runs of the chunk's later tokens ``SKIP`` runs: a load scatters only the
 tokens the engine wants, and decrypts (authenticates) all of them.
@@ -163,23 +164,17 @@ class ChunkPieces:
         runs = self.runs
         return [v[a : a + n] for v in self.flat.views for a, n in runs]
 
-    def scatter(self, src: Buffer, start: int, end: int) -> None:
-        """Write bytes ``[start, end)`` of the chunk layout, held in ``src``, into the cache."""
-        try:
-            data = memoryview(src)
-        except TypeError:
-            raise KVLayoutError("src must support the buffer protocol") from None
-        if not data.c_contiguous:
-            raise KVLayoutError("src must be C-contiguous")
-        data = data.cast("B")
+    def targets(self, start: int, end: int) -> list[memoryview | int]:
+        """Bytes ``[start, end)`` of the chunk layout as writable views into the cache, in order
+        (a run read past, from ``write_tokens`` on, as its byte count): where a decryption writes
+        that range in place. The views are of the live cache."""
         for name, value in (("start", start), ("end", end)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KVLayoutError(f"{name} must be an int, got {value!r}")
         if not 0 <= start <= end <= self.nbytes:
             raise KVLayoutError(f"range [{start}, {end}) is not within the chunk's {self.nbytes} bytes")
-        if data.nbytes != end - start:
-            raise KVLayoutError(f"src holds {data.nbytes} bytes, the range [{start}, {end}) {end - start}")
         runs, starts, views, lb = self.runs, self.starts, self.flat.views, self.layer_nbytes
+        out: list[memoryview | int] = []
         pos = start
         while pos < end:
             layer, within = divmod(pos, lb)
@@ -189,12 +184,37 @@ class ChunkPieces:
             while j < len(runs) and pos < end:
                 a, n = runs[j]
                 take = min(n - rel, end - pos)
-                s = pos - start
-                if a != SKIP:
-                    view[a + rel : a + rel + take] = data[s : s + take]
+                if a == SKIP:
+                    if out and isinstance(out[-1], int):
+                        out[-1] += take
+                    else:
+                        out.append(take)
+                else:
+                    out.append(view[a + rel : a + rel + take])
                 pos += take
                 j += 1
                 rel = 0
+        return out
+
+    def scatter(self, src: Buffer, start: int, end: int) -> None:
+        """Write bytes ``[start, end)`` of the chunk layout, held in ``src``, into the cache."""
+        try:
+            data = memoryview(src)
+        except TypeError:
+            raise KVLayoutError("src must support the buffer protocol") from None
+        if not data.c_contiguous:
+            raise KVLayoutError("src must be C-contiguous")
+        data = data.cast("B")
+        targets = self.targets(start, end)
+        if data.nbytes != end - start:
+            raise KVLayoutError(f"src holds {data.nbytes} bytes, the range [{start}, {end}) {end - start}")
+        pos = 0
+        for t in targets:
+            if isinstance(t, int):
+                pos += t
+                continue
+            t[:] = data[pos : pos + t.nbytes]
+            pos += t.nbytes
 
 
 def chunk_pieces(

@@ -27,12 +27,15 @@ from crypto.envelope import (
     segment_scratch_bytes,
 )
 
-__all__ = ["CipherCodec", "EnvelopeCodec", "KeyRef", "codec_of", "layer_segment_bytes"]
+__all__ = ["CipherCodec", "EnvelopeCodec", "KeyRef", "Targets", "codec_of", "layer_segment_bytes"]
 
 KeyRef = tuple[int, bytes]
 """``(key version, salt)`` an envelope's header names (unauthenticated: only to ask for its key)."""
 
 OnSegment = Callable[[int, int, memoryview], None]
+Targets = Callable[[int, int], Sequence[memoryview | int]]
+"""``targets(start, end)``: where plaintext bytes ``[start, end)`` go, as writable byte views (or
+counts of bytes to authenticate and drop) that concatenate to that range."""
 
 
 class EnvelopeCodec(Protocol):
@@ -64,6 +67,12 @@ class EnvelopeCodec(Protocol):
         self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview
     ) -> Iterator[tuple[int, int, memoryview]]:
         """``open_segments`` as a generator (a layer-wise load interleaves envelopes)."""
+    def iter_segments_into(
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, targets: Targets, scratch: memoryview
+    ) -> Iterator[tuple[int, int]]:
+        """Open each segment straight into ``targets(start, end)`` (``ChunkCipher.iter_segments_into``):
+        a segment's ``(start, end)`` comes once it is authentic, and one that fails leaves
+        nothing of itself in its targets. ``scratch``: ``scratch_bytes`` of the envelope."""
     def seal_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int: ...
     def open_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, out: memoryview) -> int: ...
 
@@ -109,6 +118,11 @@ class CipherCodec:
         self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, scratch: memoryview
     ) -> Iterator[tuple[int, int, memoryview]]:
         return self.cipher.iter_segments(keys, ctx, envelope, scratch)
+
+    def iter_segments_into(
+        self, keys: EnvelopeKeys, ctx: EnvelopeContext, envelope: memoryview, targets: Targets, scratch: memoryview
+    ) -> Iterator[tuple[int, int]]:
+        return self.cipher.iter_segments_into(keys, ctx, envelope, targets, scratch)
 
     def seal_into(self, keys: EnvelopeKeys, ctx: EnvelopeContext, plain: memoryview, out: memoryview) -> int:
         return self.cipher.seal_into(keys, ctx, plain, out)

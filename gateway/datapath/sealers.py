@@ -2,9 +2,10 @@
 
 ``CpuSealer``  (a CPU cache) the fused path (``kernels.pieces``): store reads the chunk's runs
     straight out of the paged layer tensors into the AES-GCM stream, with no staging copy; load
-    verifies and decrypts one segment at a time into a per-thread scratch buffer and scatters it
-    into the paged KV. Nothing reaches the cache before its segment's tag checked; if segment
-    ``k`` fails, segments ``< k`` (already scattered) are zeroed again, so a chunk that fails
+    decrypts each segment straight into the chunk's blocks (``ChunkCipher.iter_segments_into``),
+    so every byte is written once. A segment's plaintext lands before its tag is known, and is
+    counted in (``on_layers``, or the return) only after it checked: nothing reads a layer before
+    then. If segment ``k`` fails it is zeroed, and so are segments ``< k``, so a chunk that fails
     leaves nothing of itself in the cache.
 ``DeviceSealer``  (a CUDA cache, or ``device_cipher="always"``) encrypt where the KV lives (torch
     ops in a staging buffer, or the Triton gather-encrypt); only ciphertext crosses to the host.
@@ -133,12 +134,12 @@ class CpuSealer:
         """``open``, layer-major: the segments of every chunk up to layer 1, then up to layer 2,
         and so on (a chunk's plaintext is layer after layer, and its segments are whole layer
         ranges), saying after each layer how far the batch is. A chunk that fails ends the prefix
-        there: it and every chunk after it (their first layers were scattered already) are
-        zeroed where anything of them landed, and the chunks before it are opened to the end."""
+        there: it and every chunk after it (their first layers were written already) are zeroed
+        where anything of them landed, and the chunks before it are opened to the end."""
         chunks = [ChunkPieces(flat, job.slots, unique=True, write_tokens=job.write_tokens) for job in jobs]
         live = len(jobs)  # chunks [0, live) are still the prefix
         for i, (chunk, job) in enumerate(zip(chunks, jobs, strict=True)):
-            if self.codec.plaintext_length(job.envelope) != chunk.nbytes:  # also bounds the scratch below
+            if self.codec.plaintext_length(job.envelope) != chunk.nbytes:
                 live = i
                 break
         failed = live < len(jobs)
@@ -150,20 +151,18 @@ class CpuSealer:
         try:
             for i in range(live):
                 try:
-                    steps.append(self.codec.iter_segments(jobs[i].keys, jobs[i].ctx, jobs[i].envelope, scratch))
+                    steps.append(self.codec.iter_segments_into(
+                        jobs[i].keys, jobs[i].ctx, jobs[i].envelope, chunks[i].targets, scratch))
                 except DecryptionFailed:
                     live, failed = i, True
                     break
             for layer in range(1, flat.kv.geometry.num_layers + 1):
                 i = 0
                 while i < live:
-                    chunk, want = chunks[i], layer * chunks[i].layer_nbytes
+                    want = layer * chunks[i].layer_nbytes
                     try:
                         while delivered[i] < want:
-                            start, end, view = next(steps[i])
-                            chunk.scatter(view, start, end)
-                            delivered[i] = end
-                            del view
+                            _start, delivered[i] = next(steps[i])
                     except DecryptionFailed:
                         live, failed = i, True
                     i += 1
@@ -171,37 +170,30 @@ class CpuSealer:
         finally:
             for step in steps:
                 step.close()
-        if live < len(delivered):  # the failed chunk and those after it: nothing of them stays
-            wipe(scratch)  # an earlier chunk's last segment may be in it: the zeros come from here
-            for i in range(live, len(delivered)):
-                self._zero(chunks[i], delivered[i], scratch)
+        for i in range(live, len(delivered)):  # the failed chunk and those after it: nothing of them stays
+            self._zero(chunks[i], delivered[i])
         return live, failed
 
     def _open_one(self, chunk: ChunkPieces, job: OpenJob) -> None:
         if self.codec.plaintext_length(job.envelope) != chunk.nbytes:  # also bounds the scratch below
             raise DecryptionFailed
         scratch = self.pool.scratch(self.codec.scratch_bytes(job.envelope))
-        delivered = [0]
-
-        def on_segment(start: int, end: int, view: memoryview) -> None:
-            chunk.scatter(view, start, end)
-            delivered[0] = end
-
+        delivered = 0
         try:
-            self.codec.open_segments(job.keys, job.ctx, job.envelope, scratch, on_segment)
+            for _start, end in self.codec.iter_segments_into(job.keys, job.ctx, job.envelope, chunk.targets, scratch):
+                delivered = end
         except DecryptionFailed:
             # Segments before the bad one were authentic, but a chunk loads whole or not at all:
-            # zero what landed (the scratch was just wiped) so no part of it is left in the cache.
-            self._zero(chunk, delivered[0], scratch)
+            # zero them too (the bad one zeroed itself), so no part of it is left in the cache.
+            self._zero(chunk, delivered)
             raise
 
     @staticmethod
-    def _zero(chunk: ChunkPieces, end: int, zeros: memoryview) -> None:
-        """Zero bytes ``[0, end)`` of the chunk in the cache, ``zeros.nbytes`` at a time."""
-        step = zeros.nbytes
-        for a in range(0, end, step):
-            b = min(a + step, end)
-            chunk.scatter(zeros[: b - a], a, b)
+    def _zero(chunk: ChunkPieces, end: int) -> None:
+        """Zero bytes ``[0, end)`` of the chunk in the cache."""
+        for t in chunk.targets(0, end):
+            if not isinstance(t, int):
+                wipe(t)
 
 
 class HostSealer:

@@ -136,6 +136,81 @@ def test_open_segments_stops_at_a_tampered_segment(bad):
     assert scratch == bytearray(seg)
 
 
+def _targets_of(out: bytearray, cuts: list[int], drops: set[int]):
+    """``targets(start, end)`` over ``out``: the range cut at ``cuts``, the pieces whose index is in
+    ``drops`` handed over as byte counts (authenticated, dropped) instead of views."""
+    view = memoryview(out)
+
+    def targets(start: int, end: int) -> list[memoryview | int]:
+        points = sorted({start, end, *(c for c in cuts if start < c < end)})
+        return [b - a if k in drops else view[a:b] for k, (a, b) in enumerate(itertools.pairwise(points))]
+
+    return targets
+
+
+@FUZZ
+@given(
+    n=st.integers(1, 2000),
+    seg=st.integers(1, 600),
+    cuts=st.lists(st.integers(0, 2000), max_size=40),
+    drops=st.sets(st.integers(0, 8), max_size=3),
+    gather=st.booleans(),
+)
+def test_iter_segments_into_writes_each_segment_in_place(n, seg, cuts, drops, gather):
+    data = os.urandom(n)
+    cipher = ChunkCipher(GatheringAead if gather else CpuAesGcm, segment_bytes=seg)
+    env = cipher.seal(DataKey(DEK, SECRET), CTX, data)
+    out = bytearray(b"\x5a" * n)
+    targets = _targets_of(out, cuts, drops)
+    scratch = bytearray(max(64, segment_scratch_bytes(env)))
+    got = list(cipher.iter_segments_into(DataKey(DEK, SECRET), CTX, env, targets, scratch))
+    assert got == [(a, min(a + seg, n)) for a in range(0, n, seg)]
+    for a, b in got:  # what was dropped is left as it was, the rest is the plaintext
+        pos = a
+        for t in targets(a, b):
+            size = t if isinstance(t, int) else t.nbytes
+            assert out[pos : pos + size] == (b"\x5a" * size if isinstance(t, int) else data[pos : pos + size])
+            pos += size
+    assert scratch == bytearray(len(scratch))  # no plaintext left behind in the bounce or scratch
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("bad", [0, 1, 3])
+def test_iter_segments_into_zeroes_the_failing_segment_where_it_landed(gather, bad):
+    seg, data = 100, os.urandom(380)  # four segments
+    cipher = ChunkCipher(GatheringAead if gather else CpuAesGcm, segment_bytes=seg)
+    env = bytearray(cipher.seal(DataKey(DEK, SECRET), CTX, data))
+    env[HEADER_BYTES + bad * (seg + 16) + 5] ^= 1  # one bit: the rest of its plaintext decrypts as it was
+    out = bytearray(b"\x5a" * 380)
+    scratch = bytearray(seg)
+    steps = cipher.iter_segments_into(DataKey(DEK, SECRET), CTX, env, _targets_of(out, [7, 50, 113, 250, 251], set()), scratch)
+    done = []
+    with pytest.raises(DecryptionFailed):
+        for a, b in steps:
+            done.append((a, b))
+            # the caller sees a segment only once it is authentic: the next one is not in out yet
+            assert out[b : b + seg] == b"\x5a" * len(out[b : b + seg])
+    assert done == [(i * seg, (i + 1) * seg) for i in range(bad)]
+    assert out[: bad * seg] == data[: bad * seg]  # the authentic segments before it
+    bad_range = out[bad * seg : (bad + 1) * seg]
+    # the attacker's segment: its plaintext was written before its tag was known, and is gone
+    assert bad_range == (bytes(len(bad_range)) if not gather else b"\x5a" * len(bad_range))
+    assert out[(bad + 1) * seg :] == b"\x5a" * len(out[(bad + 1) * seg :])  # never reached
+    assert scratch == bytearray(seg)
+
+
+def test_iter_segments_into_rejects_a_short_scratch_and_another_context():
+    cipher = ChunkCipher(segment_bytes=64)
+    env = cipher.seal(DataKey(DEK, SECRET), CTX, os.urandom(300))
+    out = bytearray(300)
+    with pytest.raises(InvalidParameter):
+        next(cipher.iter_segments_into(DataKey(DEK, SECRET), CTX, env, _targets_of(out, [], set()), bytearray(63)))
+    other = EnvelopeContext("tenant-b", "ns-1", "ab" * 32, "model/fp16/tp0", 3)
+    with pytest.raises(DecryptionFailed):
+        next(cipher.iter_segments_into(DataKey(DEK, SECRET), other, env, _targets_of(out, [], set()), bytearray(64)))
+    assert out == bytearray(300)  # the other context's segment 0 landed, failed, and was zeroed
+
+
 def test_open_segments_rejects_wrong_context_scratch_and_propagates_callback_errors():
     cipher = ChunkCipher(segment_bytes=64)
     env = cipher.seal(DataKey(DEK, SECRET), CTX, os.urandom(300))

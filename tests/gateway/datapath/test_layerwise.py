@@ -131,7 +131,36 @@ def test_a_tampered_segment_ends_the_prefix_and_nothing_of_it_or_after_it_stays(
             else:  # the bad chunk, and the ones after it whose first layers had landed
                 assert got == bytes(len(got))
     scratch = dp.pool.scratch(1)
-    assert not any(scratch)  # the zeros came from a wiped scratch: no plaintext left in it
+    assert not any(scratch)  # no plaintext left in it
+
+
+@pytest.mark.parametrize("bad_chunk", [0, 2])
+@pytest.mark.parametrize("bad_segment", [0, 2])
+def test_a_tampered_segment_is_never_in_the_cache_when_a_layer_is_said(bad_chunk, bad_segment):
+    """A segment is decrypted in place before its tag is known; the engine may read a layer only
+    once it is said. An attacker flips one bit, so the rest of the segment decrypts to real KV:
+    at every ``on_layers`` call (and after), the bad segment's layers hold only the sentinel the
+    cache held before or zeros, never that KV. The chunks before it are the control; after the
+    load, nothing of the bad chunk is left at any layer."""
+    src, per, dp, envs = _setup(1024)
+    header = read_header(envs[bad_chunk])
+    envs[bad_chunk][HEADER_BYTES + bad_segment * (header.segment_bytes + 16) + 1] ^= 1
+    dst = [torch.full_like(x.view(torch.uint8), 0x5A).view(x.dtype) for x in src]
+    per_segment = header.segment_bytes * G.num_layers // header.plaintext_length
+    bad_layers = range(bad_segment * per_segment, (bad_segment + 1) * per_segment)
+    layers = range(G.num_layers)
+    seen: list[bytes] = []
+
+    def said(n: int) -> None:
+        seen.extend(_layer_bytes(dst, G, per[bad_chunk], layer) for layer in bad_layers)
+
+    assert dp.open_batch(PagedKV(dst, G), _jobs(per, envs), said) == (bad_chunk, True)
+    assert len(seen) == G.num_layers * len(bad_layers)
+    for got in seen:
+        assert set(got) <= {0, 0x5A}
+    assert all(set(_layer_bytes(dst, G, per[bad_chunk], layer)) <= {0, 0x5A} for layer in layers)
+    for i in range(bad_chunk):
+        assert all(_layer_bytes(dst, G, per[i], layer) == _layer_bytes(src, G, per[i], layer) for layer in layers)
 
 
 # -- through the embedded gateway -------------------------------------------------------------
