@@ -38,8 +38,9 @@ To refresh docs/e2e.json with the sweep, on a quiet host:
 (`--quick --sweep-only` checks the harness: the tiny model, 0.005 and 1 GB/s, 512 tokens).
 
 Systems run one after another, and on this shared VM the machine's speed can drift by a fifth
-over a run, more than a miss's cost. `--paired-miss` sends each miss's prompt just before it
-without a capability, in the same engine (no lookup, no store), and gives each miss row
+over a run, more than a miss's cost. `--paired-miss` pairs each miss with its prompt sent
+without a capability, in the same engine (no lookup, no store), the order alternating between
+repetitions and each side starting once the connector's stores ended; each miss row gets
 `miss_vs_capless`, the median of the pairs' TTFT ratios; its last run is
 [e2e-miss.json](e2e-miss.json).
 

@@ -93,9 +93,15 @@ def steps(cfg: Config, key: str, salt: dict[str, str]) -> list[dict[str, Any]]:
             if key == "none":
                 out.append(gen(f"base {length}/{i}", [_req(parts, ISO_A, salt, kind="base", length=length, i=i)]))
                 continue
+            miss = gen(f"miss {length}/{i}", [_req(parts, ISO_A, salt, kind="miss", length=length, i=i)])
             if cfg.paired_miss:
-                out.append(gen(f"capless {length}/{i}", [_req(parts, None, salt, kind="capless", length=length, i=i)]))
-            out.append(gen(f"miss {length}/{i}", [_req(parts, ISO_A, salt, kind="miss", length=length, i=i)]))
+                # each side of a pair starts with no store of the connector's running, and the
+                # order alternates, so neither an earlier store nor going first favours one side
+                capless = gen(f"capless {length}/{i}", [_req(parts, None, salt, kind="capless", length=length, i=i)])
+                first, second = (capless, miss) if i % 2 == 0 else (miss, capless)
+                out.extend([{"op": "settle"}, first, {"op": "settle"}, second])
+            else:
+                out.append(miss)
             out.append({"op": "settle"})  # the miss's store has ended: the hit measures a load
             out.append(gen(f"hit {length}/{i}", [_req(parts, ISO_A, salt, kind="hit", length=length, i=i)]))
             if length == cfg.iso_length:
