@@ -6,6 +6,11 @@ store. ``offer`` never blocks: past ``max_items`` queued copies or ``max_bytes``
 tiers together) the copy is dropped and counted. A cache may always lose a copy; the engine
 recomputes what a miss costs. What a crash loses is exactly what was still queued.
 
+``pace(busy, finish_s)`` makes each copy yield to its process's other work: while ``busy()`` (an
+engine in this process runs forward steps) a copy waits, at most ``finish_s`` after it was queued.
+A copy costs CPU in this process and in the tier's server alike (Redis reads and keeps every
+byte), which a decode step on the same cores would otherwise lose.
+
 ``purge`` removes queued copies of a key, group or owner (a deletion must not be undone by a copy
 landing after it) and then waits only for the copies already being written. ``close`` drains for
 at most ``drain_timeout_s`` and counts what it then drops.
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +38,7 @@ class _Copy:
     key: ChunkKey
     data: bytes | bytearray | memoryview
     nbytes: int
+    queued: float  # time.monotonic()
 
 
 class _Lane:
@@ -44,6 +51,7 @@ class _Lane:
         self.idle = asyncio.Event()
         self.idle.set()
         self.task: asyncio.Task[None] | None = None
+        self.writing: _Copy | None = None  # the copy whose put is under way
 
 
 class WriteBehind:
@@ -57,6 +65,26 @@ class WriteBehind:
         self._items = 0
         self._bytes = 0
         self._closed = False
+        self._busy: Callable[[], bool] | None = None
+        self._finish_s = 0.0
+        self.paced_s = 0.0  # copies' total wait for ``busy`` to clear
+
+    def pace(self, busy: Callable[[], bool] | None, finish_s: float) -> None:
+        """Copies wait while ``busy()``, each at most ``finish_s`` after it was queued (None or 0:
+        they never wait)."""
+        self._busy = busy if finish_s > 0 else None
+        self._finish_s = finish_s
+
+    async def _turn(self, copy: _Copy) -> None:
+        busy = self._busy
+        if busy is None:
+            return
+        due = copy.queued + self._finish_s
+        t0 = now = time.monotonic()
+        while now < due and busy():
+            await asyncio.sleep(min(0.005, due - now))
+            now = time.monotonic()
+        self.paced_s += now - t0
 
     @property
     def queued(self) -> int:
@@ -77,7 +105,7 @@ class WriteBehind:
             lane = self._lanes[tier.name] = _Lane(tier)
         if lane.task is None:
             lane.task = asyncio.get_running_loop().create_task(self._work(lane), name=f"kvgate-write-behind-{tier.name}")
-        lane.queue.append(_Copy(key, data, size))
+        lane.queue.append(_Copy(key, data, size, time.monotonic()))
         self._items += 1
         self._bytes += size
         lane.idle.clear()
@@ -93,11 +121,17 @@ class WriteBehind:
                 continue
             copy = lane.queue[0]
             try:  # cancelled (close): the copy stays queued and close counts it dropped
+                await self._turn(copy)
+                if not lane.queue or lane.queue[0] is not copy:  # purged while it waited
+                    continue
+                lane.writing = copy
                 await lane.tier.put(copy.key, copy.data)
                 self.written[lane.tier.name] += 1
             except TierError as exc:
                 self.errors[lane.tier.name] += 1
                 log.debug("write-behind copy to %s failed: %s", lane.tier.name, type(exc).__name__)
+            finally:
+                lane.writing = None
             if lane.queue and lane.queue[0] is copy:
                 lane.queue.popleft()
                 self._items -= 1
@@ -114,7 +148,7 @@ class WriteBehind:
         removed = 0
         busy = []
         for lane in self._lanes.values():
-            head = lane.queue[0] if lane.queue and not lane.idle.is_set() else None
+            head = lane.writing  # a copy still waiting for its turn is dropped like the rest
             keep: deque[_Copy] = deque()
             for copy in lane.queue:
                 if copy is head or not match(copy.key):
@@ -132,7 +166,7 @@ class WriteBehind:
 
     @staticmethod
     async def _head_done(lane: _Lane, head: _Copy) -> None:
-        while lane.queue and lane.queue[0] is head:
+        while lane.writing is head:
             await asyncio.sleep(0.001)
 
     async def close(self, drain_timeout_s: float = 5.0) -> int:

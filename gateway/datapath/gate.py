@@ -2,6 +2,8 @@
 
     StepGate.forward_begins() / forward_ends()   the engine's worker, around each forward step
     StepGate.idle()                               the engine's worker, at a step with no forward
+    StepGate.engine_busy()                        whether the engine is running steps (the
+                                                  write-behind copies of an embedded store wait)
     StepGate.wait_turn(latest)                    a store thread, before each slice of a store:
                                                   the engine idle, one of the ``per_gap`` slices
                                                   of a gap between two steps, or ``latest`` (the
@@ -43,6 +45,11 @@ class StepGate:
     @property
     def busy(self) -> bool:
         return self._busy
+
+    def engine_busy(self) -> bool:
+        """The engine runs forward steps: one now, or one ended less than ``idle_s`` ago (the
+        gap to the next step of a decode). What waits on this yields to decoding."""
+        return self._busy or time.monotonic() < self._ended + self.idle_s
 
     def forward_begins(self) -> None:
         with self._cond:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
+from gateway.datapath.gate import STEPS
 from gateway.vllm.config import ConnectorConfig, explain_validation, refuse_secrets
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 
@@ -200,9 +201,13 @@ class Backend(Protocol):
 
 class EmbeddedBackend:
     layerwise = True  # the envelopes are in this process's tiers: opening is all a load does
-    def __init__(self, settings: dict[str, Any], timeout_s: float = 30.0, store_nice: int = 0) -> None:
+    def __init__(
+        self, settings: dict[str, Any], timeout_s: float = 30.0, store_nice: int = 0, copies_finish_s: float = 0.0,
+    ) -> None:
         """``store_nice``: the connector's (``ConnectorConfig.store_nice``), unless ``settings`` or
-        ``KVGATE_STORE_NICE`` names one (as every other setting, the variable fills what is left out)."""
+        ``KVGATE_STORE_NICE`` names one (as every other setting, the variable fills what is left out).
+        ``copies_finish_s``: the write-behind copies yield to this process's engine steps that long
+        at most (``ConnectorConfig.copies_finish_s``)."""
         from gateway.config import Settings
 
         if "store_nice" not in settings and "KVGATE_STORE_NICE" not in os.environ:
@@ -214,11 +219,13 @@ class EmbeddedBackend:
         self.chunk_tokens = self.settings.chunk_tokens
         self.runtime: Any = None
         self.loop = LoopThread(timeout_s)
+        self.copies_finish_s = copies_finish_s
 
     async def open(self) -> None:
         from gateway.services.runtime import open_embedded
 
         self.runtime = await open_embedded(self.settings, auto_migrate=True)
+        self.runtime.tiers.behind.pace(STEPS.engine_busy, self.copies_finish_s)
 
     async def lookup(self, cap: str, model: KVModel, tokens: Sequence[int]) -> LookupResult:
         result: LookupResult = await self.runtime.gateway.lookup(cap, model, tokens)
@@ -420,7 +427,7 @@ def close(backend: Backend, drain_s: float = 5.0) -> None:
 
 def _build(config: ConnectorConfig) -> Backend:
     if config.mode == "embedded":
-        return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s, config.store_nice)
+        return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s, config.store_nice, config.copies_finish_s)
     return RemoteBackend(
         config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds,
         store_nice=config.store_nice, shm_bytes=config.remote_shm_mb << 20,

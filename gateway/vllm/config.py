@@ -106,6 +106,10 @@ class ConnectorConfig(BaseModel):
     # that long runs anyway: a store's last slice starts at most this many seconds after it
     # began (gateway/datapath/gate.py); 0: stores seal at once, beside the forward
     store_finish_s: float = Field(4.0, ge=0, le=3600)
+    # embedded mode: a store's copies to the slower tiers (Redis, disk; written behind) wait while
+    # the engine runs forward steps, each at most this many seconds after it was queued
+    # (storage/writebehind.py); the scheduler's lookups see a store once they are in; 0: at once
+    copies_finish_s: float = Field(2.0, ge=0, le=3600)
     # loads into a CPU cache go layer by layer: the forward starts on the first layers while the
     # rest load (gateway/vllm/layers.py); false: every layer is in before the forward starts
     layerwise_loads: bool = True
@@ -138,16 +142,19 @@ class ConnectorConfig(BaseModel):
         """This configuration as a worker of ``kv_role`` runs it. A kv_producer's stores are
         hand-offs, which the consumer's first token waits for, and a producer does not decode: its
         stores seal at once (``store_finish_s`` 0) at the engine's priority (``store_nice`` 0),
-        each unless set. Any other role: unchanged."""
+        and their copies go at once (``copies_finish_s`` 0), each unless set. Any other role: unchanged."""
         if kv_role != "kv_producer":
             return self
-        unset = {"store_finish_s": 0.0, "store_nice": 0}
+        unset = {"store_finish_s": 0.0, "store_nice": 0, "copies_finish_s": 0.0}
         return self.model_copy(update={k: v for k, v in unset.items() if k not in self.model_fields_set})
 
     def backend_key(self) -> tuple[Any, ...]:
         """What makes two connectors of a process share one backend."""
         settings = tuple(sorted((k, repr(v)) for k, v in self.kvgate_settings.items()))
-        return (self.mode, settings, self.remote_url, self.remote_uds, self.remote_shm_mb, self.chunk_tokens, self.store_nice)
+        return (
+            self.mode, settings, self.remote_url, self.remote_uds, self.remote_shm_mb, self.chunk_tokens, self.store_nice,
+            self.copies_finish_s,
+        )
 
     def remote_token(self, env: Mapping[str, str] | None = None) -> str:
         """The worker's service token: ``KVGATE_REMOTE_TOKEN``, else ``remote_token_file``."""

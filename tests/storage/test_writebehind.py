@@ -155,3 +155,37 @@ async def test_reserved_extent_is_committed_and_copied_behind(tmp_path: Path) ->
     await tiers.flush()
     assert bytes((await disk.get(k(5))).data) == payload(5, 4096)
     await tiers.aclose()
+
+
+async def test_copies_yield_while_the_engine_is_busy_and_never_past_their_bound(tmp_path: Path) -> None:
+    """``pace``: a copy waits while its process's engine runs steps, goes as soon as it is idle,
+    and goes anyway ``finish_s`` after it was queued; a copy purged while it waits never lands."""
+    disk = await DiskTier.open(tmp_path / "disk", fsync=False)
+    tiers = TierManager([MemoryTier(64 << 20), disk], write_mode="behind")
+    busy = [True]
+    tiers.behind.pace(lambda: busy[0], 30.0)
+    await tiers.put(k(1), payload(1))
+    await asyncio.sleep(0.2)
+    assert await disk.list_keys() == []  # the engine is busy: the copy waits
+    busy[0] = False
+    await asyncio.wait_for(tiers.flush(), 5)  # idle: it goes at once
+    assert await disk.list_keys() == [k(1)]
+    # busy for good: a copy still lands at its bound, so a store is never starved
+    busy[0] = True
+    tiers.behind.pace(lambda: busy[0], 0.3)
+    t0 = time.monotonic()
+    await tiers.put(k(2), payload(2))
+    await asyncio.wait_for(tiers.flush(), 5)
+    assert 0.25 <= time.monotonic() - t0 < 3.0
+    assert await disk.list_keys() == [k(1), k(2)] and tiers.behind.paced_s >= 0.25
+    # a secure clear does not wait for a copy that is waiting for its turn: it is dropped
+    tiers.behind.pace(lambda: busy[0], 30.0)
+    await tiers.put(k(3, group="cc"), payload(3))
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    await asyncio.wait_for(tiers.delete_group("cc"), 5)
+    assert time.monotonic() - t0 < 1.0
+    busy[0] = False
+    await tiers.flush()
+    assert await disk.list_keys() == [k(1), k(2)]
+    await tiers.aclose()

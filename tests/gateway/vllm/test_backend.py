@@ -173,3 +173,31 @@ def test_a_connector_pointed_at_another_state_dir_names_it_and_creates_no_kek(tm
     for needle in (f"state directory {wrong}", str(wrong / "kek.key"), "KVGATE_STATE_DIR", str(real / "kvgate.db")):
         assert needle in str(err.value)
     assert not (wrong / "kek.key").exists()
+
+
+async def test_an_embedded_backends_copies_behind_yield_to_this_process_engine_steps(tmp_path):
+    """The slower tiers' copies wait while the engine of this process runs forward steps
+    (``copies_finish_s``), and go once it is idle."""
+    import time
+
+    from gateway.datapath.gate import STEPS
+    from storage.types import ChunkKey
+
+    backend = EmbeddedBackend({"state_dir": str(tmp_path), "tiers": ["memory", "disk"]}, copies_finish_s=30.0)
+    await backend.open()
+    try:
+        tiers = backend.runtime.tiers
+        disk = tiers.tier("disk")
+        STEPS.forward_begins()
+        try:
+            await tiers.put(ChunkKey("aa", "bb", "1" * 64), b"x" * 4096)
+            await asyncio.sleep(0.2)
+            assert await disk.list_keys() == []  # a step is running: the copy waits
+        finally:
+            STEPS.forward_ends()
+        t0 = time.monotonic()
+        await asyncio.wait_for(tiers.flush(), 5)
+        assert time.monotonic() - t0 >= STEPS.idle_s * 0.5  # it went once the engine was idle
+        assert await disk.list_keys() == [ChunkKey("aa", "bb", "1" * 64)]
+    finally:
+        await backend.aclose()

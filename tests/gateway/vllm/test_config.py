@@ -126,9 +126,10 @@ def test_a_producers_hand_off_stores_seal_at_once_at_the_engines_priority_unless
     sets them explicitly."""
     default = ConnectorConfig.from_extra({})
     producer = default.for_role("kv_producer")
-    assert (producer.store_finish_s, producer.store_nice) == (0.0, 0)
-    for role in ("kv_consumer", "kv_both", None):  # positive control: other roles keep both
-        assert (default.for_role(role).store_finish_s, default.for_role(role).store_nice) == (4.0, 10)
-    kept = ConnectorConfig.from_extra({"store_finish_s": 2.5, "store_nice": 5}).for_role("kv_producer")
-    assert (kept.store_finish_s, kept.store_nice) == (2.5, 5)
+    assert (producer.store_finish_s, producer.store_nice, producer.copies_finish_s) == (0.0, 0, 0.0)
+    for role in ("kv_consumer", "kv_both", None):  # positive control: other roles keep them
+        mine = default.for_role(role)
+        assert (mine.store_finish_s, mine.store_nice, mine.copies_finish_s) == (4.0, 10, 2.0)
+    kept = ConnectorConfig.from_extra({"store_finish_s": 2.5, "store_nice": 5, "copies_finish_s": 1.0}).for_role("kv_producer")
+    assert (kept.store_finish_s, kept.store_nice, kept.copies_finish_s) == (2.5, 5, 1.0)
     assert ConnectorConfig.from_extra({"store_nice": 5}).for_role("kv_producer").store_finish_s == 0.0
