@@ -266,16 +266,17 @@ class LoadPolicy:
         return est
 
     # -- the decision -------------------------------------------------------------------------
-    def decide(self, req_id: str, prompt_len: int, computed: int, hit: int) -> Decision:
-        """Of ``hit`` tokens after the ``computed`` the engine has, how many to load."""
+    def decide(self, req_id: str, prompt_len: int, computed: int, hit: int, mode: PolicyMode | None = None) -> Decision:
+        """Of ``hit`` tokens after the ``computed`` the engine has, how many to load (``mode``: the
+        request's own, in place of the engine's)."""
         self.in_flight.pop(req_id, None)  # asked again (not allocated last time): decided anew
-        d = self._decide(req_id, prompt_len, computed, hit)
+        d = self._decide(req_id, prompt_len, computed, hit, mode or self.mode)
         if d.tokens > 0:
             self.in_flight[req_id] = d.tokens
         return d
 
-    def _decide(self, req_id: str, prompt_len: int, computed: int, hit: int) -> Decision:
-        if hit <= 0 or self.mode == "recompute":
+    def _decide(self, req_id: str, prompt_len: int, computed: int, hit: int, mode: PolicyMode) -> Decision:
+        if hit <= 0 or mode == "recompute":
             return Decision(0, "recompute")
         est = self.load_estimator()
         load_fit, queued = est.fit(), sum(self.in_flight.values())
@@ -285,7 +286,7 @@ class LoadPolicy:
         load = spread = None
         if load_fit is not None:
             load, spread = load_fit[0] + load_fit[1] * (hit + queued), load_fit[2]
-        if self.mode == "always":
+        if mode == "always":
             ttft = None if load is None or c_full is None else self._together(load, c_full)
             return Decision(hit, "always", load, spread, recompute, ttft)
         if load_fit is None:

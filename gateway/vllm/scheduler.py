@@ -15,7 +15,8 @@ With a receipt (``handoff``), ``matched_tokens`` answers None (ask again) until 
 the request's own capability, at most the hand-off wait; another tenant's loads nothing, audited (``deny``).
 A published prefix's warm-up (``kvgate_warm_up``: the prefix id, beside the scope's write capability)
 reports the prompt's whole chunks (``report``) before its lookup, once per request; its store follows
-the ordinary path, and the server takes only the chunks that report recorded."""
+the ordinary path, and the server takes only the chunks that report recorded. A request may name
+its own load policy (``kvgate_load_policy``), which the tenant middleware never passes on."""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ import re
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
 from gateway.errors import GatewayError
 from gateway.vllm.counters import OK, ConnectorCounters
 from gateway.vllm.handoff import OTHER_OWNER, RECEIPT_PARAM, HandoffWaits, Receipt, check, epoch_of, owner_tag
 from gateway.vllm.ledger import LoadOp, SchedulerLedger, StepRequest, StoreOp
 from gateway.vllm.logs import RateLimitedLogger, Tracer, miss_reason
-from gateway.vllm.policy import LoadPolicy
+from gateway.vllm.policy import LoadPolicy, PolicyMode
 from tenancy.errors import CapabilityDenied
 
 __all__ = [
@@ -42,6 +43,9 @@ __all__ = [
 log = logging.getLogger("kvgate.vllm")
 CAPABILITY_PARAM = "kvgate_capability"
 WARM_PARAM = "kvgate_warm_up"  # a published prefix's id: this request is its warm-up
+# this request's load_policy in place of the engine's; the tenant middleware drops it from a
+# client's body, so only a caller that talks to the engine directly (a benchmark) sets it
+POLICY_PARAM = "kvgate_load_policy"
 MAX_CAPABILITY_CHARS = 8192
 _PREFIX_ID = re.compile(r"[0-9a-f]{24}")
 
@@ -64,6 +68,12 @@ def warm_up_of(kv_transfer_params: Any) -> str | None:
     return warm if isinstance(warm, str) and _PREFIX_ID.fullmatch(warm) else None
 
 
+def load_policy_of(kv_transfer_params: Any) -> PolicyMode | None:
+    """The request's own ``load_policy``, where it names one."""
+    mode = kv_transfer_params.get(POLICY_PARAM) if isinstance(kv_transfer_params, Mapping) else None
+    return mode if mode in get_args(PolicyMode) else None
+
+
 @dataclass(frozen=True)
 class RequestView:
     """What the scheduler side reads of a vLLM ``Request``."""
@@ -74,6 +84,7 @@ class RequestView:
     receipt: Any = None  # a producer's receipt, as the request carries it (not yet checked)
     epoch: int | None = None  # the namespace epoch the request's capability was minted at
     warm_up: str | None = None  # the published prefix this request warms up
+    policy: PolicyMode | None = None  # the request's own load_policy (``POLICY_PARAM``)
 
 
 def request_view(request: Any) -> RequestView:
@@ -82,7 +93,7 @@ def request_view(request: Any) -> RequestView:
     receipt = params.get(RECEIPT_PARAM) if isinstance(params, Mapping) else None
     return RequestView(
         request.request_id, list(request.prompt_token_ids or []), capability_of(params), receipt, epoch_of(params),
-        warm_up_of(params),
+        warm_up_of(params), load_policy_of(params),
     )
 
 
@@ -187,7 +198,7 @@ class SchedulerSide:
 
     def _decide(self, req: RequestView, num_computed_tokens: int, hit: int) -> int:
         """Of ``hit`` loadable tokens, those the policy loads; the choice traced and counted."""
-        d = self.policy.decide(req.req_id, len(req.prompt), num_computed_tokens, hit)
+        d = self.policy.decide(req.req_id, len(req.prompt), num_computed_tokens, hit, req.policy)
         self.stats.count("decision", d.reason)
         self.stats.tokens("declined", hit - d.tokens)
         self._trace("decision", req=req.req_id, hit_tokens=hit, **d.trace_fields())

@@ -161,6 +161,8 @@ def main(plan_path: str, out_path: str) -> None:
             results.append({"name": step.get("name", "clear"), "op": "clear"})
             continue
         params = {"kvgate_capability": caps[step["cap"]]} if step.get("cap") else {}
+        if step.get("policy"):  # this request's own load_policy
+            params["kvgate_load_policy"] = step["policy"]
         sp = SamplingParams(temperature=0, max_tokens=step.get("max_tokens", 8), extra_args={"kv_transfer_params": params})
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=step["ids"])], sp, use_tqdm=False)[0]

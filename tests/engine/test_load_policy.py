@@ -7,7 +7,8 @@ kvgate state, ``load_policy: adaptive``:
     fast link   P and Q are computed and stored; P again loads (no load measured yet), then Q
                 again loads because the measured load is faster than the measured prefill
     slow link   R (no capability) is computed; P again loads and measures the slow link; then Q
-                again is recomputed, and the trace says why (load estimate over recompute estimate)
+                again is recomputed, and the trace says why (load estimate over recompute estimate);
+                Q once more, naming its own policy ``always``, loads over the slow link
 Every answer to Q (computed, loaded, recomputed beside a hit) is the same greedy output.
 Run it under the shared engine lock: ``flock /tmp/engine.lock``.
 """
@@ -37,8 +38,8 @@ def _model(path):
     return build_llama(path, size)
 
 
-def _gen(name: str, ids: list[int], cap: str | None) -> dict:
-    return {"op": "gen", "name": name, "ids": ids, "cap": cap, "max_tokens": 6}
+def _gen(name: str, ids: list[int], cap: str | None, policy: str | None = None) -> dict:
+    return {"op": "gen", "name": name, "ids": ids, "cap": cap, "max_tokens": 6, "policy": policy}
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory):
             caps = asyncio.run(_setup(settings))
             for link, rate, steps in (
                 ("fast", None, [_gen("P1", P, "A"), _gen("Q1", Q, "A"), _gen("P2", P, "A"), _gen("Q2", Q, "A")]),
-                ("slow", SLOW_BPS, [_gen("R1", R, None), _gen("P3", P, "A"), _gen("Q3", Q, "A")]),
+                ("slow", SLOW_BPS, [_gen("R1", R, None), _gen("P3", P, "A"), _gen("Q3", Q, "A"), _gen("Q4", Q, "A", "always")]),
             ):
                 proxy.rate_bps = rate
                 trace = work / f"trace-{link}.jsonl"
@@ -115,7 +116,14 @@ def test_load_policy_slow_link_recomputes_and_says_why(runs):
     assert runs["Q3"]["kv"] is None or runs["Q3"]["kv"].get("kvgate", {}).get("hit_tokens", 0) == 0
 
 
+def test_load_policy_a_request_naming_always_loads_where_the_engine_would_recompute(runs):
+    d = _decision(runs["Q4"])  # the control is Q3: the same prompt, the engine's adaptive recomputed
+    assert d["reason"] == "always" and d["tokens"] == d["hit_tokens"] > 0, d
+    loads = [e for e in runs["Q4"]["trace"] if e["event"] == "load"]
+    assert loads and loads[0]["loaded_tokens"] == d["tokens"] and not loads[0]["failed_blocks"]
+
+
 def test_load_policy_greedy_outputs_identical_loaded_or_recomputed(runs):
     computed, loaded, recomputed = runs["Q1"]["tokens"], runs["Q2"]["tokens"], runs["Q3"]["tokens"]
-    assert computed and computed == loaded == recomputed
+    assert computed and computed == loaded == recomputed == runs["Q4"]["tokens"]
     assert runs["P1"]["tokens"] == runs["P2"]["tokens"] == runs["P3"]["tokens"]

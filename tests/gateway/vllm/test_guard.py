@@ -56,6 +56,19 @@ async def test_reachable_gateway_passes_the_request_with_a_capability(live):
     assert body["kv_transfer_params"]["kvgate_capability"] and body["cache_salt"]
 
 
+async def test_a_clients_own_load_policy_and_capability_never_reach_the_engine(live):
+    """A tenant cannot pick its load policy (nor bring a capability): the middleware builds
+    kv_transfer_params anew. The control: the request passes, with a minted capability."""
+    body = {"prompt": "hi", "kv_transfer_params": {"kvgate_load_policy": "always", "kvgate_capability": "forged"}}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=KvgateMiddleware(_inner, _guard(live, live.base_url))),
+                                 base_url="http://engine") as c:
+        r = await c.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {live.worker_token('acme')}"})
+    assert r.status_code == 200, r.text
+    params = json.loads(r.content)["kv_transfer_params"]
+    assert "kvgate_load_policy" not in params
+    assert params["kvgate_capability"] and params["kvgate_capability"] != "forged"
+
+
 async def test_unreachable_gateway_is_503_with_retry_after(live):
     r = await _post(KvgateMiddleware(_inner, _guard(live, f"http://127.0.0.1:{free_port()}")), live.worker_token("acme"))
     assert r.status_code == 503 and r.headers["retry-after"].isdigit(), r.text

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -304,6 +306,40 @@ def test_load_policy_decision_is_traced_and_counted(tmp_path):
     # a capability-less request is no decision
     assert side.matched_tokens(RequestView("r2", prompt, None), 0) == 0 and stats.get("decision", "probe") == 0
     assert CAPABILITY_PARAM
+
+
+def test_load_policy_a_request_may_name_its_own_and_the_middleware_drops_it_from_a_client():
+    """``kvgate_load_policy`` in a request's kv_transfer_params decides in place of the engine's
+    policy (a benchmark compares the policies on one engine), and only there: a tenant's request
+    that names one through the tenant middleware has it removed."""
+    from gateway.vllm.scheduler import POLICY_PARAM, load_policy_of, request_view
+
+    clock = Clock()
+    policy = LoadPolicy("adaptive", CHUNK, "embedded", clock=clock)
+    _learn_prefill(policy, clock)
+    _learn_loads(policy, clock, ms_per_token=0.5)  # loading is slower: adaptive recomputes
+    side = SchedulerSide(CHUNK, 16, lambda cap, toks: (len(toks), ""), policy=policy)
+    prompt = list(range(2049))
+
+    @dataclass
+    class Req:
+        request_id: str
+        prompt_token_ids: list[int]
+        kv_transfer_params: dict[str, Any]
+
+    def matched(req_id: str, mode: str | None) -> int:
+        params = {CAPABILITY_PARAM: "cap", **({POLICY_PARAM: mode} if mode else {})}
+        return side.matched_tokens(request_view(Req(req_id, prompt, params)), 0)
+
+    assert matched("engine", None) == 0  # the control: the engine's adaptive policy recomputes
+    assert matched("always", "always") == 2048
+    assert matched("adaptive", "adaptive") == 0
+    assert matched("recompute", "recompute") == 0
+    assert matched("bogus", "sometimes") == 0  # not a policy: the engine's
+    assert load_policy_of({POLICY_PARAM: "always"}) == "always" and load_policy_of({POLICY_PARAM: 1}) is None
+    always = LoadPolicy("always", CHUNK, "embedded", clock=clock)
+    side = SchedulerSide(CHUNK, 16, lambda cap, toks: (len(toks), ""), policy=always)
+    assert matched("engine", None) == 2048 and matched("recompute", "recompute") == 0
 
 
 def test_load_policy_prefix_load_retrieves_only_its_chunks():
