@@ -72,6 +72,8 @@ def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str,
         prompts.append(tp)
         cap = plan["caps"].get(req.get("cap") or "")  # systems without kvgate have none
         kv = {"kvgate_capability": cap} if cap else {}
+        if req.get("policy"):  # the sweep: this request's load_policy in place of the engine's
+            kv["kvgate_load_policy"] = req["policy"]
         params.append(SamplingParams(
             temperature=0, max_tokens=step.get("max_tokens", 1), ignore_eos=True,
             extra_args={"kv_transfer_params": kv},

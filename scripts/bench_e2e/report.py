@@ -28,20 +28,23 @@ The bandwidth sweep (`scripts/bench_e2e/sweep.py`; `--sweep` after the systems, 
 `bench-results/e2e-sweep.json` and `e2e-sweep.md`) runs kvgate embedded with Redis as its only tier
 behind a TCP proxy that holds Redis's answers (the loads) to 0.01, 0.02, 0.05 and 1 GB/s, spanning
 this machine's crossover (the stores, untimed, go at full speed; the tier's deadlines raised so a slow
-load ends), one engine per bandwidth and `load_policy` (`always`, `adaptive`), and times a hit of 1,024,
-4,096 and 8,192 tokens three times each: per point the median TTFT of always-load, always-recompute
-and adaptive, adaptive's ratio to the better of the two and how often it loaded. Always-recompute
-reads nothing over the link but its lookups, so its one engine runs at the fastest bandwidth and
-stands for every point (`always_recompute_gbps` in a row says so).
+load ends), one engine per bandwidth, and times hits of 1,024, 4,096 and 8,192 tokens three times
+each per policy, every policy in the same engine: after each stored miss one hit per policy, each
+naming its own (`kvgate_load_policy`: `always`, `recompute`, `adaptive`), in an order that rotates
+with the repetition. Per point: the median TTFT of always-load, always-recompute and adaptive,
+adaptive's ratio to the better of the two and how often it loaded. The policies meet the same
+engine within seconds of each other, so neither one engine's speed against another's nor the
+machine's drift decides between them.
 To refresh docs/e2e.json with the sweep, on a quiet host:
 `flock /tmp/engine.lock make bench-e2e E2E_ARGS="--lengths 1024,4096,8192 --reps 3 --sweep --docs"`
 (`--quick --sweep-only` checks the harness: the tiny model, 0.005 and 1 GB/s, 512 tokens).
 
 Systems run one after another, and on this shared VM the machine's speed can drift by a fifth
-over a run, more than a miss's cost. `--paired-miss` pairs each miss with its prompt sent
-without a capability, in the same engine (no lookup, no store), the order alternating between
+over a run, more than a miss's cost. `--paired-miss` pairs each kvgate miss with its prompt
+sent without a capability, in the same engine (no lookup, no store), the order alternating between
 repetitions and each side starting once the connector's stores ended; each miss row gets
-`miss_vs_capless`, the median of the pairs' TTFT ratios; its last run is
+`miss_vs_capless`, the median of the pairs' TTFT ratios (other connectors store a request without
+a capability too, so they get no pairs); its last run is
 [e2e-miss.json](e2e-miss.json).
 
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one

@@ -6,11 +6,12 @@
 kvgate embedded with one tier, a Redis reached through a TCP proxy that holds Redis's answers (the
 loads) to G GB/s (``tests/support/tcp_proxy.py``, all connections together; the stores, untimed,
 go at full speed; the tier's deadlines raised so a slow load ends rather than fails). Per bandwidth
-and ``load_policy`` (``always``: always load, ``adaptive``) one engine, started cold: a warm-up, then
-per length and repetition a stored miss, the timed hit and a flush. ``recompute`` (always
-recompute) reads nothing over the link but the lookup, so it runs once, at the fastest bandwidth,
-and its medians stand for every bandwidth (``always_recompute_gbps`` says where they were
-measured). Output (``analyze``): ``bandwidth_sweep``, a list of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
+one engine (``load_policy: adaptive``), started cold: a warm-up, then per length and repetition a
+stored miss and one hit per policy (``always``: always load, ``recompute``: always recompute,
+``adaptive``), each naming its policy in the request (``kvgate_load_policy``), in an order that
+rotates with the repetition, then a flush. The policies meet the same engine, link and machine
+within seconds of each other, so neither one engine's speed against another's nor the machine's
+drift over a run decides between them; adaptive learns from every load of the engine. Output (``analyze``): ``bandwidth_sweep``, a list of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
 hits, with ``adaptive_loaded`` (the hits adaptive loaded, of its repetitions) and the ratio of
 adaptive to the better of the other two. Alone (``--sweep-only``) it writes bench-results/e2e-sweep.json
 (``--sweep-json``), its raw rows beside it and a Markdown table; with ``--sweep`` the list goes into
@@ -76,20 +77,28 @@ def config(a: argparse.Namespace) -> SweepConfig | None:
 
 
 def steps(cfg: SweepConfig, main: Any) -> list[dict[str, Any]]:
-    def gen(name: str, parts: list[list[int]], cap: str | None, n: int = main.out_tokens, **tag: Any) -> dict[str, Any]:
-        return {"op": "gen", "name": name, "max_tokens": n, "reqs": [{"parts": parts, "cap": cap, "salt": None, "tag": tag}]}
+    def gen(name: str, parts: list[list[int]], cap: str | None, n: int = main.out_tokens, policy: str | None = None,
+            **tag: Any) -> dict[str, Any]:
+        if policy:  # the request names it (kvgate_load_policy) and its row says so
+            tag = {**tag, "policy": policy}
+        req = {"parts": parts, "cap": cap, "salt": None, "tag": tag, **({"policy": policy} if policy else {})}
+        return {"op": "gen", "name": name, "max_tokens": n, "reqs": [req]}
 
     out = [gen("warmup", [[128, 1]], None, 2, kind="warmup"), gen("warmup", [[min(cfg.lengths), 7]], None, 2, kind="warmup")]
     for length in cfg.lengths:
         for i in range(cfg.reps):
             parts = [[length, SEED + 1000 * length + i]]
-            out += [gen(f"miss {length}/{i}", parts, TENANT, kind="miss", length=length, i=i), {"op": "settle"},
-                    gen(f"hit {length}/{i}", parts, TENANT, kind="hit", length=length, i=i), {"op": "flush"}]
+            out += [gen(f"miss {length}/{i}", parts, TENANT, kind="miss", length=length, i=i)]
+            k = i % len(cfg.policies)
+            for policy in cfg.policies[k:] + cfg.policies[:k]:  # each policy goes first in turn
+                out += [{"op": "settle"},
+                        gen(f"hit {length}/{i} {policy}", parts, TENANT, policy=policy, kind="hit", length=length, i=i)]
+            out.append({"op": "flush"})
     return out
 
 
-def _one(policy: str, gbps: float, cfg: SweepConfig, main: Any, model: Path, engine: dict[str, Any], work: Path) -> dict[str, Any]:
-    """One engine: kvgate embedded, its Redis through a proxy of ``gbps``, ``load_policy``."""
+def _one(gbps: float, cfg: SweepConfig, main: Any, model: Path, engine: dict[str, Any], work: Path) -> dict[str, Any]:
+    """One engine: kvgate embedded, its Redis through a proxy of ``gbps``; every policy's hits."""
     from scripts.bench_e2e.run import engine_env, run_engine
     from scripts.bench_e2e.systems import CAP_TTL, _connector, _embedded_caps
     from tests.support.tcp_proxy import tcp_proxy
@@ -106,7 +115,7 @@ def _one(policy: str, gbps: float, cfg: SweepConfig, main: Any, model: Path, eng
         proxy.rate_bps = gbps * 1e9
         proxy.throttle_up = False  # the stores before each hit are not timed: only the loads cross the slow link
         trace = work / "trace.jsonl"
-        extra = {"kvgate_settings": settings, "trace_path": str(trace), "model_name": "bench-llama", "load_policy": policy}
+        extra = {"kvgate_settings": settings, "trace_path": str(trace), "model_name": "bench-llama", "load_policy": "adaptive"}
         plan = {"model": str(model), "engine": engine, "kv_transfer_config": _connector(extra), "caps": caps,
                 "flush": {"redis_url": main.redis_url, "redis_prefix": redis_prefix}, "steps": steps(cfg, main)}
         t0 = time.monotonic()
@@ -117,14 +126,14 @@ def _one(policy: str, gbps: float, cfg: SweepConfig, main: Any, model: Path, eng
 
             _flush(plan)
     events = [json.loads(x) for x in trace.read_text().splitlines()] if trace.exists() else []
-    return {"policy": policy, "gbps": gbps, "rows": rows, "wall_s": round(time.monotonic() - t0, 1),
+    return {"gbps": gbps, "policies": cfg.policies, "rows": rows, "wall_s": round(time.monotonic() - t0, 1),
             "decisions": [e for e in events if e["event"] == "decision"],
             "loads": [e for e in events if e["event"] == "load"]}
 
 
 def run(cfg: SweepConfig, main: Any, work: Path) -> dict[str, Any]:
-    """Every (bandwidth, policy) in an engine of its own, ``recompute`` at the fastest bandwidth
-    only; the raw rows (``analyze`` makes the list)."""
+    """Every bandwidth in an engine of its own, all the policies in each; the raw rows (``analyze``
+    makes the list)."""
     from scripts.bench_e2e.run import _load
 
     size = SIZES[main.size]
@@ -137,31 +146,29 @@ def run(cfg: SweepConfig, main: Any, work: Path) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     failed: dict[str, str] = {}
     for gbps in cfg.gbps:
-        for policy in cfg.policies:
-            if policy == "recompute" and gbps != max(cfg.gbps):
-                continue
-            key = f"{policy}@{gbps:g}"
-            sub = work / f"sweep-{policy}-{gbps:g}"
-            sub.mkdir(parents=True, exist_ok=True)
-            print(f"[bench-e2e] sweep {key}: starting (load {_load()})", flush=True)
-            try:
-                runs.append(_one(policy, gbps, cfg, main, model, engine, sub))
-            except Exception as exc:
-                print(f"[bench-e2e] sweep {key}: FAILED: {exc}", flush=True)
-                failed[key] = str(exc)[-2000:]
-                continue
-            print(f"[bench-e2e] sweep {key}: {len(runs[-1]['rows'])} requests in {runs[-1]['wall_s']} s", flush=True)
+        key = f"{gbps:g} GB/s"
+        sub = work / f"sweep-{gbps:g}"
+        sub.mkdir(parents=True, exist_ok=True)
+        print(f"[bench-e2e] sweep {key}: starting (load {_load()})", flush=True)
+        try:
+            runs.append(_one(gbps, cfg, main, model, engine, sub))
+        except Exception as exc:
+            print(f"[bench-e2e] sweep {key}: FAILED: {exc}", flush=True)
+            failed[key] = str(exc)[-2000:]
+            continue
+        print(f"[bench-e2e] sweep {key}: {len(runs[-1]['rows'])} requests in {runs[-1]['wall_s']} s", flush=True)
     return {"config": asdict(cfg), "kv_bytes_per_token": size.kv_bytes_per_token(4 if main.dtype == "float32" else 2),
             "runs": runs, "failed": failed}
 
 
 def analyze(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """``bandwidth_sweep``: per bandwidth and length the median hit TTFT of each policy. A policy
-    run at one bandwidth only (``recompute``) gives its medians to every bandwidth."""
+    """``bandwidth_sweep``: per bandwidth and length the median hit TTFT of each policy (its hits
+    in that bandwidth's engine)."""
     cfg = raw["config"]
 
-    def hits(run_: dict[str, Any], length: int) -> list[dict[str, Any]]:
-        return [r for r in run_["rows"] if (r.get("tag") or {}).get("kind") == "hit" and r["tag"]["length"] == length]
+    def hits(run_: dict[str, Any], length: int, policy: str) -> list[dict[str, Any]]:
+        return [r for r in run_["rows"] if (r.get("tag") or {}).get("kind") == "hit" and r["tag"]["length"] == length
+                and r["tag"].get("policy") == policy]
 
     def median_ms(rows: list[dict[str, Any]]) -> float | None:
         ttft = [r["ttft_s"] * 1e3 for r in rows if r.get("ttft_s") is not None]
@@ -169,17 +176,16 @@ def analyze(raw: dict[str, Any]) -> list[dict[str, Any]]:
 
     out = []
     for gbps in cfg["gbps"]:
+        run_ = next((r for r in raw["runs"] if r["gbps"] == gbps), None)
+        if run_ is None:
+            continue
         for length in cfg["lengths"]:
             row: dict[str, Any] = {"gbps": gbps, "length": length}
             for policy, column in POLICIES.items():
-                runs = [r for r in raw["runs"] if r["policy"] == policy]
-                run_ = next((r for r in runs if r["gbps"] == gbps), runs[0] if len(runs) == 1 else None)
-                if run_ is None:
+                got = hits(run_, length, policy)
+                if not got:
                     continue
-                got = hits(run_, length)
                 row[column] = median_ms(got)
-                if run_["gbps"] != gbps:
-                    row[column.replace("_ms", "_gbps")] = run_["gbps"]
                 if policy == "adaptive":
                     row["adaptive_loaded"] = sum(1 for r in got if r.get("cached", 0) > 0)
                     row["adaptive_reps"] = len(got)

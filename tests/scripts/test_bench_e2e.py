@@ -74,6 +74,9 @@ def test_a_paired_miss_is_timed_against_the_same_prompt_without_a_capability_in_
     assert plan[0]["reqs"][0]["parts"] == plan[1]["reqs"][0]["parts"]  # the same prompt
     for s in plan:  # each side starts once the stores before it ended
         assert every[every.index(s) - 1] == {"op": "settle"}
+    # another connector stores a request without a capability too: no pairs there
+    example = steps(cfg, "example", {ISO_A: "a", "globex": "b", **{t: t for t in cfg.mt_tenants}})
+    assert not [s for s in example if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] == "capless"]
     raw = _raw()
     emb = raw["runs"]["kvgate-embedded"]["rows"]
     emb += [_row("capless", 1024, i, ttft, [i, 1]) for i, ttft in enumerate((2.2, 2.0, 2.42))]  # misses: 2.2 each

@@ -9,48 +9,41 @@ from scripts.bench_e2e import sweep
 from scripts.bench_e2e.run import Config, parse
 
 
-def _rows(policy: str, gbps: float, ttft: dict[int, list[float]], loaded: bool) -> dict:
-    rows = [{"tag": {"kind": "miss", "length": n, "i": 0}, "ttft_s": 9.0, "cached": 0} for n in ttft]
-    for n, values in ttft.items():
-        rows += [{"tag": {"kind": "hit", "length": n, "i": i}, "ttft_s": v / 1e3, "cached": n - 32 if loaded else 0}
-                 for i, v in enumerate(values)]
-    return {"policy": policy, "gbps": gbps, "rows": rows}
+def _run(gbps: float, ttft: dict[str, list[float]], loaded: dict[str, bool], n: int = 1024) -> dict:
+    """One bandwidth's engine: a miss, then each policy's hits of ``n`` tokens (``ttft``, ms)."""
+    rows = [{"tag": {"kind": "miss", "length": n, "i": 0}, "ttft_s": 9.0, "cached": 0}]
+    for policy, values in ttft.items():
+        rows += [{"tag": {"kind": "hit", "length": n, "i": i, "policy": policy}, "ttft_s": v / 1e3,
+                  "cached": n - 32 if loaded[policy] else 0} for i, v in enumerate(values)]
+    return {"gbps": gbps, "policies": list(ttft), "rows": rows}
 
 
-def _raw(recompute: dict[float, list[float]]) -> dict:
-    """Two bandwidths, always and adaptive at each, recompute where ``recompute`` names."""
-    runs = [
-        _rows("always", 0.05, {1024: [900.0, 1000.0, 950.0]}, True),
-        _rows("adaptive", 0.05, {1024: [900.0, 312.0, 306.0]}, False),
-        _rows("always", 5.0, {1024: [100.0, 110.0, 105.0]}, True),
-        _rows("adaptive", 5.0, {1024: [104.0, 106.0, 300.0]}, True),
-    ]
-    runs += [_rows("recompute", gbps, {1024: ttft}, False) for gbps, ttft in recompute.items()]
-    return {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": runs}
+def _raw() -> dict:
+    slow = _run(0.05, {"always": [900.0, 1000.0, 950.0], "recompute": [300.0, 310.0, 305.0], "adaptive": [900.0, 312.0, 306.0]},
+                {"always": True, "recompute": False, "adaptive": False})
+    fast = _run(5.0, {"always": [100.0, 110.0, 105.0], "recompute": [300.0, 300.0, 300.0], "adaptive": [104.0, 106.0, 300.0]},
+                {"always": True, "recompute": False, "adaptive": True})
+    return {"config": {"gbps": [0.05, 5.0], "lengths": [1024], "reps": 3}, "failed": {}, "runs": [slow, fast]}
 
 
-def test_load_policy_sweep_list_has_the_medians_of_every_policy():
-    raw = _raw({0.05: [300.0, 310.0, 305.0], 5.0: [300.0, 300.0, 300.0]})
-    out = sweep.analyze(raw)
+def test_load_policy_sweep_list_has_the_medians_of_every_policy_from_one_engine():
+    out = sweep.analyze(_raw())
     assert [(r["gbps"], r["length"]) for r in out] == [(0.05, 1024), (5.0, 1024)]
     slow, fast = out
     assert (slow["always_load_ms"], slow["always_recompute_ms"], slow["adaptive_ms"]) == (950.0, 305.0, 312.0)
     assert slow["adaptive_vs_best"] == pytest.approx(312 / 305, abs=1e-3) and slow["adaptive_loaded"] == 0
-    assert (fast["always_load_ms"], fast["adaptive_ms"], fast["adaptive_loaded"]) == (105.0, 106.0, 3)
-    table = sweep.markdown(out)
-    assert "| 0.05 | 1024 | 950 | 305 | 312 |" in table
+    assert (fast["always_load_ms"], fast["always_recompute_ms"], fast["adaptive_ms"], fast["adaptive_loaded"]) == (105.0, 300.0, 106.0, 3)
+    assert "| 0.05 | 1024 | 950 | 305 | 312 |" in sweep.markdown(out)
 
 
-def test_load_policy_sweep_recompute_measured_once_stands_for_every_bandwidth():
-    raw = _raw({5.0: [300.0, 290.0, 310.0]})
-    slow, fast = sweep.analyze(raw)
-    assert slow["always_recompute_ms"] == fast["always_recompute_ms"] == 300.0
-    assert slow["always_recompute_gbps"] == 5.0 and "always_recompute_gbps" not in fast
-    assert slow["adaptive_vs_best"] == pytest.approx(312 / 300, abs=1e-3)
-    # with no recompute run the column is absent and the ratio is to always-load alone
-    raw["runs"] = [r for r in raw["runs"] if r["policy"] != "recompute"]
+def test_load_policy_sweep_without_a_policy_has_no_column_for_it():
+    raw = _raw()
+    for run_ in raw["runs"]:
+        run_["rows"] = [r for r in run_["rows"] if r["tag"].get("policy") != "recompute"]
     slow, _ = sweep.analyze(raw)
     assert "always_recompute_ms" not in slow and slow["adaptive_vs_best"] == pytest.approx(312 / 950, abs=1e-3)
+    raw["runs"] = raw["runs"][1:]  # a bandwidth whose engine failed: no row
+    assert [r["gbps"] for r in sweep.analyze(raw)] == [5.0]
 
 
 def test_load_policy_sweep_command_line_and_plan():
@@ -59,7 +52,12 @@ def test_load_policy_sweep_command_line_and_plan():
     assert sc is not None and sc.gbps == [0.1, 2.0] and sc.lengths == [512] and sc.policies == list(sweep.POLICIES)
     plan = sweep.steps(sc, cfg)
     kinds = [s["reqs"][0]["tag"]["kind"] if s["op"] == "gen" else s["op"] for s in plan]
-    assert kinds == ["warmup", "warmup", *(["miss", "settle", "hit", "flush"] * sc.reps)]
+    assert kinds == ["warmup", "warmup", *(["miss", *(["settle", "hit"] * 3), "flush"] * sc.reps)]
+    hits = [s["reqs"][0] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] == "hit"]
+    # every hit names its policy in the request; each policy goes first in turn
+    assert all(h["policy"] == h["tag"]["policy"] for h in hits)
+    orders = [[h["policy"] for h in hits if h["tag"]["i"] == i] for i in range(sc.reps)]
+    assert orders[0] == ["always", "recompute", "adaptive"] and orders[1] == ["recompute", "adaptive", "always"]
     assert {s["reqs"][0]["cap"] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] != "warmup"} == {sweep.TENANT}
     assert sweep.config(parse([])[1]) is None
     with pytest.raises(SystemExit):
