@@ -44,8 +44,7 @@ over a run, more than a miss's cost. `--paired-miss` pairs each kvgate miss with
 sent without a capability, in the same engine (no lookup, no store), the order alternating between
 repetitions and each side starting once the connector's stores ended; each miss row gets
 `miss_vs_capless`, the median of the pairs' TTFT ratios (other connectors store a request without
-a capability too, so they get no pairs); its last run is
-[e2e-miss.json](e2e-miss.json).
+a capability too, so they get no pairs); the run in e2e.json has them.
 
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
