@@ -491,9 +491,12 @@ async def test_a_bad_chunk_mid_batch_ends_the_prefix_and_nothing_past_it_lands(l
         assert got.loaded_tokens == 32  # chunks 0 and 1
         assert got.integrity_failures == (0 if how == "missing" else 1)
         assert torch.equal(gathered(src, g, BLOCKS6, 32), gathered(dst, g, BLOCKS6, 32))
-        # past the prefix: every slot as it was (no byte of chunks 2..5 reached the cache)
+        # past the prefix no byte of chunks 2..5 is left: every slot as it was, or zeroed where the
+        # bad chunk's segment was decrypted in place before its tag failed (the engine recomputes
+        # those slots); none holds the chunk's plaintext, which a one-bit change leaves whole
         past = BLOCKS6[8:]
-        assert torch.equal(gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32))
+        was, now = gathered(sentinel, g, past, SIX - 32), gathered(dst, g, past, SIX - 32)
+        assert bool(((now == was) | (now == 0)).all())
         # the blocks of the table nobody named are untouched too
         assert all(torch.equal(s[:, 24:], d[:, 24:]) for s, d in zip(sentinel, dst))  # KV_FIRST: blocks are dim 1
         # an inauthentic chunk was deleted, so a recompute stores a good copy

@@ -178,8 +178,6 @@ def test_a_connector_pointed_at_another_state_dir_names_it_and_creates_no_kek(tm
 async def test_an_embedded_backends_copies_behind_yield_to_this_process_engine_steps(tmp_path):
     """The slower tiers' copies wait while the engine of this process runs forward steps
     (``copies_finish_s``), and go once it is idle."""
-    import time
-
     from gateway.datapath.gate import STEPS
     from storage.types import ChunkKey
 
@@ -195,9 +193,7 @@ async def test_an_embedded_backends_copies_behind_yield_to_this_process_engine_s
             assert await disk.list_keys() == []  # a step is running: the copy waits
         finally:
             STEPS.forward_ends()
-        t0 = time.monotonic()
-        await asyncio.wait_for(tiers.flush(), 5)
-        assert time.monotonic() - t0 >= STEPS.idle_s * 0.5  # it went once the engine was idle
+        await asyncio.wait_for(tiers.flush(), 5)  # the engine is idle: it goes
         assert await disk.list_keys() == [ChunkKey("aa", "bb", "1" * 64)]
     finally:
         await backend.aclose()
