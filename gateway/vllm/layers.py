@@ -36,6 +36,7 @@ class LayerLoad:
     cond: threading.Condition = field(repr=False)
     layers: int = 0  # layers [0, layers) of this load are in place
     done: bool = False
+    t_first: float | None = None  # when its first layer was in place: the forward could use it
     t_end: float | None = None
     future: Future[Any] | None = None
 
@@ -43,6 +44,8 @@ class LayerLoad:
         """From the data path's threads: layers ``[0, layers)`` are in place."""
         with self.cond:
             if layers > self.layers:
+                if self.t_first is None:
+                    self.t_first = time.perf_counter()
                 self.layers = layers
                 self.cond.notify_all()
 

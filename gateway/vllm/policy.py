@@ -1,12 +1,15 @@
 """Load or recompute: how many of a hit's tokens the scheduler side loads, from measured costs.
 
     LoadEstimator     a load's time as ``latency + tokens x cost``: a weighted least-squares fit over
-                      one path's (mode's) recent measured loads, newest weighing most; its residuals' spread
+                      one path's (mode's) recent measured loads, newest weighing most; its residuals' spread.
+                      Two per path: the whole load, and its lead (the time before the forward can
+                      use any of it: the fetch of every chunk and the opening of their first layers)
     PrefillEstimator  this engine's step time as ``a + b x tokens + c x attention`` (query x context
                       pairs), fit over its recent steps that carried no load
     LoadPolicy        per hit, the prefix to load (none, whole chunks, or all of it) with the least
-                      expected time to first token: its load (behind those in flight) and the rest's
-                      compute, combined by a learned ``overlap``; ``always`` loads all, ``recompute`` none
+                      expected time to first token: its lead, then the rest of its load (behind those in
+                      flight) beside the compute of the prompt's rest, combined by a learned ``overlap``;
+                      ``always`` loads all, ``recompute`` none
     LoadTimings       the worker side's ``Tracer`` that also keeps each load's measured time for the
                       scheduler side (vLLM carries it back as worker metadata)
 Cold start: a hit loads until both estimators have a measurement. While the policy recomputes, a
@@ -16,6 +19,7 @@ is seen again. The model's terms, the overlap and the probes' schedule: docs/arc
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -37,12 +41,16 @@ Clock = Callable[[], float]
 
 @dataclass(frozen=True)
 class LoadSample:
-    """One load a worker ran: the tokens it fetched (or tried to), how long it took, its outcome."""
+    """One load a worker ran: the tokens it fetched (or tried to), how long it took, its outcome,
+    and of its time the lead: until the forward could use the first of it. A load that ends
+    before the forward starts is all lead; a layer-wise load's lead ends when its first layer is
+    in place (every chunk fetched by then). 0 where the worker does not say."""
 
     req_id: str
     tokens: int
     ms: float
     ok: bool = True
+    lead_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,7 @@ class Decision:
     load_spread_ms: float | None = None
     recompute_ms: float | None = None  # expected time to compute the hit's tokens instead
     ttft_ms: float | None = None  # expected load plus compute of the prompt, for the tokens chosen
+    lead_ms: float | None = None  # of load_ms, the part the forward waits for before it can use any
 
     def trace_fields(self) -> dict[str, Any]:
         def r(v: float | None) -> float | None:
@@ -232,7 +241,7 @@ class Decision:
 
         return {"tokens": self.tokens, "reason": self.reason, "est_load_ms": r(self.load_ms),
                 "est_load_spread_ms": r(self.load_spread_ms), "est_recompute_ms": r(self.recompute_ms),
-                "est_ttft_ms": r(self.ttft_ms)}
+                "est_ttft_ms": r(self.ttft_ms), "est_lead_ms": r(self.lead_ms)}
 
 
 class LoadPolicy:
@@ -245,6 +254,7 @@ class LoadPolicy:
         self.mode, self.chunk, self.path = mode, chunk_tokens, path
         self._clock = clock
         self.loads: dict[str, LoadEstimator] = {}
+        self.leads: dict[str, LoadEstimator] = {}
         self.prefill = PrefillEstimator(clock=clock)
         self.in_flight: dict[str, int] = {}  # req id -> tokens decided to load, not yet reported
         self.probe_s, self.probe_max_s = probe_s, probe_max_s
@@ -259,10 +269,18 @@ class LoadPolicy:
         self.overlap_samples = 0
 
     def load_estimator(self, path: str | None = None) -> LoadEstimator:
+        """The path's whole loads."""
+        return self._estimator(self.loads, path)
+
+    def lead_estimator(self, path: str | None = None) -> LoadEstimator:
+        """The path's loads' leads: the part of a load that no compute of the step hides."""
+        return self._estimator(self.leads, path)
+
+    def _estimator(self, table: dict[str, LoadEstimator], path: str | None) -> LoadEstimator:
         key = self.path if path is None else path
-        est = self.loads.get(key)
+        est = table.get(key)
         if est is None:
-            est = self.loads[key] = LoadEstimator(clock=self._clock)
+            est = table[key] = LoadEstimator(clock=self._clock)
         return est
 
     # -- the decision -------------------------------------------------------------------------
@@ -271,6 +289,9 @@ class LoadPolicy:
         request's own, in place of the engine's)."""
         self.in_flight.pop(req_id, None)  # asked again (not allocated last time): decided anew
         d = self._decide(req_id, prompt_len, computed, hit, mode or self.mode)
+        lead = self.lead_estimator().predict(hit + sum(self.in_flight.values()))
+        if lead is not None and d.load_ms is not None:
+            d = dataclasses.replace(d, lead_ms=min(lead, d.load_ms))
         if d.tokens > 0:
             self.in_flight[req_id] = d.tokens
         return d
@@ -287,24 +308,28 @@ class LoadPolicy:
         if load_fit is not None:
             load, spread = load_fit[0] + load_fit[1] * (hit + queued), load_fit[2]
         if mode == "always":
-            ttft = None if load is None or c_full is None else self._together(load, c_full)
-            return Decision(hit, "always", load, spread, recompute, ttft)
+            whole = None if load is None or c_full is None else self._expect(load_fit, hit + queued, c_full)
+            return Decision(hit, "always", load, spread, recompute, whole)
         if load_fit is None:
             return Decision(hit, "cold_load", load, spread, recompute)
         if c0 is None:
             return Decision(hit, "cold_prefill", load, spread, recompute)
-        lat, per = load_fit[0], load_fit[1]
+
+        def ttft(k: int) -> float:  # load k hit tokens (behind those queued), compute the rest
+            rest = self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0
+            return self._expect(load_fit, k + queued, rest)
+
         best, best_ms = 0, c0
         ends = sorted({*range(self.chunk - computed % self.chunk, hit, self.chunk), hit})
         for k in ends:  # a prefix ends on a chunk boundary (or the hit's end)
-            ms = self._together(lat + per * (k + queued), self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
+            ms = ttft(k)
             if ms < best_ms:
                 best, best_ms = k, ms
         now = self._clock()
         if best == 0:
             self._credit_ms += self.probe_budget * (recompute or 0.0)
             k = ends[0]
-            ms = self._together(lat + per * (k + queued), self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0)
+            ms = ttft(k)
             due = est.age_s() >= self._probe_every and now - self._last_probe >= self._probe_every
             if self._doubt or (due and ms - best_ms <= self._credit_ms):
                 self._last_probe, self._doubt = now, False
@@ -314,6 +339,17 @@ class LoadPolicy:
             return Decision(0, "recompute_faster", load, spread, recompute, best_ms)
         self._probe_every = self.probe_s
         return Decision(best, "load_faster" if best == hit else "prefix_faster", load, spread, recompute, best_ms)
+
+    def _expect(self, load_fit: tuple[float, float, float] | None, tokens: int, compute_ms: float) -> float:
+        """The expected time of a step that loads ``tokens`` and computes ``compute_ms``: the
+        load's lead first (the forward waits for it), then the rest of the load beside the
+        compute."""
+        if load_fit is None:
+            return compute_ms
+        load = load_fit[0] + load_fit[1] * tokens
+        lead_fit = self.lead_estimator().fit()
+        lead = 0.0 if lead_fit is None else min(load, lead_fit[0] + lead_fit[1] * tokens)
+        return lead + self._together(load - lead, compute_ms)
 
     def _together(self, load_ms: float, compute_ms: float) -> float:
         """A step's expected time for a load and a compute: the longer, and the share of the
@@ -342,30 +378,34 @@ class LoadPolicy:
         self.loads_ended(samples)
 
     def _learn_overlap(self, work: StepWork, ms: float, samples: list[LoadSample]) -> None:
-        """From a step that carried loads: how much of the shorter of its load (each request's
-        loads one after another; a request's workers side by side) and its predicted compute it
-        added beyond the longer. Steps where the shorter is under a tenth of the step tell nothing."""
-        per_req: dict[str, float] = {}
+        """From a step that carried loads: how much of the shorter of its load past the lead (each
+        request's loads one after another; a request's workers side by side) and its predicted
+        compute it added beyond the lead and the longer. Steps where the shorter is under a tenth
+        of the step tell nothing."""
+        per_req: dict[str, tuple[float, float]] = {}
         for s in samples:
-            per_req[s.req_id] = max(per_req.get(s.req_id, 0.0), s.ms)
-        load, fit = sum(per_req.values()), self.prefill.fit()
+            was = per_req.get(s.req_id, (0.0, 0.0))
+            per_req[s.req_id] = (max(was[0], s.ms), max(was[1], min(s.ms, s.lead_ms)))
+        load, lead, fit = sum(v[0] for v in per_req.values()), sum(v[1] for v in per_req.values()), self.prefill.fit()
         if load <= 0 or fit is None:
             return
         compute = fit[0] + fit[1] * work.tokens + fit[2] * work.attention
-        short, long = min(load, compute), max(load, compute)
+        short, long = min(load - lead, compute), max(load - lead, compute)
         if short < 0.1 * ms:
             return
-        share = min(1.0, max(0.0, (ms - long) / short))
+        share = min(1.0, max(0.0, (ms - lead - long) / short))
         self.overlap = share if self.overlap_samples == 0 else 0.7 * self.overlap + 0.3 * share
         self.overlap_samples += 1
 
     def loads_ended(self, samples: Iterable[LoadSample]) -> None:
         """The workers' loads. A load that failed (a tier past its deadline, a chunk gone) cost
         its time and then the recompute of what it was to load: that is its measurement."""
-        est = self.load_estimator()
+        est, leads = self.load_estimator(), self.lead_estimator()
         for s in samples:
             self.in_flight.pop(s.req_id, None)
+            # a failed load held the forward back to its end: all of it, and the recompute, is lead
             ms = s.ms if s.ok else s.ms + (self.prefill.compute_ms(s.tokens, 0) or 0.0)
+            leads.observe(s.tokens, min(ms, s.lead_ms) if s.ok else ms)
             if est.observe(s.tokens, ms) < 0:
                 self._doubt, self._probe_every = True, self.probe_s
 
@@ -386,7 +426,8 @@ class LoadTimings(Tracer):
         if event == "load":
             failed = bool(fields.get("failed_blocks"))
             tokens = int(fields.get("tokens" if failed else "loaded_tokens") or 0)
-            sample = LoadSample(str(fields.get("req", "")), tokens, float(fields.get("ms", 0.0)), not failed)
+            ms = float(fields.get("ms", 0.0))  # a load that says no lead ran whole before the forward
+            sample = LoadSample(str(fields.get("req", "")), tokens, ms, not failed, float(fields.get("lead_ms", ms)))
             with self._lock:
                 self._samples.append(sample)
         super().__call__(event, **fields)

@@ -139,10 +139,11 @@ class WorkerSide:
 
     def _loaded(
         self, op: LoadOp, upto: int, t0: float, loaded: int, failures: int, reason: str, ms: float | None = None,
-        **trace: Any,
+        lead_ms: float | None = None, **trace: Any,
     ) -> None:
         """A load's outcome (``loaded`` blocks): its failed blocks to vLLM, its trace line
-        (``ms``: how long the load ran; by default, until now)."""
+        (``ms``: how long the load ran, by default until now; ``lead_ms``: how long the forward
+        could use none of it, by default all of it)."""
         bs = self.block
         first_failed = max(loaded, op.skip_blocks)
         failed = self.ledger.load_failed(op.req_id, op.block_ids, first_failed, upto)
@@ -157,10 +158,11 @@ class WorkerSide:
                 "kvgate load for %s: %d of %d tokens loaded (%s); vLLM recomputes %d blocks, none of them "
                 "is stored by this request", op.req_id, min(loaded, upto) * bs, upto * bs, reason, len(failed),
             )
+        ms = (time.perf_counter() - t0) * 1e3 if ms is None else ms
         self._trace(
             "load", req=op.req_id, tokens=op.load_tokens, loaded_tokens=min(loaded, upto) * bs,
             failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
-            ms=(time.perf_counter() - t0) * 1e3 if ms is None else ms, **trace,
+            ms=ms, lead_ms=ms if lead_ms is None else min(ms, lead_ms), **trace,
         )
 
     # -- layer-wise loads ---------------------------------------------------------------------
@@ -189,8 +191,9 @@ class WorkerSide:
                 reason = miss_reason(exc)
             if not complete and loaded:  # counted and logged at WARNING as any failed load
                 loaded, reason = 0, LAYER_HOOKS_MISSED
-            self._loaded(load.op, load.upto, load.t0, loaded, failures, reason,
-                         ms=((load.t_end or time.perf_counter()) - load.t0) * 1e3, layerwise=True)
+            end = load.t_end or time.perf_counter()
+            self._loaded(load.op, load.upto, load.t0, loaded, failures, reason, ms=(end - load.t0) * 1e3,
+                         lead_ms=((load.t_first or end) - load.t0) * 1e3, layerwise=True)
         if loads:
             self._trace("layer_wait", loads=len(loads), ms=waited * 1e3, hooks_complete=complete)
 

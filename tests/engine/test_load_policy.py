@@ -112,6 +112,7 @@ def test_load_policy_slow_link_recomputes_and_says_why(runs):
     d = _decision(runs["Q3"])
     assert d["reason"] == "recompute_faster" and d["tokens"] == 0 and d["hit_tokens"] > 0, d
     assert d["est_load_ms"] > d["est_recompute_ms"] > 0, d
+    assert d["est_lead_ms"] > 0.5 * d["est_load_ms"], d  # over a slow link a load is mostly its fetch
     assert not [e for e in runs["Q3"]["trace"] if e["event"] == "load"]  # nothing loaded
     assert runs["Q3"]["kv"] is None or runs["Q3"]["kv"].get("kvgate", {}).get("hit_tokens", 0) == 0
 
@@ -121,6 +122,7 @@ def test_load_policy_a_request_naming_always_loads_where_the_engine_would_recomp
     assert d["reason"] == "always" and d["tokens"] == d["hit_tokens"] > 0, d
     loads = [e for e in runs["Q4"]["trace"] if e["event"] == "load"]
     assert loads and loads[0]["loaded_tokens"] == d["tokens"] and not loads[0]["failed_blocks"]
+    assert 0.5 * loads[0]["ms"] <= loads[0]["lead_ms"] <= loads[0]["ms"]  # the fetch comes first
 
 
 def test_load_policy_greedy_outputs_identical_loaded_or_recomputed(runs):

@@ -299,7 +299,7 @@ def test_load_policy_decision_is_traced_and_counted(tmp_path):
     events = [json.loads(line) for line in path.read_text().splitlines()]
     d = next(e for e in events if e["event"] == "decision")
     assert d["req"] == "r1" and d["hit_tokens"] == 2048 and d["tokens"] == 0 and d["reason"] == "recompute_faster"
-    assert d["est_load_ms"] > d["est_recompute_ms"] > 0
+    assert d["est_load_ms"] > d["est_recompute_ms"] > 0 and 0 <= d["est_lead_ms"] <= d["est_load_ms"]
     assert stats.get("decision", "recompute_faster") == 1 and stats.tokens_of("declined") == 2048
     assert ("decision", "recompute_faster") not in stats.failures()
     assert side.finished("r1") == {"kvgate": {"hit_tokens": 0}}
@@ -363,11 +363,12 @@ def test_load_policy_prefix_load_retrieves_only_its_chunks():
 def test_load_policy_worker_load_timings_reach_the_policy(tmp_path):
     """The worker side's tracer keeps each load's time; the scheduler side learns from them."""
     timings = LoadTimings(str(tmp_path / "w.jsonl"))
-    timings("load", req="r1", tokens=1024, loaded_tokens=1024, failed_blocks=0, ms=12.5)
+    timings("load", req="r1", tokens=1024, loaded_tokens=1024, failed_blocks=0, ms=12.5, lead_ms=4.0)
     timings("load", req="r2", tokens=2048, loaded_tokens=0, failed_blocks=64, ms=30000.0, reason="gateway_timeout")
     timings("store", req="r1", tokens=1024, ms=3.0)
     samples = timings.take()
-    assert samples == [LoadSample("r1", 1024, 12.5, True), LoadSample("r2", 2048, 30000.0, False)]
+    # a load line without a lead ran whole before the forward: all of it is lead
+    assert samples == [LoadSample("r1", 1024, 12.5, True, 4.0), LoadSample("r2", 2048, 30000.0, False, 30000.0)]
     assert timings.take() == []
     assert len((tmp_path / "w.jsonl").read_text().splitlines()) == 3  # the trace is written as before
     policy, clock = _policy()
@@ -378,18 +379,20 @@ def test_load_policy_worker_load_timings_reach_the_policy(tmp_path):
     assert policy.in_flight == {} and policy.load_estimator().count == 2 and policy.prefill.count == 0
 
 
-def _load_steps(policy: LoadPolicy, clock: Clock, hidden: bool, n: int = 6) -> None:
+def _load_steps(policy: LoadPolicy, clock: Clock, hidden: bool, n: int = 6, lead_share: float = 0.0) -> None:
     """Steps that each load 3072 tokens and compute the prompt's last 1025, timed as a step that
-    runs them side by side (``hidden``) or one after the other would be."""
+    runs them side by side (``hidden``) or one after the other would be; ``lead_share`` of each
+    load comes before the forward can start (its fetch), in both."""
     fit = policy.prefill.fit()
     assert fit is not None
     for i in range(n):
         work = StepWork(1025, attention_pairs(1025, 3072), loads=True)
         compute = fit[0] + fit[1] * work.tokens + fit[2] * work.attention
         load = 0.02 * 3072
+        lead = lead_share * load
         policy.step_built(work)
-        clock.t += (max(compute, load) if hidden else compute + load) / 1e3
-        policy.step_ended([LoadSample(f"l{i}", 3072, load)])
+        clock.t += (lead + (max(compute, load - lead) if hidden else compute + load - lead)) / 1e3
+        policy.step_ended([LoadSample(f"l{i}", 3072, load, lead_ms=lead)])
 
 
 def test_load_policy_overlap_of_load_and_compute_is_learned_and_picks_a_prefix():
@@ -428,3 +431,47 @@ def test_load_policy_a_failed_load_costs_its_time_and_the_recompute():
     policy.loads_ended([LoadSample("a", 1024, 60.0, ok=False)])  # faster than computing 1024 (~100 ms)
     d = policy.decide("b", 1025, 0, 1024)
     assert d.reason == "recompute_faster" and d.load_ms > 60.0 + 100.0  # type: ignore[operator]
+
+
+def test_load_policy_a_load_whose_lead_nothing_hides_is_not_taken_for_a_prefix():
+    """A slow link: most of each load is its fetch, which the forward waits for (the lead); only
+    the opening of the layers runs beside the compute. Steps that show the part past the lead
+    hidden teach an overlap of 0, and still no prefix is loaded: its fetch alone outlasts the
+    compute it saves. The control: the same loads with no lead pick a prefix."""
+    policy, clock = _policy()
+    _learn_prefill(policy, clock, per_token_ms=0.01, per_pair_ms=1e-6)
+    _load_steps(policy, clock, hidden=True, lead_share=0.7)
+    assert policy.overlap == pytest.approx(0.0, abs=0.02) and policy.overlap_samples == 6
+    lead = policy.lead_estimator().predict(4096)
+    assert lead == pytest.approx(0.7 * 0.02 * 4096, rel=0.01)
+    d = policy.decide("b", 4097, 0, 4096)
+    assert (d.tokens, d.reason) == (0, "recompute_faster"), d
+    control, clock2 = _policy()
+    _learn_prefill(control, clock2, per_token_ms=0.01, per_pair_ms=1e-6)
+    _load_steps(control, clock2, hidden=True, lead_share=0.0)
+    d = control.decide("b", 4097, 0, 4096)
+    assert d.reason == "prefix_faster" and 0 < d.tokens < 4096, d
+
+
+def test_load_policy_a_fast_load_with_a_lead_still_loads_it_all():
+    """A fast link: the lead (fetch) is small against the compute it saves, so the whole hit loads,
+    and the expected time counts the lead before the compute of the prompt's last token."""
+    policy, clock = _policy()
+    _learn_prefill(policy, clock, per_token_ms=0.01, per_pair_ms=1e-6)
+    for i in range(6):
+        tokens = 512 * (1 + i % 4)
+        clock.t += 0.2
+        policy.loads_ended([LoadSample(f"m{i}", tokens, 0.001 * tokens, lead_ms=0.0005 * tokens)])
+    d = policy.decide("a", 4097, 0, 4096)
+    assert (d.tokens, d.reason) == (4096, "load_faster")
+    rest = policy.prefill.compute_ms(1, 4096)
+    assert rest is not None and d.ttft_ms == pytest.approx(0.0005 * 4096 + max(0.0005 * 4096, rest) + min(0.0005 * 4096, rest))
+
+
+def test_load_policy_a_failed_load_is_all_lead():
+    """A load that failed held the forward back until it ended: its time and the recompute after
+    it are lead, whatever the worker measured as its first layer."""
+    policy, clock = _policy()
+    _learn_prefill(policy, clock, per_token_ms=0.1)
+    policy.loads_ended([LoadSample("a", 1024, 60.0, ok=False, lead_ms=1.0)])
+    assert policy.lead_estimator().predict(1024) == pytest.approx(policy.load_estimator().predict(1024))

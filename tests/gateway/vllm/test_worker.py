@@ -580,6 +580,8 @@ def test_a_layer_wise_load_is_in_place_at_each_layer_the_forward_reaches(backend
     assert seen == names and _untouched(dst, dst_ids[8:])
     loads = [e for e in _events(tmp_path) if e["event"] == "load"]
     assert loads[-1]["layerwise"] is True and loads[-1]["loaded_tokens"] == 32
+    # its lead (until its first layer was in place, every chunk fetched) is part of its time
+    assert 0 < loads[-1]["lead_ms"] <= loads[-1]["ms"]
     waits = [e for e in _events(tmp_path) if e["event"] == "layer_wait"]
     assert waits[-1]["hooks_complete"] is True and waits[-1]["loads"] == 1
 
@@ -592,7 +594,8 @@ def test_the_first_load_is_whole_and_a_step_that_skips_a_layer_loses_its_layer_w
     dst_ids = list(range(20, 32))
     # no step has shown the hook yet: the load is whole, in start_load_kv (the control)
     assert _step(reader, [LoadOp("r0", cap, TOKENS[:32], dst_ids[:8])], names) == set()
-    assert "layerwise" not in [e for e in _events(tmp_path) if e["event"] == "load"][-1]
+    whole = [e for e in _events(tmp_path) if e["event"] == "load"][-1]
+    assert "layerwise" not in whole and whole["lead_ms"] == whole["ms"]  # all of it before the forward
     # now layer-wise; a forward that skips the last layer's hook may have read it before it was
     # in place: every block of the load is a load error (vLLM recomputes them)
     errors = _step(reader, [LoadOp("r1", cap, TOKENS[:32], dst_ids[:8])], names[:-1])
