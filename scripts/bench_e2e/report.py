@@ -25,14 +25,17 @@ machine and load averages are in [e2e.json](e2e.json). Rerun with
 
 The bandwidth sweep (`scripts/bench_e2e/sweep.py`; `--sweep` after the systems, its list
 `bandwidth_sweep` in e2e.json and its table here; `--sweep-only` alone, into
-`bench-results/e2e-sweep.json` and `e2e-sweep.md`) runs kvgate embedded with Redis as its only tier
+`bench-results/e2e-sweep.json` and `e2e-sweep.md`, and with `--docs` its list into e2e.json beside
+the systems' figures, its own meta under `meta.bandwidth_sweep`) runs kvgate embedded with Redis as its only tier
 behind a TCP proxy that holds Redis's answers (the loads) to 0.01, 0.02, 0.05 and 1 GB/s, spanning
 this machine's crossover (the stores, untimed, go at full speed; the tier's deadlines raised so a slow
 load ends), one engine per bandwidth, and times hits of 1,024, 4,096 and 8,192 tokens three times
 each per policy, every policy in the same engine: after each stored miss one hit per policy, each
-naming its own (`kvgate_load_policy`: `always`, `recompute`, `adaptive`), in an order that rotates
-with the repetition. Per point: the median TTFT of always-load, always-recompute and adaptive,
-adaptive's ratio to the better of the two and how often it loaded. The policies meet the same
+naming its own (`kvgate_load_policy`: `always`, `recompute`, `adaptive`), in an order that changes
+with the repetition (each policy first in turn, and after different ones). Per point: the median TTFT of always-load, always-recompute and adaptive,
+adaptive's ratio to the better of the two and how often it loaded, and each hit (`hits`): its
+policy, the one before it, its TTFT, the decision with its estimates, and the load the workers
+timed with its lead. The policies meet the same
 engine within seconds of each other, so neither one engine's speed against another's nor the
 machine's drift decides between them.
 To refresh docs/e2e.json with the sweep, on a quiet host:

@@ -238,6 +238,20 @@ def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
 
 
+def _commit() -> str | None:
+    """The checkout's commit, ``+dirty`` where tracked files differ from it."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "") if head else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def _machine() -> dict[str, Any]:
     import platform
 
@@ -249,7 +263,7 @@ def _machine() -> dict[str, Any]:
     mem = next((int(ln.split()[1]) // (1 << 20) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), None)
     return {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": mem, "loadavg_start": _load(), "uptime_start": _uptime(),
+            "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": mem, "loadavg_start": _load(), "uptime_start": _uptime(),
             "note": "the machine's 2 cores were shared with other jobs during the run: see the load averages"}
 
 
@@ -373,7 +387,7 @@ def main(argv: list[str] | None = None) -> None:
 
     sweep_cfg = sweep.config(a)
     if sweep_cfg is not None and a.sweep_only:  # the bandwidth sweep alone: bench-results/e2e-sweep.*
-        sweep.run_and_write(sweep_cfg, cfg, a.workdir, a.sweep_json)
+        sweep.run_and_write(sweep_cfg, cfg, a.workdir, a.sweep_json, docs=a.docs)
         return
     from scripts.bench_e2e import pd as pd_workload
 

@@ -9,7 +9,7 @@ go at full speed; the tier's deadlines raised so a slow load ends rather than fa
 one engine (``load_policy: adaptive``), started cold: a warm-up, then per length and repetition a
 stored miss and one hit per policy (``always``: always load, ``recompute``: always recompute,
 ``adaptive``), each naming its policy in the request (``kvgate_load_policy``), in an order that
-rotates with the repetition, then a flush. The policies meet the same engine, link and machine
+changes with the repetition (each first in turn, and after different ones), then a flush. The policies meet the same engine, link and machine
 within seconds of each other, so neither one engine's speed against another's nor the machine's
 drift over a run decides between them; adaptive learns from every load of the engine. Output (``analyze``): ``bandwidth_sweep``, a list of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
 hits, with ``adaptive_loaded`` (the hits adaptive loaded, of its repetitions) and the ratio of
@@ -90,7 +90,10 @@ def steps(cfg: SweepConfig, main: Any) -> list[dict[str, Any]]:
             parts = [[length, SEED + 1000 * length + i]]
             out += [gen(f"miss {length}/{i}", parts, TENANT, kind="miss", length=length, i=i)]
             k = i % len(cfg.policies)
-            for policy in cfg.policies[k:] + cfg.policies[:k]:  # each policy goes first in turn
+            order = cfg.policies[k:] + cfg.policies[:k]  # each policy goes first in turn
+            if k % 2:  # and follows more than one other: a hit's predecessor can change its time
+                order = order[:1] + order[:0:-1]
+            for policy in order:
                 out += [{"op": "settle"},
                         gen(f"hit {length}/{i} {policy}", parts, TENANT, policy=policy, kind="hit", length=length, i=i)]
             out.append({"op": "flush"})
@@ -179,6 +182,7 @@ def analyze(raw: dict[str, Any]) -> list[dict[str, Any]]:
         run_ = next((r for r in raw["runs"] if r["gbps"] == gbps), None)
         if run_ is None:
             continue
+        detail = _detail(run_)
         for length in cfg["lengths"]:
             row: dict[str, Any] = {"gbps": gbps, "length": length}
             for policy, column in POLICIES.items():
@@ -192,12 +196,43 @@ def analyze(raw: dict[str, Any]) -> list[dict[str, Any]]:
             best: list[float] = [v for c in ("always_load_ms", "always_recompute_ms") if (v := row.get(c))]
             if best and row.get("adaptive_ms"):
                 row["adaptive_vs_best"] = round(row["adaptive_ms"] / min(best), 3)
+            row["hits"] = [d for d in detail if d["length"] == length]
             out.append(row)
     return out
 
 
-def run_and_write(cfg: SweepConfig, main: Any, workdir: Path | None, json_path: Path | None = None) -> list[dict[str, Any]]:
-    """The sweep alone: run it, write its JSON (``bandwidth_sweep``), raw rows and table."""
+def _detail(run_: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every hit of one engine in the order it ran: its policy, the one before it in its
+    repetition, its TTFT, the decision (tokens, reason, estimates) and the load the workers
+    measured (time, lead). The n-th decision is the n-th hit's: a miss looks up nothing to decide."""
+    rows = [r for r in run_["rows"] if (r.get("tag") or {}).get("kind") == "hit"]
+    decisions = run_.get("decisions") or []
+    loads: dict[str, list[dict[str, Any]]] = {}
+    for e in run_.get("loads") or []:
+        loads.setdefault(str(e.get("req")), []).append(e)
+    out: list[dict[str, Any]] = []
+    before: dict[tuple[int, int], str] = {}
+    for i, r in enumerate(rows):
+        tag = r["tag"]
+        d = decisions[i] if len(decisions) == len(rows) else {}
+        mine = loads.get(str(d.get("req")), [])
+        rep = (tag["length"], tag["i"])
+        out.append({
+            "length": tag["length"], "i": tag["i"], "policy": tag.get("policy"), "after": before.get(rep),
+            "ttft_ms": None if r.get("ttft_s") is None else round(r["ttft_s"] * 1e3, 1), "cached": r.get("cached"),
+            **{k: d.get(k) for k in ("tokens", "reason", "est_ttft_ms", "est_load_ms", "est_lead_ms", "est_recompute_ms")},
+            "load_ms": round(sum(e.get("ms", 0.0) for e in mine), 1) if mine else None,
+            "lead_ms": round(sum(e.get("lead_ms", e.get("ms", 0.0)) for e in mine), 1) if mine else None,
+        })
+        before[rep] = tag.get("policy")
+    return out
+
+
+def run_and_write(
+    cfg: SweepConfig, main: Any, workdir: Path | None, json_path: Path | None = None, docs: bool = False,
+) -> list[dict[str, Any]]:
+    """The sweep alone: run it, write its JSON (``bandwidth_sweep``), raw rows and table; ``docs``:
+    its list and meta into docs/e2e.json too, beside the systems' figures of their own run."""
     from scripts.bench_e2e.run import _machine
     from scripts.bench_e2e.systems import ROOT
 
@@ -212,6 +247,13 @@ def run_and_write(cfg: SweepConfig, main: Any, workdir: Path | None, json_path: 
             "failed": raw["failed"], "total_wall_s": round(time.monotonic() - t0, 1)}
     path.write_text(json.dumps({"meta": meta, "bandwidth_sweep": rows}, indent=1) + "\n")
     path.with_name(f"{path.stem}-raw.json").write_text(json.dumps(raw) + "\n")
+    if docs:
+        e2e = ROOT / "docs" / "e2e.json"
+        doc = json.loads(e2e.read_text()) if e2e.exists() else {"meta": {}}
+        doc["bandwidth_sweep"] = rows
+        doc["meta"]["bandwidth_sweep"] = meta
+        e2e.write_text(json.dumps(doc, indent=1) + "\n")
+        print(f"wrote bandwidth_sweep into {e2e}")
     md = markdown(rows)
     path.with_suffix(".md").write_text(md)
     print(md)

@@ -57,7 +57,9 @@ def test_load_policy_sweep_command_line_and_plan():
     # every hit names its policy in the request; each policy goes first in turn
     assert all(h["policy"] == h["tag"]["policy"] for h in hits)
     orders = [[h["policy"] for h in hits if h["tag"]["i"] == i] for i in range(sc.reps)]
-    assert orders[0] == ["always", "recompute", "adaptive"] and orders[1] == ["recompute", "adaptive", "always"]
+    assert orders[0] == ["always", "recompute", "adaptive"] and orders[1] == ["recompute", "always", "adaptive"]
+    if sc.reps >= 3:
+        assert orders[2] == ["adaptive", "always", "recompute"]
     assert {s["reqs"][0]["cap"] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] != "warmup"} == {sweep.TENANT}
     assert sweep.config(parse([])[1]) is None
     with pytest.raises(SystemExit):
@@ -76,3 +78,28 @@ def test_load_policy_sweep_proxy_holds_only_the_answers_when_asked():
     proxy._throttle(10_000_000, down=False)  # the client's writes pass at once
     proxy._throttle(10_000_000, down=True)  # the service's answers are held
     assert proxy._free_at[False] == 0 and proxy._free_at[True] > 0
+
+
+def test_load_policy_sweep_hits_carry_their_decision_load_and_the_policy_before_them():
+    """Each hit's row of the list says what the policy chose and what the load took: the n-th
+    decision of the trace is the n-th hit's (a miss decides nothing), its load found by request."""
+    rows = [{"tag": {"kind": "miss", "length": 1024, "i": 0}, "ttft_s": 9.0, "cached": 0}]
+    order = ["recompute", "adaptive", "always"]
+    rows += [{"tag": {"kind": "hit", "length": 1024, "i": 0, "policy": p}, "ttft_s": 0.1 + k / 10, "cached": 992 if p != "recompute" else 0}
+             for k, p in enumerate(order)]
+    decisions = [{"event": "decision", "req": "r-rec", "tokens": 0, "reason": "recompute"},
+                 {"event": "decision", "req": "r-ada", "tokens": 992, "reason": "load_faster", "est_ttft_ms": 150.0,
+                  "est_load_ms": 90.0, "est_lead_ms": 40.0, "est_recompute_ms": 900.0},
+                 {"event": "decision", "req": "r-alw", "tokens": 992, "reason": "always"}]
+    loads = [{"event": "load", "req": "r-ada", "ms": 88.0, "lead_ms": 35.0}, {"event": "load", "req": "r-alw", "ms": 91.0}]
+    run_ = {"gbps": 1.0, "policies": order, "rows": rows, "decisions": decisions, "loads": loads}
+    [row] = sweep.analyze({"config": {"gbps": [1.0], "lengths": [1024], "reps": 1}, "failed": {}, "runs": [run_]})
+    rec, ada, alw = row["hits"]
+    assert (rec["policy"], rec["after"], rec["reason"], rec["load_ms"]) == ("recompute", None, "recompute", None)
+    assert (ada["policy"], ada["after"], ada["tokens"], ada["est_lead_ms"]) == ("adaptive", "recompute", 992, 40.0)
+    assert (ada["load_ms"], ada["lead_ms"], ada["ttft_ms"]) == (88.0, 35.0, 200.0)
+    assert (alw["after"], alw["load_ms"], alw["lead_ms"]) == ("adaptive", 91.0, 91.0)  # no lead said: all of it
+    # a trace that does not line up with the hits is not guessed at
+    run_["decisions"] = decisions[1:]
+    [row] = sweep.analyze({"config": {"gbps": [1.0], "lengths": [1024], "reps": 1}, "failed": {}, "runs": [run_]})
+    assert all(h["reason"] is None and h["load_ms"] is None for h in row["hits"])
