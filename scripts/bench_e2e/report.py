@@ -32,7 +32,9 @@ this machine's crossover (the stores, untimed, go at full speed; the tier's dead
 load ends), one engine per bandwidth, and times hits of 1,024, 4,096 and 8,192 tokens three times
 each per policy, every policy in the same engine: after each stored miss one hit per policy, each
 naming its own (`kvgate_load_policy`: `always`, `recompute`, `adaptive`), in an order that changes
-with the repetition (each policy first in turn, and after different ones). Per point: the median TTFT of always-load, always-recompute and adaptive,
+with the repetition (each policy first in turn, and after different ones), and each hit right
+after a prefill of its prompt (the miss, or the prompt sent again without a capability), as a hit
+right after a long prefill loads slower than one after a short hit. Per point: the median TTFT of always-load, always-recompute and adaptive,
 adaptive's ratio to the better of the two and how often it loaded, and each hit (`hits`): its
 policy, the one before it, its TTFT, the decision with its estimates, and the load the workers
 timed with its lead. The policies meet the same

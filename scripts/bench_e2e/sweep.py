@@ -9,7 +9,10 @@ go at full speed; the tier's deadlines raised so a slow load ends rather than fa
 one engine (``load_policy: adaptive``), started cold: a warm-up, then per length and repetition a
 stored miss and one hit per policy (``always``: always load, ``recompute``: always recompute,
 ``adaptive``), each naming its policy in the request (``kvgate_load_policy``), in an order that
-changes with the repetition (each first in turn, and after different ones), then a flush. The policies meet the same engine, link and machine
+changes with the repetition (each first in turn, and after different ones), then a flush. Every
+hit follows a prefill of its prompt: the first the miss that stored it, each other one the same
+prompt sent without a capability (``level``: no lookup, no store), since a hit right after a long
+prefill loads slower than one after a short hit. The policies meet the same engine, link and machine
 within seconds of each other, so neither one engine's speed against another's nor the machine's
 drift over a run decides between them; adaptive learns from every load of the engine. Output (``analyze``): ``bandwidth_sweep``, a list of ``{gbps, length, always_load_ms, always_recompute_ms, adaptive_ms}``, each the median TTFT of the
 hits, with ``adaptive_loaded`` (the hits adaptive loaded, of its repetitions) and the ratio of
@@ -93,7 +96,9 @@ def steps(cfg: SweepConfig, main: Any) -> list[dict[str, Any]]:
             order = cfg.policies[k:] + cfg.policies[:k]  # each policy goes first in turn
             if k % 2:  # and follows more than one other: a hit's predecessor can change its time
                 order = order[:1] + order[:0:-1]
-            for policy in order:
+            for k, policy in enumerate(order):
+                if k:  # every hit follows a prefill of its length: a hit right after one loads slower
+                    out.append(gen(f"level {length}/{i}", parts, None, 1, kind="level", length=length, i=i))
                 out += [{"op": "settle"},
                         gen(f"hit {length}/{i} {policy}", parts, TENANT, policy=policy, kind="hit", length=length, i=i)]
             out.append({"op": "flush"})

@@ -52,7 +52,12 @@ def test_load_policy_sweep_command_line_and_plan():
     assert sc is not None and sc.gbps == [0.1, 2.0] and sc.lengths == [512] and sc.policies == list(sweep.POLICIES)
     plan = sweep.steps(sc, cfg)
     kinds = [s["reqs"][0]["tag"]["kind"] if s["op"] == "gen" else s["op"] for s in plan]
-    assert kinds == ["warmup", "warmup", *(["miss", *(["settle", "hit"] * 3), "flush"] * sc.reps)]
+    # every hit follows a prefill of its prompt: the miss that stored it, or the same prompt sent
+    # without a capability (no lookup, no store)
+    rep = ["miss", "settle", "hit", "level", "settle", "hit", "level", "settle", "hit", "flush"]
+    assert kinds == ["warmup", "warmup", *(rep * sc.reps)]
+    levels = [s["reqs"][0] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] == "level"]
+    assert levels and all(r["cap"] is None and "policy" not in r for r in levels)
     hits = [s["reqs"][0] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] == "hit"]
     # every hit names its policy in the request; each policy goes first in turn
     assert all(h["policy"] == h["tag"]["policy"] for h in hits)
@@ -60,7 +65,7 @@ def test_load_policy_sweep_command_line_and_plan():
     assert orders[0] == ["always", "recompute", "adaptive"] and orders[1] == ["recompute", "always", "adaptive"]
     if sc.reps >= 3:
         assert orders[2] == ["adaptive", "always", "recompute"]
-    assert {s["reqs"][0]["cap"] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] != "warmup"} == {sweep.TENANT}
+    assert {s["reqs"][0]["cap"] for s in plan if s["op"] == "gen" and s["reqs"][0]["tag"]["kind"] in ("miss", "hit")} == {sweep.TENANT}
     assert sweep.config(parse([])[1]) is None
     with pytest.raises(SystemExit):
         sweep.config(parse(["--sweep", "--sweep-policies", "sometimes"])[1])
