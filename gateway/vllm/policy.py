@@ -37,6 +37,7 @@ __all__ = [
 
 PolicyMode = Literal["always", "adaptive", "recompute"]
 Clock = Callable[[], float]
+Fit = tuple[float, float, float] | None  # a LoadEstimator's (latency ms, ms per token, spread ms)
 
 
 @dataclass(frozen=True)
@@ -288,19 +289,21 @@ class LoadPolicy:
         """Of ``hit`` tokens after the ``computed`` the engine has, how many to load (``mode``: the
         request's own, in place of the engine's)."""
         self.in_flight.pop(req_id, None)  # asked again (not allocated last time): decided anew
-        d = self._decide(req_id, prompt_len, computed, hit, mode or self.mode)
-        lead = self.lead_estimator().predict(hit + sum(self.in_flight.values()))
-        if lead is not None and d.load_ms is not None:
+        # each fit once per decision (the clock, which weighs the samples, stands still in it)
+        fits = self.load_estimator().fit(), self.lead_estimator().fit()
+        d = self._decide(req_id, prompt_len, computed, hit, mode or self.mode, fits)
+        if fits[1] is not None and d.load_ms is not None:
+            lead = fits[1][0] + fits[1][1] * (hit + sum(self.in_flight.values()))
             d = dataclasses.replace(d, lead_ms=min(lead, d.load_ms))
         if d.tokens > 0:
             self.in_flight[req_id] = d.tokens
         return d
 
-    def _decide(self, req_id: str, prompt_len: int, computed: int, hit: int, mode: PolicyMode) -> Decision:
+    def _decide(self, req_id: str, prompt_len: int, computed: int, hit: int, mode: PolicyMode, fits: tuple[Fit, Fit]) -> Decision:
         if hit <= 0 or mode == "recompute":
             return Decision(0, "recompute")
         est = self.load_estimator()
-        load_fit, queued = est.fit(), sum(self.in_flight.values())
+        (load_fit, lead_fit), queued = fits, sum(self.in_flight.values())
         full = computed + hit
         c0, c_full = self.prefill.compute_ms(prompt_len - computed, computed), self.prefill.compute_ms(prompt_len - full, full)
         recompute = None if c0 is None or c_full is None else c0 - c_full
@@ -308,7 +311,7 @@ class LoadPolicy:
         if load_fit is not None:
             load, spread = load_fit[0] + load_fit[1] * (hit + queued), load_fit[2]
         if mode == "always":
-            whole = None if load is None or c_full is None else self._expect(load_fit, hit + queued, c_full)
+            whole = None if load is None or c_full is None else self._expect(load_fit, lead_fit, hit + queued, c_full)
             return Decision(hit, "always", load, spread, recompute, whole)
         if load_fit is None:
             return Decision(hit, "cold_load", load, spread, recompute)
@@ -317,7 +320,7 @@ class LoadPolicy:
 
         def ttft(k: int) -> float:  # load k hit tokens (behind those queued), compute the rest
             rest = self.prefill.compute_ms(prompt_len - computed - k, computed + k) or 0.0
-            return self._expect(load_fit, k + queued, rest)
+            return self._expect(load_fit, lead_fit, k + queued, rest)
 
         best, best_ms = 0, c0
         ends = sorted({*range(self.chunk - computed % self.chunk, hit, self.chunk), hit})
@@ -340,14 +343,13 @@ class LoadPolicy:
         self._probe_every = self.probe_s
         return Decision(best, "load_faster" if best == hit else "prefix_faster", load, spread, recompute, best_ms)
 
-    def _expect(self, load_fit: tuple[float, float, float] | None, tokens: int, compute_ms: float) -> float:
+    def _expect(self, load_fit: Fit, lead_fit: Fit, tokens: int, compute_ms: float) -> float:
         """The expected time of a step that loads ``tokens`` and computes ``compute_ms``: the
         load's lead first (the forward waits for it), then the rest of the load beside the
         compute."""
         if load_fit is None:
             return compute_ms
         load = load_fit[0] + load_fit[1] * tokens
-        lead_fit = self.lead_estimator().fit()
         lead = 0.0 if lead_fit is None else min(load, lead_fit[0] + lead_fit[1] * tokens)
         return lead + self._together(load - lead, compute_ms)
 
