@@ -113,10 +113,11 @@ class ConnectorConfig(BaseModel):
     # loads into a CPU cache go layer by layer: the forward starts on the first layers while the
     # rest load (gateway/vllm/layers.py); false: every layer is in before the forward starts
     layerwise_loads: bool = True
-    # of a hit, how much is loaded (gateway/vllm/policy.py): always all of it; adaptive: none, a
-    # prefix or all, whichever the measured load and prefill times expect to reach the first token
-    # soonest; recompute: none (the hit is still looked up, and not stored again)
-    load_policy: Literal["always", "adaptive", "recompute"] = "always"
+    # of a hit, how much is loaded (gateway/vllm/policy.py): adaptive: none, a prefix or all,
+    # whichever the measured load and prefill times expect to reach the first token soonest;
+    # always: all of it (a kv_consumer's default: for_role); recompute: none (the hit is still
+    # looked up, and not stored again)
+    load_policy: Literal["always", "adaptive", "recompute"] = "adaptive"
     # prefill/decode disaggregation (vLLM's kv_role; gateway/vllm/handoff.py): a kv_producer
     # stores and loads only with producer_loads, a kv_consumer loads and stores only with
     # consumer_stores; a consumer waits at most handoff_wait_s for a receipt's store to be
@@ -142,10 +143,16 @@ class ConnectorConfig(BaseModel):
         """This configuration as a worker of ``kv_role`` runs it. A kv_producer's stores are
         hand-offs, which the consumer's first token waits for, and a producer does not decode: its
         stores seal at once (``store_finish_s`` 0) at the engine's priority (``store_nice`` 0),
-        and their copies go at once (``copies_finish_s`` 0), each unless set. Any other role: unchanged."""
-        if kv_role != "kv_producer":
+        and their copies go at once (``copies_finish_s`` 0), each unless set. A kv_consumer loads
+        every hit (``load_policy`` always, unless set): it is the decode engine, and a prompt it
+        recomputed instead of loading would put back on it the prefill that disaggregation moved
+        to the producers, beside the decodes it serves. Any other role: unchanged."""
+        if kv_role == "kv_producer":
+            unset: dict[str, Any] = {"store_finish_s": 0.0, "store_nice": 0, "copies_finish_s": 0.0}
+        elif kv_role == "kv_consumer":
+            unset = {"load_policy": "always"}
+        else:
             return self
-        unset = {"store_finish_s": 0.0, "store_nice": 0, "copies_finish_s": 0.0}
         return self.model_copy(update={k: v for k, v in unset.items() if k not in self.model_fields_set})
 
     def backend_key(self) -> tuple[Any, ...]:

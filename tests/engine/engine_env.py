@@ -1,5 +1,9 @@
 """Shared set-up of the vLLM tests: the vllm check, the tiny model, subprocess environment, and
-vLLM's OpenAI server with the tenant middleware and the connector in remote mode."""
+vLLM's OpenAI server with the tenant middleware and the connector in remote mode.
+
+The tests' connectors name ``load_policy: always``: the tiny model prefills a prompt faster than
+a tier loads it, so the default (adaptive) would recompute the hits these tests load on purpose;
+tests/engine/test_load_policy.py runs adaptive."""
 
 from __future__ import annotations
 
@@ -70,7 +74,7 @@ def remote_connector(remote_url: str, chunk_tokens: int, trace: Path, **extra: A
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "mode": "remote", "remote_url": remote_url, "chunk_tokens": chunk_tokens, "trace_path": str(trace),
-            "model_name": "tiny-llama", **extra,
+            "model_name": "tiny-llama", "load_policy": "always", **extra,
         },
     }
 

@@ -48,7 +48,8 @@ def run(tmp_path_factory: pytest.TempPathFactory, monkeypatch_module):
     ktc = {
         "kv_connector": "SlowStoreConnector", "kv_connector_module_path": "tests.engine.slow_store_connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME},
+        "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME,
+                                     "load_policy": "always"},
     }
     P, LONG = _ids(model_dir, 300, 1), _ids(model_dir, 960, 3)
     monkeypatch_module.setenv("KVGATE_TEST_STORE_DELAY_S", str(DELAY_S))

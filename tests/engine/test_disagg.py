@@ -222,6 +222,8 @@ def disagg(tmp_path_factory: pytest.TempPathFactory):
         caps = asyncio.run(_setup(settings))
         ids = {name: _ids(model_dir, n, seed) for seed, (name, n) in enumerate(LENGTHS.items(), start=11)}
 
+        # load_policy is left out: a kv_consumer's default is to load every hit (the tiny model
+        # would recompute them under adaptive), so the consumer's loads below test that rule too
         def ktc(role: str, trace: str, **extra: Any) -> dict:
             return {
                 "kv_connector": "DelayedStoreConnector" if role == "kv_producer" else "KvgateConnector",
@@ -290,6 +292,8 @@ def test_disagg_outputs_equal_a_single_engine_and_the_consumer_computes_at_most_
     assert c["cached"] == loadable and n - c["cached"] <= BLOCK  # vLLM's own count of loaded tokens
     (handoff,) = _events(disagg, "consumer", "handoff", c["req"])
     assert handoff["reason"] == "" and handoff["hit_tokens"] >= loadable
+    (decision,) = _events(disagg, "consumer", "decision", c["req"])
+    assert decision["reason"] == "always" and decision["tokens"] == loadable  # a consumer's default policy
     (load,) = _events(disagg, "consumer", "load", c["req"])
     assert load["loaded_tokens"] == loadable and load["failed_blocks"] == 0
     assert not _events(disagg, "consumer", "store_submit", c["req"])  # a consumer does not store

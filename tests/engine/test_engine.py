@@ -98,7 +98,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory):
     ktc = {
         "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME},
+        "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME,
+                                     "load_policy": "always"},
     }
     P, Q, LONG = _ids(model_dir, 300, 1), _ids(model_dir, 200, 2), _ids(model_dir, 960, 3)
     base = {"model": str(model_dir), "block_size": BLOCK, "kv_transfer_config": ktc, "settings": settings, "caps": caps}

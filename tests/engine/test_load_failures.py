@@ -128,7 +128,8 @@ def _ktc(settings: dict, trace: Path) -> dict:
     return {
         "kv_connector": "KvgateConnector", "kv_connector_module_path": "gateway.vllm.connector",
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME},
+        "kv_connector_extra_config": {"kvgate_settings": settings, "trace_path": str(trace), "model_name": MODEL_NAME,
+                                     "load_policy": "always"},
     }
 
 

@@ -45,7 +45,7 @@ def _base(model_dir: Path, live: Any, trace: Path, caps: dict[str, str]) -> dict
         "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "mode": "remote", "remote_url": live.base_url, "chunk_tokens": CHUNK, "trace_path": str(trace),
-            "model_name": "tiny-llama",
+            "model_name": "tiny-llama", "load_policy": "always",
         },
     }
     return {"model": str(model_dir), "block_size": BLOCK, "kv_transfer_config": ktc, "settings": {}, "caps": caps}

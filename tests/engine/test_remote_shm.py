@@ -59,7 +59,7 @@ def test_remote_hits_through_shared_memory_match_the_engine_and_stay_with_their_
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {
                 "mode": "remote", "remote_url": url, "remote_uds": str(sock), "remote_shm_mb": 16,
-                "chunk_tokens": CHUNK, "trace_path": str(trace), "model_name": "tiny-llama",
+                "chunk_tokens": CHUNK, "trace_path": str(trace), "model_name": "tiny-llama", "load_policy": "always",
             },
         }
         monkeypatch.setenv("KVGATE_REMOTE_TOKEN", operator)

@@ -133,3 +133,16 @@ def test_a_producers_hand_off_stores_seal_at_once_at_the_engines_priority_unless
     kept = ConnectorConfig.from_extra({"store_finish_s": 2.5, "store_nice": 5, "copies_finish_s": 1.0}).for_role("kv_producer")
     assert (kept.store_finish_s, kept.store_nice, kept.copies_finish_s) == (2.5, 5, 1.0)
     assert ConnectorConfig.from_extra({"store_nice": 5}).for_role("kv_producer").store_finish_s == 0.0
+
+
+def test_load_policy_defaults_to_adaptive_and_a_kv_consumer_loads_every_hit():
+    """A decode engine (kv_consumer) that recomputed a hit would run the prefill disaggregation
+    moved to the producers: it loads every hit unless its operator names a policy."""
+    default = ConnectorConfig.from_extra({})
+    assert default.load_policy == "adaptive"
+    assert default.for_role("kv_consumer").load_policy == "always"
+    for role in ("kv_producer", "kv_both", None):  # positive control: every other role keeps adaptive
+        assert default.for_role(role).load_policy == "adaptive"
+    named = ConnectorConfig.from_extra({"load_policy": "adaptive"}).for_role("kv_consumer")
+    assert named.load_policy == "adaptive"
+    assert ConnectorConfig.from_extra({"load_policy": "recompute"}).for_role("kv_consumer").load_policy == "recompute"
