@@ -11,11 +11,17 @@ for every system), the KV transfer config (or none), the capabilities by name an
 what the system cached, so memory holds one prompt set at a time), ``settle`` (wait until every
 store the connector submitted has ended, so a hit measures a load, not a race with the store
 before it; the wait goes into the next row as ``settled_s``). Design notes: docs/architecture.md,
-section 5."""
+section 5.
+
+Lockstep (``KVGATE_E2E_LOCKSTEP=R,W``, two inherited pipe descriptors; interleave.py): the engine
+says ``ready`` on W once it is up, then runs one turn (``turns``) for each ``go`` it reads on R,
+answering ``done``, and exits once R closes. Every system's engine is then up at once and the
+runner takes their requests in turns."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import time
@@ -95,7 +101,29 @@ def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str,
     return results
 
 
+def turns(steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The plan's steps in turns: each turn one ``gen`` and the steps after it up to the next
+    (a settle after a miss, a flush after a hit); steps before the first gen open the first turn."""
+    out: list[list[dict[str, Any]]] = []
+    lead: list[dict[str, Any]] = []
+    for step in steps:
+        if step["op"] == "gen":
+            out.append([*lead, step])
+            lead = []
+        elif out:
+            out[-1].append(step)
+        else:
+            lead.append(step)
+    if lead:
+        out.append(lead)
+    return out
+
+
 def main(plan_path: str, out_path: str) -> None:
+    lockstep = os.environ.get("KVGATE_E2E_LOCKSTEP")
+    fds = [int(x) for x in lockstep.split(",")] if lockstep else []
+    for fd in fds:  # vLLM's own processes do not inherit them: the runner sees this one's exit
+        os.set_inheritable(fd, False)
     from vllm import LLM
 
     plan = json.loads(Path(plan_path).read_text())
@@ -109,13 +137,15 @@ def main(plan_path: str, out_path: str) -> None:
     results: list[dict[str, Any]] = []
     settled: float | None = None
     with open(out_path, "w", encoding="utf-8") as out:
-        for step in plan["steps"]:
+
+        def run(step: dict[str, Any]) -> None:
+            nonlocal settled
             if step["op"] == "flush":
                 _flush(plan)
-                continue
+                return
             if step["op"] == "settle":
                 settled = _settle(plan)
-                continue
+                return
             for row in _gen(llm, plan, step):
                 if settled is not None:
                     row["settled_s"] = round(settled, 3)
@@ -124,6 +154,28 @@ def main(plan_path: str, out_path: str) -> None:
                 results.append(row)
             settled = None
             print(f"step {step['name']}: {results[-1]['ttft_s']}", file=sys.stderr, flush=True)
+
+        if not fds:
+            for step in plan["steps"]:
+                run(step)
+            return
+        with os.fdopen(fds[0], "rb", buffering=0) as cmd, os.fdopen(fds[1], "wb", buffering=0) as reply:
+            reply.write(b"ready\n")
+            for turn in turns(plan["steps"]):
+                if _line(cmd) != b"go":
+                    return
+                for step in turn:
+                    run(step)
+                reply.write(b"done\n")
+            _line(cmd)  # up, idle, until the runner ends every engine at once
+
+
+def _line(f: Any) -> bytes:
+    """One line from an unbuffered pipe (b"" at its end)."""
+    got = bytearray()
+    while (b := f.read(1)) and b != b"\n":
+        got += b
+    return bytes(got)
 
 
 if __name__ == "__main__":

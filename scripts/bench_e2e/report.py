@@ -158,7 +158,18 @@ def setup_line(result: dict[str, Any]) -> str:
         f"{c['out_tokens']} greedy tokens each; load average at start {load}."
         + (f" The systems come from {meta['merged_runs']} runs of the same benchmark on this machine, one after the other "
            "(`--from-raw` of each run's e2e-raw.json)." if meta.get("merged_runs") else "")
+        + _interleaved(meta.get("interleave"))
     )
+
+
+def _interleaved(il: dict[str, Any] | None) -> str:
+    """The setup line's account of an interleaved run (``--interleave``)."""
+    if not il:
+        return ""
+    idle = il.get("others_cpu_s") or {}
+    return (f" Every system's engine was up at once and their requests took turns ({il['turns']} turns, one at a time, "
+            f"a {il['gap_s']:g} s gap before each; `--interleave`); in a turn the other engines used a median "
+            f"{_f(idle.get('per_s_median'), 3)} CPU-seconds per second, at most {_f(idle.get('max'), 2)} CPU-seconds in one turn.")
 
 
 def markdown(result: dict[str, Any]) -> str:

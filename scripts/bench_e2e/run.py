@@ -56,6 +56,10 @@ class Config:
     shm_mb: int = 512  # kvgate-remote-shm: each tenant's region (an 8K-token load of the model is 393 MB)
     kv_cache_gb: int = 3
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # every system's engine up at once, their requests in turns (interleave.py), a gap between
+    # turns for the engine that ran to go idle
+    interleave: bool = False
+    interleave_gap_s: float = 2.0
     # before each miss, the same prompt without a capability in the same engine: no lookup and no
     # store, so the pair times what the connector adds to a miss free of the machine's drift
     paired_miss: bool = False
@@ -290,6 +294,9 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
         return {**machine, "loadavg_end": _load(), "uptime_end": _uptime(), "config": asdict(cfg), "engine": engine,
                 "model": {"size": cfg.size, **asdict(size), "params": size.params(), "kv_bytes_per_token": kvb}}
 
+    if cfg.interleave:
+        runs, meta_interleave = _interleaved(cfg, work, model, engine, tenants, salt, failed, not_run)
+        return {"meta": {**meta(), "failed": failed, "not_run": not_run, "interleave": meta_interleave}, "runs": runs}
     for key in cfg.systems:
         sys_work = work / key
         plan = {"model": str(model), "engine": engine, "steps": steps(cfg, key, salt)}
@@ -304,6 +311,51 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
     return {"meta": {**meta(), "failed": failed, "not_run": not_run}, "runs": runs}
 
 
+def _interleaved(
+    cfg: Config, work: Path, model: Path, engine: dict[str, Any], tenants: list[str], salt: dict[str, str],
+    failed: dict[str, str], not_run: dict[str, str],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``--interleave``: every system open and its engine up at once, turns taken in lockstep
+    (interleave.py). A system that cannot open is not run or failed, as in a sequential run."""
+    from scripts.bench_e2e import interleave
+
+    opened: list[tuple[str, System, dict[str, Any], dict[str, str]]] = []
+    runs: dict[str, Any] = {}
+    try:
+        for key in cfg.systems:
+            sys_work = work / key
+            try:
+                system = open_system(key, sys_work, tenants, asdict(cfg))
+            except NotRun as exc:
+                print(f"[bench-e2e] {key}: not run: {exc}", flush=True)
+                not_run[key] = str(exc)
+                continue
+            except Exception as exc:
+                print(f"[bench-e2e] {key}: FAILED: {exc}", flush=True)
+                failed[key] = str(exc)[-2000:]
+                continue
+            plan = {"model": str(model), "engine": engine, "steps": steps(cfg, key, salt),
+                    "kv_transfer_config": system.ktc, "caps": system.caps, "flush": system.flush}
+            opened.append((key, system, plan, engine_env(system.env, cfg)))
+            if system.preflight:
+                try:
+                    preflight(system, cfg, plan, sys_work)
+                except NotRun as exc:
+                    not_run[key] = str(exc)
+                    opened.pop()
+                    system.close()
+        print(f"[bench-e2e] interleaved: {', '.join(k for k, *_ in opened)} (load {_load()})", flush=True)
+        out, bad, meta = interleave.run(opened, work, cfg.engine_timeout_s, cfg.interleave_gap_s)
+        failed.update(bad)
+        for key, system, _plan, _env in opened:
+            if key in out:
+                runs[key] = {**describe(system), **out[key]}
+    finally:
+        for _key, system, _plan, _env in opened:
+            system.close()
+    return runs, meta
+
+
 _SAME = ("size", "lengths", "reps", "iso_length", "tenants", "context", "questions", "chunk_tokens", "dtype", "out_tokens")
 
 
@@ -313,6 +365,8 @@ def merge_raw(raws: list[dict[str, Any]]) -> dict[str, Any]:
     systems in the first one's order then the others'. ``SystemExit`` where they differ."""
     first = raws[0]
     cfg = first["meta"]["config"]
+    if len(raws) > 1 and any(r["meta"]["config"].get("interleave") for r in raws):
+        raise SystemExit("an interleaved run's systems ran side by side: it cannot be merged with another run")
     meta = {**first["meta"], "failed": dict(first["meta"].get("failed", {})), "not_run": dict(first["meta"].get("not_run", {}))}
     runs = dict(first["runs"])
     for other in raws[1:]:
@@ -349,6 +403,9 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--redis-url")
     p.add_argument("--paired-miss", action="store_true", default=None,
                    help="before each miss the same prompt without a capability, in the same engine (miss_vs_capless)")
+    p.add_argument("--interleave", action="store_true", default=None,
+                   help="every system's engine up at once, their requests taken in turns (interleave.py)")
+    p.add_argument("--kv-cache-gb", type=int, help="each engine's KV cache space (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--lmcache-vllm-python", dest="lmcache_python",
                    help="python of an environment with vLLM and LMCache (default: $KVGATE_E2E_LMCACHE_PYTHON or .venv-lmcache-vllm)")
     p.add_argument("--json", type=Path, help="default: bench-results/e2e.json (--published-only: e2e-published.json)")
@@ -366,7 +423,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     published.add_args(p)
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
-    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss"):
+    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss", "interleave", "kv_cache_gb"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if cfg.iso_length not in cfg.lengths:

@@ -100,10 +100,12 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         time.sleep(1.0)
 
 
-def start_process(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    """``cmd`` in a process group of its own (``stop_process`` ends it), its output to ``log``."""
+def start_process(cmd: list[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """``cmd`` in a process group of its own (``stop_process`` ends it), its output to ``log``
+    (``pass_fds``: descriptors it inherits)."""
     with open(log, "wb") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=pass_fds)
 
 
 def wait_up(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: float, *,

@@ -288,3 +288,92 @@ def test_runs_of_the_same_benchmark_merge_and_others_are_refused():
     c["meta"]["config"] = {**c["meta"]["config"], "reps": 99}
     with pytest.raises(SystemExit, match="reps"):
         merge_raw([a, c])
+
+
+def test_an_engines_plan_runs_in_turns_each_a_request_and_the_steps_after_it():
+    from scripts.bench_e2e.engine import turns
+    from scripts.bench_e2e.interleave import block_of
+
+    def gen(name: str, **tag: object) -> dict:
+        return {"op": "gen", "name": name, "reqs": [{"tag": tag}]}
+
+    steps = [{"op": "settle"}, gen("w", kind="warmup"), gen("miss", kind="miss", length=256, i=0), {"op": "settle"},
+             gen("hit", kind="hit", length=256, i=0), {"op": "flush"}, gen("mt", kind="mt")]
+    got = turns(steps)
+    assert [[s.get("name", s["op"]) for s in t] for t in got] == [
+        ["settle", "w"], ["miss", "settle"], ["hit", "flush"], ["mt"]]
+    assert [block_of(t) for t in got] == ["warmup", "256/0", "256/0", "mt"]
+    assert turns([{"op": "flush"}]) == [[{"op": "flush"}]]  # a plan without a request is one turn
+
+
+def test_interleaved_turns_go_block_by_block_each_engine_in_turn_the_first_rotating():
+    from scripts.bench_e2e.interleave import order
+
+    blocks = {"none": [0, 1, 2], "emb": [0, 1, 1, 2, 2], "ex": [0, 1, 1, 2, 2]}
+    got = order(blocks, ["none", "emb", "ex"])
+    assert sorted(got) == sorted((n, k) for n, idx in blocks.items() for k in range(len(idx)))  # each turn once
+    for name in blocks:  # an engine's own turns in its plan's order
+        assert [k for n, k in got if n == name] == list(range(len(blocks[name])))
+    assert [blocks[n][k] for n, k in got] == sorted(blocks[n][k] for n, k in got)  # block by block
+    # within a block, one turn per engine a round, the first engine rotating with block and round
+    assert got == [("none", 0), ("emb", 0), ("ex", 0),
+                   ("emb", 1), ("ex", 1), ("none", 1), ("ex", 2), ("emb", 2),
+                   ("ex", 3), ("none", 2), ("emb", 3), ("emb", 4), ("ex", 4)]
+
+
+FAKE_LOCKSTEP = r'''
+import json, os, sys, threading, time
+plan = json.load(open(sys.argv[3]))
+r, w = (int(x) for x in os.environ["KVGATE_E2E_LOCKSTEP"].split(","))
+cmd, reply = os.fdopen(r, "rb", buffering=0), os.fdopen(w, "wb", buffering=0)
+if plan["caps"].get("hog"):  # burns a core all along, in and out of its turns
+    threading.Thread(target=lambda: [None for _ in iter(int, 1)], daemon=True).start()
+gens = [s for s in plan["steps"] if s["op"] == "gen"]
+reply.write(b"ready\n")
+with open(sys.argv[4], "w") as out, open(plan["caps"]["log"], "a") as log:
+    for g in gens:
+        if cmd.readline().strip() != b"go":
+            sys.exit(0)
+        log.write(f"{time.monotonic()} start {g['name']}\n"); log.flush()
+        time.sleep(0.2)
+        out.write(json.dumps({"name": g["name"], "tag": g["reqs"][0]["tag"]}) + "\n"); out.flush()
+        log.write(f"{time.monotonic()} end {g['name']}\n"); log.flush()
+        reply.write(b"done\n")
+    cmd.readline()
+'''
+
+
+def test_interleaved_engines_take_turns_one_at_a_time_and_the_idle_ones_cpu_is_recorded(tmp_path: Path):
+    """Lockstep engines (stand-ins speaking engine.py's protocol): one turn at a time, in
+    ``order``; the CPU an engine out of its turn burns is in the record (the hog), and quiet
+    engines show next to none (the control)."""
+    import sys
+
+    from scripts.bench_e2e.interleave import run
+    from scripts.bench_e2e.systems import System
+
+    exe = tmp_path / "fake.py"
+    exe.write_text(FAKE_LOCKSTEP)
+    py = _fake_python(tmp_path, "python", f'exec {sys.executable} {exe} "$@"\n')
+    log = tmp_path / "turns.log"
+
+    def plan(name: str, n: int, hog: bool = False) -> dict:
+        gens = [{"op": "gen", "name": f"{name}-{b}-{k}", "reqs": [{"tag": {"kind": "x", "length": 256, "i": b}}]}
+                for b in range(2) for k in range(n)]
+        return {"steps": [s for g in gens for s in (g, {"op": "settle"})],
+                "caps": {"log": str(log), **({"hog": "1"} if hog else {})}}
+
+    opened = [(name, System(name, None, python=py), plan(name, n, hog), {})
+              for name, n, hog in (("a", 1, False), ("b", 2, False), ("c", 2, True))]
+    out, failed, meta = run(opened, tmp_path / "work", timeout_s=60, gap_s=0.3)
+    assert failed == {} and set(out) == {"a", "b", "c"}
+    assert [r["name"] for r in out["b"]["rows"]] == ["b-0-0", "b-0-1", "b-1-0", "b-1-1"]
+    events = [line.split() for line in log.read_text().splitlines()]
+    started = [name for _t, what, name in events if what == "start"]
+    assert started == [r["turn"] for r in meta["record"]] and len(started) == 10
+    for (_, what0, n0), (_, what1, n1) in zip(events[::2], events[1::2], strict=True):
+        assert (what0, what1, n0) == ("start", "end", n1)  # each turn ends before the next starts
+    assert [r["block"] for r in meta["record"]] == ["256/0"] * 5 + ["256/1"] * 5
+    hogged = [r["others_cpu_s"] / r["s"] for r in meta["record"] if r["system"] != "c"]
+    quiet = [r["others_cpu_s"] / r["s"] for r in meta["record"] if r["system"] == "c"]
+    assert min(hogged) > 0.3 and max(quiet) < 0.2
