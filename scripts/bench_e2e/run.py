@@ -12,7 +12,9 @@ store settles, A hits, at the isolation length tenant B sends A's prompt, then t
 flushed; the multi-tenant workload (``--published``: then published.py's workload; alone with
 ``--published-only``). A system that cannot run is not dropped silently: its reason
 (``systems.NotRun``, or a preflight that saw no hit) goes to ``meta.not_run``, one that fails mid-run
-to ``meta.failed``, and the report gives each a row. Design notes: docs/architecture.md, section 5."""
+to ``meta.failed``, and the report gives each a row. ``--interleave`` starts every system's engine at
+once and takes their requests in turns instead (interleave.py), so no system meets a different
+machine than another. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -406,6 +408,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--interleave", action="store_true", default=None,
                    help="every system's engine up at once, their requests taken in turns (interleave.py)")
     p.add_argument("--kv-cache-gb", type=int, help="each engine's KV cache space (VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--memory-mb", type=int, help="kvgate's memory tier, embedded and in kvgate serve (MiB)")
     p.add_argument("--lmcache-vllm-python", dest="lmcache_python",
                    help="python of an environment with vLLM and LMCache (default: $KVGATE_E2E_LMCACHE_PYTHON or .venv-lmcache-vllm)")
     p.add_argument("--json", type=Path, help="default: bench-results/e2e.json (--published-only: e2e-published.json)")
@@ -426,6 +429,8 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss", "interleave", "kv_cache_gb"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
+    if a.memory_mb is not None:
+        cfg.memory_bytes = a.memory_mb << 20
     if cfg.iso_length not in cfg.lengths:
         cfg.iso_length = cfg.lengths[len(cfg.lengths) // 2]
     if a.published_only:
