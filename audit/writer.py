@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Self
+from typing import Any, Self, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -37,6 +38,19 @@ from audit.store import AuditStore
 from audit.types import AuditEvent
 
 __all__ = ["AuditWriter", "WriterStats"]
+
+T = TypeVar("T")
+
+
+async def _off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` (spool file work) on the loop's default executor, or inline where that takes
+    no more work: once the interpreter exits, executors refuse new work, and a writer closed then
+    (by a finalizer at exit) must still spool its events and release its spool files."""
+    try:
+        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(fn, *args))
+    except RuntimeError:  # "cannot schedule new futures after (interpreter) shutdown"
+        return fn(*args)
+    return await fut
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +168,7 @@ class AuditWriter:
             raise AuditWriterClosed("the audit writer is closed")
         if self._task is not None:
             return
-        await asyncio.to_thread(self._spool.open)
+        await _off_loop(self._spool.open)
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._progress = asyncio.Event()
@@ -209,7 +223,7 @@ class AuditWriter:
                     self._task.cancel()
                 self._task = None
         finally:
-            await asyncio.to_thread(self._spool.close)
+            await _off_loop(self._spool.close)
             if self._owns_engine:
                 await self._engine.dispose()
 
@@ -279,7 +293,7 @@ class AuditWriter:
 
     async def _spool_batch(self, batch: list[PendingEvent]) -> None:
         try:
-            await asyncio.to_thread(self._spool.append, batch)
+            await _off_loop(self._spool.append, batch)
         except SpoolError:
             self.stats.spool_errors += 1
             log.exception("audit spool write failed; %d events held in memory", len(batch))
@@ -307,7 +321,7 @@ class AuditWriter:
         done = 0
         while self._spool.has_pending and (max_batches is None or done < max_batches):
             done += 1
-            chunk = await asyncio.to_thread(self._spool.read, self._batch_size)
+            chunk = await _off_loop(self._spool.read, self._batch_size)
             if chunk is None:
                 return
             file, events, offset, lines = chunk
@@ -322,6 +336,6 @@ class AuditWriter:
                 self.stats.written += result.written
                 self.stats.duplicates += result.duplicates
                 self.stats.replayed += len(events)
-            await asyncio.to_thread(self._spool.commit, file, offset, lines)
+            await _off_loop(self._spool.commit, file, offset, lines)
             self._retry_delay = self._retry_initial
             self._retry_at = 0.0

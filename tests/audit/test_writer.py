@@ -98,6 +98,36 @@ async def test_unreachable_database_spools_then_restart_replays(sqlite_url: str,
     assert rows == 51 and seen == {"w": list(range(51))}
 
 
+async def test_a_writer_closed_as_the_interpreter_exits_still_spools_and_releases(tmp_path: Path) -> None:
+    """At interpreter exit executors refuse new work (``concurrent.futures.thread._shutdown``), and
+    a writer closed then by a finalizer still spools what it holds and releases its spool files;
+    the next writer adopts them. The control: the same close before exit."""
+    import concurrent.futures.thread as cft
+
+    for exiting in (False, True):
+        spool_dir = tmp_path / f"spool-{exiting}"
+        writer = AuditWriter(dead_url(), spool_dir=spool_dir, batch_size=20, flush_interval=60, retry_initial=5)
+        await writer.start()
+        for i in range(30):
+            writer.emit(event("exit", i))
+        before = cft._shutdown
+        cft._shutdown = exiting
+        try:
+            if exiting:
+                with pytest.raises(RuntimeError, match="after interpreter shutdown"):  # the condition is real
+                    await asyncio.to_thread(int)
+            await writer.aclose(timeout=30)
+        finally:
+            cft._shutdown = before
+        assert writer.queue_depth == 0
+        spool = Spool(spool_dir)
+        spool.open()  # the files are released: another writer adopts them
+        try:
+            assert spool.pending_events == 30
+        finally:
+            spool.close()
+
+
 def _spool_and_die(url: str, spool_dir: str, n: int) -> None:
     """Child: spool n events (the database is unreachable), then exit without closing."""
 
