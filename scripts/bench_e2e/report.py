@@ -289,7 +289,14 @@ def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, d
     if docs and published_only:
         write_docs(result.get("published"), json_path=ROOT / "docs" / "e2e-published.json")
     elif docs:
-        (ROOT / "docs" / "e2e.json").write_text(json.dumps(result, indent=1) + "\n")
+        doc_json, doc = ROOT / "docs" / "e2e.json", result
+        if not result.get("bandwidth_sweep") and doc_json.exists():
+            # a run without the sweep keeps the last sweep's list and meta (its own quiet run)
+            kept = json.loads(doc_json.read_text())
+            if kept.get("bandwidth_sweep"):
+                doc = {**result, "bandwidth_sweep": kept["bandwidth_sweep"],
+                       "meta": {**result["meta"], "bandwidth_sweep": kept["meta"].get("bandwidth_sweep")}}
+        doc_json.write_text(json.dumps(doc, indent=1) + "\n")
         main_md = markdown({**result, "published": None})  # the published table: its own section
         _doc(main_md + "\n![TTFT](img/e2e_ttft.png)\n", ROOT / "docs" / "e2e.md")
         plot(result, ROOT / "docs" / "img" / "e2e_ttft.png")

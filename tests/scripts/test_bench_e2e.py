@@ -377,3 +377,28 @@ def test_interleaved_engines_take_turns_one_at_a_time_and_the_idle_ones_cpu_is_r
     hogged = [r["others_cpu_s"] / r["s"] for r in meta["record"] if r["system"] != "c"]
     quiet = [r["others_cpu_s"] / r["s"] for r in meta["record"] if r["system"] == "c"]
     assert min(hogged) > 0.3 and max(quiet) < 0.2
+
+
+def test_docs_from_a_run_without_the_sweep_keep_the_last_sweeps_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The sweep has a quiet run of its own: a systems' run written to docs keeps its list and
+    meta in docs/e2e.json (and a run with a sweep replaces them)."""
+    from scripts.bench_e2e import report
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(f"{BEGIN}\nold\n{END}\n")
+    swept = [{"gbps": 1, "length": 1024, "always_load_ms": 1.0, "always_recompute_ms": 2.0, "adaptive_ms": 1.0}]
+    (tmp_path / "docs" / "e2e.json").write_text(json.dumps({"meta": {"bandwidth_sweep": {"commit": "s1"}},
+                                                            "bandwidth_sweep": swept}))
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "plot", lambda result, path: None)
+    raw = _raw()
+    result = analyze(raw)
+    report.write_all(result, raw, tmp_path / "out" / "e2e.json", docs=True)
+    doc = json.loads((tmp_path / "docs" / "e2e.json").read_text())
+    assert doc["bandwidth_sweep"] == swept and doc["meta"]["bandwidth_sweep"] == {"commit": "s1"}
+    assert doc["ttft"] == result["ttft"]  # the systems' figures are this run's
+    assert "bandwidth_sweep" not in json.loads((tmp_path / "out" / "e2e.json").read_text())  # the run's own file: its own
+    assert "| GB/s |" not in (tmp_path / "docs" / "e2e.md").read_text()  # the sweep's table has its own section
+    newer = [{**swept[0], "adaptive_ms": 0.9}]
+    report.write_all({**result, "bandwidth_sweep": newer}, raw, tmp_path / "out" / "e2e.json", docs=True)
+    assert json.loads((tmp_path / "docs" / "e2e.json").read_text())["bandwidth_sweep"] == newer
