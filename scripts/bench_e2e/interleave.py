@@ -77,7 +77,6 @@ class Engine:
     cmd: int = -1  # the runner's end of the engine's command pipe
     reply: int = -1  # and of its reply pipe
     failed: str = ""
-    t0: float = field(default_factory=time.monotonic)
     pending: bytearray = field(default_factory=bytearray)
 
     def pgids(self) -> list[int]:
