@@ -44,12 +44,18 @@ To refresh docs/e2e.json with the sweep, on a quiet host:
 `flock /tmp/engine.lock make bench-e2e E2E_ARGS="--lengths 1024,4096,8192 --reps 3 --sweep --docs"`
 (`--quick --sweep-only` checks the harness: the tiny model, 0.005 and 1 GB/s, 512 tokens).
 
-Systems run one after another, and on this shared VM the machine's speed can drift by a fifth
-over a run, more than a miss's cost. `--paired-miss` pairs each kvgate miss with its prompt
+By default systems run one after another, and on this shared VM the machine's speed can drift by
+a fifth over a run, more than a miss's cost. `--interleave` (`scripts/bench_e2e/interleave.py`)
+starts every system's engine at once and takes their requests in turns, one at a time with a 2 s
+gap before each, block by block (each length and repetition), so every system meets the same
+machine; it records the CPU the idle engines used in each turn (`meta.interleave`). The engines
+share the host's memory all along: `--kv-cache-gb` and `--memory-mb` (kvgate's memory tier) size
+them. `--paired-miss` pairs each kvgate miss with its prompt
 sent without a capability, in the same engine (no lookup, no store), the order alternating between
 repetitions and each side starting once the connector's stores ended; each miss row gets
 `miss_vs_capless`, the median of the pairs' TTFT ratios (other connectors store a request without
-a capability too, so they get no pairs); the run in e2e.json has them.
+a capability too, so they get no pairs). The setup line says whether a run was interleaved; the
+pairs' ratios follow its table where it has them.
 
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
