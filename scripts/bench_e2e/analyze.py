@@ -17,7 +17,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-__all__ = ["analyze", "quantile"]
+__all__ = ["analyze", "quantile", "refused"]
 
 
 def quantile(xs: list[float], q: float) -> float:
@@ -62,6 +62,18 @@ def _identical(rows: list[dict[str, Any]], base: dict[tuple[Any, ...], list[int]
     pairs = [(r["tokens"], base.get(tuple(r["tag"][k] for k in key.split(",")))) for r in rows]
     pairs = [(t, b) for t, b in pairs if b is not None]
     return f"{sum(t == b for t, b in pairs)}/{len(pairs)}" if pairs else None
+
+
+def refused(runs: dict[str, Any]) -> dict[str, int]:
+    """Per system, the requests its connector's trace says kvgate refused (``denied``: a capability
+    that expired or was never valid). Such a request is measured without kvgate: a run that has any
+    says so in its report, and is not made the project's figures (``report.write_all``)."""
+    out = {}
+    for key, run in runs.items():
+        reqs = {e.get("req") for e in run.get("trace", []) if e.get("reason") == "denied"}
+        if reqs:
+            out[key] = len(reqs)
+    return out
 
 
 def analyze(raw: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +151,8 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
         rs = [r for r in runs[key]["rows"] if r["tag"].get("kind") == "mt"]
         m["identical_to_none"] = _identical(rs, mt_base, "tenant,q") if key != "none" else None
     sys_meta = {k: {kk: v for kk, v in r.items() if kk not in ("rows", "trace")} for k, r in runs.items()}
-    out = {"meta": {**meta, "systems": sys_meta}, "ttft": rows, "isolation": isolation, "multi_tenant": multi}
+    out = {"meta": {**meta, "systems": sys_meta, "refused": refused(runs)}, "ttft": rows, "isolation": isolation,
+           "multi_tenant": multi}
     if raw.get("published"):  # the published-prefix workload (published.py)
         from scripts.bench_e2e.published import analyze as analyze_published
 

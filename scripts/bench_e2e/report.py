@@ -55,7 +55,9 @@ sent without a capability, in the same engine (no lookup, no store), the order a
 repetitions and each side starting once the connector's stores ended; each miss row gets
 `miss_vs_capless`, the median of the pairs' TTFT ratios (other connectors store a request without
 a capability too, so they get no pairs). The setup line says whether a run was interleaved; the
-pairs' ratios follow its table where it has them.
+pairs' ratios follow its table where it has them. A run in which kvgate refused requests (`denied`
+in its connector's trace: a capability that expired or was never valid) ran them without kvgate:
+its report says so (`meta.refused`), and `--docs` does not write it here.
 
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
@@ -178,8 +180,16 @@ def _interleaved(il: dict[str, Any] | None) -> str:
             f"{_f(idle.get('per_s_median'), 3)} CPU-seconds per second, at most {_f(idle.get('max'), 2)} CPU-seconds in one turn.")
 
 
+def _refused(counts: dict[str, int]) -> str:
+    return ", ".join(f"{LABELS.get(k, k)}: {n}" for k, n in sorted(counts.items()))
+
+
 def markdown(result: dict[str, Any]) -> str:
     parts = [setup_line(result)]
+    if result["meta"].get("refused"):
+        parts += ["", f"**Not a measurement of kvgate throughout:** its connector's trace shows requests kvgate refused "
+                  f"(`denied`: a capability expired or invalid) in {_refused(result['meta']['refused'])}; those requests "
+                  "ran without a lookup, a load or a store."]
     if result["ttft"] or result["isolation"] or _absent(result):
         parts += ["", ttft_table(result), "",
                   "Isolation (tenant B sends tenant A's prompt right after A's hit; the control is A's own hit):", "",
@@ -295,6 +305,9 @@ def write_all(result: dict[str, Any], raw: dict[str, Any], json_path: Path, *, d
     if docs and published_only:
         write_docs(result.get("published"), json_path=ROOT / "docs" / "e2e-published.json")
     elif docs:
+        if result["meta"].get("refused"):
+            raise SystemExit(f"not written to docs/: kvgate refused requests of this run ({_refused(result['meta']['refused'])}), "
+                             "which then measured no kvgate; its files above say which")
         doc_json, doc = ROOT / "docs" / "e2e.json", result
         if not result.get("bandwidth_sweep") and doc_json.exists():
             # a run without the sweep keeps the last sweep's list and meta (its own quiet run)

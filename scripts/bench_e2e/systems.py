@@ -40,7 +40,7 @@ LABELS = {
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
 }
 OPS = ["lookup", "get", "put"]
-CAP_TTL = 3600  # one engine lifetime of the full run fits well inside it
+CAP_TTL = 6 * 3600  # an interleaved run keeps every engine, and its capabilities, for the whole run (over an hour)
 
 
 class NotRun(Exception):
@@ -83,21 +83,63 @@ class System:
 
 
 def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
-    """SIGTERM the process group this runner started (its leader's pid), then SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
+    """SIGTERM the process group this runner started (its leader's pid), then SIGKILL what is left;
+    then unlink the shared-memory files the group had mapped (``_group_shm``)."""
+    shm = _group_shm(proc.pid)
+    try:
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            try:  # the leader is gone; children (vLLM's engine core) may still be in its group
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(1.0)
+    finally:
+        _unlink_gone(proc.pid, shm)
+
+
+def _group_shm(pgid: int) -> set[str]:
+    """The ``/dev/shm/psm_*`` files the processes of group ``pgid`` map now: vLLM's message queues
+    between its engine core and workers, which a killed engine leaves behind (and their memory
+    with them) where no process of it closes them."""
+    found: set[str] = set()
+    if not os.path.isdir("/proc"):
+        return found
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
             continue
-        try:  # the leader is gone; children (vLLM's engine core) may still be in its group
-            os.killpg(proc.pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(1.0)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                found.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/psm_" in line)
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+            continue
+    return {p.removesuffix(" (deleted)") for p in found if p.startswith("/dev/shm/psm_")}
+
+
+def _unlink_gone(pgid: int, shm: set[str]) -> None:
+    """Unlink ``shm`` once no process is left in group ``pgid`` (else its engine still uses them)."""
+    try:
+        os.killpg(pgid, 0)
+        return
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return
+    for path in shm:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # the engine removed it itself on a clean exit
+            pass
 
 
 def start_process(cmd: list[str], env: dict[str, str], log: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:

@@ -402,3 +402,84 @@ def test_docs_from_a_run_without_the_sweep_keep_the_last_sweeps_list(tmp_path: P
     newer = [{**swept[0], "adaptive_ms": 0.9}]
     report.write_all({**result, "bandwidth_sweep": newer}, raw, tmp_path / "out" / "e2e.json", docs=True)
     assert json.loads((tmp_path / "docs" / "e2e.json").read_text())["bandwidth_sweep"] == newer
+
+
+
+def test_a_run_in_which_kvgate_refused_requests_says_so_and_never_becomes_the_docs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A capability that expired mid-run (a long interleaved run) makes kvgate refuse the rest of
+    a system's requests: they ran without kvgate. The report says which, and --docs refuses it."""
+    from scripts.bench_e2e import report
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text(f"{BEGIN}\nold\n{END}\n")
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    monkeypatch.setattr(report, "plot", lambda result, path: None)
+    raw = _raw()
+    clean = analyze(raw)  # the control: a run with no refusal is written to docs
+    assert clean["meta"]["refused"] == {}
+    assert "Not a measurement of kvgate" not in markdown(clean)
+    report.write_all(clean, raw, tmp_path / "out" / "e2e.json", docs=True)
+    written = (tmp_path / "docs" / "e2e.json").read_text()
+    raw["runs"]["kvgate-embedded"]["trace"] += [
+        {"event": "lookup", "req": "50-a", "hit_tokens": 0, "reason": "denied", "ms": 2.0},
+        {"event": "store", "req": "50-a", "tokens": 1024, "stored_chunks": 0, "reason": "denied", "ms": 1.0},
+        {"event": "lookup", "req": "51-b", "hit_tokens": 0, "reason": "denied", "ms": 2.0},
+    ]
+    result = analyze(raw)
+    assert result["meta"]["refused"] == {"kvgate-embedded": 2}  # requests, not trace lines
+    assert "Not a measurement of kvgate throughout" in markdown(result) and "kvgate embedded: 2" in markdown(result)
+    with pytest.raises(SystemExit, match="refused"):
+        report.write_all(result, raw, tmp_path / "out" / "e2e.json", docs=True)
+    assert (tmp_path / "docs" / "e2e.json").read_text() == written  # the docs keep the last good run
+    assert "Not a measurement" in (tmp_path / "out" / "e2e.md").read_text()  # the run's own files say why
+
+_MAPS_SHM = """
+import mmap, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)
+os.ftruncate(fd, 1 << 16)
+m = mmap.mmap(fd, 1 << 16)
+m[:5] = b"ready"
+print("ready", flush=True)
+import time
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="Linux shared memory only")
+def test_a_stopped_engine_leaves_none_of_the_shared_memory_its_processes_mapped(tmp_path: Path):
+    """A killed vLLM engine leaves its message queues' ``/dev/shm/psm_*`` files (and their memory)
+    behind: ``stop_process`` unlinks those its group mapped, and only those."""
+    import os
+    import secrets
+    import signal
+    import subprocess
+    import sys
+
+    from scripts.bench_e2e.systems import start_process, stop_process
+
+    tag = secrets.token_hex(4)
+    paths = {k: Path(f"/dev/shm/psm_kvgate_test_{tag}_{k}") for k in ("stopped", "killed", "other")}
+    paths["other"].write_bytes(b"not mapped by either process")
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for k in ("stopped", "killed"):
+            log = tmp_path / f"{k}.log"
+            procs.append(start_process([sys.executable, "-c", _MAPS_SHM, str(paths[k])], dict(os.environ), log))
+            deadline = time.monotonic() + 30
+            while b"ready" not in (log.read_bytes() if log.exists() else b""):
+                assert time.monotonic() < deadline and procs[-1].poll() is None, log.read_text()
+                time.sleep(0.05)
+        stopped, killed = procs
+        os.killpg(killed.pid, signal.SIGKILL)  # the leak: a group killed without stop_process
+        killed.wait(10)
+        stop_process(stopped, grace_s=5.0)
+        assert stopped.poll() is not None and killed.poll() is not None
+        assert not paths["stopped"].exists()
+        assert paths["killed"].exists()  # the control: what a kill alone leaves behind
+        assert paths["other"].exists()  # never what the stopped group did not map
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
