@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from scripts.bench_e2e.engine import turns as plan_turns
-from scripts.bench_e2e.systems import System, start_process, stop_process
+from scripts.bench_e2e.systems import System, group_pids, start_process, stop_process
 
 __all__ = ["Engine", "block_of", "order", "run"]
 
@@ -86,17 +86,14 @@ class Engine:
 
 def _cpu_s(pgids: list[int]) -> float:
     """CPU seconds (user + system) of every live process in these process groups."""
-    want, total = set(pgids), 0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    total = 0
+    for pid in group_pids(set(pgids)):
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:  # gone meanwhile
             continue
-        if int(fields[2]) in want:  # the fields after the name: state, ppid, pgrp, ...; utime, stime at 11, 12
-            total += int(fields[11]) + int(fields[12])
+        total += int(fields[11]) + int(fields[12])  # utime, stime (after the name)
     return total / TICK
 
 

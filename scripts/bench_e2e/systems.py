@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LABELS", "NotRun", "System", "open_system", "start_process", "start_serve", "stop_process", "wait_up"]
+__all__ = ["LABELS", "NotRun", "System", "group_pids", "open_system", "start_process", "start_serve", "stop_process", "wait_up"]
 
 ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
@@ -105,23 +105,34 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float = 30.0) -> None:
         _unlink_gone(proc.pid, shm)
 
 
+def group_pids(pgids: set[int]) -> list[int]:
+    """The live processes of these process groups (from /proc; none where there is no /proc)."""
+    out: list[int] = []
+    if not os.path.isdir("/proc"):
+        return out
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                # the fields after the name: state, ppid, pgrp, ...
+                if int(f.read().rsplit(b")", 1)[1].split()[2]) in pgids:
+                    out.append(int(pid))
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    return out
+
+
 def _group_shm(pgid: int) -> set[str]:
     """The ``/dev/shm/psm_*`` files the processes of group ``pgid`` map now: vLLM's message queues
     between its engine core and workers, which a killed engine leaves behind (and their memory
     with them) where no process of it closes them."""
     found: set[str] = set()
-    if not os.path.isdir("/proc"):
-        return found
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+    for pid in group_pids({pgid}):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
-                    continue
             with open(f"/proc/{pid}/maps") as f:
                 found.update(line.split(None, 5)[5].strip() for line in f if "/dev/shm/psm_" in line)
-        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
+        except (OSError, IndexError):  # gone meanwhile, or not ours to read
             continue
     return {p.removesuffix(" (deleted)") for p in found if p.startswith("/dev/shm/psm_")}
 
