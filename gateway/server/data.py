@@ -11,14 +11,12 @@ report of a P/D receipt it refused (audited).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from fastapi import APIRouter, Depends, Header, Path, Request, Response
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
@@ -388,34 +386,48 @@ async def fetch_chunks(
 
     async def items() -> AsyncIterator[list[bytes | memoryview]]:
         """Each item of the frame: its head, and the envelope (a view of the tier's buffer), or
-        only its head where the envelope was copied into the caller's region."""
+        only its head where the envelope was copied into the caller's region (``shm.CopyAhead``:
+        each copy starts before the item before it is written)."""
         got: batches.PrefixItem | None = first
         at, end = (body.shm.offset, body.shm.offset + body.shm.length) if region is not None and body.shm else (0, 0)
         lending = region is not None
+        copies: shm.CopyAhead[bytes] = shm.CopyAhead()
         try:
             while got is not None:
-                if got.found is None:
-                    yield [item(got)]
-                    return
-                data = got.found.data
-                k = got.key
-                if lending and region is not None and not region.closed and at + data.nbytes <= end and k is not None and k.key is not None:
-                    await asyncio.to_thread(_copy_into, region.view[at : at + data.nbytes], data)
-                    state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier, "via": "shm"})
-                    yield [frames.keyed_item_head(
-                        got.chained_hash, frames.IN_REGION, data.nbytes, key_version=k.key_version, salt=k.salt, key=k.key,
+                found, k = got.found, got.key
+                if (found is not None and lending and region is not None and not region.closed
+                        and at + found.data.nbytes <= end and k is not None and k.key is not None):
+                    n = found.data.nbytes
+                    state.telemetry.bytes.add(n, {"direction": "out", "tier": found.tier, "via": "shm"})
+                    head = frames.keyed_item_head(
+                        got.chained_hash, frames.IN_REGION, n, key_version=k.key_version, salt=k.salt, key=k.key,
                         storage_key=bytes.fromhex(k.storage_key),
-                    )]
-                    at = shm.aligned(at + data.nbytes)
-                else:  # and every later one: the worker knows then that nothing more lands there
-                    lending = False
-                    state.telemetry.bytes.add(data.nbytes, {"direction": "out", "tier": got.found.tier})
-                    yield [item(got), data]
+                    )
+                    before = await copies.push(region.view[at : at + n], found.data, head)
+                    at = shm.aligned(at + n)
+                    if before is not None:
+                        yield [before]
+                else:
+                    before = await copies.drain()
+                    if before is not None:
+                        yield [before]
+                    if found is None:
+                        yield [item(got)]
+                        return
+                    lending = False  # and for every later one: the worker knows then that nothing more lands there
+                    state.telemetry.bytes.add(found.data.nbytes, {"direction": "out", "tier": found.tier})
+                    yield [item(got), found.data]
                 got = await anext(walk, None)
+            before = await copies.drain()
+            if before is not None:
+                yield [before]
         finally:
-            if hold is not None:
-                hold.release()
-            await walk.aclose()
+            try:
+                await copies.settle()
+            finally:
+                if hold is not None:
+                    hold.release()
+                await walk.aclose()
 
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     stream = items()
@@ -432,10 +444,6 @@ async def fetch_chunks(
                     yield part[off : off + _PIECE]
 
     return StreamingResponse(frame(stream), media_type=_BATCH_MEDIA, headers=dict(shm_headers))
-
-
-def _copy_into(dst: np.ndarray, src: memoryview) -> None:
-    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))  # numpy lets go of the GIL for the copy
 
 
 def _window(

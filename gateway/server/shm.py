@@ -29,14 +29,18 @@ import socket
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.protocol.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
-__all__ = ["ALIGN", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "make_region", "send_with_fd"]
+__all__ = [
+    "ALIGN", "CopyAhead", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "copy_into", "make_region", "send_with_fd",
+]
 
 log = logging.getLogger("kvgate.shm")
 
@@ -98,6 +102,52 @@ class Hold:
     def tie(self, owner: object) -> None:
         """Release when ``owner`` is collected (if nothing released it before)."""
         weakref.finalize(owner, self.release)
+
+
+def copy_into(dst: np.ndarray, src: memoryview) -> None:
+    np.copyto(dst, np.frombuffer(src, dtype=np.uint8))  # numpy lets go of the GIL for the copy
+
+
+T = TypeVar("T")
+
+
+class CopyAhead(Generic[T]):
+    """A fetch's copies into its window, each run in a thread one ahead of the item that
+    announces it: ``push`` starts an envelope's copy as soon as the tier has handed it over and
+    only then waits for the copy before it, so the copies follow one another (two at most at
+    once) while the event loop reads the tier and writes the items. An item is handed back only
+    once its own copy has ended: the worker reads an envelope only after its item."""
+
+    def __init__(self, copy: Callable[[np.ndarray, memoryview], None] = copy_into) -> None:
+        self._copy = copy
+        self._inflight: tuple[asyncio.Future[None], T] | None = None
+
+    async def push(self, dst: np.ndarray, src: memoryview, item: T) -> T | None:
+        """Start copying ``src`` into ``dst``, to be announced by ``item``; the item of the copy
+        before it, once that one has ended (None if there was none). Raises what that copy raised."""
+        task = asyncio.ensure_future(asyncio.to_thread(self._copy, dst, src))
+        before, self._inflight = self._inflight, (task, item)
+        if before is None:
+            return None
+        await before[0]
+        return before[1]
+
+    async def drain(self) -> T | None:
+        """The item of the copy in flight, once it has ended (None if there is none)."""
+        before, self._inflight = self._inflight, None
+        if before is None:
+            return None
+        await before[0]
+        return before[1]
+
+    async def settle(self) -> None:
+        """Wait, without raising, until no copy writes any more (a fetch cut short lets its region
+        go only then)."""
+        before, self._inflight = self._inflight, None
+        if before is not None:
+            await asyncio.wait([before[0]])
+            if not before[0].cancelled():
+                before[0].exception()  # retrieved: the fetch it belonged to has ended anyway
 
 
 class Regions:

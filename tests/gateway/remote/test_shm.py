@@ -24,7 +24,7 @@ import torch
 from gateway.protocol import shmpages
 from gateway.remote.client import RemoteGateway
 from gateway.remote.shm import ShmRegion, Window
-from gateway.server.shm import Regions
+from gateway.server.shm import CopyAhead, Regions, copy_into
 from tenancy.devissuer import DevIssuer
 from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -427,3 +427,68 @@ def test_a_hold_keeps_its_region_from_being_dropped_and_counts_once() -> None:
     os.close(fd)
     assert regions.get(region.id, "acme", peer) is None and made.size == 1 << 20
     regions.close()
+
+
+async def test_copies_into_a_window_run_one_ahead_and_an_item_comes_back_only_once_its_copy_ended() -> None:
+    gates = [threading.Event() for _ in range(3)]
+    running: list[int] = []
+    most = 0
+
+    def gated(dst: np.ndarray, src: memoryview) -> None:
+        nonlocal most
+        k = int(np.frombuffer(src, dtype=np.uint8)[0]) - 1
+        running.append(k)
+        most = max(most, len(running))
+        try:
+            if not gates[k].wait(10):
+                raise TimeoutError(k)
+            if k == 2:
+                raise OSError("the copy failed")
+            copy_into(dst, src)
+        finally:
+            running.remove(k)
+
+    async def until(cond) -> None:
+        for _ in range(1000):
+            if cond():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("never")
+
+    dst = np.zeros((3, 1 << 20), dtype=np.uint8)
+    srcs = [memoryview(bytes([k + 1]) * (1 << 20)) for k in range(3)]
+    copies: CopyAhead[str] = CopyAhead(gated)
+    assert await copies.push(dst[0], srcs[0], "item 0") is None  # the first has none before it
+    second = asyncio.ensure_future(copies.push(dst[1], srcs[1], "item 1"))
+    await until(lambda: running == [0, 1])  # the second copy started while the first still runs
+    await asyncio.sleep(0.05)
+    assert not second.done() and not dst[0].any()  # its item waits for the first copy to end
+    gates[0].set()
+    assert await second == "item 0" and bool((dst[0] == 1).all())  # the first is whole when its item is back
+    assert running == [1] and not dst[1].any()
+    drained = asyncio.ensure_future(copies.drain())
+    await asyncio.sleep(0.05)
+    assert not drained.done()  # the last item too waits for its copy
+    gates[1].set()
+    assert await drained == "item 1" and bool((dst[1] == 2).all())
+    assert await copies.drain() is None and most == 2
+
+    # a copy that fails is raised to the fetch by the call that would hand its item back
+    assert await copies.push(dst[2], srcs[2], "item 2") is None
+    gates[2].set()
+    with pytest.raises(OSError, match="the copy failed"):
+        await copies.drain()
+
+    # a fetch cut short lets its region go only once no copy writes any more, and raises nothing
+    gates[0].clear()
+    assert await copies.push(dst[0], srcs[0], "cut") is None
+    settled = asyncio.ensure_future(copies.settle())
+    await asyncio.sleep(0.05)
+    assert not settled.done() and running == [0]
+    gates[0].set()
+    await settled
+    assert running == [] and await copies.drain() is None
+    gates[2].clear()
+    assert await copies.push(dst[2], srcs[2], "failing") is None
+    gates[2].set()
+    await copies.settle()  # its failure is taken, not raised
