@@ -164,10 +164,23 @@ def setup_line(result: dict[str, Any]) -> str:
         f"vLLM {meta.get('vllm', '?')} on CPU ({meta.get('cpus', '?')} cores, all of them for every system), prefix cache off, "
         f"block {e['block_size']}, kvgate chunks of {c['chunk_tokens']} tokens; {c['reps']} prompts per length, "
         f"{c['out_tokens']} greedy tokens each; load average at start {load}."
+        + _host(meta)
         + (f" The systems come from {meta['merged_runs']} runs of the same benchmark on this machine, one after the other "
            "(`--from-raw` of each run's e2e-raw.json)." if meta.get("merged_runs") else "")
         + _interleaved(meta.get("interleave"))
     )
+
+
+def _host(meta: dict[str, Any]) -> str:
+    """The setup line's account of the host's ceilings (a run made before they were recorded has none)."""
+    ceil, cpu = meta.get("ceilings"), meta.get("cpu") or {}
+    if not ceil:
+        return ""
+    which = f"family {cpu.get('family')} model {cpu.get('model')}, " if cpu.get("family") else ""
+    wide = "with" if "avx512f" in cpu.get("flags", []) else "without"
+    return (f" The host ({which}{wide} AVX-512) opens AES-256-GCM at {_f(ceil['aes_gcm_open_gbps'], 2)} GB/s on one core "
+            f"and copies memory at {_f(ceil['memcpy_gbps'], 2)} GB/s (cryptography and numpy, on a 4K-token hit's bytes, "
+            "before any engine started): a kvgate hit decrypts every byte ExampleConnector copies.")
 
 
 def _interleaved(il: dict[str, Any] | None) -> str:

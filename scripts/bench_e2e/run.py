@@ -269,8 +269,37 @@ def _machine() -> dict[str, Any]:
     mem = next((int(ln.split()[1]) // (1 << 20) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), None)
     return {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": mem, "loadavg_start": _load(), "uptime_start": _uptime(),
+            "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "cpu": _cpu_id(), "mem_gib": mem,
+            "ceilings": _ceilings(), "loadavg_start": _load(), "uptime_start": _uptime(),
             "note": "the machine's 2 cores were shared with other jobs during the run: see the load averages"}
+
+
+_FLAGS = ("aes", "vaes", "vpclmulqdq", "avx2", "avx512f")
+
+
+def _cpu_id() -> dict[str, Any]:
+    """Which CPU ran the run (hosts of one name differ: family and model tell a generation) and
+    whether it has the instructions AES-GCM runs on."""
+    info: dict[str, str] = {}
+    for ln in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = ln.partition(":")
+        key = key.strip()
+        if key in ("cpu family", "model", "flags") and key not in info:
+            info[key] = value.strip()
+    flags = set(info.get("flags", "").split())
+    return {"family": info.get("cpu family"), "model": info.get("model"), "flags": [f for f in _FLAGS if f in flags]}
+
+
+def _ceilings() -> dict[str, float]:
+    """This host's AES-256-GCM (cryptography) and memory copy on the bytes of a 4K-token hit, one
+    core, measured before any engine starts: a kvgate hit authenticates and decrypts every byte a
+    plaintext connector only copies, so its distance to one moves with the first."""
+    from gateway.bench.ceilings import aes_ceiling, memcpy_ceiling
+
+    total, segment = 192 << 20, 2 << 20  # the 4K-token hit of the full model, in envelope segments
+    seal, open_ = aes_ceiling(total, segment, 1, 5)
+    return {"aes_gcm_open_gbps": round(open_, 2), "aes_gcm_seal_gbps": round(seal, 2),
+            "memcpy_gbps": round(memcpy_ceiling(total, segment, 1, 5), 2)}
 
 
 def run(cfg: Config, work: Path) -> dict[str, Any]:

@@ -483,3 +483,22 @@ def test_a_stopped_engine_leaves_none_of_the_shared_memory_its_processes_mapped(
                 os.killpg(proc.pid, signal.SIGKILL)
         for path in paths.values():
             path.unlink(missing_ok=True)
+
+
+def test_a_run_records_the_hosts_aes_and_copy_ceilings_and_its_cpu_and_the_setup_line_says_them():
+    from scripts.bench_e2e.run import _ceilings, _cpu_id
+
+    ceil, cpu = _ceilings(), _cpu_id()
+    assert set(ceil) == {"aes_gcm_open_gbps", "aes_gcm_seal_gbps", "memcpy_gbps"}
+    assert all(isinstance(v, float) and 0.05 < v < 500 for v in ceil.values()), ceil  # measured, not a constant
+    assert cpu["family"] and cpu["model"] and set(cpu["flags"]) <= {"aes", "vaes", "vpclmulqdq", "avx2", "avx512f"}
+    raw = _raw()
+    before = markdown(analyze(raw)).split("\n\n")[0]
+    assert "AES-256-GCM" not in before  # the control: a run made before ceilings were recorded says nothing of them
+    raw["meta"].update(ceilings={"aes_gcm_open_gbps": 3.62, "aes_gcm_seal_gbps": 3.63, "memcpy_gbps": 9.04},
+                       cpu={"family": "25", "model": "1", "flags": ["aes", "vaes", "vpclmulqdq", "avx2"]})
+    line = markdown(analyze(raw)).split("\n\n")[0]
+    assert "The host (family 25 model 1, without AVX-512) opens AES-256-GCM at 3.62 GB/s on one core" in line
+    assert "copies memory at 9.04 GB/s" in line
+    raw["meta"]["cpu"]["flags"].append("avx512f")
+    assert "with AVX-512" in markdown(analyze(raw)).split("\n\n")[0]
