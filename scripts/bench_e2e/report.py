@@ -174,13 +174,15 @@ def setup_line(result: dict[str, Any]) -> str:
 def _host(meta: dict[str, Any]) -> str:
     """The setup line's account of the host's ceilings (a run made before they were recorded has none)."""
     ceil, cpu = meta.get("ceilings"), meta.get("cpu") or {}
+    omp = meta.get("omp_env") or {}
+    said = (" Every engine ran with " + ", ".join(f"`{k}={v}`" for k, v in omp.items()) + ".") if omp else ""
     if not ceil:
-        return ""
+        return said
     which = f"family {cpu.get('family')} model {cpu.get('model')}, " if cpu.get("family") else ""
     wide = "with" if "avx512f" in cpu.get("flags", []) else "without"
     return (f" The host ({which}{wide} AVX-512) opens AES-256-GCM at {_f(ceil['aes_gcm_open_gbps'], 2)} GB/s on one core "
             f"and copies memory at {_f(ceil['memcpy_gbps'], 2)} GB/s (cryptography and numpy, on a 4K-token hit's bytes, "
-            "before any engine started): a kvgate hit decrypts every byte ExampleConnector copies.")
+            "before any engine started): a kvgate hit decrypts every byte ExampleConnector copies." + said)
 
 
 def _interleaved(il: dict[str, Any] | None) -> str:

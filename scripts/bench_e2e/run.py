@@ -270,7 +270,7 @@ def _machine() -> dict[str, Any]:
                 if ln.startswith("MemTotal")), None)
     return {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "cpu": _cpu_id(), "mem_gib": mem,
-            "ceilings": _ceilings(), "loadavg_start": _load(), "uptime_start": _uptime(),
+            "ceilings": _ceilings(), "omp_env": _omp_env(), "loadavg_start": _load(), "uptime_start": _uptime(),
             "note": "the machine's 2 cores were shared with other jobs during the run: see the load averages"}
 
 
@@ -288,6 +288,12 @@ def _cpu_id() -> dict[str, Any]:
             info[key] = value.strip()
     flags = set(info.get("flags", "").split())
     return {"family": info.get("cpu family"), "model": info.get("model"), "flags": [f for f in _FLAGS if f in flags]}
+
+
+def _omp_env() -> dict[str, str]:
+    """The OpenMP settings every engine inherits from this process (how its threads wait between
+    parallel regions moves what cores a load's threads find)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OMP_", "GOMP_", "KMP_"))}
 
 
 def _ceilings() -> dict[str, float]:

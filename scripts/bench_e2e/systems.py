@@ -8,6 +8,9 @@
     kvgate-remote-shm         the same, loads through a shared-memory region per tenant
     kvgate-remote-shm-whole   ``kvgate-remote-shm`` with ``layerwise_loads: false``
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
+    <system>-passive          kvgate-embedded or example with ``OMP_WAIT_POLICY=PASSIVE`` in the
+                              engine's environment: its OpenMP threads sleep, not spin, between
+                              parallel regions (they leave the cores to a load's threads)
     lmcache                   LMCache's vLLM connector in its own environment (``--lmcache-vllm-python``)
 
 Without its environment a system is not run (``NotRun``, with the reason for the report); LMCache's
@@ -38,7 +41,10 @@ LABELS = {
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
+    "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
+    "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
 }
+PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 OPS = ["lookup", "get", "put"]
 CAP_TTL = 6 * 3600  # an interleaved run keeps every engine, and its capabilities, for the whole run (over an hour)
 
@@ -342,6 +348,10 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
     work.mkdir(parents=True, exist_ok=True)
     if key == "none":
         return System("none", None)
+    if key in ("kvgate-embedded-passive", "example-passive"):
+        system = open_system(key.removesuffix("-passive"), work, tenants, cfg)
+        system.key, system.env = key, {**system.env, **PASSIVE}
+        return system
     if key == "kvgate-embedded":
         return _embedded(work, tenants, cfg)
     if key == "kvgate-embedded-whole":
@@ -365,4 +375,4 @@ def describe(system: System) -> dict[str, Any]:
     """What the JSON records about a system's set-up (no secrets: no tokens, no capabilities)."""
     ktc = json.loads(json.dumps(system.ktc)) if system.ktc else None
     return {"key": system.key, "label": system.label, "kv_transfer_config": ktc, "python": system.python,
-            "env": {k: v for k, v in system.env.items() if k.startswith("LMCACHE_")}, "versions": system.versions}
+            "env": {k: v for k, v in system.env.items() if k.startswith(("LMCACHE_", "OMP_"))}, "versions": system.versions}

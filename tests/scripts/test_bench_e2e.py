@@ -501,4 +501,29 @@ def test_a_run_records_the_hosts_aes_and_copy_ceilings_and_its_cpu_and_the_setup
     assert "The host (family 25 model 1, without AVX-512) opens AES-256-GCM at 3.62 GB/s on one core" in line
     assert "copies memory at 9.04 GB/s" in line
     raw["meta"]["cpu"]["flags"].append("avx512f")
-    assert "with AVX-512" in markdown(analyze(raw)).split("\n\n")[0]
+    assert "with AVX-512" in markdown(analyze(raw)).split("\n\n")[0] and "OMP_" not in line
+    raw["meta"]["omp_env"] = {"OMP_WAIT_POLICY": "PASSIVE"}  # what every engine inherited is said
+    assert "Every engine ran with `OMP_WAIT_POLICY=PASSIVE`." in markdown(analyze(raw)).split("\n\n")[0]
+
+
+def test_the_openmp_settings_the_engines_inherit_are_recorded(monkeypatch: pytest.MonkeyPatch):
+    from scripts.bench_e2e.run import _omp_env
+
+    for k in [k for k in __import__("os").environ if k.startswith(("OMP_", "GOMP_", "KMP_"))]:
+        monkeypatch.delenv(k)
+    assert _omp_env() == {}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    monkeypatch.setenv("OMPX_UNRELATED", "1")
+    assert _omp_env() == {"GOMP_SPINCOUNT": "1000", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_a_passive_variant_is_its_system_with_openmp_threads_that_sleep(tmp_path: Path):
+    from scripts.bench_e2e.systems import describe, open_system
+
+    plain = open_system("example", tmp_path / "a", ["t"], {})
+    passive = open_system("example-passive", tmp_path / "b", ["t"], {})
+    assert plain.env == {} and passive.env == {"OMP_WAIT_POLICY": "PASSIVE"}  # the control inherits the host's
+    assert passive.key == "example-passive" and passive.label == "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)"
+    assert passive.ktc is not None and passive.ktc["kv_connector"] == plain.ktc["kv_connector"]
+    assert describe(passive)["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
