@@ -59,6 +59,14 @@ pairs' ratios follow its table where it has them. A run in which kvgate refused 
 in its connector's trace: a capability that expired or was never valid) ran them without kvgate:
 its report says so (`meta.refused`), and `--docs` does not write it here.
 
+Hosts of one name differ: a run records its CPU (`meta.cpu`: family, model, and whether it has
+AES, VAES and AVX-512) and, before any engine starts, its AES-256-GCM and memory-copy speed on one
+core over a 4K-token hit's bytes (`meta.ceilings`); the setup line says them. A kvgate hit
+authenticates and decrypts every byte ExampleConnector copies, so its distance to ExampleConnector
+moves with the first of these. It also records the OpenMP settings the engines inherit
+(`meta.omp_env`); `kvgate-embedded-passive` and `example-passive` run their system's engine with
+`OMP_WAIT_POLICY=PASSIVE`, the A/B of OpenMP threads that sleep between parallel regions.
+
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
 (plaintext files), each as a `kv_producer` and a `kv_consumer` engine behind `gateway.vllm.disagg`,
