@@ -345,7 +345,9 @@ async def fetch_chunks(
     """The stored prefix of ``hashes``, streamed as a frame (``gateway.protocol.frames``): each envelope
     is written from its tier's buffer as soon as it is had, and the next is read from its tier
     only once the previous one was handed to the connection (a slow reader holds the server
-    to about one envelope). The capability is checked for every hash before anything is read.
+    to about one envelope; where envelopes go into the caller's shared-memory region, to two:
+    one being copied while the item before it is written). The capability is checked for every
+    hash before anything is read.
 
     Each envelope's item carries the key that opens it, issued from the key version and salt in
     its header: counted against the capability's key budget (a 403 ``key-budget-spent`` before
