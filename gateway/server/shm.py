@@ -127,18 +127,12 @@ class CopyAhead(Generic[T]):
         before it, once that one has ended (None if there was none). Raises what that copy raised."""
         task = asyncio.ensure_future(asyncio.to_thread(self._copy, dst, src))
         before, self._inflight = self._inflight, (task, item)
-        if before is None:
-            return None
-        await before[0]
-        return before[1]
+        return await _ended(before)
 
     async def drain(self) -> T | None:
         """The item of the copy in flight, once it has ended (None if there is none)."""
         before, self._inflight = self._inflight, None
-        if before is None:
-            return None
-        await before[0]
-        return before[1]
+        return await _ended(before)
 
     async def settle(self) -> None:
         """Wait, without raising, until no copy writes any more (a fetch cut short lets its region
@@ -148,6 +142,14 @@ class CopyAhead(Generic[T]):
             await asyncio.wait([before[0]])
             if not before[0].cancelled():
                 before[0].exception()  # retrieved: the fetch it belonged to has ended anyway
+
+
+async def _ended(copy: tuple[asyncio.Future[None], T] | None) -> T | None:
+    """The item of ``copy`` once the copy has ended (raising what it raised); None for no copy."""
+    if copy is None:
+        return None
+    await copy[0]
+    return copy[1]
 
 
 class Regions:

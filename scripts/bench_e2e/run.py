@@ -264,12 +264,12 @@ def _machine() -> dict[str, Any]:
     import torch
     import vllm
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.processor())
+    info = _cpuinfo()
+    cpu = info.get("model name") or platform.processor()
     mem = next((int(ln.split()[1]) // (1 << 20) for ln in Path("/proc/meminfo").read_text().splitlines()
                 if ln.startswith("MemTotal")), None)
     return {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
-            "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "cpu": _cpu_id(), "mem_gib": mem,
+            "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "cpu": _cpu_id(info), "mem_gib": mem,
             "ceilings": _ceilings(), "omp_env": _omp_env(), "loadavg_start": _load(), "uptime_start": _uptime(),
             "note": "the machine's 2 cores were shared with other jobs during the run: see the load averages"}
 
@@ -277,15 +277,19 @@ def _machine() -> dict[str, Any]:
 _FLAGS = ("aes", "vaes", "vpclmulqdq", "avx2", "avx512f")
 
 
-def _cpu_id() -> dict[str, Any]:
-    """Which CPU ran the run (hosts of one name differ: family and model tell a generation) and
-    whether it has the instructions AES-GCM runs on."""
+def _cpuinfo() -> dict[str, str]:
+    """/proc/cpuinfo's fields, as its first CPU gives them."""
     info: dict[str, str] = {}
     for ln in Path("/proc/cpuinfo").read_text().splitlines():
         key, _, value = ln.partition(":")
-        key = key.strip()
-        if key in ("cpu family", "model", "flags") and key not in info:
-            info[key] = value.strip()
+        info.setdefault(key.strip(), value.strip())
+    return info
+
+
+def _cpu_id(info: dict[str, str] | None = None) -> dict[str, Any]:
+    """Which CPU ran the run (hosts of one name differ: family and model tell a generation) and
+    whether it has the instructions AES-GCM runs on."""
+    info = _cpuinfo() if info is None else info
     flags = set(info.get("flags", "").split())
     return {"family": info.get("cpu family"), "model": info.get("model"), "flags": [f for f in _FLAGS if f in flags]}
 
