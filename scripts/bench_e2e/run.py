@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +55,9 @@ class Config:
     block_size: int = 32
     dtype: str = "float32"
     memory_bytes: int = 3 << 30
-    shm_mb: int = 512  # kvgate-remote-shm: each tenant's region (an 8K-token load of the model is 393 MB)
+    # kvgate-remote-shm: each tenant's region in MiB; None: room for the longest prompt's envelopes
+    # (``region_mb``), as an operator sizes it for the prompts its engines take
+    shm_mb: int | None = None
     kv_cache_gb: int = 3
     redis_url: str = "redis://127.0.0.1:6379/0"
     # every system's engine up at once, their requests in turns (interleave.py), a gap between
@@ -312,8 +314,19 @@ def _ceilings() -> dict[str, float]:
             "memcpy_gbps": round(memcpy_ceiling(total, segment, 1, 5), 2)}
 
 
+def region_mb(longest: int, chunk_tokens: int, kv_bytes_per_token: int) -> int:
+    """A shared-memory region that holds every envelope of a ``longest``-token load: its chunks'
+    KV (a partial last chunk is stored whole), and 64 KiB a chunk for its header, tags and the
+    region's 64-byte alignment. A smaller region sends what does not fit through the socket."""
+    chunks = -(-longest // chunk_tokens)
+    return -(-(chunks * (chunk_tokens * kv_bytes_per_token + (64 << 10))) // (1 << 20))
+
+
 def run(cfg: Config, work: Path) -> dict[str, Any]:
     size = SIZES[cfg.size]
+    if cfg.shm_mb is None:
+        kvb = size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)
+        cfg = replace(cfg, shm_mb=region_mb(max(cfg.lengths), cfg.chunk_tokens, kvb))
     model = build_llama(work / f"model-{cfg.size}", size)
     max_len = max(max(cfg.lengths), cfg.context + cfg.question_tokens) + cfg.out_tokens + 64
     if max_len > size.max_len:
@@ -446,6 +459,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
                    help="before each miss the same prompt without a capability, in the same engine (miss_vs_capless)")
     p.add_argument("--interleave", action="store_true", default=None,
                    help="every system's engine up at once, their requests taken in turns (interleave.py)")
+    p.add_argument("--shm-mb", type=int, help="kvgate-remote-shm's region per tenant (MiB; default: the longest prompt's envelopes)")
     p.add_argument("--kv-cache-gb", type=int, help="each engine's KV cache space (VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--memory-mb", type=int, help="kvgate's memory tier, embedded and in kvgate serve (MiB)")
     p.add_argument("--lmcache-vllm-python", dest="lmcache_python",
@@ -465,7 +479,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     published.add_args(p)
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
-    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss", "interleave", "kv_cache_gb"):
+    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss", "interleave", "kv_cache_gb", "shm_mb"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if a.memory_mb is not None:

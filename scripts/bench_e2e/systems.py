@@ -361,9 +361,9 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
     if key == "kvgate-remote-uds":
         return _remote(work, tenants, cfg, uds=True)
     if key == "kvgate-remote-shm":
-        return _remote(work, tenants, cfg, uds=True, shm_mb=cfg.get("shm_mb", 512))
+        return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
     if key == "kvgate-remote-shm-whole":
-        return _remote(work, tenants, cfg, uds=True, shm_mb=cfg.get("shm_mb", 512), layerwise=False)
+        return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), layerwise=False)
     if key == "example":
         return _example(work, tenants)
     if key == "lmcache":

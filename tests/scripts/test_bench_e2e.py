@@ -527,3 +527,23 @@ def test_a_passive_variant_is_its_system_with_openmp_threads_that_sleep(tmp_path
     assert passive.key == "example-passive" and passive.label == "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)"
     assert passive.ktc is not None and passive.ktc["kv_connector"] == plain.ktc["kv_connector"]
     assert describe(passive)["env"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def test_the_shared_memory_region_holds_every_envelope_of_the_longest_prompt():
+    from crypto.envelope import ChunkCipher
+    from gateway.datapath.codec import layer_segment_bytes
+    from gateway.protocol.shmpages import aligned
+    from scripts.bench_e2e.model import SIZES
+    from scripts.bench_e2e.run import Config, region_mb
+
+    kvb = SIZES["full"].kv_bytes_per_token(4)
+    chunk, layer = 256 * kvb, 256 * kvb // SIZES["full"].layers
+    codec = ChunkCipher()
+    envelope = codec.envelope_size(chunk, layer_segment_bytes(codec.segment_bytes, layer))
+    for longest in (1024, 4096, 8192, 16384, 16000):
+        chunks = -(-longest // 256)
+        mb = region_mb(longest, 256, kvb)
+        assert chunks * aligned(envelope) <= mb << 20  # every envelope of the load fits
+        assert (mb - 1) << 20 < chunks * (chunk + (64 << 10))  # and not much more
+    assert Config().shm_mb is None  # sized from the run's longest prompt unless told
+    assert parse(["--shm-mb", "300"])[0].shm_mb == 300
