@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scripts.bench_e2e.model import SIZES
+
 __all__ = ["LABELS", "NotRun", "System", "group_pids", "open_system", "start_process", "start_serve", "stop_process", "wait_up"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +45,7 @@ LABELS = {
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
     "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
+    "kvgate-embedded-layer-segments": "kvgate embedded (one layer a segment)",
 }
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 OPS = ["lookup", "get", "put"]
@@ -356,6 +359,16 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _embedded(work, tenants, cfg)
     if key == "kvgate-embedded-whole":
         return _embedded(work, tenants, cfg, layerwise=False)
+    if key == "kvgate-embedded-layer-segments":
+        # envelopes sealed in segments of one layer (the default rounds 2 MiB down to whole layers):
+        # a layer-wise load says a layer is in after one layer of every chunk, not two
+        system = _embedded(work, tenants, cfg)
+        size = SIZES[cfg.get("size", "full")]
+        layer = cfg["chunk_tokens"] * size.kv_bytes_per_token(4 if cfg.get("dtype", "float32") == "float32" else 2) // size.layers
+        assert system.ktc is not None
+        system.ktc["kv_connector_extra_config"]["kvgate_settings"]["segment_bytes"] = layer
+        system.key = key
+        return system
     if key == "kvgate-remote":
         return _remote(work, tenants, cfg)
     if key == "kvgate-remote-uds":

@@ -547,3 +547,22 @@ def test_the_shared_memory_region_holds_every_envelope_of_the_longest_prompt():
         assert (mb - 1) << 20 < chunks * (chunk + (64 << 10))  # and not much more
     assert Config().shm_mb is None  # sized from the run's longest prompt unless told
     assert parse(["--shm-mb", "300"])[0].shm_mb == 300
+
+
+def test_the_layer_segments_variant_seals_one_layer_of_a_chunk_a_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from scripts.bench_e2e import systems
+
+    monkeypatch.setattr(systems, "_embedded_caps", lambda settings, tenants: _caps_of(tenants))
+    cfg = {"redis_url": "redis://127.0.0.1:6379/0", "chunk_tokens": 256, "memory_bytes": 1 << 30, "size": "full", "dtype": "float32"}
+    plain = systems.open_system("kvgate-embedded", tmp_path / "a", ["t"], cfg)
+    seg = systems.open_system("kvgate-embedded-layer-segments", tmp_path / "b", ["t"], cfg)
+    settings = seg.ktc["kv_connector_extra_config"]["kvgate_settings"]
+    assert settings["segment_bytes"] == 256 * 49152 // 12  # one layer of a 256-token chunk of the full model
+    assert "segment_bytes" not in plain.ktc["kv_connector_extra_config"]["kvgate_settings"]  # the control: the default
+    assert seg.key == "kvgate-embedded-layer-segments" and seg.label == "kvgate embedded (one layer a segment)"
+
+
+def _caps_of(tenants: list[str]):
+    async def caps() -> dict[str, str]:
+        return {t: "cap" for t in tenants}
+    return caps()

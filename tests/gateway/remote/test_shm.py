@@ -25,6 +25,7 @@ from gateway.protocol import shmpages
 from gateway.remote.client import RemoteGateway
 from gateway.remote.shm import ShmRegion, Window
 from gateway.server.shm import CopyAhead, Regions, copy_into
+from kernels.layouts import KVLayout
 from tenancy.devissuer import DevIssuer
 from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -190,6 +191,63 @@ async def test_a_tampered_envelope_in_the_region_ends_the_prefix_and_nothing_of_
         got, dst = await _load(wa, g, model, tokens)
         assert got.loaded_tokens == N and got.integrity_failures == 0
         assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+
+
+async def test_a_layer_wise_load_through_the_region_says_a_layer_only_once_it_is_in_and_a_tampered_one_lands_nothing(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``RemoteGateway.retrieve(on_layers=)`` through a region: an engine's forward could run beside
+    the load, told layer by layer what is in place in every chunk still loading."""
+    with served.http() as http:
+        a = create_tenant(served, http, "acme")
+    g = small_geometry(KVLayout.CPU, torch.float32)  # vLLM's CPU cache: opened in place, layer by layer
+    model, src, tokens = model_for(g), random_cache(g, NUM_BLOCKS, seed=5), list(range(900, 900 + N))
+    layer = 2 * 16 * g.num_kv_heads * g.head_size * 4  # a chunk's layer: a segment of its own
+    async with RemoteGateway(NOWHERE, served.issuer.mint(a, ["kv.worker"]), chunk_tokens=16, uds=str(served.path),
+                             shm_bytes=REGION, segment_bytes=layer) as wa:
+        await wa.store(model, tokens, src, block_ids=BLOCKS)
+        dst = zero_cache(g, NUM_BLOCKS)
+        said: list[int] = []
+        early: list[int] = []  # layers said before their whole blocks were in
+
+        def on_layers(n: int) -> None:  # layers [0, n) of every chunk: in place, and authentic
+            said.append(n)  # (told from an opening thread: what it finds is checked after)
+            early.extend(k for k in range(n) if not torch.equal(dst[k][BLOCKS[:-1]], src[k][BLOCKS[:-1]]))
+
+        got = await wa.retrieve(model, tokens, dst, block_ids=BLOCKS, on_layers=on_layers)
+        assert got.loaded_tokens == N and got.integrity_failures == 0 and wa.metrics.shm_envelopes == 4
+        assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        assert said == sorted(said) and said[-1] == g.num_layers and said[0] < g.num_layers  # one by one
+        assert early == []
+
+        view = ShmRegion.view
+        seen = [0]
+
+        def flipped(self: ShmRegion, offset: int, n: int):  # the second envelope, one bit flipped in its body
+            holder, out = view(self, offset, n)
+            seen[0] += 1
+            if seen[0] != 2:
+                return holder, out
+            bad = holder.copy()
+            bad[n // 2] ^= 1
+            return bad, bad.data.cast("B")
+
+        monkeypatch.setattr(ShmRegion, "view", flipped)
+        dst = zero_cache(g, NUM_BLOCKS)
+        said.clear()
+        got = await wa.retrieve(model, tokens, dst, block_ids=BLOCKS, on_layers=said.append)
+        assert got.loaded_tokens == 16 and got.integrity_failures == 1  # the first chunk only
+        assert said[-1] == g.num_layers  # the forward is let go however the load ended
+        assert torch.equal(gathered(src, g, BLOCKS, 16), gathered(dst, g, BLOCKS, 16))
+        assert not gathered(dst, g, BLOCKS[4:8], 16).any()  # the tampered chunk: nothing of it
+        for k, n in ((8, 16), (12, N - 48)):  # chunks after it: authentic bytes, or none
+            chunk = gathered(dst, g, BLOCKS[k:], n)
+            assert not chunk.any() or torch.equal(chunk, gathered(src, g, BLOCKS[k:], n))
+        monkeypatch.setattr(ShmRegion, "view", view)
+        await wa.store(model, tokens, src, block_ids=BLOCKS)  # the failure dropped the bad copy
+        dst = zero_cache(g, NUM_BLOCKS)
+        got = await wa.retrieve(model, tokens, dst, block_ids=BLOCKS, on_layers=lambda n: None)
+        assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
 
 
 async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_replaced(
