@@ -273,7 +273,8 @@ def _machine() -> dict[str, Any]:
     return {"vllm": vllm.__version__, "torch": torch.__version__, "python": platform.python_version(),
             "commit": _commit(), "cpus": os.cpu_count(), "cpu_model": cpu, "cpu": _cpu_id(info), "mem_gib": mem,
             "ceilings": _ceilings(), "omp_env": _omp_env(), "loadavg_start": _load(), "uptime_start": _uptime(),
-            "note": "the machine's 2 cores were shared with other jobs during the run: see the load averages"}
+            "note": ("the load averages count this run's own engines (with --interleave every one is up at once); "
+                     "what the idle ones used during a turn is interleave.others_cpu_s")}
 
 
 _FLAGS = ("aes", "vaes", "vpclmulqdq", "avx2", "avx512f")
