@@ -65,7 +65,11 @@ core over a 4K-token hit's bytes (`meta.ceilings`); the setup line says them. A 
 authenticates and decrypts every byte ExampleConnector copies, so its distance to ExampleConnector
 moves with the first of these. It also records the OpenMP settings the engines inherit
 (`meta.omp_env`); `kvgate-embedded-passive` and `example-passive` run their system's engine with
-`OMP_WAIT_POLICY=PASSIVE`, the A/B of OpenMP threads that sleep between parallel regions.
+`OMP_WAIT_POLICY=PASSIVE`, the A/B of OpenMP threads that sleep between parallel regions;
+`kvgate-embedded-layer-segments` seals its envelopes one layer a segment, the A/B of a layer-wise
+load's first wait. `kvgate-remote-shm`'s region holds the envelopes of the run's longest prompt
+(`meta.config.shm_mb`; `--shm-mb` sets another size, and what does not fit comes through the
+socket). Runs on other hosts and the A/B runs: [runs.md](runs.md).
 
 The P/D workload (`scripts/bench_e2e/pd.py`; `--pd` after the systems, `--pd-only` alone) runs one
 engine, then kvgate embedded (Redis tier) and kvgate remote (Unix socket) and ExampleConnector
