@@ -158,25 +158,32 @@ async def test_a_region_id_of_another_tenant_lends_nothing_and_a_window_never_pa
                 assert tcp.post("/v1/shm/regions", json={"bytes": 4096}, headers={"Authorization": f"Bearer {token}"}).status_code in (401, 403)
 
 
+def _tamper_second_envelope(monkeypatch: pytest.MonkeyPatch):
+    """The worker reads the second envelope of its region with one bit flipped in its body (the
+    server's copy is untouched); returns what puts the plain view back."""
+    view = ShmRegion.view
+    seen = [0]
+
+    def flipped(self: ShmRegion, offset: int, n: int):
+        holder, out = view(self, offset, n)
+        seen[0] += 1
+        if seen[0] != 2:
+            return holder, out
+        bad = holder.copy()
+        bad[n // 2] ^= 1
+        return bad, bad.data.cast("B")
+
+    monkeypatch.setattr(ShmRegion, "view", flipped)
+    return lambda: monkeypatch.setattr(ShmRegion, "view", view)
+
+
 async def test_a_tampered_envelope_in_the_region_ends_the_prefix_and_nothing_of_it_lands(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     with served.http() as http:
         a = create_tenant(served, http, "acme")
     g, model, src, tokens = _setup()
     async with _worker(served, a) as wa:
         await wa.store(model, tokens, src, block_ids=BLOCKS)
-        view = ShmRegion.view
-        seen = [0]
-
-        def flipped(self: ShmRegion, offset: int, n: int):  # the second envelope, one bit flipped in its body
-            holder, out = view(self, offset, n)
-            seen[0] += 1
-            if seen[0] != 2:
-                return holder, out
-            bad = holder.copy()
-            bad[n // 2] ^= 1
-            return bad, bad.data.cast("B")
-
-        monkeypatch.setattr(ShmRegion, "view", flipped)
+        untamper = _tamper_second_envelope(monkeypatch)
         got, dst = await _load(wa, g, model, tokens)
         assert got.loaded_tokens == 16 and got.integrity_failures == 1  # the first chunk only
         assert torch.equal(gathered(src, g, BLOCKS, 16), gathered(dst, g, BLOCKS, 16))
@@ -184,7 +191,7 @@ async def test_a_tampered_envelope_in_the_region_ends_the_prefix_and_nothing_of_
         for k, n in ((8, 16), (12, N - 48)):  # chunks opened beside it (another batch): authentic bytes, or none
             chunk = gathered(dst, g, BLOCKS[k:], n)
             assert not chunk.any() or torch.equal(chunk, gathered(src, g, BLOCKS[k:], n))
-        monkeypatch.setattr(ShmRegion, "view", view)
+        untamper()
         # the next load, with nothing tampered: the prefix is whole again (the bad copy was dropped
         # by the failure, so it is stored again first)
         await wa.store(model, tokens, src, block_ids=BLOCKS)
@@ -220,19 +227,7 @@ async def test_a_layer_wise_load_through_the_region_says_a_layer_only_once_it_is
         assert said == sorted(said) and said[-1] == g.num_layers and said[0] < g.num_layers  # one by one
         assert early == []
 
-        view = ShmRegion.view
-        seen = [0]
-
-        def flipped(self: ShmRegion, offset: int, n: int):  # the second envelope, one bit flipped in its body
-            holder, out = view(self, offset, n)
-            seen[0] += 1
-            if seen[0] != 2:
-                return holder, out
-            bad = holder.copy()
-            bad[n // 2] ^= 1
-            return bad, bad.data.cast("B")
-
-        monkeypatch.setattr(ShmRegion, "view", flipped)
+        untamper = _tamper_second_envelope(monkeypatch)
         dst = zero_cache(g, NUM_BLOCKS)
         said.clear()
         got = await wa.retrieve(model, tokens, dst, block_ids=BLOCKS, on_layers=said.append)
@@ -243,7 +238,7 @@ async def test_a_layer_wise_load_through_the_region_says_a_layer_only_once_it_is
         for k, n in ((8, 16), (12, N - 48)):  # chunks after it: authentic bytes, or none
             chunk = gathered(dst, g, BLOCKS[k:], n)
             assert not chunk.any() or torch.equal(chunk, gathered(src, g, BLOCKS[k:], n))
-        monkeypatch.setattr(ShmRegion, "view", view)
+        untamper()
         await wa.store(model, tokens, src, block_ids=BLOCKS)  # the failure dropped the bad copy
         dst = zero_cache(g, NUM_BLOCKS)
         got = await wa.retrieve(model, tokens, dst, block_ids=BLOCKS, on_layers=lambda n: None)
