@@ -30,9 +30,11 @@ from gateway.services import dbschema
 from gateway.services.core import KVModel
 from gateway.services.runtime import open_embedded
 from kernels.layouts import KVGeometry, KVLayout
+from scripts.bench_e2e.model import SIZES
 from storage.memory import MemoryTier
 
-GEOMETRY = KVGeometry(12, 8, 64, torch.float32, 32, KVLayout.CPU)  # bench-e2e's full model, vLLM's CPU cache
+_FULL = SIZES["full"]
+GEOMETRY = KVGeometry(_FULL.layers, _FULL.kv_heads, _FULL.head_size, torch.float32, 32, KVLayout.CPU)  # vLLM's CPU cache
 MODEL = KVModel("bench-llama", GEOMETRY)
 
 
@@ -94,6 +96,7 @@ async def main(a: argparse.Namespace) -> None:
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
     def ints(s: str) -> list[int]:
         return [int(x) for x in s.split(",")]
 

@@ -39,6 +39,10 @@ class ModelSize:
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return 2 * self.layers * self.kv_heads * self.head_size * dtype_bytes
 
+    def kv_bytes_of(self, dtype: str) -> int:
+        """KV bytes a token of the model takes in an engine of ``dtype`` (float32, or a 2-byte type)."""
+        return self.kv_bytes_per_token(4 if dtype == "float32" else 2)
+
     def params(self) -> int:
         vocab = VOCAB_WORDS + len(SPECIALS)
         attn = self.hidden * self.hidden * 2 + 2 * self.hidden * self.kv_heads * self.head_size

@@ -326,7 +326,7 @@ def region_mb(longest: int, chunk_tokens: int, kv_bytes_per_token: int) -> int:
 def run(cfg: Config, work: Path) -> dict[str, Any]:
     size = SIZES[cfg.size]
     if cfg.shm_mb is None:
-        kvb = size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)
+        kvb = size.kv_bytes_of(cfg.dtype)
         cfg = replace(cfg, shm_mb=region_mb(max(cfg.lengths), cfg.chunk_tokens, kvb))
     model = build_llama(work / f"model-{cfg.size}", size)
     max_len = max(max(cfg.lengths), cfg.context + cfg.question_tokens) + cfg.out_tokens + 64
@@ -345,7 +345,7 @@ def run(cfg: Config, work: Path) -> dict[str, Any]:
     not_run: dict[str, str] = {}
 
     def meta() -> dict[str, Any]:
-        kvb = size.kv_bytes_per_token(4 if cfg.dtype == "float32" else 2)
+        kvb = size.kv_bytes_of(cfg.dtype)
         return {**machine, "loadavg_end": _load(), "uptime_end": _uptime(), "config": asdict(cfg), "engine": engine,
                 "model": {"size": cfg.size, **asdict(size), "params": size.params(), "kv_bytes_per_token": kvb}}
 

@@ -165,7 +165,7 @@ def run(cfg: SweepConfig, main: Any, work: Path) -> dict[str, Any]:
             failed[key] = str(exc)[-2000:]
             continue
         print(f"[bench-e2e] sweep {key}: {len(runs[-1]['rows'])} requests in {runs[-1]['wall_s']} s", flush=True)
-    return {"config": asdict(cfg), "kv_bytes_per_token": size.kv_bytes_per_token(4 if main.dtype == "float32" else 2),
+    return {"config": asdict(cfg), "kv_bytes_per_token": size.kv_bytes_of(main.dtype),
             "runs": runs, "failed": failed}
 
 

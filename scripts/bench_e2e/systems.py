@@ -364,7 +364,7 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         # a layer-wise load says a layer is in after one layer of every chunk, not two
         system = _embedded(work, tenants, cfg)
         size = SIZES[cfg.get("size", "full")]
-        layer = cfg["chunk_tokens"] * size.kv_bytes_per_token(4 if cfg.get("dtype", "float32") == "float32" else 2) // size.layers
+        layer = cfg["chunk_tokens"] * size.kv_bytes_of(cfg.get("dtype", "float32")) // size.layers
         assert system.ktc is not None
         system.ktc["kv_connector_extra_config"]["kvgate_settings"]["segment_bytes"] = layer
         system.key = key
