@@ -7,6 +7,10 @@ aligned); under fragmentation :meth:`Arena.compact` slides unleased extents to t
 then does an extent come from the heap (counted in ``overflow``). The arena never refuses: the
 memory tier bounds the bytes held with its budget.
 
+``shared=True`` backs the region with a memfd (``MAP_SHARED``, sealed against shrinking and
+growing) whose descriptor ``fd`` can be handed to another process to map read-only; freed bytes of
+such a region stay resident until :meth:`Arena.trim` punches them out.
+
 Invariants: a view from :meth:`Arena.lease` keeps its extent *leased* while it or anything derived
 from it lives. A leased extent is never moved; one released by its owner while leased becomes a
 *zombie* (bytes unchanged, in no free list) until the last lease dies. So one buffer is never
@@ -16,8 +20,11 @@ Design notes: docs/architecture.md, section 5.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import mmap
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -71,13 +78,23 @@ class Arena:
     """A fixed region of ``nbytes`` (rounded up to whole pages). Not thread-safe: one event loop
     allocates; other threads may only read or write the views they were handed."""
 
-    def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = False) -> None:
+    def __init__(self, nbytes: int, *, prefault: bool = False, huge_pages: bool = False, shared: bool = False) -> None:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
             raise ValueError("arena size must be a non-negative int")
         self.size = max(_PAGE, _round(nbytes, _PAGE))
+        self.fd = -1  # the memfd of a shared arena
+        self.dirty = 0  # bytes freed since the last trim (a shared arena keeps them resident until then)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         flags |= mmap.MAP_POPULATE if prefault else _MAP_NORESERVE
-        self._map: mmap.mmap | None = mmap.mmap(-1, self.size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        if shared:
+            self.fd = _memfd(self.size)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if prefault else 0)
+        try:
+            self._map: mmap.mmap | None = mmap.mmap(self.fd, self.size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)
+            raise
         if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
             self._map.madvise(mmap.MADV_HUGEPAGE)
         self._buf = np.frombuffer(self._map, dtype=np.uint8)
@@ -102,6 +119,7 @@ class Arena:
             self.overflow += 1
             return Extent(-1, nbytes, np.empty(nbytes, dtype=np.uint8))
         self._take(start, span)
+        self.dirty = max(0, self.dirty - span)  # best fit reuses freed (still resident) bytes first
         ext = self._extents[start] = Extent(start, nbytes)
         return ext
 
@@ -146,6 +164,35 @@ class Arena:
             ext.leases.append(weakref.ref(arr))
         view = memoryview(arr)  # type: ignore[arg-type]  # ndarray exports a buffer
         return view if writable else view.toreadonly()
+
+    def offset_of(self, view: memoryview) -> int | None:
+        """Where ``view`` (a lease of this arena) starts in the region, or None where it is not
+        the whole of a region extent here (a heap fallback, another arena's, a slice)."""
+        if self._map is None or view.nbytes == 0:
+            return None
+        at = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) - self._base
+        ext = self._extents.get(at)
+        return at if ext is not None and ext.nbytes == view.nbytes and 0 <= at < self.size else None
+
+    def used_span(self) -> int:
+        """Bytes of the region held by extents (owned or zombie)."""
+        return self.size - self.free_bytes()
+
+    def trim(self) -> int:
+        """Give the pages wholly inside free holes back to the system (``MADV_REMOVE``: a shared
+        arena's freed bytes stay resident otherwise, and so does any reader's mapping of them);
+        returns the bytes punched. A hole's pages fault in again when it is next used."""
+        self.sweep()
+        punched = 0
+        if self._map is not None and self.fd >= 0:
+            for start, size in list(self._holes.items()):
+                lo, hi = _round(start, _PAGE), (start + size) // _PAGE * _PAGE
+                if hi > lo:
+                    with contextlib.suppress(OSError, ValueError):
+                        self._map.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+                        punched += hi - lo
+        self.dirty = 0
+        return punched
 
     # -- fragmentation -------------------------------------------------------------------------
     def compact(self) -> int:
@@ -199,6 +246,12 @@ class Arena:
         self._holes, self._ends = {}, {}
         mapping, self._map = self._map, None
         self._buf = np.empty(0, dtype=np.uint8)
+        if self.fd >= 0:  # a reader's mapping of it keeps holes, never the bytes
+            if mapping is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    mapping.madvise(mmap.MADV_REMOVE)
+            os.close(self.fd)
+            self.fd = -1
         if mapping is not None:
             try:
                 mapping.close()
@@ -237,4 +290,23 @@ class Arena:
             del self._ends[end + after]
             end += after
         self._add_hole(start, end - start)
+        self.dirty += ext.span
         ext.offset = -2  # freed: not in the region any more
+
+
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+
+
+def _memfd(size: int) -> int:
+    """A memfd of ``size`` bytes sealed against shrinking and growing (a process it is handed to
+    cannot truncate it under the arena's writes); OSError where the system has none."""
+    if not hasattr(os, "memfd_create") or not _SEALS:
+        raise OSError("a shared arena needs memfd_create and file seals (Linux)")
+    fd = os.memfd_create("kvgate-arena", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd

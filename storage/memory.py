@@ -13,6 +13,12 @@ changes nothing; with ``owner_quota_bytes`` one owner cannot evict another's chu
 quota (order in :mod:`storage._index`). A namespace or owner deletion cancels the reservations of
 its keys: their ``commit`` stores nothing and returns False (a seal in flight cannot bring back a
 cleared chunk). No method awaits, so each is atomic for coroutines sharing a loop.
+
+``owner_arenas=True`` keeps each owner's envelopes in an arena of its own, a memfd
+(``Arena(shared=True)``) that a server can hand to that owner's workers to map read-only and read
+envelopes from in place (``owner_arena``, ``locate``). One owner's arena holds only that owner's
+envelopes. Freed bytes stay resident in their arena until trimmed: the tier trims every arena
+once what they may hold resident passes the budget by an eighth.
 """
 
 from __future__ import annotations
@@ -83,12 +89,17 @@ class MemoryTier(Tier):
         owner_quota_bytes: int | None = None,
         prefault: bool = False,
         huge_pages: bool = False,
+        owner_arenas: bool = False,
     ) -> None:
         if capacity_bytes is None:
             raise ValueError("MemoryTier needs a capacity_bytes budget")
         self._index = KeyIndex(capacity_bytes, owner_quota_bytes)
         # room for the 64-byte alignment of each extent beside the budget
-        self._arena = Arena(capacity_bytes + min(capacity_bytes // 16, 64 << 20), prefault=prefault, huge_pages=huge_pages)
+        self._arena_bytes = capacity_bytes + min(capacity_bytes // 16, 64 << 20)
+        self._huge_pages = huge_pages
+        self._owner_arenas: dict[str, Arena] | None = {} if owner_arenas else None
+        # one owner's arena is reserved virtual memory: nothing is populated ahead of its stores
+        self._arena = Arena(0 if owner_arenas else self._arena_bytes, prefault=prefault and not owner_arenas, huge_pages=huge_pages)
         self._data: dict[ChunkKey, Extent] = {}
         self._reservations: set[Reservation] = set()
         self._closed = False
@@ -103,18 +114,19 @@ class MemoryTier(Tier):
             raise ChunkNotFound(key, self.name)
         self._hits += 1
         self._index.touch(key)
-        return StoredChunk(key=key, data=self._arena.lease(ext), tier=self.name)
+        return StoredChunk(key=key, data=self._arena_of(key).lease(ext), tier=self.name)
 
     async def put(self, key: ChunkKey, data: bytes | bytearray | memoryview) -> None:
         self._check_open()
         view = byte_view(key, data)
         self._make_room(key, view.nbytes)
+        arena = self._arena_of(key)
         old = self._data.pop(key, None)
         if old is not None:  # its room goes to the new value (a reader's view keeps it a zombie)
-            self._arena.release(old)
-        ext = self._arena.alloc(view.nbytes)
+            arena.release(old)
+        ext = arena.alloc(view.nbytes)
         if view.nbytes:
-            np.copyto(self._arena.array(ext), np.frombuffer(view, dtype=np.uint8))
+            np.copyto(arena.array(ext), np.frombuffer(view, dtype=np.uint8))
         self._install(key, ext)
 
     # -- sealing straight into the arena -------------------------------------------------------
@@ -133,11 +145,12 @@ class MemoryTier(Tier):
             if held:  # both cannot fit at once: the old value goes now
                 self._drop(key)
             self._make_room(key, nbytes)
-        ext = self._arena.alloc(nbytes)
+        arena = self._arena_of(key)
+        ext = arena.alloc(nbytes)
         self._index.reserved += nbytes
         by_owner = self._index.reserved_by_owner
         by_owner[key.owner] = by_owner.get(key.owner, 0) + nbytes
-        res = Reservation(key, ext, self._arena.lease(ext, writable=True))
+        res = Reservation(key, ext, arena.lease(ext, writable=True))
         self._reservations.add(res)
         return res
 
@@ -149,7 +162,7 @@ class MemoryTier(Tier):
         try:
             self._make_room(res.key, res.nbytes)
         except TierFull:
-            self._arena.release(res.extent)
+            self._release(res.key, res.extent)
             return False
         self._install(res.key, res.extent)
         return True
@@ -157,7 +170,7 @@ class MemoryTier(Tier):
     def abort(self, res: Reservation) -> None:
         """Give a reservation back (its extent is reused once the writer's views are gone)."""
         if self._finish(res):
-            self._arena.release(res.extent)
+            self._release(res.key, res.extent)
 
     def _finish(self, res: Reservation) -> bool:
         if res.done:
@@ -178,7 +191,7 @@ class MemoryTier(Tier):
         else:
             by_owner.pop(res.key.owner, None)
         if res.cancelled:
-            self._arena.release(res.extent)
+            self._release(res.key, res.extent)
             return False
         return True
 
@@ -191,11 +204,13 @@ class MemoryTier(Tier):
         for victim in victims:
             self._drop(victim)
         self._evictions += len(victims)
+        if victims:
+            self._trim()
 
     def _install(self, key: ChunkKey, ext: Extent) -> None:
         old = self._data.get(key)
         if old is not None and old is not ext:
-            self._arena.release(old)
+            self._release(key, old)
         self._data[key] = ext
         self._index.add(key, ext.nbytes)
         self._puts += 1
@@ -235,6 +250,9 @@ class MemoryTier(Tier):
         keys = self._index.owner_keys(owner)
         for key in keys:
             self._drop(key)
+        arena = (self._owner_arenas or {}).get(owner)
+        if arena is not None:  # nothing of the owner's is left resident but what a reader holds
+            arena.trim()
         return len(keys)
 
     async def pin(self, key: ChunkKey) -> None:
@@ -263,6 +281,8 @@ class MemoryTier(Tier):
         self._data.clear()
         self._index.clear()
         self._arena.close()
+        for arena in (self._owner_arenas or {}).values():
+            arena.close()
 
     # -- extras --------------------------------------------------------------------------------
     def is_pinned(self, key: ChunkKey) -> bool:
@@ -288,10 +308,50 @@ class MemoryTier(Tier):
 
     @property
     def arena(self) -> Arena:
+        """The arena of every owner's envelopes (an empty one with ``owner_arenas``)."""
         return self._arena
 
+    @property
+    def owner_arenas(self) -> bool:
+        return self._owner_arenas is not None
+
+    def owner_arena(self, owner: str) -> Arena:
+        """The arena of ``owner``'s envelopes (made, empty, where it has none yet); ValueError
+        without ``owner_arenas``."""
+        self._check_open()
+        if self._owner_arenas is None:
+            raise ValueError("this memory tier keeps every owner's envelopes in one arena")
+        arena = self._owner_arenas.get(owner)
+        if arena is None:
+            arena = self._owner_arenas[owner] = Arena(self._arena_bytes, huge_pages=self._huge_pages, shared=True)
+        return arena
+
+    def locate(self, owner: str, data: memoryview) -> int | None:
+        """Where ``data`` (a view ``get`` returned) lies in ``owner``'s arena, or None where it is
+        not there (another owner's envelope, another tier's buffer, no owner arenas)."""
+        arenas = self._owner_arenas
+        arena = arenas.get(owner) if arenas is not None else None
+        return arena.offset_of(data) if arena is not None else None
+
+    def _arena_of(self, key: ChunkKey) -> Arena:
+        return self._arena if self._owner_arenas is None else self.owner_arena(key.owner)
+
+    def _release(self, key: ChunkKey, ext: Extent) -> None:
+        self._arena_of(key).release(ext)
+
+    def _trim(self) -> None:
+        """With owner arenas: punch out the free holes of every arena once the bytes they may
+        hold resident (in use, or freed since their last trim) pass the budget by an eighth."""
+        arenas = self._owner_arenas
+        if not arenas:
+            return
+        capacity = self._index.capacity or 0
+        if sum(a.used_span() + a.dirty for a in arenas.values()) > capacity + capacity // 8:
+            for arena in arenas.values():
+                arena.trim()
+
     def _drop(self, key: ChunkKey) -> None:
-        self._arena.release(self._data.pop(key))
+        self._release(key, self._data.pop(key))
         self._index.remove(key)
 
     def _check_open(self) -> None:

@@ -11,7 +11,8 @@ Download (``POST /v1/chunks/fetch``): magic ``b"KVK1"``, the chunk size and the 
 then items (hash, status u8, the envelope's key, length u64, envelope) in the order asked, streamed.
 Status 0 is an envelope; the first chunk not served ends it with status 1 (missing), 2 (tier
 failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed); 4: a header that
-does not parse, sent without a key; 5: in the worker's shared-memory window. A response that stops
+does not parse, sent without a key; 5: in the worker's shared-memory window; 7: in place in the
+memory tier's arena of the caller's tenant, at the u64 offset that follows the item's head. A response that stops
 early without an end was cut. Full layouts: docs/architecture.md, section 5.
 """
 
@@ -26,6 +27,8 @@ from gateway.errors import BadFrame
 __all__ = [
     "HEAD",
     "INDEX_ITEM",
+    "ARENA_OFFSET",
+    "IN_ARENA",
     "IN_REGION",
     "KEYED_HEAD",
     "KEYED_ITEM_HEAD",
@@ -41,6 +44,7 @@ __all__ = [
     "Reader",
     "UNAVAILABLE",
     "UNKEYED",
+    "arena_offset",
     "encode_head",
     "encode_index",
     "encode_sealed_index",
@@ -51,6 +55,7 @@ __all__ = [
     "parse_sealed_index",
     "parse_upload_head",
     "parse_keyed_head",
+    "parse_arena_offset",
     "parse_keyed_item_head",
     "read_keyed_head",
 ]
@@ -58,7 +63,9 @@ __all__ = [
 MAGIC = b"KVB1"
 SEALED_MAGIC = b"KVB2"
 KEYED_MAGIC = b"KVK1"
-OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
+OK, MISSING, UNAVAILABLE, KEY_UNAVAILABLE, UNKEYED, IN_REGION, TIMEOUT, IN_ARENA = 0, 1, 2, 3, 4, 5, 6, 7
+_OFFSET = struct.Struct("<Q")
+ARENA_OFFSET = _OFFSET.size  # 8 bytes after an IN_ARENA item's head
 _HEAD = struct.Struct("<4sI")
 _INDEX = struct.Struct("<32sQ")
 _SEALED_INDEX = struct.Struct("<32s32sQ")
@@ -150,6 +157,15 @@ def keyed_item_head(
     key: bytes = _NO_KEY, storage_key: bytes = _NO_KEY,
 ) -> bytes:
     return _KEYED_ITEM.pack(chained_hash, status, key_version, salt, key, storage_key, length)
+
+
+def arena_offset(offset: int) -> bytes:
+    """What follows an ``IN_ARENA`` item's head: where its envelope starts in the arena."""
+    return _OFFSET.pack(offset)
+
+
+def parse_arena_offset(data: bytes | memoryview) -> int:
+    return int(_OFFSET.unpack(data)[0])
 
 
 def parse_keyed_item_head(data: bytes | memoryview) -> KeyedItem:

@@ -524,13 +524,13 @@ class _HttpSession:
                 item = frames.parse_keyed_item_head(ex.read(frames.KEYED_ITEM_HEAD))
                 if item.chained_hash != self.chunks[i].chained_hash or item.length > _MAX_ENVELOPE:
                     raise BadFrame("the response does not answer the hashes asked")
-                if window is not None and (item.status != frames.IN_REGION or i == group[-1]):
+                if window is not None and (item.status not in (frames.IN_REGION, frames.IN_ARENA) or i == group[-1]):
                     window.settled = True  # the server put all it will put there (it ends here, or streams)
                 if item.status == frames.KEY_UNAVAILABLE:  # its key version is destroyed: a miss
                     post(self._ended, i, FetchFailed("key_unavailable", unavailable=True))
                     ex.at_end()  # the end of the prefix is the end of the body: the connection is kept
                     return 200, False
-                if item.status not in (frames.OK, frames.UNKEYED, frames.IN_REGION):
+                if item.status not in (frames.OK, frames.UNKEYED, frames.IN_REGION, frames.IN_ARENA):
                     if item.status == frames.MISSING:
                         post(self._ended, i, None)
                     else:  # the server's tier could not answer, or missed its deadline
@@ -539,7 +539,7 @@ class _HttpSession:
                     ex.at_end()
                     return 200, False
                 key: IssuedKey | None = None
-                if item.status in (frames.OK, frames.IN_REGION):
+                if item.status in (frames.OK, frames.IN_REGION, frames.IN_ARENA):
                     try:
                         key = IssuedKey(item.salt, item.key)
                     except ValueError:
@@ -548,7 +548,13 @@ class _HttpSession:
                     if window is None:
                         raise BadFrame("an item in a shared-memory region this load did not lend")
                     buf = window.take(item.length)  # the server copied it there: nothing to receive
-                    post(self._shm_envelope)
+                    post(self._shm_envelope, False)
+                elif item.status == frames.IN_ARENA:
+                    at = frames.parse_arena_offset(ex.read(frames.ARENA_OFFSET))
+                    if window is None:
+                        raise BadFrame("an item lent in place to a load that lent no region")
+                    buf = window.take(item.length, at)  # in the tenant's arena, where the server keeps it
+                    post(self._shm_envelope, True)
                 else:
                     buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)
                     ex.readinto(buf)
@@ -568,8 +574,10 @@ class _HttpSession:
         for i in indices:
             self._shared[i] = scope
 
-    def _shm_envelope(self) -> None:
+    def _shm_envelope(self, in_place: bool) -> None:
         self.client.metrics.shm_envelopes += 1
+        if in_place:
+            self.client.metrics.arena_envelopes += 1
 
     def _arrived(self, i: int, buf: memoryview, key: IssuedKey | None, storage_key: str) -> None:
         if self._closed:  # arrived after the session closed: its key is not kept

@@ -5,6 +5,12 @@
 worker maps it read-only: it only ever reads envelopes there, exactly as it reads those that
 arrive in the stream (each is authenticated when opened).
 
+Where the server keeps its memory tier's envelopes in an arena per tenant, the answer also carries
+a read-only descriptor of this tenant's arena, mapped read-only beside the region: an item lent in
+place (status ``IN_ARENA``) is a view of the arena at the offset the item names, read with no copy
+at all. The server keeps such an envelope where it is (neither reused nor moved) until the region
+is lent to the next load, which is only once every view of this one is gone.
+
 ``ShmRegion.lend`` hands the whole region to one load at a time as a ``Window``; ``Window.take``
 gives the view of each envelope the server put there, in order. The region is lent again only
 once the load has ended and every view of it is gone (an envelope is opened, then let go), so
@@ -76,10 +82,13 @@ def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple
                 break
         if status != 200:
             return status, answer.decode("utf-8", "replace")
-        if len(fds) != 1:
-            raise TornResponse(f"the region's answer came with {len(fds)} descriptors, not 1")
         got = json.loads(answer)
-        region = ShmRegion(str(got["region"]), fds.pop(), int(got["bytes"]))
+        arena = got.get("arena")
+        if len(fds) != (1 if arena is None else 2):
+            raise TornResponse(f"the region's answer came with {len(fds)} descriptors, not {1 if arena is None else 2}")
+        arena_fd = fds.pop() if arena is not None else -1
+        region_fd = fds.pop()
+        region = ShmRegion(str(got["region"]), region_fd, int(got["bytes"]), arena_fd, int(arena or 0))
         if got.get("populate") is True:  # the server faults its side in: map ours ahead of the loads too
             region.populate_behind()
         return 200, region
@@ -96,17 +105,18 @@ def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple
 class ShmRegion:
     """A region the server writes envelopes into and this worker reads them from (read-only)."""
 
-    def __init__(self, rid: str, fd: int, size: int) -> None:
-        """Maps ``fd`` (and closes it); ``ValueError`` where it is not a sealed region of that size."""
+    def __init__(self, rid: str, fd: int, size: int, arena_fd: int = -1, arena_size: int = 0) -> None:
+        """Maps ``fd`` (and closes it), and the arena ``arena_fd`` where one came (closed too);
+        ``ValueError`` where either is not a sealed memfd of its size."""
         try:
-            st = os.fstat(fd)
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
-                raise ValueError(f"not a sealed region of {size} bytes")
             # not populated here: that would hold the first store back (``populate_behind``)
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            self._mm = _map_sealed(fd, size)
+            self._arena_mm = _map_sealed(arena_fd, arena_size) if arena_fd >= 0 else None
         finally:
             os.close(fd)
+            if arena_fd >= 0:
+                os.close(arena_fd)
+        self.arena = np.frombuffer(self._arena_mm, dtype=np.uint8) if self._arena_mm is not None else None
         self.id = rid
         self.size = size
         self._array = np.frombuffer(self._mm, dtype=np.uint8)
@@ -142,9 +152,22 @@ class ShmRegion:
     def _returned(self) -> None:
         self._free.set()
 
-    def view(self, offset: int, n: int) -> tuple[np.ndarray[Any, Any], memoryview]:
-        holder = self._array[offset : offset + n]
+    def view(self, offset: int, n: int, arena: bool = False) -> tuple[np.ndarray[Any, Any], memoryview]:
+        """``n`` bytes at ``offset`` of the region (or of the arena), and the array that holds them."""
+        source = self.arena if arena else self._array
+        assert source is not None
+        holder = source[offset : offset + n]
         return holder, holder.data.cast("B")
+
+
+def _map_sealed(fd: int, size: int) -> mmap.mmap:
+    """A read-only mapping of ``size`` bytes of the memfd ``fd``; ValueError where it is not a
+    memfd of that size sealed against shrinking (the server writes into it while it is mapped)."""
+    st = os.fstat(fd)
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
+        raise ValueError(f"not a sealed region of {size} bytes")
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
 
 
 class RegionCache:
@@ -203,15 +226,23 @@ class Window:
         self._lock = threading.Lock()
 
     def request(self) -> dict[str, Any]:
-        return {"region": self.region.id, "offset": self.offset, "length": self.length}
+        lend = {"region": self.region.id, "offset": self.offset, "length": self.length}
+        return {**lend, "arena": True} if self.region.arena is not None else lend
 
-    def take(self, n: int) -> memoryview:
-        """The next envelope's bytes (``n`` of them); BadFrame past the window."""
-        at = self._cursor
-        if n <= 0 or at + n > self.length:
-            raise BadFrame("an item's envelope lies past the shared-memory window")
-        self._cursor = aligned(at + n)
-        holder, view = self.region.view(self.offset + at, n)
+    def take(self, n: int, arena_offset: int | None = None) -> memoryview:
+        """The next envelope's bytes (``n`` of them) in the window, or those at ``arena_offset``
+        of the arena (an item lent in place); BadFrame past the window or the arena."""
+        if arena_offset is not None:
+            arena = self.region.arena
+            if arena is None or n <= 0 or arena_offset + n > arena.nbytes:
+                raise BadFrame("an item's envelope lies past the arena (or no arena was mapped)")
+            holder, view = self.region.view(arena_offset, n, arena=True)
+        else:
+            at = self._cursor
+            if n <= 0 or at + n > self.length:
+                raise BadFrame("an item's envelope lies past the shared-memory window")
+            self._cursor = aligned(at + n)
+            holder, view = self.region.view(self.offset + at, n)
         with self._lock:
             self._out += 1
         weakref.finalize(holder, self._released)

@@ -41,6 +41,7 @@ from gateway.server.deps import (
 )
 from gateway.server.jsonbody import JsonBodyRoute
 from gateway.server.problems import COMMON_PROBLEMS, problem_responses
+from storage.memory import MemoryTier
 from tenancy.capabilities import read_unverified
 from tenancy.errors import CapabilityDenied, PermissionDenied
 from tenancy.roles import Action, allowed_capability_ops
@@ -108,6 +109,11 @@ class ShmWindow(Strict):
     region: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
     offset: int = Field(ge=0, le=1 << 40)
     length: int = Field(ge=1, le=1 << 40)
+    arena: bool = Field(
+        default=False,
+        description="the worker maps its tenant's arena (POST /v1/shm/regions handed it over): an envelope the "
+        "memory tier holds there is lent in place (item status 7, its offset after the head), not copied",
+    )
 
 
 class FetchRequest(Strict):
@@ -360,6 +366,7 @@ async def fetch_chunks(
     authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
     hold, shm_headers = _window(body, cap, state, request)
     region = hold.region if hold is not None else None
+    lender = _arena_of(state, region.tenant) if region is not None and body.shm is not None and body.shm.arena else None
     try:
         opened = await state.plane.opened(cap, "get", body.hashes, shared=shared == "1")  # a refusal is a 403
         if opened.shared is not None:
@@ -397,7 +404,21 @@ async def fetch_chunks(
         try:
             while got is not None:
                 found, k = got.found, got.key
-                if (found is not None and lending and region is not None and not region.closed
+                offset = (lender[0].locate(lender[1], found.data)
+                          if lender is not None and found is not None and found.tier == lender[0].name else None)
+                if (offset is not None and found is not None and region is not None and not region.closed
+                        and k is not None and k.key is not None):
+                    n = found.data.nbytes
+                    region.leases.append(found.data)  # read in place: kept where it is until the worker is done
+                    state.telemetry.bytes.add(n, {"direction": "out", "tier": found.tier, "via": "arena"})
+                    before = await copies.drain()
+                    if before is not None:
+                        yield [before]
+                    yield [frames.keyed_item_head(
+                        got.chained_hash, frames.IN_ARENA, n, key_version=k.key_version, salt=k.salt, key=k.key,
+                        storage_key=bytes.fromhex(k.storage_key),
+                    ) + frames.arena_offset(offset)]
+                elif (found is not None and lending and region is not None and not region.closed
                         and at + found.data.nbytes <= end and k is not None and k.key is not None):
                     n = found.data.nbytes
                     state.telemetry.bytes.add(n, {"direction": "out", "tier": found.tier, "via": "shm"})
@@ -478,31 +499,53 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
     tenant = state.runtime.access.authorize(_cap(scope), "get").tenant  # verified: expired, revoked, forged: 403
     region, fd = await state.regions.acreate(tenant, request.client.host if request.client else "-", body.bytes)
-    return _FdResponse(raw, json.dumps({"region": region.id, "bytes": region.size, "populate": state.regions.populate}).encode(), fd, lambda: state.regions.drop(region.id))
+    answer: dict[str, Any] = {"region": region.id, "bytes": region.size, "populate": state.regions.populate}
+    fds = [fd]
+    try:
+        lender = _arena_of(state, tenant)
+        if lender is not None:
+            arena = lender[0].owner_arena(lender[1])
+            fds.append(shm.read_only(arena.fd))
+            answer["arena"] = arena.size
+    except BaseException:
+        os.close(fd)
+        state.regions.drop(region.id)
+        raise
+    return _FdResponse(raw, json.dumps(answer).encode(), fds, lambda: state.regions.drop(region.id))
+
+
+def _arena_of(state: ServerState, tenant: str) -> tuple[MemoryTier, str] | None:
+    """The memory tier that keeps each owner's envelopes in an arena of its own, and the owner
+    label of ``tenant`` (``MemoryTier.owner_arena``); None where the server keeps none."""
+    fast = state.runtime.tiers.tiers[0] if state.runtime.tiers.tiers else None
+    if not isinstance(fast, MemoryTier) or not fast.owner_arenas:
+        return None
+    return fast, state.runtime.deriver.owner_label(tenant)
 
 
 class _FdResponse(Response):
-    """A JSON body sent as one chunk with a descriptor attached (``RawChunks.send_fd``); the
-    descriptor is closed here whatever happens (the worker holds its own copy)."""
+    """A JSON body sent as one chunk with descriptors attached (``RawChunks.send_fd``); the
+    descriptors are closed here whatever happens (the worker holds its own copies)."""
 
     media_type = "application/json"
 
-    def __init__(self, raw: rawchunks.RawChunks, data: bytes, fd: int, on_failure: Callable[[], None]) -> None:
+    def __init__(self, raw: rawchunks.RawChunks, data: bytes, fds: list[int], on_failure: Callable[[], None]) -> None:
         self.status_code, self.background, self.body = 200, None, b""
         self.raw_headers = [(b"content-type", b"application/json")]
-        self._raw, self._data, self._fd, self._on_failure = raw, data, fd, on_failure
+        self._raw, self._data, self._fds, self._on_failure = raw, data, fds, on_failure
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if not self._raw.usable():
                 raise shm.ShmUnavailable("the response is not chunked: no descriptor can go with it")
-            await self._raw.send_fd(self._data, self._fd)
+            await self._raw.send_fd(self._data, self._fds)
         except BaseException:
             self._on_failure()
             raise
         finally:
-            os.close(self._fd)
+            for fd in self._fds:
+                os.close(fd)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -10,7 +10,7 @@ request's scope extensions (``kvgate.raw_chunks``); a route that wants it (``POS
 /v1/chunks/fetch``, ``POST /v1/shm/regions``) uses it once h11 chose chunked framing, and streams
 through ASGI otherwise. It reads h11's private writer: docs/server.md ("Raw paths") says why.
 
-``send_fd`` writes one chunk with a file descriptor attached (``SCM_RIGHTS``): how a
+``send_fd`` writes one chunk with file descriptors attached (``SCM_RIGHTS``): how a
 shared-memory region reaches a worker on the Unix socket (``gateway.server.shm``).
 """
 
@@ -58,9 +58,9 @@ class RawChunks:
         transport.write(b"\r\n")
         return True
 
-    async def send_fd(self, data: bytes, fd: int) -> None:
-        """``data`` as one chunk, ``fd`` passed with it: on the connection's own socket, once
-        everything written before has left (the descriptor must travel with these bytes).
+    async def send_fd(self, data: bytes, fds: Sequence[int]) -> None:
+        """``data`` as one chunk, ``fds`` passed with it: on the connection's own socket, once
+        everything written before has left (the descriptors must travel with these bytes).
         ``ShmUnavailable`` where it cannot be sent; the connection is then closed (its
         response is cut, and the client sees it so)."""
         c = self._cycle
@@ -71,7 +71,7 @@ class RawChunks:
         try:
             if c.disconnected or sock is None or transport.get_write_buffer_size():
                 raise ShmUnavailable("the connection is not ready for a descriptor")
-            send_with_fd(sock.fileno(), b"%x\r\n" % len(data) + data + b"\r\n", fd)
+            send_with_fd(sock.fileno(), b"%x\r\n" % len(data) + data + b"\r\n", fds)
         except ShmUnavailable:
             transport.close()
             raise

@@ -29,7 +29,7 @@ import socket
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -39,7 +39,7 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.protocol.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
 __all__ = [
-    "ALIGN", "CopyAhead", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "copy_into", "make_region", "send_with_fd",
+    "ALIGN", "CopyAhead", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "copy_into", "make_region", "read_only", "send_with_fd",
 ]
 
 log = logging.getLogger("kvgate.shm")
@@ -64,10 +64,15 @@ class Region:
     last_used: float = 0.0
     closed: bool = False
     populated: int = -1  # bytes faulted in ahead of the copies once that ended (gateway.protocol.shmpages); -1 before
+    # the memory tier's views of the envelopes the last fetch lent in place from the tenant's
+    # arena: those extents are neither reused nor moved until the next fetch lends this region
+    # (the worker lends it only once every view of the load before is gone) or it is dropped
+    leases: list[memoryview] = field(default_factory=list, repr=False)
 
     def close(self) -> None:
         """Free its pages (whoever still maps them: the worker's descriptor keeps holes) and unmap."""
         self.closed = True
+        self.leases = []
         self.view = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(OSError, ValueError, AttributeError):
             self.mm.madvise(mmap.MADV_REMOVE)
@@ -268,9 +273,13 @@ class Regions:
 
     def hold(self, rid: str, tenant: str, client: str) -> Hold | None:
         """``get``, for a fetch that copies into it: held (``busy``) until the ``Hold`` is
-        released, so it is not dropped under the copies."""
+        released, so it is not dropped under the copies. The worker lends a region to one load
+        at a time, so the envelopes the fetch before lent in place are read: their leases go."""
         region = self.get(rid, tenant, client)
-        return Hold(region) if region is not None else None
+        if region is None:
+            return None
+        region.leases = []
+        return Hold(region)
 
     def drop(self, rid: str) -> None:
         region = self._regions.pop(rid, None)
@@ -322,14 +331,23 @@ def make_region(size: int) -> tuple[mmap.mmap, int]:
         raise
 
 
-def send_with_fd(sock_fd: int, data: bytes, fd: int) -> None:
-    """``data`` with ``fd`` attached (``SCM_RIGHTS``) on the connected Unix socket ``sock_fd``,
+def read_only(fd: int) -> int:
+    """A new descriptor of the file ``fd`` names, opened read-only: what a worker is handed of an
+    arena (it maps the arena with it and can neither write through it nor truncate it)."""
+    try:
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ShmUnavailable(f"no read-only descriptor of the arena: {exc.strerror}") from None
+
+
+def send_with_fd(sock_fd: int, data: bytes, fds: Sequence[int]) -> None:
+    """``data`` with ``fds`` attached (``SCM_RIGHTS``) on the connected Unix socket ``sock_fd``,
     whole (it is small, and the socket's buffer is empty: ``ShmUnavailable`` otherwise)."""
     with socket.socket(fileno=os.dup(sock_fd)) as sock:
         if sock.family != socket.AF_UNIX:
             raise ShmUnavailable("a descriptor can only be passed on a Unix socket")
         try:
-            sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))], socket.MSG_DONTWAIT)
+            sent = sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))], socket.MSG_DONTWAIT)
         except OSError as exc:
             raise ShmUnavailable(f"passing the region: {type(exc).__name__}") from None
         if sent != len(data):

@@ -23,11 +23,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 CHUNK, BLOCK = 64, 32
 
 
-def _shm_bytes_out(metrics: str) -> float:
-    """Envelope bytes the server sent through shared memory (its OpenTelemetry byte counter)."""
+def _shm_bytes_out(metrics: str, via: str = "shm") -> float:
+    """Envelope bytes the server sent through shared memory (its OpenTelemetry byte counter):
+    ``via`` "shm", copied into the worker's region, or "arena", lent in place."""
     total = 0.0
     for line in metrics.splitlines():
-        if line.startswith("kvgate_chunk_bytes") and 'via="shm"' in line and 'direction="out"' in line:
+        if line.startswith("kvgate_chunk_bytes") and f'via="{via}"' in line and 'direction="out"' in line:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
@@ -83,9 +84,11 @@ def test_remote_hits_through_shared_memory_match_the_engine_and_stay_with_their_
     loads = [e for e in _trace(trace) if e["event"] == "load"]
     assert [e["loaded_tokens"] for e in loads] == [full, full] and all(e["failed_blocks"] == 0 for e in loads)
     assert not any(e.get("layerwise") for e in loads)  # remote mode loads whole chunks (RemoteBackend says why)
-    # both loads' envelopes went through the region: 288 tokens' KV (2 layers, 2 KV heads of 32,
-    # float32: 512 bytes a token) and the envelopes' headers and tags, twice
-    assert _shm_bytes_out(metrics) >= 2 * full * 512, re.findall(r"kvgate_chunk_bytes.*", metrics)
+    # both loads' envelopes were read in place in the tenant's arena of the server's memory tier:
+    # 288 tokens' KV (2 layers, 2 KV heads of 32, float32: 512 bytes a token) and the envelopes'
+    # headers and tags, twice; nothing was copied into the region
+    assert _shm_bytes_out(metrics, "arena") >= 2 * full * 512, re.findall(r"kvgate_chunk_bytes.*", metrics)
+    assert _shm_bytes_out(metrics, "shm") == 0
     # the other tenant, the same prompt, on the same socket: nothing
     assert r["B_P"]["kv"]["kvgate"]["hit_tokens"] == 0 and r["B_P"]["cached"] == 0
     assert r["B_P"]["tokens"] == r["base_P"]["tokens"]

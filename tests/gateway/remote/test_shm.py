@@ -68,6 +68,7 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
             assert got.loaded_tokens == N and got.integrity_failures == 0
             assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa.metrics.shm_envelopes == 4 * (rep + 1)
+            assert wa.metrics.arena_envelopes == 4 * (rep + 1)  # read in place in the tenant's arena
         assert _region(wa) is not None and not _region(wa).tainted
         # the server said it populates its side: the worker mapped the whole region ahead too
         _wait(lambda: _region(wa).populated == _region(wa).size)
@@ -164,8 +165,8 @@ def _tamper_second_envelope(monkeypatch: pytest.MonkeyPatch):
     view = ShmRegion.view
     seen = [0]
 
-    def flipped(self: ShmRegion, offset: int, n: int):
-        holder, out = view(self, offset, n)
+    def flipped(self: ShmRegion, offset: int, n: int, arena: bool = False):
+        holder, out = view(self, offset, n, arena)
         seen[0] += 1
         if seen[0] != 2:
             return holder, out
@@ -270,10 +271,10 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
         entered, go_on = threading.Event(), threading.Event()
         take = Window.take
 
-        def stalled(self: Window, n: int) -> memoryview:
+        def stalled(self: Window, n: int, arena_offset: int | None = None) -> memoryview:
             entered.set()
             go_on.wait(10)
-            return take(self, n)
+            return take(self, n, arena_offset)
 
         monkeypatch.setattr(Window, "take", stalled)
         load = asyncio.ensure_future(_load(wa, g, model, tokens))
@@ -286,10 +287,10 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
         fresh: list[int] = []  # envelopes read from a region other than the tainted one (the cut
         # load's thread may still take a few from that one as it ends)
 
-        def counted(self: Window, n: int) -> memoryview:
+        def counted(self: Window, n: int, arena_offset: int | None = None) -> memoryview:
             if self.region is not second:
                 fresh.append(n)
-            return take(self, n)
+            return take(self, n, arena_offset)
 
         monkeypatch.setattr(Window, "take", counted)
         for _ in range(2):
@@ -313,6 +314,66 @@ async def test_a_server_without_shared_memory_serves_every_load_through_the_sock
                 got, dst = await _load(wa, g, model, tokens)
                 assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa.metrics.shm_envelopes == 0 and wa.metrics.shm_unavailable == 1  # asked once, then left alone
+    finally:
+        stop(proc)
+
+
+async def test_a_tenants_arena_lends_its_own_envelopes_in_place_and_never_another_tenants(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a worker maps of the server's memory tier, tried as another tenant's worker on the same
+    socket would: its own envelopes, in place (the control), and not one byte of A's."""
+    with served.http() as http:
+        a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
+    g, model, src, tokens = _setup()
+    read: list[bytes] = []
+    take = Window.take
+
+    def kept(self: Window, n: int, arena_offset: int | None = None) -> memoryview:
+        view = take(self, n, arena_offset)
+        read.append(bytes(view))
+        return view
+
+    monkeypatch.setattr(Window, "take", kept)
+    async with _worker(served, a) as wa, _worker(served, b) as wb:
+        await wa.store(model, tokens, src, block_ids=BLOCKS)
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == N and wa.metrics.arena_envelopes == 4 and len(read) == 4
+        assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        mine = _region(wa).arena
+        assert mine is not None and all(mine.tobytes().find(env) >= 0 for env in read)  # in place
+        # B, same tokens, its own copy: lent in place from B's arena, which holds nothing of A's
+        await wb.store(model, tokens, random_cache(g, NUM_BLOCKS, seed=9), block_ids=BLOCKS)
+        got_b, _ = await _load(wb, g, model, tokens)
+        assert got_b.loaded_tokens == N and wb.metrics.arena_envelopes == 4
+        theirs = _region(wb).arena
+        assert theirs is not None and theirs.nbytes > 0
+        assert all(theirs.tobytes().find(env[-4096:]) == -1 for env in read[:4])
+        assert all(mine.tobytes().find(env[-4096:]) == -1 for env in read[4:])
+        # an offset past the arena is a broken frame, never a read outside it
+        window = _region(wb).lend()
+        assert window is not None
+        with pytest.raises(Exception, match="past the arena"):
+            window.take(64, theirs.nbytes - 32)
+        window.end(True)
+
+
+async def test_a_server_without_arenas_copies_every_envelope_into_the_region(tmp_path: Path) -> None:
+    path = tmp_path / "k.sock"
+    proc, url, log = serve(tmp_path, path, extra_env={"KVGATE_SHM_ARENAS": "false"})
+    try:
+        wait_up(path, proc, log)
+        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
+        with s.http() as http:
+            a = create_tenant(s, http, "acme")
+        g, model, src, tokens = _setup()
+        async with _worker(s, a) as wa:
+            await wa.store(model, tokens, src, block_ids=BLOCKS)
+            for _ in range(2):
+                got, dst = await _load(wa, g, model, tokens)
+                assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+            assert wa.metrics.shm_envelopes == 8 and wa.metrics.arena_envelopes == 0
+            assert _region(wa) is not None and _region(wa).arena is None
     finally:
         stop(proc)
 

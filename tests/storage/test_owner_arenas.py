@@ -1,0 +1,112 @@
+"""MemoryTier with ``owner_arenas``: each owner's envelopes in a memfd of its own, which a server
+hands to that owner's workers to read envelopes from in place (``gateway.server.shm``).
+
+Tried as a reader holding one owner's descriptor would try it, beside the positive control: the
+owner's own bytes are there, another owner's never are; a view the server lent keeps its bytes
+while the chunk is evicted and replaced; freed bytes go back to the system when trimmed."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+import pytest
+
+from gateway.server.shm import Regions, read_only
+from storage import ChunkKey, MemoryTier
+from storage.arena import Arena
+
+
+def k(i: int, owner: str) -> ChunkKey:
+    return ChunkKey(owner, "bb", f"{i:064x}")
+
+
+def _mapped(arena: Arena) -> mmap.mmap:
+    """What a worker maps: the arena through a read-only descriptor of it."""
+    fd = read_only(arena.fd)
+    try:
+        return mmap.mmap(fd, arena.size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+
+
+async def test_an_owners_arena_holds_its_envelopes_and_no_one_elses() -> None:
+    tier = MemoryTier(4 << 20, owner_arenas=True)
+    mine, theirs = os.urandom(100_000), os.urandom(100_000)
+    await tier.put(k(0, "aa"), mine)
+    await tier.put(k(0, "cc"), theirs)
+    a, c = _mapped(tier.owner_arena("aa")), _mapped(tier.owner_arena("cc"))
+    got_mine, got_theirs = (await tier.get(k(0, "aa"))).data, (await tier.get(k(0, "cc"))).data
+    at = tier.locate("aa", got_mine)
+    assert at is not None and a[at : at + len(mine)] == mine  # the control: read in place
+    assert a.find(theirs[:4096]) == -1 and c.find(mine[:4096]) == -1  # never the other owner's
+    assert tier.locate("aa", got_theirs) is None and tier.locate("cc", got_mine) is None
+    assert tier.locate("aa", memoryview(bytearray(mine))) is None  # a copy is not in the arena
+    assert tier.locate("aa", got_mine[1:]) is None  # nor is a slice of an extent
+    fd = read_only(tier.owner_arena("aa").fd)  # the descriptor a worker gets cannot write
+    try:
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        with pytest.raises(OSError):
+            os.write(fd, b"x")
+        with pytest.raises(OSError):
+            os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)
+    with pytest.raises(ValueError):
+        MemoryTier(1 << 20).owner_arena("aa")  # one arena for every owner: none to hand out
+    await tier.aclose()
+
+
+async def test_a_lent_envelope_keeps_its_bytes_while_evicted_and_replaced_until_the_next_fetch() -> None:
+    tier = MemoryTier(300_000, owner_arenas=True)
+    first = os.urandom(100_000)
+    await tier.put(k(0, "aa"), first)
+    regions = Regions(max_bytes=1 << 20, populate=False)
+    peer = f"unix:uid={os.getuid()}:pid=1"
+    region, fd = regions.create("acme", peer, 64 << 10)
+    os.close(fd)
+    hold = regions.hold(region.id, "acme", peer)  # a fetch lends the envelope in place
+    assert hold is not None
+    view = (await tier.get(k(0, "aa"))).data
+    at = tier.locate("aa", view)
+    region.leases.append(view)
+    del view
+    hold.release()
+    worker = _mapped(tier.owner_arena("aa"))
+    await tier.delete(k(0, "aa"))
+    for i in range(1, 4):  # the room is taken again, and more: nothing lands on the lent bytes
+        await tier.put(k(i, "aa"), os.urandom(100_000))
+    assert worker[at : at + len(first)] == first
+    # the next fetch on the region: the worker is done with the load before, the extent is free
+    hold = regions.hold(region.id, "acme", peer)
+    assert hold is not None and region.leases == []
+    hold.release()
+    await tier.delete(k(1, "aa"))
+    await tier.put(k(9, "aa"), b"\x00" * 100_000)
+    assert tier.locate("aa", (await tier.get(k(9, "aa"))).data) is not None
+    assert at in [tier.locate("aa", (await tier.get(k(j, "aa"))).data) for j in (2, 3, 9)]  # reused now
+    regions.close()
+    await tier.aclose()
+
+
+async def test_freed_bytes_of_owner_arenas_go_back_to_the_system_when_trimmed() -> None:
+    cap = 8 << 20
+    tier = MemoryTier(cap, owner_arenas=True)
+    blob = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+
+    def resident(owner: str) -> int:
+        return os.fstat(tier.owner_arena(owner).fd).st_blocks * 512
+
+    for i in range(8):
+        await tier.put(k(i, "aa"), blob)
+    assert resident("aa") >= 8 << 20
+    await tier.put(k(0, "cc"), blob)  # another owner evicts one: still resident (the control), within the slack
+    assert resident("aa") >= 8 << 20
+    for i in range(1, 8):  # past the budget by more than an eighth: every arena's free holes are punched
+        await tier.put(k(i, "cc"), blob)
+    assert resident("aa") < 8 << 20 and resident("aa") + resident("cc") <= cap + cap // 8 + (1 << 20)
+    assert await tier.delete_owner("cc") > 0
+    assert resident("cc") < 1 << 20  # a deleted owner's ciphertext does not stay in memory
+    await tier.aclose()
