@@ -143,9 +143,10 @@ class Settings(BaseSettings):
     # fault a region's pages in on a nice-19 thread as it is made, on both sides, so a worker's
     # first load through it does not pay for them (gateway/protocol/shmpages.py); off: as loads touch them
     shm_populate: bool = True
-    # with shared-memory loads on: the memory tier keeps each tenant's envelopes in an arena of its
-    # own, which that tenant's workers map read-only and read envelopes from in place, with no copy
-    # by the server (storage/memory.py); off: envelopes are copied into the worker's region
+    # with shared-memory loads on: the memory tier keeps each namespace's envelopes in an arena of
+    # its own, which workers that may write that namespace map read-only and read envelopes from in
+    # place, with no copy by the server (gateway/server/shm.py); off: envelopes are copied into the
+    # worker's region
     shm_arenas: bool = True
     # uvicorn's access log, a line per request (it costs server CPU on every request): off
     # leaves requests to the metrics, traces and, for the audited ones, the audit log

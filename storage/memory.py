@@ -14,11 +14,12 @@ quota (order in :mod:`storage._index`). A namespace or owner deletion cancels th
 its keys: their ``commit`` stores nothing and returns False (a seal in flight cannot bring back a
 cleared chunk). No method awaits, so each is atomic for coroutines sharing a loop.
 
-``owner_arenas=True`` keeps each owner's envelopes in an arena of its own, a memfd
-(``Arena(shared=True)``) that a server can hand to that owner's workers to map read-only and read
-envelopes from in place (``owner_arena``, ``locate``). One owner's arena holds only that owner's
-envelopes. Freed bytes stay resident in their arena until trimmed: the tier trims every arena
-once what they may hold resident passes the budget by an eighth.
+``group_arenas=True`` keeps each group's (a namespace's) envelopes in an arena of its own, a memfd
+(``Arena(shared=True)``) that a server can hand to that namespace's workers to map read-only and
+read envelopes from in place (``group_arena``, ``locate``). One group's arena holds only that
+group's envelopes. Freed bytes stay resident in their arena until trimmed: the tier trims every
+arena once what they may hold resident passes the budget by an eighth, and a deleted group's or
+owner's at once.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ class MemoryTier(Tier):
         owner_quota_bytes: int | None = None,
         prefault: bool = False,
         huge_pages: bool = False,
-        owner_arenas: bool = False,
+        group_arenas: bool = False,
     ) -> None:
         if capacity_bytes is None:
             raise ValueError("MemoryTier needs a capacity_bytes budget")
@@ -97,9 +98,9 @@ class MemoryTier(Tier):
         # room for the 64-byte alignment of each extent beside the budget
         self._arena_bytes = capacity_bytes + min(capacity_bytes // 16, 64 << 20)
         self._huge_pages = huge_pages
-        self._owner_arenas: dict[str, Arena] | None = {} if owner_arenas else None
-        # one owner's arena is reserved virtual memory: nothing is populated ahead of its stores
-        self._arena = Arena(0 if owner_arenas else self._arena_bytes, prefault=prefault and not owner_arenas, huge_pages=huge_pages)
+        self._group_arenas: dict[str, Arena] | None = {} if group_arenas else None
+        # a group's arena is reserved virtual memory: nothing is populated ahead of its stores
+        self._arena = Arena(0 if group_arenas else self._arena_bytes, prefault=prefault and not group_arenas, huge_pages=huge_pages)
         self._data: dict[ChunkKey, Extent] = {}
         self._reservations: set[Reservation] = set()
         self._closed = False
@@ -242,6 +243,9 @@ class MemoryTier(Tier):
         keys = self._index.group_keys(group)
         for key in keys:
             self._drop(key)
+        arena = (self._group_arenas or {}).get(group)
+        if arena is not None:  # nothing of the group's is left resident but what a reader holds
+            arena.trim()
         return len(keys)
 
     async def delete_owner(self, owner: str) -> int:
@@ -250,9 +254,10 @@ class MemoryTier(Tier):
         keys = self._index.owner_keys(owner)
         for key in keys:
             self._drop(key)
-        arena = (self._owner_arenas or {}).get(owner)
-        if arena is not None:  # nothing of the owner's is left resident but what a reader holds
-            arena.trim()
+        for group in {key.group for key in keys}:  # nothing of the owner's left resident but what a reader holds
+            arena = (self._group_arenas or {}).get(group)
+            if arena is not None:
+                arena.trim()
         return len(keys)
 
     async def pin(self, key: ChunkKey) -> None:
@@ -281,7 +286,7 @@ class MemoryTier(Tier):
         self._data.clear()
         self._index.clear()
         self._arena.close()
-        for arena in (self._owner_arenas or {}).values():
+        for arena in (self._group_arenas or {}).values():
             arena.close()
 
     # -- extras --------------------------------------------------------------------------------
@@ -308,41 +313,41 @@ class MemoryTier(Tier):
 
     @property
     def arena(self) -> Arena:
-        """The arena of every owner's envelopes (an empty one with ``owner_arenas``)."""
+        """The arena of every group's envelopes (an empty one with ``group_arenas``)."""
         return self._arena
 
     @property
-    def owner_arenas(self) -> bool:
-        return self._owner_arenas is not None
+    def group_arenas(self) -> bool:
+        return self._group_arenas is not None
 
-    def owner_arena(self, owner: str) -> Arena:
-        """The arena of ``owner``'s envelopes (made, empty, where it has none yet); ValueError
-        without ``owner_arenas``."""
+    def group_arena(self, group: str) -> Arena:
+        """The arena of ``group``'s envelopes (made, empty, where it has none yet); ValueError
+        without ``group_arenas``."""
         self._check_open()
-        if self._owner_arenas is None:
-            raise ValueError("this memory tier keeps every owner's envelopes in one arena")
-        arena = self._owner_arenas.get(owner)
+        if self._group_arenas is None:
+            raise ValueError("this memory tier keeps every group's envelopes in one arena")
+        arena = self._group_arenas.get(group)
         if arena is None:
-            arena = self._owner_arenas[owner] = Arena(self._arena_bytes, huge_pages=self._huge_pages, shared=True)
+            arena = self._group_arenas[group] = Arena(self._arena_bytes, huge_pages=self._huge_pages, shared=True)
         return arena
 
-    def locate(self, owner: str, data: memoryview) -> int | None:
-        """Where ``data`` (a view ``get`` returned) lies in ``owner``'s arena, or None where it is
-        not there (another owner's envelope, another tier's buffer, no owner arenas)."""
-        arenas = self._owner_arenas
-        arena = arenas.get(owner) if arenas is not None else None
+    def locate(self, group: str, data: memoryview) -> int | None:
+        """Where ``data`` (a view ``get`` returned) lies in ``group``'s arena, or None where it is
+        not there (another group's envelope, another tier's buffer, no group arenas)."""
+        arenas = self._group_arenas
+        arena = arenas.get(group) if arenas is not None else None
         return arena.offset_of(data) if arena is not None else None
 
     def _arena_of(self, key: ChunkKey) -> Arena:
-        return self._arena if self._owner_arenas is None else self.owner_arena(key.owner)
+        return self._arena if self._group_arenas is None else self.group_arena(key.group)
 
     def _release(self, key: ChunkKey, ext: Extent) -> None:
         self._arena_of(key).release(ext)
 
     def _trim(self) -> None:
-        """With owner arenas: punch out the free holes of every arena once the bytes they may
+        """With group arenas: punch out the free holes of every arena once the bytes they may
         hold resident (in use, or freed since their last trim) pass the budget by an eighth."""
-        arenas = self._owner_arenas
+        arenas = self._group_arenas
         if not arenas:
             return
         capacity = self._index.capacity or 0

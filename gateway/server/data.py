@@ -45,6 +45,7 @@ from storage.memory import MemoryTier
 from tenancy.capabilities import read_unverified
 from tenancy.errors import CapabilityDenied, PermissionDenied
 from tenancy.roles import Action, allowed_capability_ops
+from tenancy.types import Capability
 
 router = APIRouter(prefix="/v1", route_class=JsonBodyRoute, responses=problem_responses(*COMMON_PROBLEMS))
 _NOT_FOUND = problem_responses(404)
@@ -366,7 +367,6 @@ async def fetch_chunks(
     authorize_action(state, scope.principal, scope.tenant, Action.ENVELOPE_KEYS, request)
     hold, shm_headers = _window(body, cap, state, request)
     region = hold.region if hold is not None else None
-    lender = _arena_of(state, region.tenant) if region is not None and body.shm is not None and body.shm.arena else None
     try:
         opened = await state.plane.opened(cap, "get", body.hashes, shared=shared == "1")  # a refusal is a 403
         if opened.shared is not None:
@@ -379,6 +379,7 @@ async def fetch_chunks(
             hold.release()
         raise
     verified = read_unverified(cap)  # verified by the walk just now
+    lender = _lender(state, region, verified) if body.shm is not None and body.shm.arena else None
     head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
 
     def item(got: batches.PrefixItem) -> bytes:
@@ -493,20 +494,28 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
     """A shared-memory region for this worker's loads (``gateway.server.shm``), on the Unix socket
     only: the answer's body is JSON ``{"region", "bytes", "populate"}`` (``populate``: the server
     faults the region's pages in ahead of the loads, and the worker should map them too), sent with the region's file
-    descriptor attached (``SCM_RIGHTS``). 503 where the server has none to give."""
+    descriptor attached (``SCM_RIGHTS``). 503 where the server has none to give.
+
+    Where the memory tier keeps an arena per namespace and the capability may write every chunk
+    of its namespace (op ``put``, no chunk allowlist), a read-only descriptor of that namespace's
+    arena comes second and ``"arena"`` gives its size: the worker's fetches that say ``"arena":
+    true`` get the envelopes held there lent in place (``gateway.server.shm``)."""
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     if not isinstance(raw, rawchunks.RawChunks):
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
-    tenant = state.runtime.access.authorize(_cap(scope), "get").tenant  # verified: expired, revoked, forged: 403
+    verified = state.runtime.access.authorize(_cap(scope), "get")  # expired, revoked, forged: 403
+    tenant = verified.tenant
     region, fd = await state.regions.acreate(tenant, request.client.host if request.client else "-", body.bytes)
     answer: dict[str, Any] = {"region": region.id, "bytes": region.size, "populate": state.regions.populate}
     fds = [fd]
     try:
-        lender = _arena_of(state, tenant)
-        if lender is not None:
-            arena = lender[0].owner_arena(lender[1])
+        tier = _arenas(state)
+        if tier is not None and "put" in verified.ops and verified.chunks is None:
+            group = state.runtime.deriver.group_label(tenant, verified.namespace)
+            arena = tier.group_arena(group)
             fds.append(shm.read_only(arena.fd))
             answer["arena"] = arena.size
+            region.arena_group = group
     except BaseException:
         os.close(fd)
         state.regions.drop(region.id)
@@ -514,13 +523,20 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
     return _FdResponse(raw, json.dumps(answer).encode(), fds, lambda: state.regions.drop(region.id))
 
 
-def _arena_of(state: ServerState, tenant: str) -> tuple[MemoryTier, str] | None:
-    """The memory tier that keeps each owner's envelopes in an arena of its own, and the owner
-    label of ``tenant`` (``MemoryTier.owner_arena``); None where the server keeps none."""
+def _arenas(state: ServerState) -> MemoryTier | None:
+    """The memory tier where it keeps each namespace's envelopes in an arena of its own."""
     fast = state.runtime.tiers.tiers[0] if state.runtime.tiers.tiers else None
-    if not isinstance(fast, MemoryTier) or not fast.owner_arenas:
+    return fast if isinstance(fast, MemoryTier) and fast.group_arenas else None
+
+
+def _lender(state: ServerState, region: shm.Region | None, cap: Capability) -> tuple[MemoryTier, str] | None:
+    """The memory tier and group whose arena a fetch under ``cap`` lends envelopes in place from:
+    the one handed over with the region, where it is the capability's namespace's."""
+    tier = _arenas(state)
+    if tier is None or region is None or region.arena_group is None:
         return None
-    return fast, state.runtime.deriver.owner_label(tenant)
+    group = state.runtime.deriver.group_label(cap.tenant, cap.namespace)
+    return (tier, group) if group == region.arena_group else None
 
 
 class _FdResponse(Response):

@@ -64,9 +64,11 @@ class Region:
     last_used: float = 0.0
     closed: bool = False
     populated: int = -1  # bytes faulted in ahead of the copies once that ended (gateway.protocol.shmpages); -1 before
-    # the memory tier's views of the envelopes the last fetch lent in place from the tenant's
-    # arena: those extents are neither reused nor moved until the next fetch lends this region
-    # (the worker lends it only once every view of the load before is gone) or it is dropped
+    # the group (namespace label) whose memory-tier arena was handed over with the region, if any
+    arena_group: str | None = None
+    # the memory tier's views of the envelopes the last fetch lent in place from that arena: those
+    # extents are neither reused nor moved until the next fetch lends this region (the worker lends
+    # it only once every view of the load before is gone) or it is dropped
     leases: list[memoryview] = field(default_factory=list, repr=False)
 
     def close(self) -> None:

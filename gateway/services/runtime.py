@@ -101,7 +101,7 @@ async def _tiers(settings: Settings) -> list[Tier]:
         if name == "memory":
             tiers.append(MemoryTier(
                 settings.memory_bytes, owner_quota_bytes=settings.memory_owner_quota_bytes,
-                prefault=settings.memory_prefault, owner_arenas=settings.shm_max_bytes > 0 and settings.shm_arenas,
+                prefault=settings.memory_prefault, group_arenas=settings.shm_max_bytes > 0 and settings.shm_arenas,
             ))
         elif name == "disk":
             tiers.append(

@@ -318,11 +318,12 @@ async def test_a_server_without_shared_memory_serves_every_load_through_the_sock
         stop(proc)
 
 
-async def test_a_tenants_arena_lends_its_own_envelopes_in_place_and_never_another_tenants(
+async def test_a_namespaces_arena_lends_its_own_envelopes_in_place_and_never_another_tenants(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What a worker maps of the server's memory tier, tried as another tenant's worker on the same
-    socket would: its own envelopes, in place (the control), and not one byte of A's."""
+    socket would: its own envelopes, in place (the control), and not one byte of A's; and a worker
+    of A that may not write A's namespace maps none of it."""
     with served.http() as http:
         a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
     g, model, src, tokens = _setup()
@@ -356,6 +357,13 @@ async def test_a_tenants_arena_lends_its_own_envelopes_in_place_and_never_anothe
         with pytest.raises(Exception, match="past the arena"):
             window.take(64, theirs.nbytes - 32)
         window.end(True)
+    # a reader of A's namespace (no put): a region, but no arena; its loads are copied into the region
+    async with RemoteGateway(NOWHERE, served.issuer.mint(a, ["kv.worker"]), chunk_tokens=16, uds=str(served.path),
+                             shm_bytes=REGION, ops=("lookup", "get")) as reader:
+        got, dst = await _load(reader, g, model, tokens)
+        assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+        assert _region(reader) is not None and _region(reader).arena is None
+        assert reader.metrics.shm_envelopes == 4 and reader.metrics.arena_envelopes == 0
 
 
 async def test_a_server_without_arenas_copies_every_envelope_into_the_region(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""MemoryTier with ``owner_arenas``: each owner's envelopes in a memfd of its own, which a server
-hands to that owner's workers to read envelopes from in place (``gateway.server.shm``).
+"""MemoryTier with ``group_arenas``: each group's (namespace's) envelopes in a memfd of its own,
+which a server hands to that namespace's workers to read envelopes from in place
+(``gateway.server.shm``).
 
-Tried as a reader holding one owner's descriptor would try it, beside the positive control: the
-owner's own bytes are there, another owner's never are; a view the server lent keeps its bytes
-while the chunk is evicted and replaced; freed bytes go back to the system when trimmed."""
+Tried as a reader holding one group's descriptor would try it, beside the positive control: the
+group's own bytes are there, another group's never are; a view the server lent keeps its bytes
+while the chunk is evicted and replaced; freed bytes go back to the system when trimmed, and a
+deleted owner's at once."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ from storage import ChunkKey, MemoryTier
 from storage.arena import Arena
 
 
-def k(i: int, owner: str) -> ChunkKey:
-    return ChunkKey(owner, "bb", f"{i:064x}")
+def k(i: int, group: str, owner: str = "ee") -> ChunkKey:
+    return ChunkKey(owner, group, f"{i:064x}")
 
 
 def _mapped(arena: Arena) -> mmap.mmap:
@@ -31,20 +33,20 @@ def _mapped(arena: Arena) -> mmap.mmap:
         os.close(fd)
 
 
-async def test_an_owners_arena_holds_its_envelopes_and_no_one_elses() -> None:
-    tier = MemoryTier(4 << 20, owner_arenas=True)
+async def test_a_groups_arena_holds_its_envelopes_and_no_one_elses() -> None:
+    tier = MemoryTier(4 << 20, group_arenas=True)
     mine, theirs = os.urandom(100_000), os.urandom(100_000)
     await tier.put(k(0, "aa"), mine)
     await tier.put(k(0, "cc"), theirs)
-    a, c = _mapped(tier.owner_arena("aa")), _mapped(tier.owner_arena("cc"))
+    a, c = _mapped(tier.group_arena("aa")), _mapped(tier.group_arena("cc"))
     got_mine, got_theirs = (await tier.get(k(0, "aa"))).data, (await tier.get(k(0, "cc"))).data
     at = tier.locate("aa", got_mine)
     assert at is not None and a[at : at + len(mine)] == mine  # the control: read in place
-    assert a.find(theirs[:4096]) == -1 and c.find(mine[:4096]) == -1  # never the other owner's
+    assert a.find(theirs[:4096]) == -1 and c.find(mine[:4096]) == -1  # never the other group's
     assert tier.locate("aa", got_theirs) is None and tier.locate("cc", got_mine) is None
     assert tier.locate("aa", memoryview(bytearray(mine))) is None  # a copy is not in the arena
     assert tier.locate("aa", got_mine[1:]) is None  # nor is a slice of an extent
-    fd = read_only(tier.owner_arena("aa").fd)  # the descriptor a worker gets cannot write
+    fd = read_only(tier.group_arena("aa").fd)  # the descriptor a worker gets cannot write
     try:
         with pytest.raises(PermissionError):
             mmap.mmap(fd, 4096, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -55,12 +57,12 @@ async def test_an_owners_arena_holds_its_envelopes_and_no_one_elses() -> None:
     finally:
         os.close(fd)
     with pytest.raises(ValueError):
-        MemoryTier(1 << 20).owner_arena("aa")  # one arena for every owner: none to hand out
+        MemoryTier(1 << 20).group_arena("aa")  # one arena for every group: none to hand out
     await tier.aclose()
 
 
 async def test_a_lent_envelope_keeps_its_bytes_while_evicted_and_replaced_until_the_next_fetch() -> None:
-    tier = MemoryTier(300_000, owner_arenas=True)
+    tier = MemoryTier(300_000, group_arenas=True)
     first = os.urandom(100_000)
     await tier.put(k(0, "aa"), first)
     regions = Regions(max_bytes=1 << 20, populate=False)
@@ -74,7 +76,7 @@ async def test_a_lent_envelope_keeps_its_bytes_while_evicted_and_replaced_until_
     region.leases.append(view)
     del view
     hold.release()
-    worker = _mapped(tier.owner_arena("aa"))
+    worker = _mapped(tier.group_arena("aa"))
     await tier.delete(k(0, "aa"))
     for i in range(1, 4):  # the room is taken again, and more: nothing lands on the lent bytes
         await tier.put(k(i, "aa"), os.urandom(100_000))
@@ -91,22 +93,26 @@ async def test_a_lent_envelope_keeps_its_bytes_while_evicted_and_replaced_until_
     await tier.aclose()
 
 
-async def test_freed_bytes_of_owner_arenas_go_back_to_the_system_when_trimmed() -> None:
+async def test_freed_bytes_of_group_arenas_go_back_to_the_system_when_trimmed() -> None:
     cap = 8 << 20
-    tier = MemoryTier(cap, owner_arenas=True)
+    tier = MemoryTier(cap, group_arenas=True)
     blob = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
 
-    def resident(owner: str) -> int:
-        return os.fstat(tier.owner_arena(owner).fd).st_blocks * 512
+    def resident(group: str) -> int:
+        return os.fstat(tier.group_arena(group).fd).st_blocks * 512
 
     for i in range(8):
-        await tier.put(k(i, "aa"), blob)
+        await tier.put(k(i, "aa", owner="dd"), blob)
     assert resident("aa") >= 8 << 20
-    await tier.put(k(0, "cc"), blob)  # another owner evicts one: still resident (the control), within the slack
+    await tier.put(k(0, "cc"), blob)  # another owner's namespace evicts one: still resident (the control)
     assert resident("aa") >= 8 << 20
     for i in range(1, 8):  # past the budget by more than an eighth: every arena's free holes are punched
         await tier.put(k(i, "cc"), blob)
     assert resident("aa") < 8 << 20 and resident("aa") + resident("cc") <= cap + cap // 8 + (1 << 20)
-    assert await tier.delete_owner("cc") > 0
+    assert await tier.delete_owner("ee") > 0
     assert resident("cc") < 1 << 20  # a deleted owner's ciphertext does not stay in memory
+    for i in (20, 21):
+        await tier.put(k(i, "aa", owner="dd"), blob)
+    assert resident("aa") >= 2 << 20
+    assert await tier.delete_group("aa") == 2 and resident("aa") < 1 << 20  # nor a deleted group's
     await tier.aclose()
