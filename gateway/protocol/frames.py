@@ -12,8 +12,8 @@ then items (hash, status u8, the envelope's key, length u64, envelope) in the or
 Status 0 is an envelope; the first chunk not served ends it with status 1 (missing), 2 (tier
 failed), 6 (tier deadline; read as 2 if unknown) or 3 (key version destroyed); 4: a header that
 does not parse, sent without a key; 5: in the worker's shared-memory window; 7: in place in the
-memory tier's arena of the caller's tenant, at the u64 offset that follows the item's head. A response that stops
-early without an end was cut. Full layouts: docs/architecture.md, section 5.
+memory tier's arena of the caller's namespace, at the u64 offset that follows the item's head. A
+response that stops early without an end was cut. Full layouts: docs/architecture.md, section 5.
 """
 
 from __future__ import annotations

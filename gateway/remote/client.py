@@ -553,7 +553,7 @@ class _HttpSession:
                     at = frames.parse_arena_offset(ex.read(frames.ARENA_OFFSET))
                     if window is None:
                         raise BadFrame("an item lent in place to a load that lent no region")
-                    buf = window.take(item.length, at)  # in the tenant's arena, where the server keeps it
+                    buf = window.take(item.length, at)  # in the namespace's arena, where the server keeps it
                     post(self._shm_envelope, True)
                 else:
                     buf = receive_buffers.take(item.length)  # the envelope's own buffer (a reused one where free)

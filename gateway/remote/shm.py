@@ -5,11 +5,12 @@
 worker maps it read-only: it only ever reads envelopes there, exactly as it reads those that
 arrive in the stream (each is authenticated when opened).
 
-Where the server keeps its memory tier's envelopes in an arena per tenant, the answer also carries
-a read-only descriptor of this tenant's arena, mapped read-only beside the region: an item lent in
-place (status ``IN_ARENA``) is a view of the arena at the offset the item names, read with no copy
-at all. The server keeps such an envelope where it is (neither reused nor moved) until the region
-is lent to the next load, which is only once every view of this one is gone.
+Where the server keeps its memory tier's envelopes in an arena per namespace, the answer may also
+carry a read-only descriptor of the worker's namespace's arena, mapped read-only beside the
+region: an item lent in place (status ``IN_ARENA``) is a view of the arena at the offset the item
+names, read with no copy at all. The server keeps such an envelope where it is (neither reused nor
+moved) until the region is lent to the next load, which is only once every view of this one is
+gone.
 
 ``ShmRegion.lend`` hands the whole region to one load at a time as a ``Window``; ``Window.take``
 gives the view of each envelope the server put there, in order. The region is lent again only

@@ -112,7 +112,7 @@ class ShmWindow(Strict):
     length: int = Field(ge=1, le=1 << 40)
     arena: bool = Field(
         default=False,
-        description="the worker maps its tenant's arena (POST /v1/shm/regions handed it over): an envelope the "
+        description="the worker maps its namespace's arena (POST /v1/shm/regions handed it over): an envelope the "
         "memory tier holds there is lent in place (item status 7, its offset after the head), not copied",
     )
 

@@ -8,6 +8,11 @@ sealed against shrinking and growing, maps it and passes the descriptor (``SCM_R
 aligned, status ``IN_REGION``), others come in the stream. A window outside the region is a 422;
 an unknown region or another tenant's or uid's is used for nothing (``x-kv-shm: gone``).
 
+With ``shm_arenas``, the answer also hands a read-only descriptor of the caller's namespace's arena
+of the memory tier (only to a capability that may write the namespace) and a fetch that says
+``"arena": true`` lends the envelopes held there in place (status ``IN_ARENA``, their offsets): no
+copy. Their extents stay leased (``Region.leases``) until the region is lent again or dropped.
+
 Invariants: the worker lends a window only while nothing of it is in use, and drops a region a cut
 load tainted. The region holds only the caller's tenant's ciphertext, checked by the worker as a
 received envelope is; the server never reads it. Memory is bounded (``shm_max_bytes``, off by

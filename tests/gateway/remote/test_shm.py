@@ -68,7 +68,7 @@ async def test_loads_through_shared_memory_are_exact_and_stay_with_their_tenant(
             assert got.loaded_tokens == N and got.integrity_failures == 0
             assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
             assert wa.metrics.shm_envelopes == 4 * (rep + 1)
-            assert wa.metrics.arena_envelopes == 4 * (rep + 1)  # read in place in the tenant's arena
+            assert wa.metrics.arena_envelopes == 4 * (rep + 1)  # read in place in the namespace's arena
         assert _region(wa) is not None and not _region(wa).tainted
         # the server said it populates its side: the worker mapped the whole region ahead too
         _wait(lambda: _region(wa).populated == _region(wa).size)
