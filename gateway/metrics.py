@@ -88,5 +88,6 @@ class Metrics:
     fetch_failed: ByLabel[TierReason] = field(default_factory=lambda: ByLabel[TierReason](get_args(TierReason)))  # of those, a tier's
     shm_envelopes: int = 0  # envelopes received through a shared-memory region (copied there, or in place)
     arena_envelopes: int = 0  # of those, read in place in the namespace's arena (no copy)
+    arena_sealed: int = 0  # envelopes a store sealed in place into the namespace's arena (none sent)
     shm_unavailable: int = 0  # the server gave no shared-memory region
     shm_region_busy: int = 0  # a load found the region lent to another and used the stream

@@ -45,6 +45,7 @@ class UploadBatch:
     def __init__(self, opened: NamespaceChunks, sizes: Sequence[int]) -> None:
         self._opened = opened
         self._slots: list[Reservation | None] = []
+        self._stored: set[int] = set()
         self.sizes = list(sizes)
         self.views: list[memoryview] = []  # a committed extent's view is released by the tier
         self._done = False
@@ -57,51 +58,68 @@ class UploadBatch:
             self.abort()
             raise
 
-    async def commit(self) -> list[list[str]]:
-        """Check every envelope's header, then store them all; the tiers that took each."""
+    async def commit(self, only: Sequence[int] | None = None, *, last: bool = True) -> list[list[str]]:
+        """Check the envelopes' headers, then store them all; the tiers that took each. ``only``:
+        the items to store now (every one by default), of a batch whose envelopes were written in
+        place (``gateway.server.shm``); with ``last`` the items not stored are given back and the
+        batch ends, else they stay reserved for a later call. A bad header ends the batch with
+        nothing more stored (BadFrame)."""
         if self._done:
             raise RuntimeError("this batch was already committed or aborted")
-        for k, view in enumerate(self.views):
+        ks = list(range(len(self.views))) if only is None else list(only)
+        if len(set(ks)) != len(ks) or any(not 0 <= k < len(self.views) or k in self._stored for k in ks):
+            self.abort()
+            raise BadFrame("an item is named twice, out of range, or stored already")
+        for k in ks:
             try:
-                header = read_header(view)
+                header = read_header(self.views[k])
             except DecryptionFailed:
                 self.abort()
                 raise BadFrame(f"item {k} is not a kvgate envelope") from None
-            if header.envelope_length != view.nbytes:
+            if header.envelope_length != self.views[k].nbytes:
                 self.abort()
                 raise BadFrame(f"item {k}: the envelope length does not match its header")
-        self._done = True
+        self._done = last
         opened = self._opened
         written: list[list[str]] = []
         try:
-            for k, (slot, view) in enumerate(zip(self._slots, self.views)):
+            for k in ks:
+                slot = self._slots[k]
+                self._stored.add(k)
                 if slot is not None:
                     self._slots[k] = None
                     got = await opened.commit(slot)
                 else:
-                    got = await opened.put(k, view.toreadonly())
+                    got = await opened.put(k, self.views[k].toreadonly())
                 written.append(got)
         except TierError:
             # no tier took envelope k: the batch is refused whole, so what it stored is removed
             # (and envelope k, whose write may have landed before the tier failed)
-            upto = len(written) + 1
-            if left := await opened.roll_back(range(upto)):
-                log.warning("a refused batch left %d of its %d envelopes in a tier that could not be reached", left, upto)
+            upto = ks[: len(written) + 1]
+            if left := await opened.roll_back(upto):
+                log.warning("a refused batch left %d of its %d envelopes in a tier that could not be reached", left, len(upto))
+            self._done = True
             raise
         finally:
-            self._release()
+            if self._done:
+                self._release()
         try:
             await opened.confirm()  # a clear that ended the epoch meanwhile: the batch is taken back
         except NamespaceChanged:
             opened.counts.namespace_changed()
+            self.abort()
             raise
-        for got, n in zip(written, self.sizes):
+        for got, k in zip(written, ks):
             if got:
-                opened.counts.stored(1, n)
+                opened.counts.stored(1, self.sizes[k])
         return written
 
+    @property
+    def done(self) -> bool:
+        return self._done
+
     def abort(self) -> None:
-        """Give every reserved extent back; nothing of the batch is stored."""
+        """Give every reserved extent back; nothing more of the batch is stored."""
         self._done = True
         self._release()
 

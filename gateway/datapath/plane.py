@@ -181,8 +181,9 @@ class DataPlane:
     ) -> tuple[int, int]:
         if not todo:
             return 0, 0
-        try:  # one ask for the keys of every chunk to store
-            got = await session.sealing_keys(todo)
+        sizes = [self.datapath.envelope_nbytes(kv, chunks[i].end - chunks[i].start) for i in todo]
+        try:  # one ask for the keys of every chunk to store (and, in remote mode, their slots)
+            got = await session.sealing_keys(todo, sizes)
         except (KekError, KeyUnavailable, KeysUnavailable):  # the KEK provider is unreachable: store nothing
             got = []
         if len(got) < len(todo):  # keys ran out (or could not be had): store less

@@ -62,9 +62,10 @@ class ChunkSession(Protocol):
 
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext: ...
     async def presence(self) -> Presence: ...
-    async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
+    async def sealing_keys(self, indices: Sequence[int], sizes: Sequence[int] | None = None) -> list[tuple[int, EnvelopeKeys]]:
         """``(key version, keys)`` to seal chunk ``i`` with, for each of ``indices``, in one go.
-        Fewer (a prefix) when keys ran out part way; KeyUnavailable or KekError when none can be had."""
+        Fewer (a prefix) when keys ran out part way; KeyUnavailable or KekError when none can be had.
+        ``sizes``: each envelope's size, for a store that reserves its slots with its keys."""
     async def opening_keys(self, refs: Sequence[tuple[int, KeyRef]]) -> list[EnvelopeKeys | None]:
         """The keys to open each ``(chunk index, (key version, salt))``, in one go; None where that
         key version is unavailable (destroyed: a miss)."""
@@ -131,7 +132,7 @@ class _TierSession:
     async def presence(self) -> Presence:
         return await self.opened.locate()
 
-    async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
+    async def sealing_keys(self, indices: Sequence[int], sizes: Sequence[int] | None = None) -> list[tuple[int, EnvelopeKeys]]:
         out: list[tuple[int, EnvelopeKeys]] = []
         for _ in indices:  # one invocation of the data key per envelope, counted by the keyring
             try:

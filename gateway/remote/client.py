@@ -260,6 +260,14 @@ class RemoteGateway:
         if not task.cancelled() and task.exception() is not None:
             log.debug("kvgate: asking for a shared-memory region: %s", task.exception())
 
+    async def _arena_region(self) -> ShmRegion | None:
+        """This tenant's region where it is mapped already and came with its namespace's arena
+        (a store seals there), else None: a store never waits for a region."""
+        if self._shm is None:
+            return None
+        region = self._shm.cached(read_unverified(await self.capability()).tenant)
+        return region if region is not None and region.arena is not None else None
+
     async def _window(self) -> Window | None:
         """A window of this tenant's shared-memory region for one load, or None (no region
         configured, none to be had now, or another load holds it: the load uses the stream)."""
@@ -387,6 +395,14 @@ class _HttpSession:
         self._sending: asyncio.Task[None] | None = None  # the batch on the wire
         self._error: BaseException | None = None  # what a batch met, raised to the plane
         self._closed = False
+        # stores sealed in place in the namespace's arena (``gateway.server.shm``): the region that
+        # came with it, each chunk's reserved extent (upload, its place, offset, size), and the
+        # places sealed and not yet committed, by upload
+        self._arena: ShmRegion | None = None
+        self._slots: dict[int, tuple[str, int, int, int]] = {}
+        self._commits: dict[str, list[int]] = {}
+        self._commit_bytes = 0
+        self._committing: asyncio.Task[None] | None = None  # the last commit sent (each waits for the one before)
 
     def context(self, i: int, model: KVModel, version: int) -> EnvelopeContext:
         storage_key = self._storage_keys.get(i)
@@ -403,7 +419,8 @@ class _HttpSession:
         )
 
     async def _keys(self, indices: Sequence[int], body: dict[str, Any]) -> list[dict[str, Any]]:
-        """Ask for the keys of ``indices`` (``body`` without its list) and record their storage keys."""
+        """Ask for the keys of ``indices`` (``body`` without its list) and record their storage keys
+        (and the extents reserved for them, where ``body`` asked for some)."""
         got = await self.client.envelope_keys(body)
         items: list[dict[str, Any]] = got["keys"]
         if len(items) != len(indices) or any(
@@ -413,13 +430,25 @@ class _HttpSession:
         self._scope = (got["tenant"], got["namespace"])
         for i, item in zip(indices, items, strict=True):
             self._storage_keys[i] = _storage_key(item)
+        upload, reserve = got.get("upload"), body.get("reserve")
+        if isinstance(upload, str) and reserve is not None:
+            self._commits[upload] = []  # committed (or given back) at the store's flush at the latest
+            offsets = [off for item in items if isinstance(off := item.get("arena_offset"), int)]
+            if len(offsets) == len(items):
+                for place, (i, off, n) in enumerate(zip(indices, offsets, reserve["sizes"], strict=True)):
+                    self._slots[i] = (upload, place, off, int(n))
         return items
 
-    async def sealing_keys(self, indices: Sequence[int]) -> list[tuple[int, EnvelopeKeys]]:
+    async def sealing_keys(self, indices: Sequence[int], sizes: Sequence[int] | None = None) -> list[tuple[int, EnvelopeKeys]]:
+        """The keys to seal ``indices`` with; with their ``sizes``, through a region that came with
+        the namespace's arena, extents reserved there too (``reserve`` hands them to the plane)."""
+        self._arena = await self.client._arena_region() if sizes is not None else None
         out: list[tuple[int, EnvelopeKeys]] = []
         for at in range(0, len(indices), _KEYS_PER_CALL):
             part = indices[at : at + _KEYS_PER_CALL]
-            body = {"purpose": "seal", "hashes": [self.chunks[i].chained_hash.hex() for i in part]}
+            body: dict[str, Any] = {"purpose": "seal", "hashes": [self.chunks[i].chained_hash.hex() for i in part]}
+            if self._arena is not None and sizes is not None:
+                body["reserve"] = {"region": self._arena.id, "sizes": list(sizes[at : at + len(part)])}
             for item in await self._keys(part, body):
                 out.append((int(item["key_version"]), _issued(item)))
         return out
@@ -630,9 +659,14 @@ class _HttpSession:
         """Send what is kept and wait for every batch; raises what one met (AccessDenied: the
         keys it was sealed under were revoked, so the plane seals again with fresh ones;
         NamespaceChanged: a clear ended the epoch they were sealed for, and the plane drops the
-        store)."""
+        store). Every reservation in the arena is committed, the rest of it given back."""
         if self._pending:
             await self._send_pending()
+        if self._commits:
+            self._send_commits(last=True)
+        if self._committing is not None:
+            await self._committing
+            self._committing = None
         if self._sending is not None:
             await self._sending
             self._sending = None
@@ -667,13 +701,51 @@ class _HttpSession:
             self._error = exc
 
     def reserve(self, i: int, nbytes: int) -> Reserved | None:
-        return None  # envelopes are sent, not kept here
+        """The extent the server reserved for chunk ``i`` in the namespace's arena, to seal into;
+        None (the envelope is sealed into a buffer and sent) where there is none of that size."""
+        slot = self._slots.pop(i, None)
+        if slot is None or self._arena is None or slot[3] != nbytes:
+            return None
+        upload, place, offset, _n = slot
+        return Reserved(self._arena.arena_slot(offset, nbytes), (upload, place))
 
     async def commit(self, reserved: Reserved) -> bool:
-        raise AssertionError("nothing is reserved in remote mode")
+        """Count a sealed extent in for its upload's commit (sent once ``_BATCH_BYTES`` are sealed,
+        and at ``flush``); what the commit meets is raised from ``commit`` or ``flush`` after it."""
+        self._raise_error()
+        upload, place = reserved.token
+        self._commits[upload].append(place)
+        self.client.metrics.arena_sealed += 1
+        self._commit_bytes += reserved.view.nbytes
+        if self._commit_bytes >= _BATCH_BYTES:
+            self._send_commits(last=False)
+        return True
 
     def abort(self, reserved: Reserved) -> None:
-        return None
+        return None  # its place is not committed: the upload's last commit gives it back
+
+    def _send_commits(self, *, last: bool) -> None:
+        """``POST /v1/chunks/commit`` of the places sealed so far of each upload (``last``: of
+        every upload, which then ends), in the background, after the commit sent before it (an
+        upload's last commit must come after its others)."""
+        todo = {u: places for u, places in self._commits.items() if places or last}
+        self._commits = {} if last else {u: [] for u in self._commits}
+        self._commit_bytes = 0
+        if todo and self._arena is not None:
+            self._committing = asyncio.ensure_future(self._commit(self._committing, self._arena.id, todo, last))
+
+    async def _commit(self, before: asyncio.Task[None] | None, region: str, todo: dict[str, list[int]], last: bool) -> None:
+        if before is not None:
+            await asyncio.wait([before])  # what it met is in _error already
+        try:
+            for upload, places in todo.items():
+                body = json.dumps({"region": region, "upload": upload, "items": places, "last": last}).encode()
+                await self.client._wire_call("POST", "/v1/chunks/commit", _post_json, "/v1/chunks/commit", body, retry=False)
+        except AccessDenied as exc:
+            self.client._forget()
+            self._error = self._error or exc
+        except GatewayError as exc:  # NamespaceChanged among them, as for an upload
+            self._error = self._error or exc
 
     async def integrity_failure(self, i: int, tier: str, envelope_sha256: bytes) -> None:
         # counted by the data plane that found it (the same Metrics): reported here
@@ -683,7 +755,7 @@ class _HttpSession:
         """Stop what is still in flight: a batch not flushed is dropped (cut mid-body, the server
         stores none of it), a fetch still streaming is closed."""
         self._closed = True
-        tasks = [*self._readers, *([self._sending] if self._sending is not None else [])]
+        tasks = [*self._readers, *(t for t in (self._sending, self._committing) if t is not None)]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -693,7 +765,9 @@ class _HttpSession:
         self._fetches.clear()
         self._opening.clear()  # the request's keys go with it
         self._pending.clear()
-        self._sending = None
+        self._slots.clear()  # an upload never committed is given back by the server when it expires
+        self._commits.clear()
+        self._sending = self._committing = None
 
 
 def _put(ex: Exchange, headers: list[tuple[str, str]], parts: list[bytes | memoryview]) -> tuple[int, str]:
@@ -720,6 +794,8 @@ def _post_json(ex: Exchange, headers: list[tuple[str, str]], path: str, body: by
             raise RemoteUnavailable(f"POST {path}: an answer of over {_JSON_ANSWER} bytes")
         if not 200 <= ex.status < 300:
             return ex.status, raw.decode("utf-8", "replace")
+        if ex.status == 204:  # no content
+            return ex.status, None
         try:
             return ex.status, json.loads(raw)
         except ValueError:

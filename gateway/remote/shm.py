@@ -6,11 +6,12 @@ worker maps it read-only: it only ever reads envelopes there, exactly as it read
 arrive in the stream (each is authenticated when opened).
 
 Where the server keeps its memory tier's envelopes in an arena per namespace, the answer may also
-carry a read-only descriptor of the worker's namespace's arena, mapped read-only beside the
-region: an item lent in place (status ``IN_ARENA``) is a view of the arena at the offset the item
-names, read with no copy at all. The server keeps such an envelope where it is (neither reused nor
-moved) until the region is lent to the next load, which is only once every view of this one is
-gone.
+carry a descriptor of the worker's namespace's arena (only for a capability that may write the
+namespace), mapped beside the region. An item lent in place (status ``IN_ARENA``) is a read-only
+view of the arena at the offset the item names, read with no copy at all; the server keeps such an
+envelope where it is (neither reused nor moved) until the region is lent to the next load, which
+is only once every view of this one is gone. A store seals straight into extents the server
+reserved there for it (``ShmRegion.arena_slot``) and commits them by their place.
 
 ``ShmRegion.lend`` hands the whole region to one load at a time as a ``Window``; ``Window.take``
 gives the view of each envelope the server put there, in order. The region is lent again only
@@ -112,7 +113,7 @@ class ShmRegion:
         try:
             # not populated here: that would hold the first store back (``populate_behind``)
             self._mm = _map_sealed(fd, size)
-            self._arena_mm = _map_sealed(arena_fd, arena_size) if arena_fd >= 0 else None
+            self._arena_mm = _map_sealed(arena_fd, arena_size, writable=True) if arena_fd >= 0 else None
         finally:
             os.close(fd)
             if arena_fd >= 0:
@@ -154,21 +155,30 @@ class ShmRegion:
         self._free.set()
 
     def view(self, offset: int, n: int, arena: bool = False) -> tuple[np.ndarray[Any, Any], memoryview]:
-        """``n`` bytes at ``offset`` of the region (or of the arena), and the array that holds them."""
+        """``n`` bytes at ``offset`` of the region (or of the arena), read-only, and the array
+        that holds them."""
         source = self.arena if arena else self._array
         assert source is not None
         holder = source[offset : offset + n]
-        return holder, holder.data.cast("B")
+        return holder, holder.data.cast("B").toreadonly()
+
+    def arena_slot(self, offset: int, n: int) -> memoryview:
+        """The ``n`` bytes at ``offset`` of the arena, writable: an extent the server reserved for
+        a store to seal into. ValueError past the arena (or where none is mapped)."""
+        if self.arena is None or offset < 0 or n <= 0 or offset + n > self.arena.nbytes:
+            raise ValueError("a reserved extent lies past the arena (or no arena is mapped)")
+        return self.arena[offset : offset + n].data.cast("B")
 
 
-def _map_sealed(fd: int, size: int) -> mmap.mmap:
-    """A read-only mapping of ``size`` bytes of the memfd ``fd``; ValueError where it is not a
-    memfd of that size sealed against shrinking (the server writes into it while it is mapped)."""
+def _map_sealed(fd: int, size: int, *, writable: bool = False) -> mmap.mmap:
+    """A mapping of ``size`` bytes of the memfd ``fd`` (read-only unless ``writable``); ValueError
+    where it is not a memfd of that size sealed against shrinking (the server writes into it
+    while it is mapped)."""
     st = os.fstat(fd)
     seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     if st.st_size < size or size <= 0 or not seals & fcntl.F_SEAL_SHRINK:
         raise ValueError(f"not a sealed region of {size} bytes")
-    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
 
 
 class RegionCache:

@@ -4,7 +4,9 @@ A prefix moves in one request each way: ``PUT /v1/chunks`` takes a frame of enve
 all of them or none, ``POST /v1/chunks/fetch`` streams the stored prefix of a list of hashes
 back, each envelope after the key that opens it (frames: ``gateway.protocol.frames``; buffers and
 the prefix walk: ``gateway.chunks.batches``). ``POST /v1/keys/envelopes`` issues the keys a remote
-worker seals envelopes with, ``POST /v1/chunks/integrity-failures`` takes its report of one that
+worker seals envelopes with (and, on the Unix socket, reserves extents of its namespace's arena to
+seal them into, which ``POST /v1/chunks/commit`` stores: ``gateway.server.shm``),
+``POST /v1/chunks/integrity-failures`` takes its report of one that
 failed to open (``gateway.chunks.envelopes``), ``POST /v1/handoff/refusals`` a vLLM consumer's
 report of a P/D receipt it refused (audited).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
@@ -23,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from gateway.chunks import batches
 from gateway.chunks.service import KeysUnavailable
-from gateway.errors import BadFrame, InvalidRequest, TooLarge
+from gateway.errors import BadFrame, ChunkMissing, InvalidRequest, NamespaceChanged, TooLarge
 from gateway.protocol import frames
 from gateway.server import rawbody, rawchunks, shm
 from gateway.server.bodylimits import BodySize, takes
@@ -169,12 +172,23 @@ ChunkHash = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="chained
 _MAX_KEYS = 4096
 
 
+class ArenaReserve(Strict):
+    region: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    sizes: list[Annotated[int, Field(ge=1, le=1 << 40)]] = Field(min_length=1, max_length=_MAX_KEYS)
+
+
 class SealKeysRequest(Strict):
     purpose: Literal["seal"] = Field(
         description="keys to seal new envelopes with (capability op put); keys to open envelopes come with "
         "the fetch (POST /v1/chunks/fetch)",
     )
     hashes: list[ChunkHash] = Field(min_length=1, max_length=_MAX_KEYS, description="the chunks the worker will store")
+    reserve: ArenaReserve | None = Field(
+        default=None,
+        description="on the Unix socket, for a worker that maps its namespace's arena (POST /v1/shm/regions): "
+        "reserve an extent of each envelope's size (in hash order) in that arena, for the worker to seal "
+        "into and commit (POST /v1/chunks/commit) instead of uploading the envelopes",
+    )
 
 
 class EnvelopeKeyItem(BaseModel):
@@ -183,6 +197,7 @@ class EnvelopeKeyItem(BaseModel):
     salt: str = Field(description="base64; a sealing key's salt is fresh, drawn by the server")
     key: str = Field(description="the envelope's AES-256 segment key, base64")
     storage_key: str = Field(description="HMAC(namespace index key, hash), hex: the envelope's AAD binds it")
+    arena_offset: int | None = Field(default=None, description="where the extent reserved for it starts in the arena")
 
 
 class EnvelopeKeysResponse(BaseModel):
@@ -190,6 +205,18 @@ class EnvelopeKeysResponse(BaseModel):
     namespace: str
     chunk_tokens: int = Field(description="tokens per chunk; a worker must chain-hash with the same")
     keys: list[EnvelopeKeyItem] = Field(description="one per requested envelope, in request order")
+    upload: str | None = Field(
+        default=None, description="the reservation's id, where extents were reserved in the arena (commit by it)",
+    )
+
+
+class CommitRequest(Strict):
+    region: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    upload: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
+    items: list[Annotated[int, Field(ge=0, lt=_MAX_KEYS)]] = Field(
+        max_length=_MAX_KEYS, description="the envelopes to store now, by their place in the reservation",
+    )
+    last: bool = Field(default=True, description="the reservation ends: what it holds and is not stored is given back")
 
 
 # The verified scope of each data-plane action: the caller's roles allow it on the tenant the
@@ -513,7 +540,7 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
         if tier is not None and "put" in verified.ops and verified.chunks is None:
             group = state.runtime.deriver.group_label(tenant, verified.namespace)
             arena = tier.group_arena(group)
-            fds.append(shm.read_only(arena.fd))
+            fds.append(os.dup(arena.fd))
             answer["arena"] = arena.size
             region.arena_group = group
     except BaseException:
@@ -642,28 +669,101 @@ async def envelope_keys(
     body: SealKeysRequest,
     scope: EnvelopeKeysScope,
     state: StateDep,
+    request: Request,
 ) -> EnvelopeKeysResponse:
     """The keys to seal a prefix's envelopes with, one request per prefix (remote mode, op ``put``):
     a fresh salt per hash and its envelope key, so a worker never holds the tenant's data key.
     Counted, bounded per capability (403 ``urn:kvgate:problem:key-budget-spent`` past the bound:
     mint a new capability) and audited once per request. The key that opens a stored envelope
-    comes with the envelope, from ``POST /v1/chunks/fetch``."""
-    got = await state.plane.seal_keys(_cap(scope), body.hashes, actor=scope.actor)
+    comes with the envelope, from ``POST /v1/chunks/fetch``.
+
+    With ``reserve`` (a worker on the Unix socket that maps its namespace's arena with the region
+    it names): an extent of each size is reserved in that arena, checked for op ``put`` on every
+    hash exactly as an upload is, and the answer names each extent's offset and the reservation
+    (``upload``); where that cannot be had (no such region or arena, no room, a size over the
+    limit) the answer has no ``upload`` and the worker uploads the envelopes."""
+    cap = _cap(scope)
+    if body.reserve is not None and len(body.reserve.sizes) != len(body.hashes):
+        raise InvalidRequest("reserve.sizes has one size per hash")
+    got = await state.plane.seal_keys(cap, body.hashes, actor=scope.actor)
 
     def b64(b: bytes | None) -> str:
         assert b is not None  # a sealing key always has its key (else seal_keys raised)
         return base64.b64encode(b).decode()
 
+    upload, offsets = await _reserve(state, request, cap, body, [k.storage_key for k in got.keys])
     return EnvelopeKeysResponse(
         tenant=got.tenant, namespace=got.namespace, chunk_tokens=state.settings.chunk_tokens,
         keys=[
             EnvelopeKeyItem(
                 hash=k.chunk_hash, key_version=k.key_version, salt=b64(k.salt),
-                key=b64(k.key), storage_key=k.storage_key,
+                key=b64(k.key), storage_key=k.storage_key, arena_offset=offsets[i] if offsets else None,
             )
-            for k in got.keys
+            for i, k in enumerate(got.keys)
         ],
+        upload=upload,
     )
+
+
+async def _reserve(
+    state: ServerState, request: Request, cap: str, body: SealKeysRequest, sealed_for: list[str],
+) -> tuple[str | None, list[int] | None]:
+    """``(upload id, offsets)`` of extents reserved in the arena of the region ``body`` names for
+    its envelopes, or ``(None, None)`` where they cannot be had (nothing reserved then)."""
+    if body.reserve is None:
+        return None, None
+    verified = read_unverified(cap)  # verified for put on every hash by seal_keys just now
+    client = request.client.host if request.client else "-"
+    region = state.regions.get(body.reserve.region, verified.tenant, client)
+    lender = _lender(state, region, verified)
+    if region is None or lender is None or max(body.reserve.sizes) > state.plane.max_chunk_bytes:
+        return None, None
+    items = [(bytes.fromhex(h), n) for h, n in zip(body.hashes, body.reserve.sizes, strict=True)]
+    try:
+        batch = await batches.open_upload(state.plane, cap, items, sealed_for)
+    except (BadFrame, NamespaceChanged):  # a clear passed since the keys were issued: they upload, and are refused
+        return None, None
+    offsets = [lender[0].locate(lender[1], view) for view in batch.views]
+    if any(off is None for off in offsets):  # no room in the arena for one: the worker uploads them all
+        batch.abort()
+        return None, None
+    upload = shm.add_upload(region, batch, time.monotonic(), cap)
+    return (upload, [int(off) for off in offsets if off is not None]) if upload is not None else (None, None)
+
+
+@router.post("/chunks/commit", status_code=204, responses=problem_responses(400, 404, 409))
+async def commit_chunks(body: CommitRequest, scope: PutScope, state: StateDep, request: Request) -> Response:
+    """Store envelopes the worker sealed straight into extents reserved for them in its namespace's
+    arena (``POST /v1/keys/envelopes`` with ``reserve``): ``items`` of the reservation ``upload`` of
+    the caller's ``region``, checked as an upload's envelopes are (every header, then stored, then
+    the namespace's epoch), all stored or none. With ``last`` the rest is given back. 404 where the
+    reservation is not known (expired, given back, a region dropped, another namespace's: the
+    envelopes are lost, as an upload cut off is); 403 where the capability it was reserved under no
+    longer allows the store (revoked, expired); 409 ``namespace-changed`` where a clear ended the
+    epoch meanwhile; a bad header is a 400 and ends the reservation."""
+    cap = _cap(scope)
+    verified = state.runtime.access.authorize(cap, "put")
+    client = request.client.host if request.client else "-"
+    region = state.regions.get(body.region, verified.tenant, client)
+    up = region.uploads.get(body.upload) if region is not None else None
+    if region is None or up is None or not isinstance(up.batch, batches.UploadBatch):
+        raise ChunkMissing()  # 404: the worker's store of these envelopes did not happen
+    # the capability the extents were reserved under must still allow the store (not revoked, not
+    # expired), and be of the caller's namespace: a commit stores nothing another could not
+    reserved_by = state.runtime.access.authorize(up.capability, "put")
+    if (reserved_by.tenant, reserved_by.namespace) != (verified.tenant, verified.namespace):
+        raise ChunkMissing()
+    if body.last:
+        region.uploads.pop(body.upload, None)
+    try:
+        written = await up.batch.commit(body.items, last=body.last)
+    except BaseException:
+        region.uploads.pop(body.upload, None)  # ended by the failure: nothing more of it is stored
+        raise
+    for where, k in zip(written, body.items):
+        for tier in where:
+            state.telemetry.bytes.add(up.batch.sizes[k], {"direction": "in", "tier": tier, "via": "arena"})
+    return Response(status_code=204)
 
 
 __all__ = ["router", "PermissionDenied"]

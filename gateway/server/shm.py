@@ -8,10 +8,12 @@ sealed against shrinking and growing, maps it and passes the descriptor (``SCM_R
 aligned, status ``IN_REGION``), others come in the stream. A window outside the region is a 422;
 an unknown region or another tenant's or uid's is used for nothing (``x-kv-shm: gone``).
 
-With ``shm_arenas``, the answer also hands a read-only descriptor of the caller's namespace's arena
-of the memory tier (only to a capability that may write the namespace) and a fetch that says
-``"arena": true`` lends the envelopes held there in place (status ``IN_ARENA``, their offsets): no
-copy. Their extents stay leased (``Region.leases``) until the region is lent again or dropped.
+With ``shm_arenas``, the answer also hands a descriptor of the caller's namespace's arena of the
+memory tier (only to a capability that may write the namespace) and a fetch that says ``"arena":
+true`` lends the envelopes held there in place (status ``IN_ARENA``, their offsets): no copy.
+Their extents stay leased (``Region.leases``) until the region is lent again or dropped. A store
+seals into extents reserved there with its keys (``Region.uploads``, ``add_upload``) and commits
+them by their place; a region with a live reservation is not dropped to make room.
 
 Invariants: the worker lends a window only while nothing of it is in use, and drops a region a cut
 load tainted. The region holds only the caller's tenant's ciphertext, checked by the worker as a
@@ -36,7 +38,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -44,7 +46,8 @@ from gateway.errors import GatewayError, InvalidRequest
 from gateway.protocol.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
 __all__ = [
-    "ALIGN", "CopyAhead", "Hold", "Region", "Regions", "ShmUnavailable", "aligned", "copy_into", "make_region", "read_only", "send_with_fd",
+    "ALIGN", "MAX_UPLOADS", "UPLOAD_TTL_S", "CopyAhead", "Hold", "Region", "Regions", "ShmUnavailable", "Upload", "add_upload",
+    "aligned", "copy_into", "make_region", "send_with_fd",
 ]
 
 log = logging.getLogger("kvgate.shm")
@@ -75,16 +78,53 @@ class Region:
     # extents are neither reused nor moved until the next fetch lends this region (the worker lends
     # it only once every view of the load before is gone) or it is dropped
     leases: list[memoryview] = field(default_factory=list, repr=False)
+    # stores the worker seals straight into that arena: extents reserved for them, by upload id,
+    # each given back unless committed before it expires
+    uploads: dict[str, Upload] = field(default_factory=dict, repr=False)
 
     def close(self) -> None:
         """Free its pages (whoever still maps them: the worker's descriptor keeps holes) and unmap."""
         self.closed = True
         self.leases = []
+        for up in self.uploads.values():
+            up.batch.abort()
+        self.uploads = {}
         self.view = np.empty(0, dtype=np.uint8)
         with contextlib.suppress(OSError, ValueError, AttributeError):
             self.mm.madvise(mmap.MADV_REMOVE)
         with contextlib.suppress(BufferError):  # a copy still holds a view: unmapped when it goes
             self.mm.close()
+
+
+class Aborts(Protocol):
+    def abort(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Upload:
+    """Extents of the arena reserved for one store the worker seals in place (an upload batch,
+    ``gateway.chunks.batches``), until ``expires`` (``time.monotonic``)."""
+
+    batch: Aborts
+    expires: float
+    capability: str = field(default="", repr=False)  # the one the extents were reserved under
+
+
+UPLOAD_TTL_S = 120.0  # an upload not committed by then is given back (the worker is gone or stuck)
+MAX_UPLOADS = 64  # per region at once: a worker stores one prefix at a time per session
+
+
+def add_upload(region: Region, batch: Aborts, now: float, capability: str = "") -> str | None:
+    """Keep ``batch`` on ``region`` under a fresh random id (None, and the batch given back, where
+    the region already keeps ``MAX_UPLOADS``); uploads past their time are given back first."""
+    for uid in [u for u, up in region.uploads.items() if up.expires <= now]:
+        region.uploads.pop(uid).batch.abort()
+    if region.closed or len(region.uploads) >= MAX_UPLOADS:
+        batch.abort()
+        return None
+    uid = secrets.token_hex(16)
+    region.uploads[uid] = Upload(batch, now + UPLOAD_TTL_S, capability)
+    return uid
 
 
 def _owner(client: str) -> str | None:
@@ -249,7 +289,7 @@ class Regions:
         for rid in own:  # the tenant's quota: only its own regions can make room in it
             if own_bytes + size <= self.tenant_max_bytes:
                 break
-            if not regions[rid].busy:
+            if not _in_use(regions[rid]):
                 drop.append(rid)
                 own_bytes -= regions[rid].size
         if own_bytes + size > self.tenant_max_bytes:
@@ -259,7 +299,7 @@ class Regions:
         for rid in [*own, *(r for r in regions if regions[r].tenant != tenant)]:
             if total + size <= self.max_bytes and count < self.max_regions:
                 break
-            if rid not in drop and not regions[rid].busy:
+            if rid not in drop and not _in_use(regions[rid]):
                 drop.append(rid)
                 total -= regions[rid].size
                 count -= 1
@@ -299,6 +339,13 @@ class Regions:
             self.drop(rid)
 
 
+def _in_use(region: Region) -> bool:
+    """A fetch copies into it, or a store's extents reserved in its arena are not committed yet
+    (dropping it would give them back under the worker's seals)."""
+    now = time.monotonic()
+    return bool(region.busy) or any(up.expires > now for up in region.uploads.values())
+
+
 def _populated(region: Region, n: int) -> None:
     """The end of a region's populating thread (which still holds a view: the mapping is there)."""
     region.populated = n
@@ -336,15 +383,6 @@ def make_region(size: int) -> tuple[mmap.mmap, int]:
     except BaseException:
         os.close(fd)
         raise
-
-
-def read_only(fd: int) -> int:
-    """A new descriptor of the file ``fd`` names, opened read-only: what a worker is handed of an
-    arena (it maps the arena with it and can neither write through it nor truncate it)."""
-    try:
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ShmUnavailable(f"no read-only descriptor of the arena: {exc.strerror}") from None
 
 
 def send_with_fd(sock_fd: int, data: bytes, fds: Sequence[int]) -> None:

@@ -121,8 +121,8 @@ class _ClearAfterKeys:
         self.clear, self.keys = None, list(session.opened.keys)
         sealing_keys = session.sealing_keys
 
-        async def keys_then_clear(indices: Sequence[int]) -> Any:
-            got = await sealing_keys(indices)
+        async def keys_then_clear(indices: Sequence[int], sizes: Sequence[int] | None = None) -> Any:
+            got = await sealing_keys(indices, sizes)
             await clear()
             return got
 

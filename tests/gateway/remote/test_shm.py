@@ -24,8 +24,9 @@ import torch
 from gateway.protocol import shmpages
 from gateway.remote.client import RemoteGateway
 from gateway.remote.shm import ShmRegion, Window
-from gateway.server.shm import CopyAhead, Regions, copy_into
+from gateway.server.shm import MAX_UPLOADS, UPLOAD_TTL_S, CopyAhead, Regions, add_upload, copy_into
 from kernels.layouts import KVLayout
+from kernels.paged import PagedKV
 from tenancy.devissuer import DevIssuer
 from tests.support import uds_server
 from tests.support.gw import gathered, model_for, random_cache, small_geometry, zero_cache
@@ -299,76 +300,123 @@ async def test_a_forgotten_or_tainted_region_costs_one_load_its_speed_and_is_rep
         assert _region(wa) is not second and len(fresh) == 8  # both through the new region
 
 
-async def test_a_server_without_shared_memory_serves_every_load_through_the_socket(tmp_path: Path) -> None:
-    path = tmp_path / "k.sock"
-    proc, url, log = serve(tmp_path, path, extra_env={"KVGATE_SHM_MAX_BYTES": "0"})
-    try:
-        wait_up(path, proc, log)
-        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
-        with s.http() as http:
-            a = create_tenant(s, http, "acme")
-        g, model, src, tokens = _setup()
-        async with _worker(s, a) as wa:
-            await wa.store(model, tokens, src, block_ids=BLOCKS)
-            for _ in range(2):
-                got, dst = await _load(wa, g, model, tokens)
-                assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-            assert wa.metrics.shm_envelopes == 0 and wa.metrics.shm_unavailable == 1  # asked once, then left alone
-    finally:
-        stop(proc)
+async def _attached(w: RemoteGateway) -> ShmRegion:
+    """The worker's region, asked for now (a store asks for it in the background)."""
+    region = await w._region()
+    assert region is not None
+    return region
 
 
-async def test_a_namespaces_arena_lends_its_own_envelopes_in_place_and_never_another_tenants(
-    served: Served, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """What a worker maps of the server's memory tier, tried as another tenant's worker on the same
-    socket would: its own envelopes, in place (the control), and not one byte of A's; and a worker
-    of A that may not write A's namespace maps none of it."""
+async def test_a_store_seals_in_place_into_its_namespaces_arena_and_loads_back_exact(served: Served) -> None:
     with served.http() as http:
         a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
     g, model, src, tokens = _setup()
-    read: list[bytes] = []
-    take = Window.take
-
-    def kept(self: Window, n: int, arena_offset: int | None = None) -> memoryview:
-        view = take(self, n, arena_offset)
-        read.append(bytes(view))
-        return view
-
-    monkeypatch.setattr(Window, "take", kept)
     async with _worker(served, a) as wa, _worker(served, b) as wb:
-        await wa.store(model, tokens, src, block_ids=BLOCKS)
-        got, dst = await _load(wa, g, model, tokens)
-        assert got.loaded_tokens == N and wa.metrics.arena_envelopes == 4 and len(read) == 4
-        assert torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        mine = _region(wa).arena
-        assert mine is not None and all(mine.tobytes().find(env) >= 0 for env in read)  # in place
-        # B, same tokens, its own copy: lent in place from B's arena, which holds nothing of A's
-        await wb.store(model, tokens, random_cache(g, NUM_BLOCKS, seed=9), block_ids=BLOCKS)
-        got_b, _ = await _load(wb, g, model, tokens)
-        assert got_b.loaded_tokens == N and wb.metrics.arena_envelopes == 4
-        theirs = _region(wb).arena
-        assert theirs is not None and theirs.nbytes > 0
-        assert all(theirs.tobytes().find(env[-4096:]) == -1 for env in read[:4])
-        assert all(mine.tobytes().find(env[-4096:]) == -1 for env in read[4:])
-        # an offset past the arena is a broken frame, never a read outside it
-        window = _region(wb).lend()
-        assert window is not None
-        with pytest.raises(Exception, match="past the arena"):
-            window.take(64, theirs.nbytes - 32)
-        window.end(True)
-    # a reader of A's namespace (no put): a region, but no arena; its loads are copied into the region
-    async with RemoteGateway(NOWHERE, served.issuer.mint(a, ["kv.worker"]), chunk_tokens=16, uds=str(served.path),
-                             shm_bytes=REGION, ops=("lookup", "get")) as reader:
-        got, dst = await _load(reader, g, model, tokens)
+        region = await _attached(wa)
+        assert region.arena is not None
+        sent = len(wa._wire.requests)
+        assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
+        calls = wa._wire.requests[sent:]
+        assert "PUT /v1/chunks" not in calls and calls.count("POST /v1/chunks/commit") == 1  # no envelope crossed the socket
+        assert wa.metrics.arena_sealed == 4
+        got, dst = await _load(wa, g, model, tokens)  # read where it was sealed
         assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-        assert _region(reader) is not None and _region(reader).arena is None
-        assert reader.metrics.shm_envelopes == 4 and reader.metrics.arena_envelopes == 0
+        assert wa.metrics.arena_envelopes == 4
+        # the control beside it: B's same tokens are not A's (a miss), and B stores and loads its own in place
+        got_b, dst_b = await _load(wb, g, model, tokens)
+        assert got_b.loaded_tokens == 0 and all(not t.any() for t in dst_b)
+        await _attached(wb)
+        src_b = random_cache(g, NUM_BLOCKS, seed=9)
+        assert (await wb.store(model, tokens, src_b, block_ids=BLOCKS)).stored == 4 and wb.metrics.arena_sealed == 4
+        got_b, dst_b = await _load(wb, g, model, tokens)
+        assert got_b.loaded_tokens == N and torch.equal(gathered(src_b, g, BLOCKS, N), gathered(dst_b, g, BLOCKS, N))
 
 
-async def test_a_server_without_arenas_copies_every_envelope_into_the_region(tmp_path: Path) -> None:
+async def test_a_store_sealed_in_place_that_races_a_clear_stores_nothing_and_the_next_one_does(served: Served) -> None:
+    """A clear of the namespace between the store's keys (its extents reserved) and its commit: the
+    reservations are cancelled and the commit is a 409; nothing is stored. The control: the same
+    store after it is kept and loads exact."""
+    with served.http() as http:
+        a = create_tenant(served, http, "acme")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa:
+        await _attached(wa)
+        opened = wa.session
+
+        async def racing(token: str, op: str, chunks):
+            session = await opened(token, op, chunks)
+            keys = session.sealing_keys
+
+            async def keys_then_clear(indices, sizes=None):
+                got = await keys(indices, sizes)
+                assert session._slots  # extents were reserved
+                body = {"scope": "namespace", "tenant": a, "namespace": "default"}
+                with served.http() as http:
+                    r = http.post("/v1/admin/clear", json=body, headers=served.bearer(a, ["kv.admin"]))
+                assert r.status_code == 200, r.text
+                return got
+
+            session.sealing_keys = keys_then_clear
+            return session
+
+        wa.session = racing  # type: ignore[method-assign]
+        res = await wa.store(model, tokens, src, block_ids=BLOCKS)
+        assert res.stored == 0 and wa.metrics.stores_namespace_changed == 1
+        wa.session = opened  # type: ignore[method-assign]
+        assert (await wa.lookup(model, tokens)).hit_tokens == 0
+        assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4 and wa.metrics.arena_sealed == 8
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+
+
+async def test_a_reservation_commits_only_for_its_worker_and_only_envelopes_that_check(served: Served) -> None:
+    """The commit route tried as a worker would abuse it: another tenant's reservation, a region
+    that is not the caller's, another namespace's capability, an extent holding something other
+    than a sealed envelope; beside the control, a commit of a real seal."""
+    with served.http() as http:
+        a, b = create_tenant(served, http, "acme"), create_tenant(served, http, "globex")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa, _worker(served, b) as wb:
+        ra, rb = await _attached(wa), await _attached(wb)
+        cap_a, cap_b = await wa.capability(), await wb.capability()
+        session = await wa.session(cap_a, "put", wa._chunks(model, tokens))
+        sizes = [wa._plane.datapath.envelope_nbytes(PagedKV(src, g), 16)] * 4
+        await session.sealing_keys([0, 1, 2, 3], sizes)
+        upload = next(iter(session._commits))
+        slot = session.reserve(0, sizes[0])
+        assert slot is not None
+        slot.view[:] = b"\x5a" * sizes[0]  # not an envelope
+        with served.http() as http:
+            def commit(cap: str, headers_of: RemoteGateway, region: str, items: list[int], last: bool = True) -> httpx.Response:
+                return http.post("/v1/chunks/commit", json={"region": region, "upload": upload, "items": items, "last": last},
+                                 headers=dict(headers_of._data_headers(cap, "application/json")))
+
+            assert commit(cap_b, wb, rb.id, [0]).status_code == 404  # B names its own region: no such upload there
+            assert commit(cap_b, wb, ra.id, [0]).status_code == 404  # nor A's region, which is not B's
+            async with RemoteGateway(NOWHERE, served.issuer.mint(a, ["kv.worker"]), chunk_tokens=16, uds=str(served.path),
+                                     namespace="other") as wo:  # A's worker of another namespace, on A's region
+                assert commit(await wo.capability(), wo, ra.id, [0]).status_code == 404
+            r = commit(cap_a, wa, ra.id, [0], last=False)
+            assert r.status_code == 400 and "not a kvgate envelope" in r.text  # and the reservation ends
+            assert commit(cap_a, wa, ra.id, [1]).status_code == 404
+        await session.aclose()
+        assert (await wa.lookup(model, tokens)).hit_tokens == 0  # nothing of it was stored
+        # the control: a store through the same worker seals, commits and loads
+        assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4 and wa.metrics.arena_sealed == 4
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+
+
+@pytest.mark.parametrize(
+    ("env", "through"),
+    [({"KVGATE_SHM_MAX_BYTES": "0"}, "socket"), ({"KVGATE_SHM_ARENAS": "false"}, "region")],
+    ids=["no-shared-memory", "no-arenas"],
+)
+async def test_a_server_without_shared_memory_or_arenas_serves_every_load_through_the_socket_or_region(
+    tmp_path: Path, env: dict[str, str], through: str,
+) -> None:
     path = tmp_path / "k.sock"
-    proc, url, log = serve(tmp_path, path, extra_env={"KVGATE_SHM_ARENAS": "false"})
+    proc, url, log = serve(tmp_path, path, extra_env=env)
     try:
         wait_up(path, proc, log)
         s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
@@ -380,8 +428,11 @@ async def test_a_server_without_arenas_copies_every_envelope_into_the_region(tmp
             for _ in range(2):
                 got, dst = await _load(wa, g, model, tokens)
                 assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-            assert wa.metrics.shm_envelopes == 8 and wa.metrics.arena_envelopes == 0
-            assert _region(wa) is not None and _region(wa).arena is None
+            assert wa.metrics.arena_envelopes == 0
+            if through == "socket":
+                assert wa.metrics.shm_envelopes == 0 and wa.metrics.shm_unavailable == 1  # asked once, then left alone
+            else:  # every envelope copied into the region, which came without an arena
+                assert wa.metrics.shm_envelopes == 8 and _region(wa) is not None and _region(wa).arena is None
     finally:
         stop(proc)
 
@@ -522,6 +573,41 @@ def test_populating_runs_at_nice_19_a_step_at_a_time_and_stops_when_asked(tmp_pa
         mm.close()
     finally:
         os.close(fd)
+
+
+class _Batch:
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def test_a_region_with_a_store_in_flight_is_not_dropped_and_a_stale_upload_is_given_back() -> None:
+    regions = Regions(max_bytes=1 << 20, max_regions=1, populate=False)
+    peer = f"unix:uid={os.getuid()}:pid=1"
+    r1, fd = regions.create("acme", peer, 256 << 10)
+    os.close(fd)
+    live = _Batch()
+    assert add_upload(r1, live, time.monotonic()) is not None
+    with pytest.raises(Exception, match="all in use"):  # its reserved extents are being sealed into
+        regions.create("acme", peer, 256 << 10)
+    r1.uploads.clear()
+    stale = _Batch()
+    assert add_upload(r1, stale, time.monotonic() - UPLOAD_TTL_S - 1) is not None  # never committed in time
+    r2, fd = regions.create("acme", peer, 256 << 10)  # a stale reservation does not hold the region
+    os.close(fd)
+    assert regions.get(r1.id, "acme", peer) is None and r1.closed and stale.aborted == 1  # given back with it
+    older = _Batch()
+    assert add_upload(r2, older, time.monotonic() - UPLOAD_TTL_S - 1) is not None
+    assert add_upload(r2, live, time.monotonic()) is not None and older.aborted == 1  # swept when the next one came
+    r2.uploads.clear()
+    kept = [_Batch() for _ in range(MAX_UPLOADS + 1)]
+    ids = [add_upload(r2, batch, time.monotonic()) for batch in kept]
+    assert all(ids[:MAX_UPLOADS]) and ids[-1] is None and kept[-1].aborted == 1  # bounded per region
+    regions.drop(r2.id)
+    assert all(batch.aborted == 1 for batch in kept)  # a dropped region gives every reservation back
+    regions.close()
 
 
 def test_a_hold_keeps_its_region_from_being_dropped_and_counts_once() -> None:
