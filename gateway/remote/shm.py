@@ -219,6 +219,10 @@ class RegionCache:
             self._regions[tenant] = got
             return got, None
 
+    def in_place(self) -> bool:
+        """Whether a region of this process came with its namespace's arena (loads read there)."""
+        return any(r.arena is not None and not r.tainted for r in list(self._regions.values()))
+
     def cached(self, tenant: str) -> ShmRegion | None:
         region = self._regions.get(tenant)
         return region if region is not None and not region.tainted else None

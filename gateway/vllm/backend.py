@@ -163,7 +163,11 @@ class Backend(Protocol):
 
     chunk_tokens: int
     loop: LoopThread
-    layerwise: bool  # loads into a CPU cache may go layer by layer (``gateway.vllm.layers``)
+
+    @property
+    def layerwise(self) -> bool:
+        """Loads into a CPU cache may go layer by layer now (``gateway.vllm.layers``)."""
+        ...
 
     async def open(self) -> None: ...
 
@@ -276,10 +280,15 @@ class RemoteBackend:
     tenant, or ``kv.operator`` for a worker shared by tenants); the request's capability decides
     the tenant and namespace of every call."""
 
-    # Not layer by layer: no layer of a remote load is in place before the last envelope has
-    # arrived, and opening in one batch per thread loses the overlap of fetching one batch with
-    # opening the one before, so a layer-wise remote hit is slower than a whole-chunk one.
-    layerwise = False
+    @property
+    def layerwise(self) -> bool:
+        """Layer by layer only where this worker reads envelopes in place (a region that came with
+        its namespace's arena, ``gateway.remote.shm``): each is there as soon as its item is, so the
+        forward starts on the first layers while the rest are opened. Through the socket, or
+        copied into a region, no layer is in place before the last envelope has arrived, and
+        opening in one batch per thread loses the overlap of fetching one batch with opening the
+        one before: a layer-wise hit is slower there than a whole-chunk one."""
+        return self._shm is not None and self._shm.in_place()
 
     def __init__(
         self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None,

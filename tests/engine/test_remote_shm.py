@@ -83,7 +83,8 @@ def test_remote_hits_through_shared_memory_match_the_engine_and_stay_with_their_
         assert r[name]["tokens"] == r["base_P"]["tokens"]
     loads = [e for e in _trace(trace) if e["event"] == "load"]
     assert [e["loaded_tokens"] for e in loads] == [full, full] and all(e["failed_blocks"] == 0 for e in loads)
-    assert not any(e.get("layerwise") for e in loads)  # remote mode loads whole chunks (RemoteBackend says why)
+    # read in place from the arena, layer by layer beside the forward (RemoteBackend.layerwise)
+    assert all(e.get("layerwise") for e in loads), loads
     # both loads' envelopes were read in place in the namespace's arena of the server's memory tier:
     # 288 tokens' KV (2 layers, 2 KV heads of 32, float32: 512 bytes a token) and the envelopes'
     # headers and tags, twice; nothing was copied into the region
