@@ -409,15 +409,17 @@ async def fetch_chunks(
     lender = _lender(state, region, verified) if body.shm is not None and body.shm.arena else None
     head = frames.keyed_head(state.settings.chunk_tokens, verified.tenant, verified.namespace)
 
-    def item(got: batches.PrefixItem) -> bytes:
+    def item(got: batches.PrefixItem, status: int = frames.OK) -> bytes:
+        """The item's head: ``status`` (in the stream, the window or the arena) with its key, or
+        the end of the walk, or an envelope whose header does not parse (no key to send)."""
         if got.found is None:
             return frames.keyed_item_head(got.chained_hash, _ENDED.get(got.reason, frames.UNAVAILABLE))
         n = got.found.data.nbytes
         k = got.key
-        if k is None or k.key is None:  # a header that does not parse: no key to send
+        if k is None or k.key is None:
             return frames.keyed_item_head(got.chained_hash, frames.UNKEYED, n)
         return frames.keyed_item_head(
-            got.chained_hash, frames.OK, n, key_version=k.key_version, salt=k.salt, key=k.key,
+            got.chained_hash, status, n, key_version=k.key_version, salt=k.salt, key=k.key,
             storage_key=bytes.fromhex(k.storage_key),
         )
 
@@ -442,19 +444,12 @@ async def fetch_chunks(
                     before = await copies.drain()
                     if before is not None:
                         yield [before]
-                    yield [frames.keyed_item_head(
-                        got.chained_hash, frames.IN_ARENA, n, key_version=k.key_version, salt=k.salt, key=k.key,
-                        storage_key=bytes.fromhex(k.storage_key),
-                    ) + frames.arena_offset(offset)]
+                    yield [item(got, frames.IN_ARENA) + frames.arena_offset(offset)]
                 elif (found is not None and lending and region is not None and not region.closed
                         and at + found.data.nbytes <= end and k is not None and k.key is not None):
                     n = found.data.nbytes
                     state.telemetry.bytes.add(n, {"direction": "out", "tier": found.tier, "via": "shm"})
-                    head = frames.keyed_item_head(
-                        got.chained_hash, frames.IN_REGION, n, key_version=k.key_version, salt=k.salt, key=k.key,
-                        storage_key=bytes.fromhex(k.storage_key),
-                    )
-                    before = await copies.push(region.view[at : at + n], found.data, head)
+                    before = await copies.push(region.view[at : at + n], found.data, item(got, frames.IN_REGION))
                     at = shm.aligned(at + n)
                     if before is not None:
                         yield [before]
@@ -497,6 +492,11 @@ async def fetch_chunks(
     return StreamingResponse(frame(stream), media_type=_BATCH_MEDIA, headers=dict(shm_headers))
 
 
+def _peer(request: Request) -> str:
+    """The caller's source as the server's protocol reported it (``unix:uid=U:pid=P`` on the Unix socket)."""
+    return request.client.host if request.client else "-"
+
+
 def _window(
     body: FetchRequest, cap: str, state: ServerState, request: Request
 ) -> tuple[shm.Hold | None, list[tuple[str, str]]]:
@@ -507,7 +507,7 @@ def _window(
     if body.shm is None:
         return None, []
     tenant = state.runtime.access.authorize(cap, "get").tenant
-    client = request.client.host if request.client else "-"
+    client = _peer(request)
     region = state.regions.get(body.shm.region, tenant, client)
     if region is None:
         return None, [("x-kv-shm", "gone")]
@@ -532,7 +532,7 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
     verified = state.runtime.access.authorize(_cap(scope), "get")  # expired, revoked, forged: 403
     tenant = verified.tenant
-    region, fd = await state.regions.acreate(tenant, request.client.host if request.client else "-", body.bytes)
+    region, fd = await state.regions.acreate(tenant, _peer(request), body.bytes)
     answer: dict[str, Any] = {"region": region.id, "bytes": region.size, "populate": state.regions.populate}
     fds = [fd]
     try:
@@ -713,7 +713,7 @@ async def _reserve(
     if body.reserve is None:
         return None, None
     verified = read_unverified(cap)  # verified for put on every hash by seal_keys just now
-    client = request.client.host if request.client else "-"
+    client = _peer(request)
     region = state.regions.get(body.reserve.region, verified.tenant, client)
     lender = _lender(state, region, verified)
     if region is None or lender is None or max(body.reserve.sizes) > state.plane.max_chunk_bytes:
@@ -743,7 +743,7 @@ async def commit_chunks(body: CommitRequest, scope: PutScope, state: StateDep, r
     epoch meanwhile; a bad header is a 400 and ends the reservation."""
     cap = _cap(scope)
     verified = state.runtime.access.authorize(cap, "put")
-    client = request.client.host if request.client else "-"
+    client = _peer(request)
     region = state.regions.get(body.region, verified.tenant, client)
     up = region.uploads.get(body.upload) if region is not None else None
     if region is None or up is None or not isinstance(up.batch, batches.UploadBatch):
