@@ -449,6 +449,8 @@ class _HttpSession:
             body: dict[str, Any] = {"purpose": "seal", "hashes": [self.chunks[i].chained_hash.hex() for i in part]}
             if self._arena is not None and sizes is not None:
                 body["reserve"] = {"region": self._arena.id, "sizes": list(sizes[at : at + len(part)])}
+                if self._arena.returned is not None:  # what that load read in place may be reused now
+                    body["reserve"]["returned"] = self._arena.returned
             for item in await self._keys(part, body):
                 out.append((int(item["key_version"]), _issued(item)))
         return out

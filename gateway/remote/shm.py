@@ -127,6 +127,10 @@ class ShmRegion:
         self._free.set()
         self.tainted = False
         self.populated = -1  # bytes mapped ahead of the loads once populating ended; -1 before
+        self.lends = 0  # loads lent the region so far: the number of the last one
+        # the number of the last load that ended with none of its views alive (None before one):
+        # the server may reuse what that load read in place in the arena (a store's ``returned``)
+        self.returned: int | None = None
 
     def populate_behind(self) -> None:
         """Map the region's pages on a nice-19 thread (``gateway.protocol.shmpages``), stopping if it is
@@ -146,12 +150,15 @@ class ShmRegion:
                     return None
                 if self._free.is_set():
                     self._free.clear()
-                    return Window(self)
+                    self.lends += 1
+                    return Window(self, self.lends)
             if wait_s <= 0 or not self._free.wait(wait_s):
                 return None
             wait_s = 0.0
 
-    def _returned(self) -> None:
+    def _returned(self, lend: int) -> None:
+        with self._lock:
+            self.returned = lend
         self._free.set()
 
     def view(self, offset: int, n: int, arena: bool = False) -> tuple[np.ndarray[Any, Any], memoryview]:
@@ -231,8 +238,9 @@ class RegionCache:
 class Window:
     """One load's use of a region: the views of the envelopes in it, in the server's order."""
 
-    def __init__(self, region: ShmRegion) -> None:
+    def __init__(self, region: ShmRegion, lend: int = 0) -> None:
         self.region = region
+        self.lend = lend  # the region's number for this load (``ShmRegion.lends``)
         self.offset, self.length = 0, region.size
         self._cursor = 0
         self._out = 0  # views handed out and still alive
@@ -242,7 +250,7 @@ class Window:
 
     def request(self) -> dict[str, Any]:
         lend = {"region": self.region.id, "offset": self.offset, "length": self.length}
-        return {**lend, "arena": True} if self.region.arena is not None else lend
+        return {**lend, "arena": True, "lend": self.lend} if self.region.arena is not None else lend
 
     def take(self, n: int, arena_offset: int | None = None) -> memoryview:
         """The next envelope's bytes (``n`` of them) in the window, or those at ``arena_offset``
@@ -268,7 +276,7 @@ class Window:
             self._out -= 1
             back = self._ended and self._out == 0
         if back:
-            self.region._returned()
+            self.region._returned(self.lend)
 
     def end(self, clean: bool) -> None:
         """The load is over: the region is lent again once its views are gone, unless the load
@@ -280,4 +288,4 @@ class Window:
             self._ended = True
             back = self._out == 0
         if back:
-            self.region._returned()
+            self.region._returned(self.lend)

@@ -118,6 +118,11 @@ class ShmWindow(Strict):
         description="the worker maps its namespace's arena (POST /v1/shm/regions handed it over): an envelope the "
         "memory tier holds there is lent in place (item status 7, its offset after the head), not copied",
     )
+    lend: int | None = Field(
+        default=None, ge=0, le=1 << 62,
+        description="the worker's number for this load of the region: a store's reserve.returned naming it says "
+        "the load is over, and what it read in place may be reused",
+    )
 
 
 class FetchRequest(Strict):
@@ -175,6 +180,11 @@ _MAX_KEYS = 4096
 class ArenaReserve(Strict):
     region: Annotated[str, Field(pattern=r"^[0-9a-f]{32}$")]
     sizes: list[Annotated[int, Field(ge=1, le=1 << 40)]] = Field(min_length=1, max_length=_MAX_KEYS)
+    returned: int | None = Field(
+        default=None, ge=0, le=1 << 62,
+        description="the number (shm.lend) of the region's last load that has ended, none of its views alive: "
+        "if it is the last one lent, the extents it read in place go back first (a store after a hit reuses them)",
+    )
 
 
 class SealKeysRequest(Strict):
@@ -513,7 +523,7 @@ def _window(
         return None, [("x-kv-shm", "gone")]
     if body.shm.offset + body.shm.length > region.size:
         raise InvalidRequest(f"the window ends past the region's {region.size} bytes")
-    return state.regions.hold(body.shm.region, tenant, client), []
+    return state.regions.hold(body.shm.region, tenant, client, body.shm.lend), []
 
 
 @router.post("/shm/regions", response_class=Response, responses=problem_responses(400, 503))
@@ -718,6 +728,7 @@ async def _reserve(
     lender = _lender(state, region, verified)
     if region is None or lender is None or max(body.reserve.sizes) > state.plane.max_chunk_bytes:
         return None, None
+    shm.returned(region, body.reserve.returned)
     items = [(bytes.fromhex(h), n) for h, n in zip(body.hashes, body.reserve.sizes, strict=True)]
     try:
         batch = await batches.open_upload(state.plane, cap, items, sealed_for)

@@ -11,7 +11,8 @@ an unknown region or another tenant's or uid's is used for nothing (``x-kv-shm: 
 With ``shm_arenas``, the answer also hands a descriptor of the caller's namespace's arena of the
 memory tier (only to a capability that may write the namespace) and a fetch that says ``"arena":
 true`` lends the envelopes held there in place (status ``IN_ARENA``, their offsets): no copy.
-Their extents stay leased (``Region.leases``) until the region is lent again or dropped. A store
+Their extents stay leased (``Region.leases``) until the region is lent again or dropped, or a
+store's reservation says that load has ended (``returned``: the worker's number for it). A store
 seals into extents reserved there with its keys (``Region.uploads``, ``add_upload``) and commits
 them by their place; a region with a live reservation is not dropped to make room.
 
@@ -78,6 +79,7 @@ class Region:
     # extents are neither reused nor moved until the next fetch lends this region (the worker lends
     # it only once every view of the load before is gone) or it is dropped
     leases: list[memoryview] = field(default_factory=list, repr=False)
+    lent: int | None = None  # the worker's number for that fetch's load (``ShmWindow.lend``), if it said
     # stores the worker seals straight into that arena: extents reserved for them, by upload id,
     # each given back unless committed before it expires
     uploads: dict[str, Upload] = field(default_factory=dict, repr=False)
@@ -125,6 +127,15 @@ def add_upload(region: Region, batch: Aborts, now: float, capability: str = "") 
     uid = secrets.token_hex(16)
     region.uploads[uid] = Upload(batch, now + UPLOAD_TTL_S, capability)
     return uid
+
+
+def returned(region: Region, lend: int | None) -> None:
+    """The worker says its load ``lend`` of ``region`` has ended with none of its views alive:
+    where that is the load the leases keep (no later fetch lent the region), they go now, and the
+    extents it read in place may be reused (a store after a hit seals where the hit read). An
+    older number changes nothing; a worker that lies loses only its own reads' authentication."""
+    if lend is not None and region.lent == lend:
+        region.leases, region.lent = [], None
 
 
 def _owner(client: str) -> str | None:
@@ -318,14 +329,15 @@ class Regions:
         self._regions.move_to_end(rid)
         return region
 
-    def hold(self, rid: str, tenant: str, client: str) -> Hold | None:
+    def hold(self, rid: str, tenant: str, client: str, lend: int | None = None) -> Hold | None:
         """``get``, for a fetch that copies into it: held (``busy``) until the ``Hold`` is
         released, so it is not dropped under the copies. The worker lends a region to one load
-        at a time, so the envelopes the fetch before lent in place are read: their leases go."""
+        at a time, so the envelopes the fetch before lent in place are read: their leases go, and
+        this fetch's are of the worker's load ``lend``."""
         region = self.get(rid, tenant, client)
         if region is None:
             return None
-        region.leases = []
+        region.leases, region.lent = [], lend
         return Hold(region)
 
     def drop(self, rid: str) -> None:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.protocol import shmpages
+from gateway.protocol import frames, shmpages
 from gateway.remote.client import RemoteGateway
 from gateway.remote.shm import ShmRegion, Window
 from gateway.server.shm import MAX_UPLOADS, UPLOAD_TTL_S, CopyAhead, Regions, add_upload, copy_into
@@ -367,6 +367,78 @@ async def test_a_store_sealed_in_place_that_races_a_clear_stores_nothing_and_the
         assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4 and wa.metrics.arena_sealed == 8
         got, dst = await _load(wa, g, model, tokens)
         assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+
+
+def _arena_items(content: bytes) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each item a keyed fetch answered in the arena (status 7)."""
+    _ct, t_len, n_len = frames.parse_keyed_head(content[: frames.KEYED_HEAD])
+    at, out = frames.KEYED_HEAD + t_len + n_len, []
+    while at < len(content):
+        item = frames.parse_keyed_item_head(content[at : at + frames.KEYED_ITEM_HEAD])
+        at += frames.KEYED_ITEM_HEAD
+        if item.status == frames.IN_ARENA:
+            out.append((frames.parse_arena_offset(content[at : at + frames.ARENA_OFFSET]), item.length))
+            at += frames.ARENA_OFFSET
+        elif item.status == frames.OK:
+            at += item.length
+    return out
+
+
+async def test_a_store_after_a_hit_seals_where_the_hit_read_once_it_is_over_and_never_under_a_load_still_reading(
+    tmp_path: Path,
+) -> None:
+    """A memory tier with room for one prompt's envelopes: a hit leaves its extents leased to the
+    region; a store of another prompt after the hit is over says so (``returned``) and seals in
+    place where the hit read. The attack on it, as a worker would make it: a load that still reads
+    (its window lent, its items in the arena) must keep its bytes while the next store runs: that
+    store uploads (no room), and the extents the load reads hold what they held."""
+    path = tmp_path / "k.sock"
+    proc, url, log = serve(tmp_path, path, extra_env={"KVGATE_MEMORY_BYTES": str(40 << 10)})
+    try:
+        wait_up(path, proc, log)
+        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
+        with s.http() as http:
+            a = create_tenant(s, http, "acme")
+        g, model, src, tokens = _setup()
+        prompts = [list(range(3000 * k, 3000 * k + N)) for k in (1, 2, 3)]
+        async with _worker(s, a) as wa:
+            region = await _attached(wa)
+            assert region.arena is not None
+            assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4 and wa.metrics.arena_sealed == 4
+            got, dst = await _load(wa, g, model, tokens)  # in place: the server keeps what it read leased
+            assert got.loaded_tokens == N and wa.metrics.arena_envelopes == 4 and region.returned == region.lends
+            # the hit is over: the next store reuses its extents, sealed in place (nothing uploaded)
+            src1 = random_cache(g, NUM_BLOCKS, seed=11)
+            sent = len(wa._wire.requests)
+            assert (await wa.store(model, prompts[0], src1, block_ids=BLOCKS)).stored == 4
+            assert "PUT /v1/chunks" not in wa._wire.requests[sent:] and wa.metrics.arena_sealed == 8
+            got, dst = await _load(wa, g, model, prompts[0])
+            assert got.loaded_tokens == N and torch.equal(gathered(src1, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+            # a load still reading: its window lent and its fetch answered in the arena, not ended
+            window = region.lend(5.0)  # once the last load's views are gone
+            assert window is not None
+            hashes = [c.chained_hash.hex() for c in wa._chunks(model, prompts[0])]
+            with s.http() as http:
+                r = _fetch(http, s, a, hashes, window.request())
+            assert r.status_code == 200
+            reading = _arena_items(r.content)
+            assert len(reading) == 4
+            held = [region.arena[off : off + n].copy() for off, n in reading]
+            src2 = random_cache(g, NUM_BLOCKS, seed=12)
+            sent = len(wa._wire.requests)
+            assert (await wa.store(model, prompts[1], src2, block_ids=BLOCKS)).stored == 4  # stored, by upload
+            assert "PUT /v1/chunks" in wa._wire.requests[sent:] and wa.metrics.arena_sealed == 8
+            assert all(np.array_equal(region.arena[off : off + n], h) for (off, n), h in zip(reading, held, strict=True))
+            window.end(True)
+            # that load over, the next store seals in place again, and both later prompts load exact
+            src3 = random_cache(g, NUM_BLOCKS, seed=13)
+            sent = len(wa._wire.requests)
+            assert (await wa.store(model, prompts[2], src3, block_ids=BLOCKS)).stored == 4
+            assert "PUT /v1/chunks" not in wa._wire.requests[sent:] and wa.metrics.arena_sealed == 12
+            got, dst = await _load(wa, g, model, prompts[2])
+            assert got.loaded_tokens == N and torch.equal(gathered(src3, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+    finally:
+        stop(proc)
 
 
 async def test_a_reservation_commits_only_for_its_worker_and_only_envelopes_that_check(served: Served) -> None:
