@@ -89,5 +89,6 @@ class Metrics:
     shm_envelopes: int = 0  # envelopes received through a shared-memory region (copied there, or in place)
     arena_envelopes: int = 0  # of those, read in place in the namespace's arena (no copy)
     arena_sealed: int = 0  # envelopes a store sealed in place into the namespace's arena (none sent)
+    arena_unreserved: int = 0  # envelopes a store asked extents of the arena for and got none (sent)
     shm_unavailable: int = 0  # the server gave no shared-memory region
     shm_region_busy: int = 0  # a load found the region lent to another and used the stream

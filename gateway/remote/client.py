@@ -49,6 +49,7 @@ __all__ = ["Connections", "RemoteGateway", "RemoteUnavailable", "http_client"]
 _MARGIN_S = 15.0  # renew a capability this long before it expires
 _SHM_RETRY_S = 30.0  # after a region was refused, ask again this much later
 _SHM_WAIT_S = 0.05  # how long a load waits for the region to come back from the one before
+_SHM_ASK_WAIT_S = 1.0  # how long a store waits for the region being asked for (a local call: milliseconds)
 log = logging.getLogger("kvgate.remote")
 _KEYS_PER_CALL = 4096  # the server's bound per key request
 _CONNECTIONS = 8  # the connection pool's bound (keep-alive connections included)
@@ -125,6 +126,7 @@ class RemoteGateway:
         store_nice: int = 0,
         shm_bytes: int = 0,
         shm_cache: RegionCache | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         """``uds``: reach the server through its Unix socket at that path (a server on this host,
         ``kvgate serve --uds``), every call: the control calls over httpx and the data plane
@@ -155,7 +157,7 @@ class RemoteGateway:
                 ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes,
                 store_nice=store_nice,
             ),
-            chunk_tokens, Metrics(),
+            chunk_tokens, metrics or Metrics(),
         )
         self._cap: _Cap | None = None
         self.metrics: Metrics = self._plane.metrics
@@ -261,11 +263,16 @@ class RemoteGateway:
             log.debug("kvgate: asking for a shared-memory region: %s", task.exception())
 
     async def _arena_region(self) -> ShmRegion | None:
-        """This tenant's region where it is mapped already and came with its namespace's arena
-        (a store seals there), else None: a store never waits for a region."""
+        """This tenant's region where it is mapped and came with its namespace's arena (a store
+        seals there), else None. A store never asks for one itself, but waits a moment for the one
+        this client is asking for now (its first store would otherwise send every envelope)."""
         if self._shm is None:
             return None
-        region = self._shm.cached(read_unverified(await self.capability()).tenant)
+        tenant = read_unverified(await self.capability()).tenant
+        region = self._shm.cached(tenant)
+        if region is None and self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=_SHM_ASK_WAIT_S)
+            region = self._shm.cached(tenant)
         return region if region is not None and region.arena is not None else None
 
     async def _window(self) -> Window | None:
@@ -437,6 +444,8 @@ class _HttpSession:
             if len(offsets) == len(items):
                 for place, (i, off, n) in enumerate(zip(indices, offsets, reserve["sizes"], strict=True)):
                     self._slots[i] = (upload, place, off, int(n))
+        elif reserve is not None:  # no room in the arena (or no reservation to be had): they go up the socket
+            self.client.metrics.arena_unreserved += len(indices)
         return items
 
     async def sealing_keys(self, indices: Sequence[int], sizes: Sequence[int] | None = None) -> list[tuple[int, EnvelopeKeys]]:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from gateway.chunks import batches
 from gateway.chunks.service import KeysUnavailable
-from gateway.errors import BadFrame, ChunkMissing, InvalidRequest, NamespaceChanged, TooLarge
+from gateway.errors import BadFrame, InvalidRequest, NamespaceChanged, TooLarge
 from gateway.protocol import frames
 from gateway.server import rawbody, rawchunks, shm
 from gateway.server.bodylimits import BodySize, takes
@@ -534,9 +534,10 @@ async def create_region(body: RegionRequest, scope: GetScope, state: StateDep, r
     descriptor attached (``SCM_RIGHTS``). 503 where the server has none to give.
 
     Where the memory tier keeps an arena per namespace and the capability may write every chunk
-    of its namespace (op ``put``, no chunk allowlist), a read-only descriptor of that namespace's
-    arena comes second and ``"arena"`` gives its size: the worker's fetches that say ``"arena":
-    true`` get the envelopes held there lent in place (``gateway.server.shm``)."""
+    of its namespace (op ``put``, no chunk allowlist), a descriptor of that namespace's arena
+    comes second (writable: the worker's stores seal into extents reserved there) and ``"arena"``
+    gives its size: the worker's fetches that say ``"arena": true`` get the envelopes held there
+    lent in place (``gateway.server.shm``)."""
     raw = request.scope.get("extensions", {}).get(rawchunks.EXTENSION)
     if not isinstance(raw, rawchunks.RawChunks):
         raise InvalidRequest("shared memory is for workers on the server's Unix socket")
@@ -758,12 +759,12 @@ async def commit_chunks(body: CommitRequest, scope: PutScope, state: StateDep, r
     region = state.regions.get(body.region, verified.tenant, client)
     up = region.uploads.get(body.upload) if region is not None else None
     if region is None or up is None or not isinstance(up.batch, batches.UploadBatch):
-        raise ChunkMissing()  # 404: the worker's store of these envelopes did not happen
+        raise shm.ReservationMissing()  # 404: the worker's store of these envelopes did not happen
     # the capability the extents were reserved under must still allow the store (not revoked, not
     # expired), and be of the caller's namespace: a commit stores nothing another could not
     reserved_by = state.runtime.access.authorize(up.capability, "put")
     if (reserved_by.tenant, reserved_by.namespace) != (verified.tenant, verified.namespace):
-        raise ChunkMissing()
+        raise shm.ReservationMissing()
     if body.last:
         region.uploads.pop(body.upload, None)
     try:

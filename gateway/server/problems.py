@@ -46,7 +46,7 @@ from gateway.errors import (
     TooLarge,
     Unauthenticated,
 )
-from gateway.server.shm import ShmUnavailable
+from gateway.server.shm import ReservationMissing, ShmUnavailable
 from storage.types import TierError
 from tenancy.errors import (
     AuthenticationFailed,
@@ -180,6 +180,7 @@ PROBLEMS: dict[type[Exception], Entry] = {
     PermissionDenied: _FORBIDDEN,
     TenantUnavailable: _FORBIDDEN,  # unknown or disabled: told like any refusal
     ChunkMissing: ProblemType(404, "Not Found", "no such chunk"),
+    ReservationMissing: ProblemType(404, "Not Found", "no such reservation of this worker's (expired or given back): nothing was stored"),
     InvalidRequest: _INVALID,
     BadFrame: ProblemType(400, "Bad Request", _echo),
     JsonTooDeep: ProblemType(400, "Bad Request", _echo),

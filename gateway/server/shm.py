@@ -43,12 +43,12 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from gateway.errors import GatewayError, InvalidRequest
+from gateway.errors import ChunkMissing, GatewayError, InvalidRequest
 from gateway.protocol.shmpages import ALIGN, POPULATE_WRITE, aligned, populate_behind
 
 __all__ = [
-    "ALIGN", "MAX_UPLOADS", "UPLOAD_TTL_S", "CopyAhead", "Hold", "Region", "Regions", "ShmUnavailable", "Upload", "add_upload",
-    "aligned", "copy_into", "make_region", "send_with_fd",
+    "ALIGN", "MAX_UPLOADS", "UPLOAD_TTL_S", "CopyAhead", "Hold", "Region", "Regions", "ReservationMissing", "ShmUnavailable",
+    "Upload", "add_upload", "aligned", "copy_into", "make_region", "returned", "send_with_fd",
 ]
 
 log = logging.getLogger("kvgate.shm")
@@ -59,6 +59,11 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(
 
 class ShmUnavailable(GatewayError):
     """Shared memory cannot be had here (not Linux, not a Unix socket, or over the limits)."""
+
+
+class ReservationMissing(ChunkMissing):
+    """A commit names no reservation of the caller's (expired, given back, its region dropped, or
+    reserved for another namespace): the envelopes sealed there are not stored."""
 
 
 @dataclass(eq=False)

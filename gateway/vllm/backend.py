@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from pydantic import ValidationError
 
 from gateway.datapath.gate import STEPS
+from gateway.metrics import Metrics
 from gateway.vllm.config import ConnectorConfig, explain_validation, refuse_secrets
 from gateway.vllm.errors import ConnectorConfigError, GatewayTimeout
 
@@ -191,6 +192,11 @@ class Backend(Protocol):
         """Whether a store's copies in the slower tiers are written after it returns."""
         ...
 
+    def counters(self) -> dict[str, int]:
+        """How this process's loads and stores went so far, by way (monotonic; each load's and
+        store's trace line carries them): empty where there is one way only."""
+        ...
+
     async def report_warm(self, cap: str, prefix_id: str, fingerprint: str, hashes: Sequence[str]) -> int:
         """A published prefix's warm-up reports the chunks it stores (``cap``: the scope's write
         capability); how many the server recorded. AccessDenied or InvalidRequest if refused."""
@@ -260,6 +266,9 @@ class EmbeddedBackend:
         got = await self.runtime.prefixes.warm(cap, prefix_id, fingerprint, hashes, actor=Actor(subject="kvgate:connector"))
         return len(got)
 
+    def counters(self) -> dict[str, int]:
+        return {}  # every envelope is in this process's tiers
+
     def copies_behind(self) -> bool:
         """The scheduler's process looks up in the tiers it shares with the workers (Redis, a
         disk), not in a worker's memory tier: a store is visible to it once these copies, written
@@ -305,6 +314,7 @@ class RemoteBackend:
         self._clients: OrderedDict[str, Any] = OrderedDict()
         self._cache = cache
         self._connections: Any = None  # the httpx client and data-plane pool every client shares
+        self.metrics = Metrics()  # every client's counts
         self.loop = LoopThread(timeout_s)
 
     async def open(self) -> None:
@@ -332,7 +342,7 @@ class RemoteBackend:
         client = _Fixed(
             self.url, self._token, connections=self._connections, namespace=read_unverified(cap).namespace,
             chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice, shm_bytes=self.shm_bytes,
-            shm_cache=self._shm,
+            shm_cache=self._shm, metrics=self.metrics,
         )
         self._clients[cap] = client
         while len(self._clients) > self._cache:
@@ -384,6 +394,17 @@ class RemoteBackend:
 
     def copies_behind(self) -> bool:
         return False  # the server keeps the tiers: what it took, every worker and scheduler sees
+
+    def counters(self) -> dict[str, int]:
+        """Envelopes that came through the shared-memory region (``shm_envelopes``), of those
+        read in place in the arena (``arena_envelopes``), loads that found the region lent to
+        another and used the stream (``shm_region_busy``), envelopes stores sealed in place
+        (``arena_sealed``) and those that found no room there and were sent (``arena_unreserved``):
+        every client of this worker's counts."""
+        m = self.metrics
+        return {"shm_envelopes": m.shm_envelopes, "arena_envelopes": m.arena_envelopes,
+                "shm_region_busy": m.shm_region_busy, "arena_sealed": m.arena_sealed,
+                "arena_unreserved": m.arena_unreserved}
 
     async def copies_written(self) -> None:
         return None

@@ -162,7 +162,7 @@ class WorkerSide:
         self._trace(
             "load", req=op.req_id, tokens=op.load_tokens, loaded_tokens=min(loaded, upto) * bs,
             failed_blocks=len(failed), integrity_failures=failures, reason=reason if failed else "",
-            ms=ms, lead_ms=ms if lead_ms is None else min(ms, lead_ms), **trace,
+            ms=ms, lead_ms=ms if lead_ms is None else min(ms, lead_ms), **trace, **self._backend.counters(),
         )
 
     # -- layer-wise loads ---------------------------------------------------------------------
@@ -332,7 +332,8 @@ class WorkerSide:
             behind = bool(stored) and self._trace.path is not None and self._backend.copies_behind()
             self._trace("store", req=req_id, tokens=tokens, stored_chunks=stored,
                         ms=(time.perf_counter() - t0) * 1e3, reason=reason, copies_behind=behind,
-                        gate_wait_ms=round((STEPS.waited_s - waited) * 1e3, 1), gate_forced=STEPS.forced - forced)
+                        gate_wait_ms=round((STEPS.waited_s - waited) * 1e3, 1), gate_forced=STEPS.forced - forced,
+                        **self._backend.counters())
             if behind:  # traced only: when the shared tiers (the scheduler's lookups) hold it too
                 self._copies.add(task := asyncio.ensure_future(self._copies_traced(req_id, t0)))
                 task.add_done_callback(self._copies.discard)

@@ -85,6 +85,10 @@ def test_remote_hits_through_shared_memory_match_the_engine_and_stay_with_their_
     assert [e["loaded_tokens"] for e in loads] == [full, full] and all(e["failed_blocks"] == 0 for e in loads)
     # read in place from the arena, layer by layer beside the forward (RemoteBackend.layerwise)
     assert all(e.get("layerwise") for e in loads), loads
+    # the trace says so too: each load line carries the worker's counts so far, and every envelope
+    # of the two loads came in place (none through the stream, the region never found busy)
+    assert loads[0]["arena_envelopes"] > 0 and loads[1]["arena_envelopes"] == 2 * loads[0]["arena_envelopes"], loads
+    assert all(e["shm_region_busy"] == 0 and e["shm_envelopes"] == e["arena_envelopes"] for e in loads), loads
     # both loads' envelopes were read in place in the namespace's arena of the server's memory tier:
     # 288 tokens' KV (2 layers, 2 KV heads of 32, float32: 512 bytes a token) and the envelopes'
     # headers and tags, twice; nothing was copied into the region

@@ -332,6 +332,24 @@ async def test_a_store_seals_in_place_into_its_namespaces_arena_and_loads_back_e
         assert got_b.loaded_tokens == N and torch.equal(gathered(src_b, g, BLOCKS, N), gathered(dst_b, g, BLOCKS, N))
 
 
+async def test_a_workers_first_store_waits_for_the_region_it_asks_for_and_seals_in_place(served: Served) -> None:
+    """A fresh worker has no region yet: its first store asks for one and waits for that answer
+    (a local call) rather than sending every envelope up the socket. The control is the test of
+    servers without shared memory or arenas below: there the first store uploads, and nothing
+    waits."""
+    with served.http() as http:
+        a = create_tenant(served, http, "acme")
+    g, model, src, tokens = _setup()
+    async with _worker(served, a) as wa:
+        assert _region(wa) is None
+        sent = len(wa._wire.requests)
+        assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4
+        calls = wa._wire.requests[sent:]
+        assert "POST /v1/shm/regions" in calls and "PUT /v1/chunks" not in calls and wa.metrics.arena_sealed == 4
+        got, dst = await _load(wa, g, model, tokens)
+        assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
+
+
 async def test_a_store_sealed_in_place_that_races_a_clear_stores_nothing_and_the_next_one_does(served: Served) -> None:
     """A clear of the namespace between the store's keys (its extents reserved) and its commit: the
     reservations are cancelled and the commit is a 409; nothing is stored. The control: the same
@@ -428,6 +446,7 @@ async def test_a_store_after_a_hit_seals_where_the_hit_read_once_it_is_over_and_
             sent = len(wa._wire.requests)
             assert (await wa.store(model, prompts[1], src2, block_ids=BLOCKS)).stored == 4  # stored, by upload
             assert "PUT /v1/chunks" in wa._wire.requests[sent:] and wa.metrics.arena_sealed == 8
+            assert wa.metrics.arena_unreserved == 4  # asked for extents, got none: sent up the socket
             assert all(np.array_equal(region.arena[off : off + n], h) for (off, n), h in zip(reading, held, strict=True))
             window.end(True)
             # that load over, the next store seals in place again, and both later prompts load exact
@@ -435,6 +454,7 @@ async def test_a_store_after_a_hit_seals_where_the_hit_read_once_it_is_over_and_
             sent = len(wa._wire.requests)
             assert (await wa.store(model, prompts[2], src3, block_ids=BLOCKS)).stored == 4
             assert "PUT /v1/chunks" not in wa._wire.requests[sent:] and wa.metrics.arena_sealed == 12
+            assert wa.metrics.arena_unreserved == 4
             got, dst = await _load(wa, g, model, prompts[2])
             assert got.loaded_tokens == N and torch.equal(gathered(src3, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
     finally:
@@ -463,7 +483,8 @@ async def test_a_reservation_commits_only_for_its_worker_and_only_envelopes_that
                 return http.post("/v1/chunks/commit", json={"region": region, "upload": upload, "items": items, "last": last},
                                  headers=dict(headers_of._data_headers(cap, "application/json")))
 
-            assert commit(cap_b, wb, rb.id, [0]).status_code == 404  # B names its own region: no such upload there
+            r = commit(cap_b, wb, rb.id, [0])
+            assert r.status_code == 404 and "no such reservation" in r.text  # B names its own region: no such upload there
             assert commit(cap_b, wb, ra.id, [0]).status_code == 404  # nor A's region, which is not B's
             async with RemoteGateway(NOWHERE, served.issuer.mint(a, ["kv.worker"]), chunk_tokens=16, uds=str(served.path),
                                      namespace="other") as wo:  # A's worker of another namespace, on A's region
@@ -500,7 +521,7 @@ async def test_a_server_without_shared_memory_or_arenas_serves_every_load_throug
             for _ in range(2):
                 got, dst = await _load(wa, g, model, tokens)
                 assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-            assert wa.metrics.arena_envelopes == 0
+            assert wa.metrics.arena_envelopes == 0 and wa.metrics.arena_sealed == 0
             if through == "socket":
                 assert wa.metrics.shm_envelopes == 0 and wa.metrics.shm_unavailable == 1  # asked once, then left alone
             else:  # every envelope copied into the region, which came without an arena

@@ -303,6 +303,9 @@ class GatedBackend:
     def copies_behind(self):
         return self.inner.copies_behind()
 
+    def counters(self):
+        return self.inner.counters()
+
     async def copies_written(self):
         await self.inner.copies_written()
 
