@@ -455,6 +455,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     p.add_argument("--context", type=int)
     p.add_argument("--questions", type=int)
     p.add_argument("--chunk-tokens", type=int)
+    p.add_argument("--out-tokens", type=int, help="greedy tokens per request (the decode rate is timed over all but the first)")
     p.add_argument("--redis-url")
     p.add_argument("--paired-miss", action="store_true", default=None,
                    help="before each miss the same prompt without a capability, in the same engine (miss_vs_capless)")
@@ -480,7 +481,7 @@ def parse(argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
     published.add_args(p)
     a = p.parse_args(argv)
     cfg = Config(**(QUICK if a.quick else {}))
-    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "redis_url", "lmcache_python", "paired_miss", "interleave", "kv_cache_gb", "shm_mb"):
+    for name in ("size", "lengths", "reps", "iso_length", "systems", "tenants", "context", "questions", "chunk_tokens", "out_tokens", "redis_url", "lmcache_python", "paired_miss", "interleave", "kv_cache_gb", "shm_mb"):
         if getattr(a, name) is not None:
             setattr(cfg, name, getattr(a, name))
     if a.memory_mb is not None:

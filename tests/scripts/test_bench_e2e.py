@@ -547,6 +547,7 @@ def test_the_shared_memory_region_holds_every_envelope_of_the_longest_prompt():
         assert (mb - 1) << 20 < chunks * (chunk + (64 << 10))  # and not much more
     assert Config().shm_mb is None  # sized from the run's longest prompt unless told
     assert parse(["--shm-mb", "300"])[0].shm_mb == 300
+    assert Config().out_tokens == 8 and parse(["--out-tokens", "32"])[0].out_tokens == 32
 
 
 def test_the_layer_segments_variant_seals_one_layer_of_a_chunk_a_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
