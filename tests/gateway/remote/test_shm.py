@@ -9,11 +9,13 @@ one load's speed and nothing else, and a server without shared memory still serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -387,6 +389,20 @@ async def test_a_store_sealed_in_place_that_races_a_clear_stores_nothing_and_the
         assert got.loaded_tokens == N and torch.equal(gathered(src, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
 
 
+@contextlib.contextmanager
+def _served_with(tmp_path: Path, env: dict[str, str]) -> Iterator[tuple[Served, str]]:
+    """A server of the test's own (``env`` over the usual settings) and its tenant acme's id."""
+    path = tmp_path / "k.sock"
+    proc, url, log = serve(tmp_path, path, extra_env=env)
+    try:
+        wait_up(path, proc, log)
+        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
+        with s.http() as http:
+            yield s, create_tenant(s, http, "acme")
+    finally:
+        stop(proc)
+
+
 def _arena_items(content: bytes) -> list[tuple[int, int]]:
     """``(offset, length)`` of each item a keyed fetch answered in the arena (status 7)."""
     _ct, t_len, n_len = frames.parse_keyed_head(content[: frames.KEYED_HEAD])
@@ -410,13 +426,7 @@ async def test_a_store_after_a_hit_seals_where_the_hit_read_once_it_is_over_and_
     place where the hit read. The attack on it, as a worker would make it: a load that still reads
     (its window lent, its items in the arena) must keep its bytes while the next store runs: that
     store uploads (no room), and the extents the load reads hold what they held."""
-    path = tmp_path / "k.sock"
-    proc, url, log = serve(tmp_path, path, extra_env={"KVGATE_MEMORY_BYTES": str(40 << 10)})
-    try:
-        wait_up(path, proc, log)
-        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
-        with s.http() as http:
-            a = create_tenant(s, http, "acme")
+    with _served_with(tmp_path, {"KVGATE_MEMORY_BYTES": str(40 << 10)}) as (s, a):
         g, model, src, tokens = _setup()
         prompts = [list(range(3000 * k, 3000 * k + N)) for k in (1, 2, 3)]
         async with _worker(s, a) as wa:
@@ -457,8 +467,6 @@ async def test_a_store_after_a_hit_seals_where_the_hit_read_once_it_is_over_and_
             assert wa.metrics.arena_unreserved == 4
             got, dst = await _load(wa, g, model, prompts[2])
             assert got.loaded_tokens == N and torch.equal(gathered(src3, g, BLOCKS, N), gathered(dst, g, BLOCKS, N))
-    finally:
-        stop(proc)
 
 
 async def test_a_reservation_commits_only_for_its_worker_and_only_envelopes_that_check(served: Served) -> None:
@@ -508,13 +516,7 @@ async def test_a_reservation_commits_only_for_its_worker_and_only_envelopes_that
 async def test_a_server_without_shared_memory_or_arenas_serves_every_load_through_the_socket_or_region(
     tmp_path: Path, env: dict[str, str], through: str,
 ) -> None:
-    path = tmp_path / "k.sock"
-    proc, url, log = serve(tmp_path, path, extra_env=env)
-    try:
-        wait_up(path, proc, log)
-        s = Served(url, path, proc, DevIssuer(tmp_path / "state", issuer_url=url + "/dev-issuer"), log)
-        with s.http() as http:
-            a = create_tenant(s, http, "acme")
+    with _served_with(tmp_path, env) as (s, a):
         g, model, src, tokens = _setup()
         async with _worker(s, a) as wa:
             await wa.store(model, tokens, src, block_ids=BLOCKS)
@@ -526,8 +528,6 @@ async def test_a_server_without_shared_memory_or_arenas_serves_every_load_throug
                 assert wa.metrics.shm_envelopes == 0 and wa.metrics.shm_unavailable == 1  # asked once, then left alone
             else:  # every envelope copied into the region, which came without an arena
                 assert wa.metrics.shm_envelopes == 8 and _region(wa) is not None and _region(wa).arena is None
-    finally:
-        stop(proc)
 
 
 def test_regions_are_sealed_bounded_and_bound_to_their_tenant_and_user() -> None:
