@@ -38,6 +38,7 @@ from gateway.datapath.stores import ChunkSession, ChunkStore, Fetched, FetchFail
 from gateway.errors import AccessDenied, InvalidRequest, NamespaceChanged
 from gateway.logs import RateLimitedLogger
 from gateway.metrics import LoadReason, Metrics
+from gateway.protocol.shmpages import prefault_behind
 from gateway.types import KVModel, LookupResult, RetrieveResult, StoreResult
 from kernels.paged import PagedKV
 from storage.types import TierError, failure_reason
@@ -200,17 +201,24 @@ class DataPlane:
         batches = self._batches(len(jobs), model, chunks)
         start = time.monotonic()
 
+        # Each envelope is sealed straight into its slot of the fastest tier where one is handed
+        # out (gather + encrypt in one pass, no allocation), else into a pool buffer. The slots'
+        # pages are faulted in behind, in the order the batches seal, on the engine's idle time.
+        held: list[dict[int, Reserved]] = []
+        for batch in batches:
+            held.append({})
+            for k in batch:
+                slot = session.reserve(todo[k], self.datapath.envelope_nbytes(kv, jobs[k].slots.numel()))
+                if slot is not None:
+                    held[-1][k] = slot
+                    jobs[k].out = slot.view
+        ended_flag = threading.Event()
+        prefault_behind([s.view for r in held for s in r.values()], ended_flag.is_set)
+
         async def run(batch: list[int], b: int) -> tuple[int, int]:
             """The chunks of ``batch`` (the ``b``-th) stored, and their bytes."""
-            # Each envelope is sealed straight into its slot of the fastest tier where one is
-            # handed out (gather + encrypt in one pass, no allocation), else into a pool buffer.
-            reserved: dict[int, Reserved] = {}
-            for k in batch:
-                job = jobs[k]
-                slot = session.reserve(todo[k], self.datapath.envelope_nbytes(kv, job.slots.numel()))
-                if slot is not None:
-                    reserved[k] = slot
-                    job.out = slot.view
+            reserved = held[b]
+            started.add(b)
             try:
                 async with gate:
                     # between the engine's forward steps, or once this slice is due (gate.py)
@@ -219,8 +227,8 @@ class DataPlane:
                         latest=STEPS.deadline(start, b, len(batches)),
                     )
             except BaseException:
-                for slot in reserved.values():
-                    session.abort(slot)
+                for given in reserved.values():
+                    session.abort(given)
                 raise
             stored = stored_bytes = 0
             for k, env in zip(batch, envelopes):
@@ -242,7 +250,15 @@ class DataPlane:
         # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
         # job reads the KV any more (a caller may reuse that memory at once). Only a cancelled
         # store can leave one running in the pool.
-        ended = await asyncio.gather(*(run(batch, b) for b, batch in enumerate(batches)), return_exceptions=True)
+        started: set[int] = set()
+        try:
+            ended = await asyncio.gather(*(run(batch, b) for b, batch in enumerate(batches)), return_exceptions=True)
+        finally:
+            ended_flag.set()
+            for b, reserved in enumerate(held):  # a batch cancelled before it ran gives its slots back
+                if b not in started:
+                    for given in reserved.values():
+                        session.abort(given)
         for outcome in ended:
             if isinstance(outcome, BaseException):
                 raise outcome

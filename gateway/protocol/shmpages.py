@@ -21,12 +21,12 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "populate", "populate_behind"]
+__all__ = ["ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "populate", "populate_behind", "prefault_behind"]
 
 log = logging.getLogger("kvgate.shm")
 
@@ -35,6 +35,7 @@ POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14 UAPI value
 POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _STEP = 4 << 20  # bytes per madvise: a closed region stops within one step
 _NICE = 19
+_PAGE = mmap.PAGESIZE
 
 _libc: Any = None
 
@@ -78,11 +79,7 @@ def populate_behind(
     ``done(bytes)`` when it ends. The thread holds ``view`` until then."""
 
     def run() -> None:
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, max(_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
-        except OSError:  # refused (a seccomp profile): it runs at the normal priority
-            pass
+        _nice_19()
         n = 0
         try:
             n = populate(view, advice, stop)
@@ -93,3 +90,46 @@ def populate_behind(
     thread = threading.Thread(target=run, name="kvgate-shm-populate", daemon=True)
     thread.start()
     return thread
+
+
+def prefault_behind(views: Sequence[memoryview], stop: Callable[[], bool]) -> threading.Thread | None:
+    """Fault in, writable, the pages of each of ``views`` in turn (a store's reserved extents, in
+    the order it seals them) on a thread of its own at nice 19, until done or ``stop()``; None
+    where there is nothing to do. A seal that comes to an extent before this thread writes into
+    pages already there, so the faults (a fresh page is allocated and zeroed; on a virtual machine
+    this costs more than sealing into it) are taken in the engine's idle time and not inside the
+    seal. The pages spanned are whole: ``MADV_POPULATE_WRITE`` changes no byte of a page already
+    there, so a neighbour's bytes on a shared page are untouched. The thread holds the views
+    until it ends."""
+    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views if v.nbytes and not v.readonly]
+    if not arrays:
+        return None
+
+    def run() -> None:
+        _nice_19()
+        madvise = _madvise()
+        try:
+            for a in arrays:
+                lo = int(a.ctypes.data) // _PAGE * _PAGE
+                hi = int(a.ctypes.data) + a.nbytes
+                while lo < hi and not stop():
+                    n = min(_STEP, hi - lo)
+                    if madvise(lo, n, POPULATE_WRITE) != 0:  # an old kernel (EINVAL), no memory: the seals fault
+                        log.debug("prefaulting a store's extents stopped: %s", os.strerror(ctypes.get_errno()))
+                        return
+                    lo += n
+        finally:
+            arrays.clear()
+
+    thread = threading.Thread(target=run, name="kvgate-prefault", daemon=True)
+    thread.start()
+    return thread
+
+
+def _nice_19() -> None:
+    """This thread at nice 19 (Linux: a thread's own nice value), or as it is where refused."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, max(_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:  # refused (a seccomp profile): it runs at the normal priority
+        pass
