@@ -89,6 +89,7 @@ class DataPath:
         device_cipher: str = "auto",
         device_aes: str = "auto",
         store_nice: int = 0,
+        store_prefault: bool = True,
     ) -> None:
         """``cipher``: the AES-GCM chunk cipher (or another ``EnvelopeCodec``).
         ``device_cipher``: ``auto`` encrypts on the device where the KV lives (CUDA: only
@@ -98,7 +99,8 @@ class DataPath:
         device path runs (``kernels.device_aead``): ``auto`` (the fused Triton kernels on CUDA
         when triton is installed, else the torch-ops cipher), ``triton`` or ``torch``.
         ``store_nice``: the nice value of the threads that seal stores (the module says why; 0:
-        stores share the load threads)."""
+        stores share the load threads). ``store_prefault``: a store faults its reserved slots'
+        pages in behind its seals (``DataPlane``; ``gateway.protocol.shmpages.prefault_behind``)."""
         if device_cipher not in ("auto", "host", "always"):
             raise ValueError("device_cipher must be auto, host or always")
         self.codec = codec_of(cipher)
@@ -114,6 +116,7 @@ class DataPath:
         self._executor = (
             ThreadPoolExecutor(threads, thread_name_prefix="kvgate-cpu", initializer=spread) if threads else None
         )
+        self.store_prefault = store_prefault
         self.store_nice = store_nice if sys.platform == "linux" else 0  # elsewhere a nice value is the whole process's
         self._store_executor = (
             ThreadPoolExecutor(threads, thread_name_prefix="kvgate-store", initializer=_be_nice, initargs=(self.store_nice,))

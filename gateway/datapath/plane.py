@@ -213,7 +213,8 @@ class DataPlane:
                     held[-1][k] = slot
                     jobs[k].out = slot.view
         ended_flag = threading.Event()
-        prefault_behind([s.view for r in held for s in r.values()], ended_flag.is_set)
+        if self.datapath.store_prefault:
+            prefault_behind([s.view for r in held for s in r.values()], ended_flag.is_set)
 
         async def run(batch: list[int], b: int) -> tuple[int, int]:
             """The chunks of ``batch`` (the ``b``-th) stored, and their bytes."""

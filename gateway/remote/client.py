@@ -124,6 +124,7 @@ class RemoteGateway:
         ssl_context: ssl.SSLContext | None = None,
         uds: str | None = None,
         store_nice: int = 0,
+        store_prefault: bool = True,
         shm_bytes: int = 0,
         shm_cache: RegionCache | None = None,
         metrics: Metrics | None = None,
@@ -133,7 +134,8 @@ class RemoteGateway:
         alike; ``base_url`` still names it. Shared ``connections`` must already go there
         (``RemoteBackend`` builds them so); without them the client makes and closes its own.
         ``store_nice``: the nice value of the threads
-        that seal stores (``gateway.datapath.path``). ``shm_bytes`` (with ``uds``): the size of
+        that seal stores (``gateway.datapath.path``); ``store_prefault``: whether a store faults
+        its reserved slots in behind its seals (the same). ``shm_bytes`` (with ``uds``): the size of
         the shared-memory region loads borrow (0: none; the module docstring says how); clients of
         one process share their regions (one per tenant) through ``shm_cache``."""
         if chunk_tokens <= 0:
@@ -155,7 +157,7 @@ class RemoteGateway:
         self._plane = DataPlane(
             DataPath(
                 ChunkCipher(segment_bytes=segment_bytes), threads, device_cipher=device_cipher, device_aes=device_aes,
-                store_nice=store_nice,
+                store_nice=store_nice, store_prefault=store_prefault,
             ),
             chunk_tokens, metrics or Metrics(),
         )

@@ -60,6 +60,7 @@ def make_datapath(settings: Settings) -> DataPath:
     return DataPath(
         ChunkCipher(segment_bytes=settings.segment_bytes), settings.cpu_threads,
         device_cipher=settings.device_cipher, device_aes=settings.device_aes, store_nice=settings.store_nice,
+        store_prefault=settings.store_prefault,
     )
 
 

@@ -213,6 +213,7 @@ class EmbeddedBackend:
     layerwise = True  # the envelopes are in this process's tiers: opening is all a load does
     def __init__(
         self, settings: dict[str, Any], timeout_s: float = 30.0, store_nice: int = 0, copies_finish_s: float = 0.0,
+        store_prefault: bool = True,
     ) -> None:
         """``store_nice``: the connector's (``ConnectorConfig.store_nice``), unless ``settings`` or
         ``KVGATE_STORE_NICE`` names one (as every other setting, the variable fills what is left out).
@@ -222,6 +223,8 @@ class EmbeddedBackend:
 
         if "store_nice" not in settings and "KVGATE_STORE_NICE" not in os.environ:
             settings = {**settings, "store_nice": store_nice}
+        if "store_prefault" not in settings and "KVGATE_STORE_PREFAULT" not in os.environ:
+            settings = {**settings, "store_prefault": store_prefault}
         try:
             self.settings: Settings = Settings(**settings)
         except ValidationError as exc:  # every bad field named
@@ -301,7 +304,7 @@ class RemoteBackend:
 
     def __init__(
         self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None,
-        store_nice: int = 0, shm_bytes: int = 0,
+        store_nice: int = 0, shm_bytes: int = 0, store_prefault: bool = True,
     ) -> None:
         if not url or not token:
             raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")
@@ -309,6 +312,7 @@ class RemoteBackend:
             raise ConnectorConfigError("remote_shm_mb needs remote_uds: shared memory is for a server on this host")
         self.url, self._token, self.chunk_tokens, self.uds = url, token, chunk_tokens, uds
         self.store_nice = store_nice
+        self.store_prefault = store_prefault
         self.shm_bytes = shm_bytes
         self._shm: Any = None  # the regions every client of this worker shares (gateway.remote.shm)
         self._clients: OrderedDict[str, Any] = OrderedDict()
@@ -342,7 +346,7 @@ class RemoteBackend:
         client = _Fixed(
             self.url, self._token, connections=self._connections, namespace=read_unverified(cap).namespace,
             chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice, shm_bytes=self.shm_bytes,
-            shm_cache=self._shm, metrics=self.metrics,
+            store_prefault=self.store_prefault, shm_cache=self._shm, metrics=self.metrics,
         )
         self._clients[cap] = client
         while len(self._clients) > self._cache:
@@ -457,10 +461,12 @@ def close(backend: Backend, drain_s: float = 5.0) -> None:
 
 def _build(config: ConnectorConfig) -> Backend:
     if config.mode == "embedded":
-        return EmbeddedBackend(dict(config.kvgate_settings), config.timeout_s, config.store_nice, config.copies_finish_s)
+        return EmbeddedBackend(
+            dict(config.kvgate_settings), config.timeout_s, config.store_nice, config.copies_finish_s, config.store_prefault,
+        )
     return RemoteBackend(
         config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds,
-        store_nice=config.store_nice, shm_bytes=config.remote_shm_mb << 20,
+        store_nice=config.store_nice, shm_bytes=config.remote_shm_mb << 20, store_prefault=config.store_prefault,
     )
 
 

@@ -134,6 +134,13 @@ def ttft_table(result: dict[str, Any]) -> str:
             f"{_f(r['load_gbps'], 2)} | {_f(r.get('store_gbps'), 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
         )
     lines += [f"| {label} | - | {reason} | - | - | - | - | - | - | - |" for label, reason in _absent(result)]
+    decode = [r for r in result["ttft"] if r.get("decode_vs_none") is not None]
+    if decode:
+        lines += ["", "Decode while a miss's own store runs, against no connector's decode of the same prompts (the "
+                  "ratio of the medians; in brackets the median of each prompt's own ratio): "
+                  + "; ".join(f"{r['label']} {_k(r['length'])}: {r['decode_vs_none']:.2f}x"
+                              + (f" ({r['decode_vs_none_paired']:.2f}x)" if r.get("decode_vs_none_paired") else "")
+                              for r in decode)]
     paired = [r for r in result["ttft"] if r.get("miss_vs_capless") is not None]
     if paired:
         lines += ["", "A miss beside the same prompt sent just before it without a capability, in the same engine "

@@ -7,6 +7,8 @@
     kvgate-remote-uds         the same over a Unix socket (``kvgate serve --uds``, ``remote_uds``)
     kvgate-remote-shm         the same, loads through a shared-memory region per tenant
     kvgate-remote-shm-whole   ``kvgate-remote-shm`` with ``layerwise_loads: false``
+    kvgate-remote-shm-faulting ``kvgate-remote-shm`` with ``store_prefault: false``: each seal
+                              faults in the pages of its slot (the prefault's control)
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
     <system>-passive          kvgate-embedded or example with ``OMP_WAIT_POLICY=PASSIVE`` in the
                               engine's environment: its OpenMP threads sleep, not spin, between
@@ -42,6 +44,7 @@ LABELS = {
     "kvgate-embedded-whole": "kvgate embedded (whole-chunk loads)", "kvgate-remote": "kvgate remote",
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
+    "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
     "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
@@ -377,6 +380,12 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
     if key == "kvgate-remote-shm-whole":
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), layerwise=False)
+    if key == "kvgate-remote-shm-faulting":
+        system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
+        assert system.ktc is not None
+        system.ktc["kv_connector_extra_config"]["store_prefault"] = False
+        system.key = key
+        return system
     if key == "example":
         return _example(work, tenants)
     if key == "lmcache":

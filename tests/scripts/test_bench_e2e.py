@@ -62,6 +62,29 @@ def test_analysis_speedup_identity_load_rate_and_isolation():
     assert row.split(" | ")[6:8] == ["-", f"{miss['store_gbps']:.2f}"]
 
 
+def test_decode_during_a_store_is_given_as_a_ratio_of_medians_and_prompt_by_prompt():
+    raw = _raw()
+    base_ts = [(10.0, 10.7), (10.0, 10.5), (10.0, 10.9)]  # no connector's own spread across prompts
+    miss_ts = [(10.0, 10.0 + 0.7 / 0.8), (10.0, 10.0 + 0.5 / 0.95), (10.0, 10.9)]  # 0.8x, 0.95x, 1.0x each
+    for row, (a, b) in zip(raw["runs"]["none"]["rows"], base_ts):
+        row["first_token_ts"], row["last_token_ts"] = a, b
+    misses = [r for r in raw["runs"]["kvgate-embedded"]["rows"] if r["tag"]["kind"] == "miss"]
+    for row, (a, b) in zip(misses, miss_ts):
+        row["first_token_ts"], row["last_token_ts"] = a, b
+    miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    rates = sorted(7 / (b - a) for a, b in miss_ts)
+    assert miss["decode_vs_none"] == pytest.approx(rates[1] / (7 / 0.7), abs=0.01)
+    each = sorted((7 / (mb - ma)) / (7 / (bb - ba)) for (ma, mb), (ba, bb) in zip(miss_ts, base_ts))
+    assert miss["decode_vs_none_paired"] == pytest.approx(each[1], abs=0.01)
+    assert miss["decode_vs_none_paired"] == pytest.approx(0.95, abs=0.01)
+    assert miss["decode_vs_none"] == pytest.approx(0.8, abs=0.01)  # the medians of different prompts
+    assert "kvgate embedded 1K: " in markdown(analyze(raw)) and "x (" in markdown(analyze(raw))
+    # a prompt no connector did not decode is left out of the pairs, not counted as a ratio of 0
+    raw["runs"]["none"]["rows"] = raw["runs"]["none"]["rows"][:1]
+    again = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert again["decode_vs_none_paired"] == pytest.approx(0.8, abs=0.01)
+
+
 def test_a_paired_miss_is_timed_against_the_same_prompt_without_a_capability_in_its_engine():
     from scripts.bench_e2e.run import ISO_A, steps
 
