@@ -67,3 +67,18 @@ async def gateway_runtime(state_dir: Path, db_url: str | None = None, *, migrate
         yield rt
     finally:
         await rt.aclose()
+
+
+async def store_and_load_back(
+    rt: EmbeddedRuntime, cap: str, geometry: KVGeometry, tokens: list[int], src: list[torch.Tensor], blocks: int,
+    cache_blocks: int,
+) -> None:
+    """Store ``tokens``' KV from the first ``blocks`` blocks of ``src`` (a cache of ``cache_blocks``),
+    load it into a zeroed cache, and check that every token came back exact (each chunk stored)."""
+    model = model_for(geometry)
+    res = await rt.gateway.store(cap, model, tokens, src, block_ids=list(range(blocks)))
+    assert res.stored == res.chunks
+    dst = zero_cache(geometry, cache_blocks)
+    got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=list(range(blocks)))
+    assert got.loaded_tokens == len(tokens)
+    assert torch.equal(gathered(src, geometry, range(blocks), len(tokens)), gathered(dst, geometry, range(blocks), len(tokens)))

@@ -8,12 +8,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import gateway.datapath.plane as plane
 from gateway.vllm.backend import EmbeddedBackend
 from gateway.vllm.config import ConnectorConfig
-from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
+from tests.support.gw import ALL_OPS, gateway_runtime, model_for, random_cache, small_geometry, store_and_load_back
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
@@ -41,12 +40,7 @@ async def test_a_store_faults_its_slots_in_behind_in_seal_order_until_it_ends(
     async with gateway_runtime(tmp_path, store_prefault=prefault, memory_bytes=64 << 20) as rt:
         await rt.admin.create_tenant("acme")
         cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
-        res = await rt.gateway.store(cap, model, tokens, src, block_ids=list(range(16)))
-        assert res.stored == 4
-        dst = zero_cache(g, 32)
-        got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=list(range(16)))
-        assert got.loaded_tokens == len(tokens)
-        assert torch.equal(gathered(src, g, range(16), len(tokens)), gathered(dst, g, range(16), len(tokens)))
+        await store_and_load_back(rt, cap, g, tokens, src, 16, 32)  # four chunks, exact
         if not prefault:  # the control: the seals fault the pages in themselves
             assert calls == []
             return

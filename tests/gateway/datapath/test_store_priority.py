@@ -9,13 +9,12 @@ import sys
 import threading
 
 import pytest
-import torch
 
 from crypto.envelope import ChunkCipher
 from gateway.datapath import DataPath
 from gateway.vllm.backend import EmbeddedBackend, LoopThread
 from gateway.vllm.config import ConnectorConfig
-from tests.support.gw import ALL_OPS, gateway_runtime, gathered, model_for, random_cache, small_geometry, zero_cache
+from tests.support.gw import ALL_OPS, gateway_runtime, random_cache, small_geometry, store_and_load_back
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="a thread's own nice value is Linux's")
 
@@ -60,18 +59,12 @@ async def test_a_store_seals_on_the_niced_threads_and_a_load_opens_on_the_others
     monkeypatch.setattr(DataPath, "open_batch", spy_open)
     base = os.getpriority(os.PRIO_PROCESS, 0)
     g = small_geometry()
-    model = model_for(g)
     src = random_cache(g, 32, seed=3)
     tokens = list(range(100, 100 + 16 * 4))
     async with gateway_runtime(tmp_path, store_nice=9) as rt:
         await rt.admin.create_tenant("acme")
         cap = await rt.gateway.mint_capability("acme", "default", ALL_OPS, 600)
-        res = await rt.gateway.store(cap, model, tokens, src, block_ids=list(range(16)))
-        assert res.stored == 4
-        dst = zero_cache(g, 32)
-        got = await rt.gateway.retrieve(cap, model, tokens, dst, block_ids=list(range(16)))
-        assert got.loaded_tokens == len(tokens)
-        assert torch.equal(gathered(src, g, range(16), len(tokens)), gathered(dst, g, range(16), len(tokens)))
+        await store_and_load_back(rt, cap, g, tokens, src, 16, 32)
     assert seen["seal"] and all(n.startswith("kvgate-store") and p == max(9, base) for n, p in seen["seal"])
     assert seen["open"] and all(n.startswith("kvgate-cpu") and p == base for n, p in seen["open"])
 
