@@ -212,9 +212,10 @@ class DataPlane:
                 if slot is not None:
                     held[-1][k] = slot
                     jobs[k].out = slot.view
-        ended_flag = threading.Event()
+        started: set[int] = set()  # the batches whose coroutine ran (the rest give their slots back)
+        over = threading.Event()  # the store has ended: its prefault stops
         if self.datapath.store_prefault:
-            prefault_behind([s.view for r in held for s in r.values()], ended_flag.is_set)
+            prefault_behind([s.view for r in held for s in r.values()], over.is_set)
 
         async def run(batch: list[int], b: int) -> tuple[int, int]:
             """The chunks of ``batch`` (the ``b``-th) stored, and their bytes."""
@@ -251,11 +252,10 @@ class DataPlane:
         # Every batch ends before an error is raised: once ``store`` returns or raises, no seal
         # job reads the KV any more (a caller may reuse that memory at once). Only a cancelled
         # store can leave one running in the pool.
-        started: set[int] = set()
         try:
             ended = await asyncio.gather(*(run(batch, b) for b, batch in enumerate(batches)), return_exceptions=True)
         finally:
-            ended_flag.set()
+            over.set()
             for b, reserved in enumerate(held):  # a batch cancelled before it ran gives its slots back
                 if b not in started:
                     for given in reserved.values():

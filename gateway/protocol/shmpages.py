@@ -55,18 +55,25 @@ def _madvise() -> Any:
     return _libc
 
 
+def _span(view: np.ndarray[Any, Any]) -> tuple[int, int]:
+    """The start and length of the whole pages ``view`` spans."""
+    start = int(view.ctypes.data)
+    base = start // _PAGE * _PAGE
+    return base, start + int(view.nbytes) - base
+
+
 def populate(view: np.ndarray[Any, Any], advice: int, stop: Callable[[], bool] = lambda: False) -> int:
-    """Fault in the pages of ``view`` (a uint8 view of a whole, page-aligned mapping) with
-    ``advice``, a step at a time, until done or ``stop()``. Returns the bytes populated; stops
-    quietly at the first refusal (an old kernel: EINVAL; no memory left: ENOMEM)."""
+    """Fault in the pages ``view`` (a uint8 view) spans with ``advice``, whole pages, a step at a
+    time, until done or ``stop()``. Returns the bytes populated, from the first page's start;
+    stops quietly at the first refusal (an old kernel: EINVAL; no memory left: ENOMEM)."""
     madvise = _madvise()
-    base, size = int(view.ctypes.data), int(view.nbytes)
+    base, size = _span(view)
     done = 0
     while done < size and not stop():
         n = min(_STEP, size - done)
         if madvise(base + done, n, advice) != 0:
             err = ctypes.get_errno()
-            log.debug("populating a shared-memory region stopped at %d of %d bytes: %s", done, size, os.strerror(err))
+            log.debug("populating shared memory stopped at %d of %d bytes: %s", done, size, os.strerror(err))
             break
         done += n
     return done
@@ -107,17 +114,10 @@ def prefault_behind(views: Sequence[memoryview], stop: Callable[[], bool]) -> th
 
     def run() -> None:
         _nice_19()
-        madvise = _madvise()
         try:
-            for a in arrays:
-                lo = int(a.ctypes.data) // _PAGE * _PAGE
-                hi = int(a.ctypes.data) + a.nbytes
-                while lo < hi and not stop():
-                    n = min(_STEP, hi - lo)
-                    if madvise(lo, n, POPULATE_WRITE) != 0:  # an old kernel (EINVAL), no memory: the seals fault
-                        log.debug("prefaulting a store's extents stopped: %s", os.strerror(ctypes.get_errno()))
-                        return
-                    lo += n
+            for a in arrays:  # one cut short (the store ended, or a refusal) ends them all
+                if populate(a, POPULATE_WRITE, stop) < _span(a)[1]:
+                    return
         finally:
             arrays.clear()
 
