@@ -206,7 +206,7 @@ class MemoryTier(Tier):
             self._drop(victim)
         self._evictions += len(victims)
         if victims:
-            self._trim()
+            self._trim(keep=key.group)
 
     def _install(self, key: ChunkKey, ext: Extent) -> None:
         old = self._data.get(key)
@@ -344,16 +344,28 @@ class MemoryTier(Tier):
     def _release(self, key: ChunkKey, ext: Extent) -> None:
         self._arena_of(key).release(ext)
 
-    def _trim(self) -> None:
-        """With group arenas: punch out the free holes of every arena once the bytes they may
-        hold resident (in use, or freed since their last trim) pass the budget by an eighth."""
+    def _trim(self, keep: str) -> None:
+        """With group arenas: once the bytes they may hold resident (in use, or freed since their
+        last trim) pass the budget by an eighth, punch out the free holes of the other arenas, and
+        of ``keep``'s (the group whose store is making room) only where that is not enough. The
+        holes a store's own evictions just freed are where its extent goes next: punched, each of
+        their pages would be allocated and zeroed again under the store's seals."""
         arenas = self._group_arenas
         if not arenas:
             return
         capacity = self._index.capacity or 0
-        if sum(a.used_span() + a.dirty for a in arenas.values()) > capacity + capacity // 8:
-            for arena in arenas.values():
+        bound = capacity + capacity // 8
+
+        def resident() -> int:
+            return sum(a.used_span() + a.dirty for a in arenas.values())
+
+        if resident() <= bound:
+            return
+        for group, arena in arenas.items():
+            if group != keep:
                 arena.trim()
+        if keep in arenas and resident() > bound:
+            arenas[keep].trim()
 
     def _drop(self, key: ChunkKey) -> None:
         self._release(key, self._data.pop(key))

@@ -24,6 +24,37 @@ def k(i: int, group: str, owner: str = "ee") -> ChunkKey:
     return ChunkKey(owner, group, f"{i:064x}")
 
 
+def _resident(tier: MemoryTier, group: str) -> int:
+    """Bytes of the group's arena with pages behind them."""
+    return os.fstat(tier.group_arena(group).fd).st_blocks * 512
+
+
+CAP = 8 << 20  # the budget of the trimming tests: eight envelopes of 1 MiB
+
+
+async def _holding(n: int, seed: int) -> tuple[MemoryTier, bytes]:
+    """A tier of budget CAP whose group "aa" (owner "dd") holds ``n`` envelopes of 1 MiB, and the
+    envelope's bytes."""
+    tier = MemoryTier(CAP, group_arenas=True)
+    blob = np.random.default_rng(seed).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    for i in range(n):
+        await tier.put(k(i, "aa", owner="dd"), blob)
+    return tier, blob
+
+
+def _unpopulated(arena: Arena, offset: int, nbytes: int) -> int:
+    """Bytes of [offset, offset + nbytes) in the arena's memfd with no page behind them."""
+    fd, holes, at = arena.fd, 0, offset
+    while at < offset + nbytes:
+        hole = os.lseek(fd, at, os.SEEK_HOLE)
+        if hole >= offset + nbytes:
+            break
+        data = os.lseek(fd, hole, os.SEEK_DATA) if hole < arena.size else offset + nbytes
+        holes += min(data, offset + nbytes) - hole
+        at = data
+    return holes
+
+
 def _mapped(arena: Arena) -> mmap.mmap:
     """What a worker maps: the arena, through a descriptor of its own."""
     fd = os.dup(arena.fd)
@@ -92,25 +123,57 @@ async def test_a_lent_envelope_keeps_its_bytes_while_evicted_and_replaced_until_
 
 
 async def test_freed_bytes_of_group_arenas_go_back_to_the_system_when_trimmed() -> None:
-    cap = 8 << 20
-    tier = MemoryTier(cap, group_arenas=True)
-    blob = np.random.default_rng(1).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
-
-    def resident(group: str) -> int:
-        return os.fstat(tier.group_arena(group).fd).st_blocks * 512
-
-    for i in range(8):
-        await tier.put(k(i, "aa", owner="dd"), blob)
-    assert resident("aa") >= 8 << 20
+    tier, blob = await _holding(8, 1)
+    assert _resident(tier, "aa") >= 8 << 20
     await tier.put(k(0, "cc"), blob)  # another owner's namespace evicts one: still resident (the control)
-    assert resident("aa") >= 8 << 20
+    assert _resident(tier, "aa") >= 8 << 20
     for i in range(1, 8):  # past the budget by more than an eighth: every arena's free holes are punched
         await tier.put(k(i, "cc"), blob)
-    assert resident("aa") < 8 << 20 and resident("aa") + resident("cc") <= cap + cap // 8 + (1 << 20)
+    assert _resident(tier, "aa") < 8 << 20 and _resident(tier, "aa") + _resident(tier, "cc") <= CAP + CAP // 8 + (1 << 20)
     assert await tier.delete_owner("ee") > 0
-    assert resident("cc") < 1 << 20  # a deleted owner's ciphertext does not stay in memory
+    assert _resident(tier, "cc") < 1 << 20  # a deleted owner's ciphertext does not stay in memory
     for i in (20, 21):
         await tier.put(k(i, "aa", owner="dd"), blob)
-    assert resident("aa") >= 2 << 20
-    assert await tier.delete_group("aa") == 2 and resident("aa") < 1 << 20  # nor a deleted group's
+    assert _resident(tier, "aa") >= 2 << 20
+    assert await tier.delete_group("aa") == 2 and _resident(tier, "aa") < 1 << 20  # nor a deleted group's
+    await tier.aclose()
+
+
+async def test_a_store_that_evicts_its_own_groups_envelopes_seals_into_their_pages_still_resident() -> None:
+    """Past the bound, the arenas of other groups are trimmed (the control) and the storing
+    group's holes are not: its reservation lands on pages its evictions just freed, so sealing
+    into it faults nothing in."""
+    tier, blob = await _holding(4, 2)
+    for i in range(4):
+        await tier.put(k(i, "cc"), blob)
+    for i in (0, 1):  # cc's freed bytes stay resident, not trimmed by a deletion of one key
+        assert await tier.delete(k(i, "cc"))
+    assert _resident(tier, "cc") >= 4 << 20
+    for i in (10, 11):  # aa grows into fresh pages: under the budget, nothing is evicted
+        await tier.put(k(i, "aa", owner="dd"), blob)
+    before = _resident(tier, "aa")
+    res = tier.reserve(k(12, "aa", owner="dd"), 1 << 20)  # evicts aa's oldest: over the bound
+    assert not await tier.contains(k(0, "aa", owner="dd"))
+    assert _resident(tier, "cc") <= 2 << 20  # the other group's holes were punched (the control)
+    assert _resident(tier, "aa") == before  # the storing group's were not
+    assert _unpopulated(tier.group_arena("aa"), res.extent.offset, res.nbytes) == 0  # it seals into pages already there
+    res.view[:] = blob
+    assert tier.commit(res)
+    assert (await tier.get(k(12, "aa", owner="dd"))).data.tobytes() == blob
+    await tier.aclose()
+
+
+async def test_the_storing_groups_holes_are_trimmed_too_where_the_others_cannot_bring_the_arenas_under() -> None:
+    tier, blob = await _holding(8, 3)
+    for i in range(6):  # aa's freed bytes stay resident until a trim
+        assert await tier.delete(k(i, "aa", owner="dd"))
+    for i in range(6):  # cc fills the budget with no holes of its own to give back
+        await tier.put(k(i, "cc"), blob)
+    assert _resident(tier, "aa") >= 8 << 20 and _resident(tier, "cc") >= 6 << 20
+    await tier.put(k(20, "aa", owner="dd"), blob)  # evicts aa's oldest: only aa's holes can go
+    assert _resident(tier, "aa") <= 2 << 20
+    assert _resident(tier, "aa") + _resident(tier, "cc") <= CAP + CAP // 8
+    assert _resident(tier, "cc") >= 6 << 20  # cc's envelopes are untouched
+    for i in range(6):
+        assert (await tier.get(k(i, "cc"))).data.tobytes() == blob
     await tier.aclose()
