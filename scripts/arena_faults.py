@@ -81,8 +81,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=1.0)
     p.add_argument("--capacity-mib", type=int, default=256)
     p.add_argument("--prefault", action="store_true")
-    p.add_argument("--groups", type=int, default=0, help="group arenas, this many groups taking turns (0: one arena)")
-    p.add_argument("--run", type=int, default=8, help="chunks of one group stored before the next group's")
+    p.add_argument("--groups", type=int, default=0, help="group arenas, this many groups, one drawn at random for each run (0: one arena)")
+    p.add_argument("--run", type=int, default=8, help="chunks of one group stored in a row (a run)")
     a = p.parse_args()
     for mib in (2, 32):
         fpg, gbs = asyncio.run(loop(a.mode, mib << 20, a.capacity_mib << 20, int(a.gib * (1 << 30)), a.prefault,
