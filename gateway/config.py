@@ -60,9 +60,14 @@ class Settings(BaseSettings):
     tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=_default_tiers)
     memory_bytes: int = 4 << 30
     memory_owner_quota_bytes: int | None = None
-    # fault the memory tier's whole arena in at start (MAP_POPULATE): RSS is the budget from the
-    # first second, and no store ever takes a page fault; off by default for small hosts and tests
-    memory_prefault: bool = False
+    # the memory tier's arena (one for every namespace; not the per-namespace arenas of
+    # shm_arenas): off: a page is faulted in when a store first writes it, inside that store;
+    # behind: a nice-19 thread faults the whole arena in from the start, a step at a time, in the
+    # process's idle time (gateway.protocol.shmpages.populate_behind), so the stores of a fresh
+    # process write into pages already there; start: all of it before the tier opens
+    # (MAP_POPULATE). With behind or start the tier's RSS is its budget within seconds; true and
+    # false read as start and off. The vLLM connector's embedded mode defaults to behind
+    memory_prefault: Literal["off", "behind", "start"] = "off"
     write_back_tiers: list[Literal["memory", "disk", "redis"]] = Field(default_factory=list)
     # write_behind: a store returns once the chunk is in the first (fastest) tier; the slower
     # tiers get their copies from a bounded queue (full: copies dropped, counted; a crash loses
@@ -179,6 +184,12 @@ class Settings(BaseSettings):
         if v <= 0:
             raise ValueError("must be positive")
         return v
+
+    @field_validator("memory_prefault", mode="before")
+    @classmethod
+    def _prefault_flag(cls, v: Any) -> Any:
+        flag = str(v).strip().lower() if isinstance(v, (bool, str)) else None
+        return {"true": "start", "1": "start", "false": "off", "0": "off"}.get(flag or "", v)
 
     @field_validator("uds_mode", mode="before")
     @classmethod

@@ -235,6 +235,15 @@ class Arena:
             compactions=self.compactions,
         )
 
+    @property
+    def closed(self) -> bool:
+        return self._map is None
+
+    def region(self) -> np.ndarray:
+        """The whole region as bytes (empty once closed), for faulting its pages in ahead of use;
+        the view keeps the mapping alive while held."""
+        return self._buf
+
     def region_extents(self) -> list[Extent]:
         """Extents in the region not yet free (owned or zombie), by offset (for tests)."""
         return [self._extents[o] for o in sorted(self._extents)]

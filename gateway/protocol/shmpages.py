@@ -11,7 +11,8 @@ region was handed over; a load that comes first faults in what it uses. The serv
 ``MADV_POPULATE_READ`` (maps each page; a hole read allocates it). ``madvise`` goes through ctypes,
 which releases the GIL for the call; the thread keeps a numpy view of the mapping while it runs, so
 the mapping cannot be unmapped under it. A kernel without these advices (before Linux 5.14)
-answers EINVAL: the region stays lazy. Design notes: docs/architecture.md, section 5."""
+answers EINVAL: the region stays lazy. The embedded memory tier's arena is populated the same way
+(``memory_prefault: behind``, ``gateway.services.runtime``). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 

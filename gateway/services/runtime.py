@@ -27,6 +27,7 @@ from crypto.kek import KekProvider, LocalFileKek, Secret
 from gateway.chunks.service import ChunkService
 from gateway.config import Settings
 from gateway.metrics import Metrics
+from gateway.protocol.shmpages import POPULATE_WRITE, populate_behind
 from gateway.services.access import Access
 from gateway.services.admin import Admin
 from gateway.services.auditing import close_signer, make_audit_signer, make_checkpointer
@@ -100,10 +101,14 @@ async def _tiers(settings: Settings) -> list[Tier]:
     tiers: list[Tier] = []
     for name in settings.tiers:
         if name == "memory":
-            tiers.append(MemoryTier(
+            memory = MemoryTier(
                 settings.memory_bytes, owner_quota_bytes=settings.memory_owner_quota_bytes,
-                prefault=settings.memory_prefault, group_arenas=settings.shm_max_bytes > 0 and settings.shm_arenas,
-            ))
+                prefault=settings.memory_prefault == "start", group_arenas=settings.shm_max_bytes > 0 and settings.shm_arenas,
+            )
+            if settings.memory_prefault == "behind" and not memory.group_arenas:
+                arena = memory.arena
+                populate_behind(arena.region(), POPULATE_WRITE, lambda: arena.closed)
+            tiers.append(memory)
         elif name == "disk":
             tiers.append(
                 await DiskTier.open(settings.chunk_dir, capacity_bytes=settings.disk_bytes, fsync=settings.disk_fsync)

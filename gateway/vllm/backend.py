@@ -225,6 +225,10 @@ class EmbeddedBackend:
             settings = {**settings, "store_nice": store_nice}
         if "store_prefault" not in settings and "KVGATE_STORE_PREFAULT" not in os.environ:
             settings = {**settings, "store_prefault": store_prefault}
+        # the memory tier is this engine's cache, sized by its operator: its pages are faulted in
+        # behind, in the idle time of start-up, and not by the first stores beside decode steps
+        if "memory_prefault" not in settings and "KVGATE_MEMORY_PREFAULT" not in os.environ:
+            settings = {**settings, "memory_prefault": "behind"}
         try:
             self.settings: Settings = Settings(**settings)
         except ValidationError as exc:  # every bad field named

@@ -72,7 +72,7 @@ def state(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture
 def worker(state: Path) -> Iterator[Worker]:
-    w = Worker(EmbeddedBackend({"state_dir": str(state)}))
+    w = Worker(EmbeddedBackend({"state_dir": str(state), "memory_bytes": 64 << 20}))
     start(w.backend)
     try:
         yield w

@@ -1,15 +1,22 @@
 """Wiring from settings: each service built once and shared by whoever uses it (the Gateway of an
 embedded process included; the server holds no Gateway), and the memory tier's prefault setting
-reaches its arena."""
+reaches its arena (at start, or behind on a thread of its own)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import resource
+import threading
+import time
+
+import pytest
+from pydantic import ValidationError
 
 from storage.memory import MemoryTier
 from storage.types import ChunkKey
-from tests.support.gw import gateway_runtime
+from tests.support.gw import gateway_runtime, settings_for
+from tests.support.memfd import resident_pages
 
 
 def _key(i: int) -> ChunkKey:
@@ -35,6 +42,55 @@ async def test_memory_prefault_setting_faults_the_arena_in_at_start(tmp_path) ->
         warm = await _faults_of_a_first_fill(tier)
     assert cold > 1000, cold  # the control: 12 MiB into fresh 4 KiB pages (~3k faults)
     assert warm < cold / 4, (cold, warm)  # measured here: 3,586 and 458
+
+
+async def _resident_within(tier: MemoryTier, seconds: float) -> tuple[int, int]:
+    """The arena's resident and total pages once all are resident, or as they are after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        resident, pages = resident_pages(tier.arena.region())
+        if resident == pages or time.monotonic() > deadline:
+            return resident, pages
+        await asyncio.sleep(0.05)
+
+
+async def test_memory_prefault_behind_faults_the_arena_in_on_a_thread_of_its_own(tmp_path) -> None:
+    async with gateway_runtime(tmp_path / "cold", tiers=["memory"], memory_bytes=32 << 20) as rt:
+        tier = rt.tiers.tiers[0]
+        assert isinstance(tier, MemoryTier)
+        idle = await _resident_within(tier, 1.0)
+        cold = await _faults_of_a_first_fill(tier)
+    async with gateway_runtime(tmp_path / "warm", tiers=["memory"], memory_bytes=32 << 20, memory_prefault="behind") as rt:
+        tier = rt.tiers.tiers[0]
+        assert isinstance(tier, MemoryTier)
+        resident, pages = await _resident_within(tier, 30.0)
+        warm = await _faults_of_a_first_fill(tier)
+    # the control: off, a second later the arena is still almost all holes, and a fill faults
+    assert idle[0] < idle[1] // 8, idle
+    assert cold > 1000, cold
+    # behind: every page of the arena is in before any store, and the fill writes into them
+    assert resident == pages > 8000, (resident, pages)
+    assert warm < cold / 4, (cold, warm)
+
+
+async def test_memory_prefault_behind_stops_when_the_tier_closes(tmp_path) -> None:
+    before = {t for t in threading.enumerate() if t.name == "kvgate-shm-populate"}
+    async with gateway_runtime(tmp_path, tiers=["memory"], memory_bytes=2 << 30, memory_prefault="behind"):
+        populating = [t for t in threading.enumerate() if t.name == "kvgate-shm-populate" and t not in before]
+        assert len(populating) == 1  # the control: it runs while the tier is open
+    populating[0].join(10.0)
+    assert not populating[0].is_alive()
+
+
+def test_memory_prefault_reads_true_and_false_as_start_and_off(tmp_path) -> None:
+    def prefault(value: object) -> str:
+        return settings_for(tmp_path, memory_prefault=value).memory_prefault
+
+    assert settings_for(tmp_path).memory_prefault == "off"
+    assert [prefault(v) for v in (True, "true", "1", False, "False", "0")] == ["start"] * 3 + ["off"] * 3
+    assert [prefault(v) for v in ("behind", "start", "off")] == ["behind", "start", "off"]
+    with pytest.raises(ValidationError, match="memory_prefault"):
+        prefault("eager")
 
 
 async def test_services_are_built_once_and_shared_by_whoever_uses_them(tmp_path) -> None:

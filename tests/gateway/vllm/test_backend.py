@@ -24,6 +24,16 @@ def test_building_a_backend_starts_no_thread(tmp_path):
     assert len(_loop_threads()) == before
 
 
+def test_the_embedded_memory_tier_is_populated_behind_unless_the_settings_say_otherwise(tmp_path, monkeypatch):
+    from gateway.config import Settings
+
+    assert Settings(state_dir=tmp_path).memory_prefault == "off"  # the control: kvgate serve's default
+    assert EmbeddedBackend({"state_dir": str(tmp_path)}).settings.memory_prefault == "behind"
+    assert EmbeddedBackend({"state_dir": str(tmp_path), "memory_prefault": "off"}).settings.memory_prefault == "off"
+    monkeypatch.setenv("KVGATE_MEMORY_PREFAULT", "start")
+    assert EmbeddedBackend({"state_dir": str(tmp_path)}).settings.memory_prefault == "start"
+
+
 def test_a_late_answer_is_a_timeout_and_the_work_is_cancelled():
     loop = LoopThread(timeout_s=5.0)
     with pytest.raises(RuntimeError, match="not running"):
@@ -181,7 +191,9 @@ async def test_an_embedded_backends_copies_behind_yield_to_this_process_engine_s
     from gateway.datapath.gate import STEPS
     from storage.types import ChunkKey
 
-    backend = EmbeddedBackend({"state_dir": str(tmp_path), "tiers": ["memory", "disk"]}, copies_finish_s=30.0)
+    backend = EmbeddedBackend(
+        {"state_dir": str(tmp_path), "tiers": ["memory", "disk"], "memory_bytes": 64 << 20}, copies_finish_s=30.0,
+    )
     await backend.open()
     try:
         tiers = backend.runtime.tiers
