@@ -3,6 +3,8 @@
     none                      vLLM with no KV connector
     kvgate-embedded           the connector with the core in the worker (memory + Redis tiers)
     kvgate-embedded-whole     the same with ``layerwise_loads: false``: the layer-wise control
+    kvgate-embedded-lazy      the same with ``memory_prefault: off``: the first stores fault the
+                              memory tier's pages in (the control of its ``behind`` default)
     kvgate-remote             remote mode against a ``kvgate serve`` of its own (memory tier)
     kvgate-remote-uds         the same over a Unix socket (``kvgate serve --uds``, ``remote_uds``)
     kvgate-remote-shm         the same, loads through a shared-memory region per tenant
@@ -42,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LABELS = {
     "none": "no connector", "kvgate-embedded": "kvgate embedded",
     "kvgate-embedded-whole": "kvgate embedded (whole-chunk loads)", "kvgate-remote": "kvgate remote",
+    "kvgate-embedded-lazy": "kvgate embedded (memory tier faulted in by its stores)",
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
@@ -362,6 +365,12 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _embedded(work, tenants, cfg)
     if key == "kvgate-embedded-whole":
         return _embedded(work, tenants, cfg, layerwise=False)
+    if key == "kvgate-embedded-lazy":
+        system = _embedded(work, tenants, cfg)
+        assert system.ktc is not None
+        system.ktc["kv_connector_extra_config"]["kvgate_settings"]["memory_prefault"] = "off"
+        system.key = key
+        return system
     if key == "kvgate-embedded-layer-segments":
         # envelopes sealed in segments of one layer (the default rounds 2 MiB down to whole layers):
         # a layer-wise load says a layer is in after one layer of every chunk, not two

@@ -586,6 +586,22 @@ def test_the_layer_segments_variant_seals_one_layer_of_a_chunk_a_segment(tmp_pat
     assert seg.key == "kvgate-embedded-layer-segments" and seg.label == "kvgate embedded (one layer a segment)"
 
 
+def test_the_lazy_variant_turns_the_memory_tiers_populating_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from gateway.vllm.backend import EmbeddedBackend
+    from scripts.bench_e2e import systems
+
+    monkeypatch.setattr(systems, "_embedded_caps", lambda settings, tenants: _caps_of(tenants))
+    cfg = {"redis_url": "redis://127.0.0.1:6379/0", "chunk_tokens": 256, "memory_bytes": 1 << 30}
+
+    def prefault(key: str) -> str:
+        system = systems.open_system(key, tmp_path / key, ["t"], cfg)
+        assert system.key == key and system.ktc is not None
+        return EmbeddedBackend(system.ktc["kv_connector_extra_config"]["kvgate_settings"]).settings.memory_prefault
+
+    assert prefault("kvgate-embedded") == "behind"  # the control: the connector's default
+    assert prefault("kvgate-embedded-lazy") == "off"
+
+
 def _caps_of(tenants: list[str]):
     async def caps() -> dict[str, str]:
         return {t: "cap" for t in tenants}
