@@ -9,6 +9,7 @@ import dataclasses
 import resource
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from pydantic import ValidationError
@@ -73,13 +74,27 @@ async def test_memory_prefault_behind_faults_the_arena_in_on_a_thread_of_its_own
     assert warm < cold / 4, (cold, warm)
 
 
-async def test_memory_prefault_behind_stops_when_the_tier_closes(tmp_path) -> None:
-    before = {t for t in threading.enumerate() if t.name == "kvgate-shm-populate"}
-    async with gateway_runtime(tmp_path, tiers=["memory"], memory_bytes=2 << 30, memory_prefault="behind"):
-        populating = [t for t in threading.enumerate() if t.name == "kvgate-shm-populate" and t not in before]
-        assert len(populating) == 1  # the control: it runs while the tier is open
-    populating[0].join(10.0)
-    assert not populating[0].is_alive()
+async def test_memory_prefault_behind_stops_when_the_tier_closes(tmp_path, monkeypatch) -> None:
+    import gateway.services.runtime as runtime
+
+    calls: list[tuple[threading.Thread, Callable[[], bool]]] = []
+    real = runtime.populate_behind
+
+    def spy(view, advice, stop, done=None):
+        thread = real(view, advice, stop, done)
+        calls.append((thread, stop))
+        return thread
+
+    monkeypatch.setattr(runtime, "populate_behind", spy)
+    async with gateway_runtime(tmp_path, tiers=["memory"], memory_bytes=2 << 30, memory_prefault="behind") as rt:
+        tier = rt.tiers.tiers[0]
+        assert isinstance(tier, MemoryTier)
+        assert len(calls) == 1  # one thread, over the whole arena, told to go on while the tier is open
+        (thread, stop), = calls
+        assert not stop() and tier.arena.region().nbytes >= 2 << 30
+    assert stop()  # closed: it stops within a step
+    thread.join(10.0)
+    assert not thread.is_alive()
 
 
 def test_memory_prefault_reads_true_and_false_as_start_and_off(tmp_path) -> None:
