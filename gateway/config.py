@@ -156,6 +156,12 @@ class Settings(BaseSettings):
     # place, with no copy by the server (gateway/server/shm.py); off: envelopes are copied into the
     # worker's region
     shm_arenas: bool = True
+    # with shm_arenas: the most free bytes of a namespace's arena the server faults in ahead of its
+    # next store, on a nice-19 thread when the arena is made and after each store (so the worker's
+    # seals write into pages already there); only while the arenas stay within the memory tier's
+    # bound (its budget and an eighth, counted as resident), and given back when trimmed. Default:
+    # half of memory_bytes; 0: off
+    shm_arena_ahead_bytes: int | None = Field(default=None, ge=0)
     # uvicorn's access log, a line per request (it costs server CPU on every request): off
     # leaves requests to the metrics, traces and, for the audited ones, the audit log
     access_log: bool = True

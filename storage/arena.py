@@ -9,7 +9,9 @@ memory tier bounds the bytes held with its budget.
 
 ``shared=True`` backs the region with a memfd (``MAP_SHARED``, sealed against shrinking and
 growing) whose descriptor ``fd`` can be handed to another process to map read-only; freed bytes of
-such a region stay resident until :meth:`Arena.trim` punches them out.
+such a region stay resident until :meth:`Arena.trim` punches them out, and :meth:`Arena.ahead`
+names free pages with no memory behind them yet, in the order allocations would take them, for a
+caller to fault in ahead of the stores that will write there.
 
 Invariants: a view from :meth:`Arena.lease` keeps its extent *leased* while it or anything derived
 from it lives. A leased extent is never moved; one released by its owner while leased becomes a
@@ -83,7 +85,11 @@ class Arena:
             raise ValueError("arena size must be a non-negative int")
         self.size = max(_PAGE, _round(nbytes, _PAGE))
         self.fd = -1  # the memfd of a shared arena
-        self.dirty = 0  # bytes freed since the last trim (a shared arena keeps them resident until then)
+        # bytes of free holes that may have memory behind them: freed since the last trim (a shared
+        # arena keeps them resident until then), or named by ``ahead`` to be faulted in
+        self.dirty = 0
+        self.trims = 0  # trims so far: a change tells a populating thread that its pages went
+        self._last_span = 0  # the span of the last allocation from the region
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         flags |= mmap.MAP_POPULATE if prefault else _MAP_NORESERVE
         if shared:
@@ -119,6 +125,7 @@ class Arena:
             self.overflow += 1
             return Extent(-1, nbytes, np.empty(nbytes, dtype=np.uint8))
         self._take(start, span)
+        self._last_span = span
         self.dirty = max(0, self.dirty - span)  # best fit reuses freed (still resident) bytes first
         ext = self._extents[start] = Extent(start, nbytes)
         return ext
@@ -192,7 +199,33 @@ class Arena:
                         self._map.madvise(mmap.MADV_REMOVE, lo, hi - lo)
                         punched += hi - lo
         self.dirty = 0
+        self.trims += 1
         return punched
+
+    def ahead(self, nbytes: int) -> list[tuple[int, int]]:
+        """Up to ``nbytes`` of whole free pages of a shared arena that have no memory behind them,
+        as ``(offset, length)`` ranges, in the order best fit takes holes (the smallest first,
+        skipping those smaller than the last allocation); counted in ``dirty`` as if already
+        resident, so the bound a trim keeps covers them once faulted in. Empty for an arena
+        that is not shared (its pages cannot be told apart from here) or closed."""
+        if self._map is None or self.fd < 0 or nbytes <= 0:
+            return []
+        self.sweep()
+        ranges: list[tuple[int, int]] = []
+        total = 0
+        for start, size in sorted(self._holes.items(), key=lambda hole: (hole[1], hole[0])):
+            if size < self._last_span:
+                continue
+            lo, hi = _round(start, _PAGE), (start + size) // _PAGE * _PAGE
+            for a, b in _unbacked(self.fd, lo, hi):
+                n = min(b - a, nbytes - total)
+                ranges.append((a, n))
+                total += n
+                if total >= nbytes:
+                    self.dirty += total
+                    return ranges
+        self.dirty += total
+        return ranges
 
     # -- fragmentation -------------------------------------------------------------------------
     def compact(self) -> int:
@@ -301,6 +334,28 @@ class Arena:
         self._add_hole(start, end - start)
         self.dirty += ext.span
         ext.offset = -2  # freed: not in the region any more
+
+
+def _unbacked(fd: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """The ranges within ``[lo, hi)`` of the file ``fd`` that hold no memory (a memfd's holes, by
+    ``SEEK_HOLE`` and ``SEEK_DATA``), as ``(start, end)``."""
+    out: list[tuple[int, int]] = []
+    at = lo
+    while at < hi:
+        try:
+            hole = os.lseek(fd, at, os.SEEK_HOLE)
+        except OSError:
+            break
+        if hole >= hi:
+            break
+        try:
+            data = os.lseek(fd, hole, os.SEEK_DATA)
+        except OSError:  # ENXIO: no data past the hole
+            data = hi
+        end = min(data, hi)
+        out.append((hole, end))
+        at = end
+    return out
 
 
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0

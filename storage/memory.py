@@ -24,7 +24,8 @@ owner's at once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +42,12 @@ from storage.types import (
     TierUnavailable,
 )
 
-__all__ = ["MemoryTier", "MemoryTierStats", "Reservation"]
+__all__ = ["MemoryTier", "MemoryTierStats", "Populate", "Reservation"]
+
+# faults in the pages of the views (writable ranges of an arena), off the event loop, until done
+# or ``stop()``; the thread doing it, or None where there was nothing to do
+Populate = Callable[[Sequence[memoryview], Callable[[], bool]], "threading.Thread | None"]
+_AHEAD_STEP = 4 << 20  # a group's arena is populated ahead only where this much is missing
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,8 @@ class MemoryTier(Tier):
         prefault: bool = False,
         huge_pages: bool = False,
         group_arenas: bool = False,
+        ahead_bytes: int = 0,
+        populate: Populate | None = None,
     ) -> None:
         if capacity_bytes is None:
             raise ValueError("MemoryTier needs a capacity_bytes budget")
@@ -99,7 +107,11 @@ class MemoryTier(Tier):
         self._arena_bytes = capacity_bytes + min(capacity_bytes // 16, 64 << 20)
         self._huge_pages = huge_pages
         self._group_arenas: dict[str, Arena] | None = {} if group_arenas else None
-        # a group's arena is reserved virtual memory: nothing is populated ahead of its stores
+        # a group's arena is reserved virtual memory: only ``ahead_bytes`` of it are populated
+        # ahead of its stores, and only while the arenas stay within the trim bound
+        self._ahead_bytes = max(0, ahead_bytes) if populate is not None else 0
+        self._populate = populate
+        self._populating: dict[str, threading.Thread] = {}
         self._arena = Arena(0 if group_arenas else self._arena_bytes, prefault=prefault and not group_arenas, huge_pages=huge_pages)
         self._data: dict[ChunkKey, Extent] = {}
         self._reservations: set[Reservation] = set()
@@ -129,6 +141,8 @@ class MemoryTier(Tier):
         if view.nbytes:
             np.copyto(arena.array(ext), np.frombuffer(view, dtype=np.uint8))
         self._install(key, ext)
+        if self._group_arenas is not None:
+            self._ahead(key.group)
 
     # -- sealing straight into the arena -------------------------------------------------------
     def reserve(self, key: ChunkKey, nbytes: int) -> Reservation:
@@ -166,6 +180,7 @@ class MemoryTier(Tier):
             self._release(res.key, res.extent)
             return False
         self._install(res.key, res.extent)
+        self._ahead(res.key.group)
         return True
 
     def abort(self, res: Reservation) -> None:
@@ -329,6 +344,7 @@ class MemoryTier(Tier):
         arena = self._group_arenas.get(group)
         if arena is None:
             arena = self._group_arenas[group] = Arena(self._arena_bytes, huge_pages=self._huge_pages, shared=True)
+            self._ahead(group)
         return arena
 
     def locate(self, group: str, data: memoryview) -> int | None:
@@ -356,16 +372,40 @@ class MemoryTier(Tier):
         capacity = self._index.capacity or 0
         bound = capacity + capacity // 8
 
-        def resident() -> int:
-            return sum(a.used_span() + a.dirty for a in arenas.values())
-
-        if resident() <= bound:
+        if self._resident() <= bound:
             return
         for group, arena in arenas.items():
             if group != keep:
                 arena.trim()
-        if keep in arenas and resident() > bound:
+        if keep in arenas and self._resident() > bound:
             arenas[keep].trim()
+
+    def _resident(self) -> int:
+        """The bytes the group arenas may hold resident: in use, or free and not trimmed since."""
+        return sum(a.used_span() + a.dirty for a in (self._group_arenas or {}).values())
+
+    def _ahead(self, group: str) -> None:
+        """Populate up to ``ahead_bytes`` of ``group``'s arena's free pages ahead of its next store,
+        where it holds fewer free resident bytes than that, no store of the group is still sealing
+        and no populating of it is still running, within the trim bound (``_trim``)."""
+        arena = (self._group_arenas or {}).get(group)
+        if arena is None or self._populate is None or self._ahead_bytes <= 0:
+            return
+        running = self._populating.get(group)
+        if (running is not None and running.is_alive()) or any(r.key.group == group for r in self._reservations):
+            return
+        capacity = self._index.capacity or 0
+        want = min(self._ahead_bytes, capacity + capacity // 8 - self._resident()) - arena.dirty
+        if want < _AHEAD_STEP:
+            return
+        ranges = arena.ahead(want)
+        if not ranges:
+            return
+        region, trims = arena.region(), arena.trims
+        views = [memoryview(region[offset : offset + n]) for offset, n in ranges]  # type: ignore[arg-type]
+        thread = self._populate(views, lambda: arena.closed or arena.trims != trims)
+        if thread is not None:
+            self._populating[group] = thread
 
     def _drop(self, key: ChunkKey) -> None:
         self._release(key, self._data.pop(key))

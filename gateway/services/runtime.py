@@ -27,7 +27,7 @@ from crypto.kek import KekProvider, LocalFileKek, Secret
 from gateway.chunks.service import ChunkService
 from gateway.config import Settings
 from gateway.metrics import Metrics
-from gateway.protocol.shmpages import POPULATE_WRITE, populate_behind
+from gateway.protocol.shmpages import POPULATE_WRITE, populate_behind, prefault_behind
 from gateway.services.access import Access
 from gateway.services.admin import Admin
 from gateway.services.auditing import close_signer, make_audit_signer, make_checkpointer
@@ -104,6 +104,8 @@ async def _tiers(settings: Settings) -> list[Tier]:
             memory = MemoryTier(
                 settings.memory_bytes, owner_quota_bytes=settings.memory_owner_quota_bytes,
                 prefault=settings.memory_prefault == "start", group_arenas=settings.shm_max_bytes > 0 and settings.shm_arenas,
+                ahead_bytes=settings.memory_bytes // 2 if settings.shm_arena_ahead_bytes is None else settings.shm_arena_ahead_bytes,
+                populate=prefault_behind,
             )
             if settings.memory_prefault == "behind" and not memory.group_arenas:
                 arena = memory.arena

@@ -11,6 +11,8 @@
     kvgate-remote-shm-whole   ``kvgate-remote-shm`` with ``layerwise_loads: false``
     kvgate-remote-shm-faulting ``kvgate-remote-shm`` with ``store_prefault: false``: each seal
                               faults in the pages of its slot (the prefault's control)
+    kvgate-remote-shm-lazy    ``kvgate-remote-shm`` whose server populates no arena page ahead
+                              (``shm_arena_ahead_bytes: 0``; the control of its default)
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
     <system>-passive          kvgate-embedded or example with ``OMP_WAIT_POLICY=PASSIVE`` in the
                               engine's environment: its OpenMP threads sleep, not spin, between
@@ -48,6 +50,7 @@ LABELS = {
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
+    "kvgate-remote-shm-lazy": "kvgate remote (shared memory, no arena page populated ahead)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
     "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
@@ -269,11 +272,12 @@ def _kvgate(args: list[str], env: dict[str, str]) -> str:
 
 
 def _remote(
-    work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0, layerwise: bool = True
+    work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0, layerwise: bool = True,
+    server_env: dict[str, str] | None = None,
 ) -> System:
     """``uds``: the server also listens on a Unix socket and the connector goes there (a kvgate
     server on the workers' host), else over loopback TCP; ``shm_mb``: and loads borrow a
-    shared-memory region of that size."""
+    shared-memory region of that size; ``server_env``: more of the server's settings."""
     import httpx
 
     port = free_port()
@@ -284,6 +288,7 @@ def _remote(
         "KVGATE_CAPABILITY_MAX_TTL_S": str(CAP_TTL), "KVGATE_LOG_LEVEL": "warning",
         # a region per tenant (a quarter of the server's shared memory each)
         **({"KVGATE_SHM_MAX_BYTES": str(max(4 * shm_mb, shm_mb * len(tenants)) << 20)} if shm_mb else {}),
+        **(server_env or {}),
     }
     proc = start_serve(port, env, work / "serve.log", ["--uds", str(sock)] if sock else [])
     key = "kvgate-remote-shm" if shm_mb else "kvgate-remote-uds" if uds else "kvgate-remote"
@@ -393,6 +398,10 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
         system.ktc["kv_connector_extra_config"]["store_prefault"] = False
+        system.key = key
+        return system
+    if key == "kvgate-remote-shm-lazy":
+        system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), server_env={"KVGATE_SHM_ARENA_AHEAD_BYTES": "0"})
         system.key = key
         return system
     if key == "example":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import resource
 import threading
 import time
@@ -95,6 +96,27 @@ async def test_memory_prefault_behind_stops_when_the_tier_closes(tmp_path, monke
     assert stop()  # closed: it stops within a step
     thread.join(10.0)
     assert not thread.is_alive()
+
+
+async def _arena_resident_within(tier: MemoryTier, group: str, nbytes: int, seconds: float) -> int:
+    """Bytes with memory behind them in ``group``'s arena once at least ``nbytes``, or after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while True:
+        held = os.fstat(tier.group_arena(group).fd).st_blocks * 512
+        if held >= nbytes or time.monotonic() > deadline:
+            return held
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(("ahead", "expected"), [(None, 16 << 20), (8 << 20, 8 << 20), (0, 0)])
+async def test_a_servers_namespace_arenas_are_populated_ahead_by_half_the_budget_by_default(tmp_path, ahead, expected) -> None:
+    async with gateway_runtime(
+        tmp_path, tiers=["memory"], memory_bytes=32 << 20, shm_max_bytes=64 << 20, shm_arena_ahead_bytes=ahead,
+    ) as rt:
+        tier = rt.tiers.tiers[0]
+        assert isinstance(tier, MemoryTier) and tier.group_arenas
+        held = await _arena_resident_within(tier, "ns", max(expected, 1), 30.0 if expected else 1.0)
+    assert expected <= held <= expected + (64 << 10), (held, expected)  # 0 ahead: the arena stays holes
 
 
 def test_memory_prefault_reads_true_and_false_as_start_and_off(tmp_path) -> None:

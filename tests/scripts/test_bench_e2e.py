@@ -602,6 +602,28 @@ def test_the_lazy_variant_turns_the_memory_tiers_populating_off(tmp_path: Path, 
     assert prefault("kvgate-embedded-lazy") == "off"
 
 
+def test_the_remote_lazy_variant_runs_a_server_that_populates_no_arena_page_ahead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+):
+    from gateway.config import Settings
+    from scripts.bench_e2e import systems
+
+    servers: dict[str, dict[str, str]] = {}
+
+    def remote(work, tenants, cfg, uds=False, shm_mb=0, layerwise=True, server_env=None):
+        servers[work.name] = dict(server_env or {})
+        return systems.System("kvgate-remote-shm", {"kv_connector_extra_config": {}})
+
+    monkeypatch.setattr(systems, "_remote", remote)
+    cfg = {"chunk_tokens": 256, "memory_bytes": 1 << 30, "shm_mb": 64}
+    for key in ("kvgate-remote-shm", "kvgate-remote-shm-lazy"):
+        assert systems.open_system(key, tmp_path / key, ["t"], cfg).key == key
+    assert servers["kvgate-remote-shm"] == {}  # the control: the server's default
+    for name, value in servers["kvgate-remote-shm-lazy"].items():
+        monkeypatch.setenv(name, value)
+    assert Settings(state_dir=tmp_path).shm_arena_ahead_bytes == 0
+
+
 def _caps_of(tenants: list[str]):
     async def caps() -> dict[str, str]:
         return {t: "cap" for t in tenants}

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
+from gateway.protocol.shmpages import prefault_behind
 from gateway.server.shm import Regions
 from storage import ChunkKey, MemoryTier
 from storage.arena import Arena
@@ -166,3 +169,111 @@ async def test_the_storing_groups_holes_are_trimmed_too_where_the_others_cannot_
     for i in range(6):
         assert (await tier.get(k(i, "cc"))).data.tobytes() == blob
     await tier.aclose()
+
+
+AHEAD_CAP = 64 << 20  # the budget of the populating-ahead tests (its bound: 72 MiB)
+
+
+class _Spy:
+    """A ``populate`` that records what it was handed and faults it in on a thread, as the
+    server's does (``gateway.protocol.shmpages.prefault_behind``)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[memoryview], Callable[[], bool]]] = []
+        self.threads: list[threading.Thread] = []
+
+    def __call__(self, views: Sequence[memoryview], stop: Callable[[], bool]) -> threading.Thread | None:
+        self.calls.append((list(views), stop))
+        thread = prefault_behind(views, stop)
+        if thread is not None:
+            self.threads.append(thread)
+        return thread
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join(10)
+
+
+def _pages(offset: int, nbytes: int) -> set[int]:
+    return set(range(offset // PAGE, -(-(offset + nbytes) // PAGE)))
+
+
+async def test_a_groups_arena_is_populated_ahead_so_its_next_store_seals_into_pages_already_there() -> None:
+    spy = _Spy()
+    tier = MemoryTier(AHEAD_CAP, group_arenas=True, ahead_bytes=16 << 20, populate=spy)
+    lazy = MemoryTier(AHEAD_CAP, group_arenas=True)  # the control: nothing ahead
+    arena, bare = tier.group_arena("aa"), lazy.group_arena("aa")
+    spy.join()
+    assert len(spy.calls) == 1 and 16 << 20 <= _resident(tier, "aa") <= (16 << 20) + PAGE
+    assert _resident(lazy, "aa") == 0 and arena.dirty == 16 << 20
+    for t in (tier, lazy):
+        blob = os.urandom(1 << 20)
+        reservations = [t.reserve(k(i, "aa"), 1 << 20) for i in range(8)]
+        backed = set(allocated_pages(t.group_arena("aa").fd))
+        covered = all(_pages(r.extent.offset, r.nbytes) <= backed for r in reservations)
+        assert covered is (t is tier)  # every reserved page is there before the seal writes it
+        for r in reservations:
+            r.view[:] = blob
+            assert t.commit(r)
+        assert [(await t.get(k(i, "aa"))).data.tobytes() for i in range(8)] == [blob] * 8
+    spy.join()
+    assert bare.dirty == 0 and len(spy.calls) == 2  # after the store, the 8 MiB it took are named again
+    assert arena.dirty == 16 << 20 and _resident(tier, "aa") >= 24 << 20
+    await tier.aclose()
+    await lazy.aclose()
+
+
+async def test_a_store_still_sealing_is_not_populated_ahead_of_until_its_last_commit() -> None:
+    spy = _Spy()
+    tier = MemoryTier(AHEAD_CAP, group_arenas=True, ahead_bytes=16 << 20, populate=spy)
+    tier.group_arena("aa")
+    spy.join()
+    first = [tier.reserve(k(i, "aa"), 6 << 20) for i in range(3)]  # uses 18 MiB: more than was ahead
+    assert tier.commit(first[0]) and tier.commit(first[1])
+    assert len(spy.calls) == 1  # a reservation of the group is still open: nothing more yet
+    assert tier.commit(first[2])
+    assert len(spy.calls) == 2
+    views, _ = spy.calls[1]
+    spy.join()
+    arena = tier.group_arena("aa")
+    held = set().union(*(_pages(e.offset, e.nbytes) for e in arena.region_extents()))
+    named = set().union(*(_pages(np.frombuffer(v, dtype=np.uint8).ctypes.data - arena.region().ctypes.data, v.nbytes) for v in views))
+    assert named and not named & held  # only free pages are populated ahead
+    assert named <= set(allocated_pages(arena.fd))
+    await tier.aclose()
+
+
+async def test_populating_ahead_keeps_every_arena_within_the_trim_bound() -> None:
+    spy = _Spy()
+    tier = MemoryTier(AHEAD_CAP, group_arenas=True, ahead_bytes=48 << 20, populate=spy)
+    blob = os.urandom(1 << 20)
+    for i in range(40):  # aa holds 40 MiB of the 64; the arenas' bound is 72
+        await tier.put(k(i, "aa", owner="dd"), blob)
+        spy.join()
+    tier.group_arena("cc")
+    spy.join()
+    aa, cc = _resident(tier, "aa"), _resident(tier, "cc")
+    assert aa >= 40 << 20 and cc >= 4 << 20  # both got some ahead (the control)
+    assert aa + cc <= AHEAD_CAP + AHEAD_CAP // 8 + 2 * PAGE  # never past the bound
+    for i in range(40, 70):  # a store past the budget evicts and trims: the bound still holds
+        await tier.put(k(i, "aa", owner="dd"), blob)
+        spy.join()
+    assert _resident(tier, "aa") + _resident(tier, "cc") <= AHEAD_CAP + AHEAD_CAP // 8 + 2 * PAGE
+    await tier.aclose()
+
+
+async def test_populating_ahead_stops_once_its_arena_is_trimmed_or_closed() -> None:
+    stops: list[Callable[[], bool]] = []
+
+    def recording(views: Sequence[memoryview], stop: Callable[[], bool]) -> None:
+        stops.append(stop)
+
+    tier = MemoryTier(AHEAD_CAP, group_arenas=True, ahead_bytes=16 << 20, populate=recording)
+    arena = tier.group_arena("aa")
+    assert len(stops) == 1 and not stops[0]()
+    arena.trim()
+    assert stops[0]()  # the pages it was faulting in were punched out: it stops
+    await tier.put(k(0, "aa"), b"x" * 1000)  # the trim gave the ahead back: named again
+    assert len(stops) == 2 and not stops[1]()
+    await tier.aclose()
+    assert stops[1]()
