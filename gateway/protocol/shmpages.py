@@ -12,7 +12,9 @@ region was handed over; a load that comes first faults in what it uses. The serv
 which releases the GIL for the call; the thread keeps a numpy view of the mapping while it runs, so
 the mapping cannot be unmapped under it. A kernel without these advices (before Linux 5.14)
 answers EINVAL: the region stays lazy. The embedded memory tier's arena is populated the same way
-(``memory_prefault: behind``, ``gateway.services.runtime``). Design notes: docs/architecture.md, section 5."""
+(``memory_prefault: behind``, ``gateway.services.runtime``), and a server's per-namespace arenas
+keep free pages populated ahead of their stores through ``prefault_behind`` (``storage.memory``,
+``shm_arena_ahead_bytes``). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -102,7 +104,8 @@ def populate_behind(
 
 def prefault_behind(views: Sequence[memoryview], stop: Callable[[], bool]) -> threading.Thread | None:
     """Fault in, writable, the pages of each of ``views`` in turn (a store's reserved extents, in
-    the order it seals them) on a thread of its own at nice 19, until done or ``stop()``; None
+    the order it seals them, or the free pages a server's arena keeps ahead of its next store) on
+    a thread of its own at nice 19, until done or ``stop()``; None
     where there is nothing to do. A seal that comes to an extent before this thread writes into
     pages already there, so the faults (a fresh page is allocated and zeroed; on a virtual machine
     this costs more than sealing into it) are taken in the engine's idle time and not inside the
