@@ -250,7 +250,7 @@ class RemoteGateway:
             log.info("kvgate: no shared-memory region from the server (%s): loads go through the socket", why)
         return region
 
-    def _prepare_region(self) -> None:
+    def prepare_region(self) -> None:
         """Ask for the region in the background (a store comes before the loads of its prefix),
         so that the first load finds it mapped."""
         if self._shm is None or self._tasks:
@@ -342,7 +342,7 @@ class RemoteGateway:
     ) -> StoreResult:
         """Seal every chunk of ``tokens`` on this worker (its device, as embedded mode does) and
         PUT the envelopes in batches; from chunk ``first_chunk`` on (``DataPlane.store``)."""
-        self._prepare_region()
+        self.prepare_region()
         return await self._plane.store(
             self, "", model, tokens, kv_layers, block_ids=block_ids, slot_mapping=slot_mapping,
             skip_existing=skip_existing, first_chunk=first_chunk,

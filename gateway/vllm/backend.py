@@ -188,6 +188,12 @@ class Backend(Protocol):
         """``first_chunk``: the chunks before it are stored already and not in ``layers``."""
         ...
 
+    def prepare(self, cap: str) -> None:
+        """A forward step is about to run whose end stores under ``cap``: get ready for that store
+        now, on the loop and without waiting (remote mode asks for the tenant's shared-memory
+        region, so a first store finds it mapped); nothing where there is nothing to get."""
+        ...
+
     def copies_behind(self) -> bool:
         """Whether a store's copies in the slower tiers are written after it returns."""
         ...
@@ -266,6 +272,9 @@ class EmbeddedBackend:
             cap, model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
         )
         return result
+
+    def prepare(self, cap: str) -> None:
+        return None  # the memory tier is in this process: nothing to ask for
 
     async def report_warm(self, cap: str, prefix_id: str, fingerprint: str, hashes: Sequence[str]) -> int:
         from audit.types import Actor
@@ -425,6 +434,22 @@ class RemoteBackend:
             model, tokens, layers, block_ids=list(block_ids), first_chunk=first_chunk
         )
         return result
+
+    def prepare(self, cap: str) -> None:
+        """With shared memory: the tenant's region asked for while the forward before its first
+        store runs (the server makes its namespace's arena then, and starts populating it ahead),
+        not by the store itself, beside the decode steps after it."""
+        if self.shm_bytes:
+            try:
+                self.loop.submit(self._prepare(cap))
+            except RuntimeError:  # the loop is not running: the store finds that out itself
+                pass
+
+    async def _prepare(self, cap: str) -> None:
+        try:
+            self._client(cap).prepare_region()
+        except Exception as exc:  # a capability the store itself will refuse: nothing to get ready
+            log.debug("kvgate: getting ready for a store: %s", exc)
 
     async def aclose(self) -> None:
         self._clients.clear()

@@ -213,7 +213,8 @@ class KvgateConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if getattr(connector_metadata, "forward", True):
-            self.worker.forward_begins()  # before every forward step (start_load_kv may come after it)
+            stores = getattr(connector_metadata, "stores", [])
+            self.worker.forward_begins(stores)  # before every forward step (start_load_kv may come after it)
         else:  # vLLM steps without pause while nothing is scheduled: the engine is idle, stores run
             STEPS.idle()
 

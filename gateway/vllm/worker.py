@@ -221,9 +221,12 @@ class WorkerSide:
         self._pool_give(compact)
         return result
 
-    def forward_begins(self) -> None:
-        """bind_connector_metadata, before each forward step: stores' sealing waits for its end."""
+    def forward_begins(self, stores: Sequence[StoreOp] = ()) -> None:
+        """bind_connector_metadata, before each forward step: stores' sealing waits for its end, and
+        the backend gets ready for the ``stores`` at its end (``Backend.prepare``)."""
         STEPS.forward_begins()
+        for cap in {op.capability for op in stores}:
+            self._backend.prepare(cap)
 
     def save(self, stores: Sequence[StoreOp]) -> None:
         """wait_for_save: the forward step has ended (stores may seal until the next), then its stores."""

@@ -793,3 +793,42 @@ async def test_copies_into_a_window_run_one_ahead_and_an_item_comes_back_only_on
     assert await copies.push(dst[2], srcs[2], "failing") is None
     gates[2].set()
     await copies.settle()  # its failure is taken, not raised
+
+
+def test_a_backend_asks_for_its_tenants_region_while_the_forward_before_a_first_store_runs(served: Served) -> None:
+    """``Backend.prepare`` (the worker calls it as a step that ends in a store begins): it returns
+    at once, and the region, with the namespace's arena the server makes for it, is mapped by the
+    time the forward would end, before any store asked; asked again, nothing more is asked for.
+    The control: a backend without shared memory asks for nothing."""
+    from gateway.vllm import backend as backends
+
+    with served.http() as http:
+        a = create_tenant(served, http, "acme")
+        r = http.post("/v1/capabilities", json={"tenant": a, "namespace": "default", "ops": ["lookup", "get", "put"], "ttl": 600},
+                      headers=served.bearer("platform", ["kv.operator"]))
+        assert r.status_code == 201, r.text
+        cap = r.json()["capability"]
+    token = served.issuer.mint(a, ["kv.worker"])
+    shm = backends.RemoteBackend(NOWHERE, token, 16, uds=str(served.path), shm_bytes=REGION)
+    plain = backends.RemoteBackend(NOWHERE, token, 16, uds=str(served.path))
+    for b in (shm, plain):
+        backends.start(b)
+    try:
+        for b in (shm, plain):
+            t0 = time.monotonic()
+            b.prepare(cap)
+            assert time.monotonic() - t0 < 0.5  # the engine's step does not wait for it
+        deadline = time.monotonic() + 10
+        while (shm._shm is None or shm._shm.cached(a) is None) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        region = shm._shm.cached(a) if shm._shm is not None else None
+        assert region is not None and region.arena is not None  # mapped, with the namespace's arena
+        shm.prepare(cap)
+        time.sleep(0.2)
+        assert shm._shm.cached(a) is region
+        asked = [r for c in shm._clients.values() for r in c._wire.requests if r == "POST /v1/shm/regions"]
+        assert asked == ["POST /v1/shm/regions"]
+        assert plain._shm is None and not plain._clients  # the control: nothing asked for
+    finally:
+        for b in (shm, plain):
+            backends.close(b)

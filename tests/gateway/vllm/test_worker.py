@@ -293,12 +293,17 @@ class GatedBackend:
         self.loop = _GatedLoop(inner.loop, store_timeout_s)
         self.gate = threading.Event()
         self.started = 0
+        self.prepared: list[str] = []
 
     async def lookup(self, cap, model, tokens):
         return await self.inner.lookup(cap, model, tokens)
 
     async def retrieve(self, cap, model, tokens, layers, block_ids, first_chunk=0, write_upto=None):
         return await self.inner.retrieve(cap, model, tokens, layers, block_ids, first_chunk, write_upto)
+
+    def prepare(self, cap):
+        self.prepared.append(cap)
+        self.inner.prepare(cap)
 
     def copies_behind(self):
         return self.inner.copies_behind()
@@ -353,6 +358,18 @@ def test_a_store_is_submitted_without_waiting_and_seals_the_kv_as_it_was_at_subm
         assert torch.equal(a, b)  # the KV at submit time
     for a, b in zip(_blocks(src, src_ids), _blocks(dst, dst_ids)):
         assert not torch.equal(a, b)  # not what the reused blocks hold now
+
+
+def test_a_step_that_ends_in_stores_gets_the_backend_ready_for_each_capability_before_its_forward(backend, tmp_path):
+    cap = _capability(backend)
+    gated = GatedBackend(backend)
+    w = _gated_worker(gated, _cpu_cache(seed=1), tmp_path)
+    w.forward_begins()  # the control: a step with no store asks for nothing
+    w.save([])
+    assert gated.prepared == []
+    w.forward_begins([StoreOp("a", cap, TOKENS, list(range(3, 15))), StoreOp("b", cap, TOKENS, list(range(20, 32)))])
+    assert gated.prepared == [cap] and gated.started == 0  # once per capability, before any store
+    w.save([])
 
 
 def test_a_store_past_the_in_flight_cap_is_dropped_and_counted(backend, tmp_path, caplog):
