@@ -214,16 +214,14 @@ class Arena:
         ranges: list[tuple[int, int]] = []
         total = 0
         for start, size in sorted(self._holes.items(), key=lambda hole: (hole[1], hole[0])):
-            if size < self._last_span:
+            if size < self._last_span or total >= nbytes:
                 continue
             lo, hi = _round(start, _PAGE), (start + size) // _PAGE * _PAGE
             for a, b in _unbacked(self.fd, lo, hi):
                 n = min(b - a, nbytes - total)
-                ranges.append((a, n))
-                total += n
-                if total >= nbytes:
-                    self.dirty += total
-                    return ranges
+                if n > 0:
+                    ranges.append((a, n))
+                    total += n
         self.dirty += total
         return ranges
 
