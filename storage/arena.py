@@ -214,14 +214,16 @@ class Arena:
         ranges: list[tuple[int, int]] = []
         total = 0
         for start, size in sorted(self._holes.items(), key=lambda hole: (hole[1], hole[0])):
-            if size < self._last_span or total >= nbytes:
+            if size < self._last_span:
                 continue
             lo, hi = _round(start, _PAGE), (start + size) // _PAGE * _PAGE
             for a, b in _unbacked(self.fd, lo, hi):
                 n = min(b - a, nbytes - total)
-                if n > 0:
-                    ranges.append((a, n))
-                    total += n
+                ranges.append((a, n))
+                total += n
+                if total >= nbytes:
+                    self.dirty += total
+                    return ranges
         self.dirty += total
         return ranges
 
