@@ -9,7 +9,9 @@ its misses (a store runs after the forward step that computed the KV, beside dec
 miss's ``decode_vs_none`` its decode rate (during its own store) over no connector's: the ratio of
 the two medians, and ``decode_vs_none_paired`` the median over prompts of each prompt's ratio to
 no connector's decode of the same prompt (in an interleaved run, of the same round: a round's load
-on the host cancels out). With
+on the host cancels out); ``decode_vs_own_hit`` the median over prompts of each miss's decode rate over
+its own system's hit of the same prompt (the same engine decoding the same tokens with no store
+beside: what the store costs, without the spread between one engine process and another). With
 ``--paired-miss`` a miss's ``miss_vs_capless`` is the median, over its repetitions, of the TTFT of
 the same prompt sent just before without a capability (no lookup, no store) over the miss's.
 """
@@ -52,8 +54,13 @@ def _decode(r: dict[str, Any]) -> float | None:
     return (n - 1) / (b - a) if n > 1 and a and b and b > a else None
 
 
+def _decode_of(rows: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """Each row's decode rate by ``(length, i)``, the rows that decoded."""
+    return {(r["tag"]["length"], r["tag"]["i"]): d for r in rows if (d := _decode(r))}
+
+
 def _paired_decode(rows: list[dict[str, Any]], base: dict[tuple[int, int], float]) -> float | None:
-    """The median over prompts of each miss's decode rate over no connector's of the same prompt."""
+    """The median over prompts of each miss's decode rate over ``base``'s of the same prompt."""
     pairs = [d / b for r in rows if (d := _decode(r)) and (b := base.get((r["tag"]["length"], r["tag"]["i"])))]
     return round(statistics.median(pairs), 2) if pairs else None
 
@@ -94,7 +101,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
     base_ms = {L: statistics.median([_ttft_ms(r) for r in base_rows if r["tag"]["length"] == L])
                for L in cfg["lengths"] if any(r["tag"]["length"] == L for r in base_rows)}
     base_decode = {L: _med([d for r in base_rows if r["tag"]["length"] == L and (d := _decode(r))], 4) for L in base_ms}
-    base_decode_of = {(r["tag"]["length"], r["tag"]["i"]): d for r in base_rows if (d := _decode(r))}
+    base_decode_of = _decode_of(base_rows)
     rows, isolation, multi = [], [], {}
     for key, run in runs.items():
         by: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
@@ -121,6 +128,8 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     "decode_vs_none": _ratio(_med([d for d in map(_decode, rs) if d], 4), base_decode.get(length))
                     if kind == "miss" else None,
                     "decode_vs_none_paired": _paired_decode(rs, base_decode_of) if kind == "miss" else None,
+                    "decode_vs_own_hit": _paired_decode(rs, _decode_of(by.get(("hit", length), [])))
+                    if kind == "miss" else None,
                     "identical_to_none": _identical(rs, base, "length,i") if kind != "base" else None,
                     "load_gbps": _gbps(loads, "loaded_tokens", hit_tokens, kvb) if kind == "hit" and loads else None,
                     "store_gbps": _gbps(stores, "tokens", stored_tokens, kvb) if kind == "miss" and stores else None,

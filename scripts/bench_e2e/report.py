@@ -108,6 +108,17 @@ share every prefix.
 """
 
 
+def _brackets(paired: float | None, own_hit: float | None) -> str:
+    """`` (0.95x; 0.98x of its hit)``: a miss's decode prompt by prompt, against no connector's and
+    against its own system's hit; what is not known is left out."""
+    parts = ([f"{paired:.2f}x"] if paired else []) + ([f"{own_hit:.2f}x of its hit"] if own_hit else [])
+    return f" ({'; '.join(parts)})" if parts else ""
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
+
+
 def _k(n: int) -> str:
     return f"{n // 1024}K" if n % 1024 == 0 else str(n)
 
@@ -138,12 +149,13 @@ def ttft_table(result: dict[str, Any]) -> str:
             f"{_f(r['load_gbps'], 2)} | {_f(r.get('store_gbps'), 2)} | {_f(r['decode_tok_s'], 1)} | {r['identical_to_none'] or '-'} |"
         )
     lines += [f"| {label} | - | {reason} | - | - | - | - | - | - | - |" for label, reason in _absent(result)]
-    decode = [r for r in result["ttft"] if r.get("decode_vs_none") is not None]
+    decode = [r for r in result["ttft"] if r.get("decode_vs_none") is not None or r.get("decode_vs_own_hit")]
     if decode:
         lines += ["", "Decode while a miss's own store runs, against no connector's decode of the same prompts (the "
-                  "ratio of the medians; in brackets the median of each prompt's own ratio): "
-                  + "; ".join(f"{r['label']} {_k(r['length'])}: {r['decode_vs_none']:.2f}x"
-                              + (f" ({r['decode_vs_none_paired']:.2f}x)" if r.get("decode_vs_none_paired") else "")
+                  "ratio of the medians; in brackets the median of each prompt's own ratio, then of each prompt's "
+                  "ratio to its own system's hit, the same engine with no store beside): "
+                  + "; ".join(f"{r['label']} {_k(r['length'])}: {_x(r.get('decode_vs_none'))}"
+                              + _brackets(r.get("decode_vs_none_paired"), r.get("decode_vs_own_hit"))
                               for r in decode)]
     paired = [r for r in result["ttft"] if r.get("miss_vs_capless") is not None]
     if paired:

@@ -85,6 +85,33 @@ def test_decode_during_a_store_is_given_as_a_ratio_of_medians_and_prompt_by_prom
     assert again["decode_vs_none_paired"] == pytest.approx(0.8, abs=0.01)
 
 
+def test_decode_during_a_store_is_also_read_against_the_same_engines_hit_of_the_same_prompt():
+    """An engine that decodes slower than no connector's with or without a store (its hits store
+    nothing) reads low against no connector; against its own hits, only what the store costs."""
+    raw = _raw()
+    rows = raw["runs"]["kvgate-embedded"]["rows"]
+    hit_ts = [(10.0, 10.875), (10.0, 10.7), (10.0, 11.0)]  # this engine: 8.0, 10.0, 7.0 tokens/s
+    miss_ts = [(10.0, 10.0 + 7 / 7.52), (10.0, 10.0 + 7 / 10.0), (10.0, 10.0 + 7 / 6.3)]  # 0.94x, 1.0x, 0.9x of them
+    for row, (a, b) in zip([r for r in rows if r["tag"]["kind"] == "hit"], hit_ts):
+        row["first_token_ts"], row["last_token_ts"] = a, b
+    for row, (a, b) in zip([r for r in rows if r["tag"]["kind"] == "miss"], miss_ts):
+        row["first_token_ts"], row["last_token_ts"] = a, b
+    miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert miss["decode_vs_own_hit"] == pytest.approx(0.94, abs=0.001)  # the median of the three prompts' ratios
+    assert miss["decode_vs_none_paired"] == pytest.approx(0.75, abs=0.001)  # no connector: 10 tokens/s each
+    assert "0.75x; 0.94x of its hit)" in markdown(analyze(raw))
+    assert next(r for r in analyze(raw)["ttft"] if r["kind"] == "hit")["decode_vs_own_hit"] is None
+    # a prompt whose hit did not decode (one token) is left out of the pairs, not counted as a ratio of 0
+    next(r for r in rows if r["tag"]["kind"] == "hit" and r["tag"]["i"] == 2)["generated"] = 1
+    again = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert again["decode_vs_own_hit"] == pytest.approx(0.97, abs=0.001)
+    alone = {**raw, "runs": {"kvgate-embedded": raw["runs"]["kvgate-embedded"]}}  # a run without no connector
+    assert "kvgate embedded 1K: - (0.97x of its hit)" in markdown(analyze(alone))
+    del raw["runs"]["kvgate-embedded"]["rows"][3:6]  # no hits at all: no ratio, and none written
+    assert next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")["decode_vs_own_hit"] is None
+    assert "of its hit" not in markdown(analyze(raw))
+
+
 def test_a_paired_miss_is_timed_against_the_same_prompt_without_a_capability_in_its_engine():
     from scripts.bench_e2e.run import ISO_A, steps
 
