@@ -111,7 +111,7 @@ share every prefix.
 def _brackets(paired: float | None, own_hit: float | None) -> str:
     """`` (0.95x; 0.98x of its hit)``: a miss's decode prompt by prompt, against no connector's and
     against its own system's hit; what is not known is left out."""
-    parts = ([f"{paired:.2f}x"] if paired else []) + ([f"{own_hit:.2f}x of its hit"] if own_hit else [])
+    parts = ([_x(paired)] if paired else []) + ([f"{_x(own_hit)} of its hit"] if own_hit else [])
     return f" ({'; '.join(parts)})" if parts else ""
 
 
