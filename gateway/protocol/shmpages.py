@@ -14,7 +14,9 @@ the mapping cannot be unmapped under it. A kernel without these advices (before 
 answers EINVAL: the region stays lazy. The embedded memory tier's arena is populated the same way
 (``memory_prefault: behind``, ``gateway.services.runtime``), and a server's per-namespace arenas
 keep free pages populated ahead of their stores through ``prefault_behind`` (``storage.memory``,
-``shm_arena_ahead_bytes``). Design notes: docs/architecture.md, section 5."""
+``shm_arena_ahead_bytes``); a worker maps those pages into its own mapping of the arena ahead of its
+next store through ``map_resident_behind`` (``gateway.remote.shm``), so the store's seals and its
+prefault, beside the decode steps, find them mapped. Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -29,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "populate", "populate_behind", "prefault_behind"]
+__all__ = [
+    "ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "map_resident", "map_resident_behind", "populate", "populate_behind",
+    "prefault_behind",
+]
 
 log = logging.getLogger("kvgate.shm")
 
@@ -41,6 +46,7 @@ _NICE = 19
 _PAGE = mmap.PAGESIZE
 
 _libc: Any = None
+_mincore_fn: Any = None
 
 
 def aligned(n: int) -> int:
@@ -56,6 +62,17 @@ def _madvise() -> Any:
         fn.restype = ctypes.c_int
         _libc = fn
     return _libc
+
+
+def _mincore() -> Any:
+    global _mincore_fn
+    if _mincore_fn is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = lib.mincore
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _mincore_fn = fn
+    return _mincore_fn
 
 
 def _span(view: np.ndarray[Any, Any]) -> tuple[int, int]:
@@ -80,6 +97,49 @@ def populate(view: np.ndarray[Any, Any], advice: int, stop: Callable[[], bool] =
             break
         done += n
     return done
+
+
+def map_resident(view: np.ndarray[Any, Any], stop: Callable[[], bool] = lambda: False) -> int:
+    """Map into this process, writable, the pages of ``view`` (a uint8 view of a shared mapping)
+    that already have memory behind them, a step at a time, until done or ``stop()``; the pages
+    with none stay holes. ``mincore`` tells the two apart (a shared mapping's residency is its
+    file's, whoever faulted the page in), and ``MADV_POPULATE_WRITE`` maps each resident run.
+    Returns the bytes of the resident runs mapped; stops quietly at the first refusal.
+
+    A page the other side punches out between the two calls is allocated again by the second:
+    at most one step's run of a hole, which stays allocated until that side punches its holes
+    out again (the bound it keeps is over its own accounting, which such a page is not in)."""
+    madvise, mincore = _madvise(), _mincore()
+    base, size = _span(view)
+    vec = np.zeros(_STEP // _PAGE, dtype=np.uint8)
+    done = mapped = 0
+    while done < size and not stop():
+        n = min(_STEP, size - done)
+        pages = -(-n // _PAGE)
+        if mincore(base + done, n, vec.ctypes.data) != 0:
+            log.debug("mapping resident pages stopped at %d of %d bytes: %s", done, size, os.strerror(ctypes.get_errno()))
+            break
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], vec[:pages] & 1, [0])).astype(np.int8)))
+        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
+            if madvise(base + done + a * _PAGE, (b - a) * _PAGE, POPULATE_WRITE) != 0:
+                log.debug("mapping resident pages stopped: %s", os.strerror(ctypes.get_errno()))
+                return mapped
+            mapped += (b - a) * _PAGE
+        done += n
+    return mapped
+
+
+def map_resident_behind(view: np.ndarray[Any, Any], stop: Callable[[], bool]) -> threading.Thread:
+    """``map_resident`` on a daemon thread of its own at nice 19; the thread holds ``view`` until
+    it ends."""
+
+    def run() -> None:
+        _nice_19()
+        map_resident(view, stop)
+
+    thread = threading.Thread(target=run, name="kvgate-shm-map", daemon=True)
+    thread.start()
+    return thread
 
 
 def populate_behind(

@@ -13,6 +13,8 @@
                               faults in the pages of its slot (the prefault's control)
     kvgate-remote-shm-lazy    ``kvgate-remote-shm`` whose server populates no arena page ahead
                               (``shm_arena_ahead_bytes: 0``; the control of its default)
+    kvgate-remote-shm-unmapped ``kvgate-remote-shm`` with ``arena_map_ahead: false``: a store's
+                              seals map the arena's pages into the worker (its default's control)
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
     <system>-passive          kvgate-embedded or example with ``OMP_WAIT_POLICY=PASSIVE`` in the
                               engine's environment: its OpenMP threads sleep, not spin, between
@@ -51,6 +53,7 @@ LABELS = {
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
     "kvgate-remote-shm-lazy": "kvgate remote (shared memory, no arena page populated ahead)",
+    "kvgate-remote-shm-unmapped": "kvgate remote (shared memory, arena pages mapped by the store)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
     "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
@@ -398,6 +401,12 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
         system.ktc["kv_connector_extra_config"]["store_prefault"] = False
+        system.key = key
+        return system
+    if key == "kvgate-remote-shm-unmapped":
+        system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
+        assert system.ktc is not None
+        system.ktc["kv_connector_extra_config"]["arena_map_ahead"] = False
         system.key = key
         return system
     if key == "kvgate-remote-shm-lazy":
