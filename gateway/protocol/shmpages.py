@@ -26,6 +26,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,34 +46,32 @@ _STEP = 4 << 20  # bytes per madvise: a closed region stops within one step
 _NICE = 19
 _PAGE = mmap.PAGESIZE
 
-_libc: Any = None
-_mincore_fn: Any = None
+_libc: dict[str, Any] = {}  # madvise and mincore, loaded once
 
 
 def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _madvise() -> Any:
-    global _libc
-    if _libc is None:
+def _libc_fn(name: str, third: Any) -> Any:
+    """libc's ``name(void *, size_t, third)`` returning int, errno kept (ctypes releases the GIL
+    for the call)."""
+    fn = _libc.get(name)
+    if fn is None:
         lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = lib.madvise
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn = getattr(lib, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
         fn.restype = ctypes.c_int
-        _libc = fn
-    return _libc
+        _libc[name] = fn
+    return fn
+
+
+def _madvise() -> Any:
+    return _libc_fn("madvise", ctypes.c_int)
 
 
 def _mincore() -> Any:
-    global _mincore_fn
-    if _mincore_fn is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = lib.mincore
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        fn.restype = ctypes.c_int
-        _mincore_fn = fn
-    return _mincore_fn
+    return _libc_fn("mincore", ctypes.c_void_p)
 
 
 def _span(view: np.ndarray[Any, Any]) -> tuple[int, int]:
@@ -129,13 +128,25 @@ def map_resident(view: np.ndarray[Any, Any], stop: Callable[[], bool] = lambda: 
     return mapped
 
 
-def map_resident_behind(view: np.ndarray[Any, Any], stop: Callable[[], bool]) -> threading.Thread:
-    """``map_resident`` on a daemon thread of its own at nice 19; the thread holds ``view`` until
-    it ends."""
+def map_resident_behind(
+    view: np.ndarray[Any, Any], stop: Callable[[], bool], rounds: int = 1, pause_s: float = 0.25
+) -> threading.Thread:
+    """``map_resident`` on a daemon thread of its own at nice 19, again after ``pause_s`` while
+    the other side is still populating (a round found more resident bytes than the one before),
+    ``rounds`` at most; the thread holds ``view`` until it ends."""
 
     def run() -> None:
         _nice_19()
-        map_resident(view, stop)
+        before = -1
+        for k in range(max(1, rounds)):
+            if k:
+                time.sleep(pause_s)
+            if stop():
+                return
+            now = map_resident(view, stop)
+            if now <= before:
+                return
+            before = now
 
     thread = threading.Thread(target=run, name="kvgate-shm-map", daemon=True)
     thread.start()

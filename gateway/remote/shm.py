@@ -43,6 +43,7 @@ from gateway.remote.wire import RemoteUnavailable, TornResponse, WirePool
 __all__ = ["RegionCache", "ShmRegion", "Window", "attach"]
 
 _MAX_ANSWER = 64 << 10
+_MAP_ROUNDS = 40  # a region's arena mapped ahead again while the server populates it: 10 s at most
 
 
 def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple[int, Any]:
@@ -150,7 +151,9 @@ class ShmRegion:
         engine's decode steps, which a store runs beside)."""
         if self.arena is None or self.tainted or (self._mapping is not None and self._mapping.is_alive()):
             return False
-        self._mapping = map_resident_behind(self.arena, lambda: self.tainted)
+        # again while the server is still populating (a region asked for at this step: its arena
+        # is being populated as the forward runs)
+        self._mapping = map_resident_behind(self.arena, lambda: self.tainted, rounds=_MAP_ROUNDS)
         return True
 
     def lend(self, wait_s: float = 0.0) -> Window | None:

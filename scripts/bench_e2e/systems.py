@@ -274,6 +274,9 @@ def _kvgate(args: list[str], env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
+_REMOTE_SHM_OFF = {"kvgate-remote-shm-faulting": "store_prefault", "kvgate-remote-shm-unmapped": "arena_map_ahead"}
+
+
 def _remote(
     work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0, layerwise: bool = True,
     server_env: dict[str, str] | None = None,
@@ -397,16 +400,10 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
     if key == "kvgate-remote-shm-whole":
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), layerwise=False)
-    if key == "kvgate-remote-shm-faulting":
+    if key in _REMOTE_SHM_OFF:  # kvgate-remote-shm with one connector setting turned off: its control
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
-        system.ktc["kv_connector_extra_config"]["store_prefault"] = False
-        system.key = key
-        return system
-    if key == "kvgate-remote-shm-unmapped":
-        system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
-        assert system.ktc is not None
-        system.ktc["kv_connector_extra_config"]["arena_map_ahead"] = False
+        system.ktc["kv_connector_extra_config"][_REMOTE_SHM_OFF[key]] = False
         system.key = key
         return system
     if key == "kvgate-remote-shm-lazy":

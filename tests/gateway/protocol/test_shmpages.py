@@ -7,6 +7,8 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -80,3 +82,29 @@ def test_a_second_mapping_maps_the_pages_the_first_populated_and_allocates_no_ho
     worker[9 * PAGE + 6] = 3
     assert server[9 * PAGE + 6] == 3 and server[9 * PAGE + 5] == 2
     assert mapped_pages(server) == [2, 3, 9]  # the other side's own mapping is as it was
+
+
+def test_mapping_ahead_goes_on_while_the_other_side_is_still_populating(region: tuple[int, np.ndarray]) -> None:
+    """The server populates an arena as the worker starts mapping it (a region asked for at the
+    step that stores): the worker maps again while it finds more, so the pages populated after its
+    first round are mapped too. The control: one round, before anything was populated, maps
+    nothing."""
+    fd, server = region
+    mm = mmap.mmap(fd, PAGES * PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    worker = np.frombuffer(mm, dtype=np.uint8)
+    once = map_resident_behind(worker, stop=lambda: False, rounds=1)
+    once.join(10)
+    assert mapped_pages(worker) == []  # the control
+
+    def populate() -> None:
+        for p in range(8):
+            server[p * PAGE] = 1
+            time.sleep(0.02)
+
+    writer = threading.Thread(target=populate)
+    writer.start()
+    mapper = map_resident_behind(worker, stop=lambda: False, rounds=40, pause_s=0.3)
+    writer.join(10)
+    mapper.join(30)
+    assert not mapper.is_alive()
+    assert mapped_pages(worker) == list(range(8)) and allocated_pages(fd) == list(range(8))
