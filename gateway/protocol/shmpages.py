@@ -14,9 +14,7 @@ the mapping cannot be unmapped under it. A kernel without these advices (before 
 answers EINVAL: the region stays lazy. The embedded memory tier's arena is populated the same way
 (``memory_prefault: behind``, ``gateway.services.runtime``), and a server's per-namespace arenas
 keep free pages populated ahead of their stores through ``prefault_behind`` (``storage.memory``,
-``shm_arena_ahead_bytes``); a worker maps those pages into its own mapping of the arena ahead of its
-next store through ``map_resident_behind`` (``gateway.remote.shm``), so the store's seals and its
-prefault, beside the decode steps, find them mapped. Design notes: docs/architecture.md, section 5."""
+``shm_arena_ahead_bytes``). Design notes: docs/architecture.md, section 5."""
 
 from __future__ import annotations
 
@@ -26,16 +24,12 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = [
-    "ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "map_resident", "map_resident_behind", "populate", "populate_behind",
-    "prefault_behind",
-]
+__all__ = ["ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "populate", "populate_behind", "prefault_behind"]
 
 log = logging.getLogger("kvgate.shm")
 
@@ -46,32 +40,22 @@ _STEP = 4 << 20  # bytes per madvise: a closed region stops within one step
 _NICE = 19
 _PAGE = mmap.PAGESIZE
 
-_libc: dict[str, Any] = {}  # madvise and mincore, loaded once
+_libc: Any = None
 
 
 def aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _libc_fn(name: str, third: Any) -> Any:
-    """libc's ``name(void *, size_t, third)`` returning int, errno kept (ctypes releases the GIL
-    for the call)."""
-    fn = _libc.get(name)
-    if fn is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, third]
-        fn.restype = ctypes.c_int
-        _libc[name] = fn
-    return fn
-
-
 def _madvise() -> Any:
-    return _libc_fn("madvise", ctypes.c_int)
-
-
-def _mincore() -> Any:
-    return _libc_fn("mincore", ctypes.c_void_p)
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = lib.madvise
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _libc = fn
+    return _libc
 
 
 def _span(view: np.ndarray[Any, Any]) -> tuple[int, int]:
@@ -96,61 +80,6 @@ def populate(view: np.ndarray[Any, Any], advice: int, stop: Callable[[], bool] =
             break
         done += n
     return done
-
-
-def map_resident(view: np.ndarray[Any, Any], stop: Callable[[], bool] = lambda: False) -> int:
-    """Map into this process, writable, the pages of ``view`` (a uint8 view of a shared mapping)
-    that already have memory behind them, a step at a time, until done or ``stop()``; the pages
-    with none stay holes. ``mincore`` tells the two apart (a shared mapping's residency is its
-    file's, whoever faulted the page in), and ``MADV_POPULATE_WRITE`` maps each resident run.
-    Returns the bytes of the resident runs mapped; stops quietly at the first refusal.
-
-    A page the other side punches out between the two calls is allocated again by the second:
-    at most one step's run of a hole, which stays allocated until that side punches its holes
-    out again (the bound it keeps is over its own accounting, which such a page is not in)."""
-    madvise, mincore = _madvise(), _mincore()
-    base, size = _span(view)
-    vec = np.zeros(_STEP // _PAGE, dtype=np.uint8)
-    done = mapped = 0
-    while done < size and not stop():
-        n = min(_STEP, size - done)
-        pages = -(-n // _PAGE)
-        if mincore(base + done, n, vec.ctypes.data) != 0:
-            log.debug("mapping resident pages stopped at %d of %d bytes: %s", done, size, os.strerror(ctypes.get_errno()))
-            break
-        edges = np.flatnonzero(np.diff(np.concatenate(([0], vec[:pages] & 1, [0])).astype(np.int8)))
-        for a, b in zip(edges[::2].tolist(), edges[1::2].tolist()):
-            if madvise(base + done + a * _PAGE, (b - a) * _PAGE, POPULATE_WRITE) != 0:
-                log.debug("mapping resident pages stopped: %s", os.strerror(ctypes.get_errno()))
-                return mapped
-            mapped += (b - a) * _PAGE
-        done += n
-    return mapped
-
-
-def map_resident_behind(
-    view: np.ndarray[Any, Any], stop: Callable[[], bool], rounds: int = 1, pause_s: float = 0.25
-) -> threading.Thread:
-    """``map_resident`` on a daemon thread of its own at nice 19, again after ``pause_s`` while
-    the other side is still populating (a round found more resident bytes than the one before),
-    ``rounds`` at most; the thread holds ``view`` until it ends."""
-
-    def run() -> None:
-        _nice_19()
-        before = -1
-        for k in range(max(1, rounds)):
-            if k:
-                time.sleep(pause_s)
-            if stop():
-                return
-            now = map_resident(view, stop)
-            if now <= before:
-                return
-            before = now
-
-    thread = threading.Thread(target=run, name="kvgate-shm-map", daemon=True)
-    thread.start()
-    return thread
 
 
 def populate_behind(

@@ -252,18 +252,12 @@ class RemoteGateway:
 
     def prepare_region(self) -> None:
         """Ask for the region in the background (a store comes before the loads of its prefix),
-        so that the first load finds it mapped; where it is mapped already, map the pages of its
-        arena that the server populated ahead of the store to come (``RegionCache.map_ahead``)."""
+        so that the first load finds it mapped."""
         if self._shm is None or self._tasks:
             return
-        task = asyncio.ensure_future(self._prepared())
+        task = asyncio.ensure_future(self._region())
         self._tasks.add(task)
         task.add_done_callback(self._region_asked)
-
-    async def _prepared(self) -> None:
-        region = await self._region()
-        if region is not None and self._shm is not None and self._shm.map_ahead:
-            region.map_arena_behind()
 
     def _region_asked(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)

@@ -37,13 +37,12 @@ import h11
 import numpy as np
 
 from gateway.errors import BadFrame, GatewayError
-from gateway.protocol.shmpages import POPULATE_READ, aligned, map_resident_behind, populate_behind
+from gateway.protocol.shmpages import POPULATE_READ, aligned, populate_behind
 from gateway.remote.wire import RemoteUnavailable, TornResponse, WirePool
 
 __all__ = ["RegionCache", "ShmRegion", "Window", "attach"]
 
 _MAX_ANSWER = 64 << 10
-_MAP_ROUNDS = 40  # a region's arena mapped ahead again while the server populates it: 10 s at most
 
 
 def attach(pool: WirePool, headers: list[tuple[str, str]], nbytes: int) -> tuple[int, Any]:
@@ -128,7 +127,6 @@ class ShmRegion:
         self._free.set()
         self.tainted = False
         self.populated = -1  # bytes mapped ahead of the loads once populating ended; -1 before
-        self._mapping: threading.Thread | None = None  # mapping the arena's resident pages (map_arena_behind)
         self.lends = 0  # loads lent the region so far: the number of the last one
         # the number of the last load that ended with none of its views alive (None before one):
         # the server may reuse what that load read in place in the arena (a store's ``returned``)
@@ -142,19 +140,6 @@ class ShmRegion:
             self.populated = n
 
         populate_behind(self._array, POPULATE_READ, lambda: self.tainted, done)
-
-    def map_arena_behind(self) -> bool:
-        """Map the arena's pages that the server has populated (ahead of this namespace's next
-        store) into this worker's mapping, on a nice-19 thread, stopping if the region is tainted;
-        nothing where there is no arena or a mapping still runs. Whether one was started. A page
-        first written by a seal is otherwise mapped by that write (a fault per page beside the
-        engine's decode steps, which a store runs beside)."""
-        if self.arena is None or self.tainted or (self._mapping is not None and self._mapping.is_alive()):
-            return False
-        # again while the server is still populating (a region asked for at this step: its arena
-        # is being populated as the forward runs)
-        self._mapping = map_resident_behind(self.arena, lambda: self.tainted, rounds=_MAP_ROUNDS)
-        return True
 
     def lend(self, wait_s: float = 0.0) -> Window | None:
         """The whole region for one load, or None while another load (or its views) still has
@@ -208,11 +193,9 @@ class RegionCache:
     a client per capability; they all lend the same region). ``get`` attaches where there is
     none (through ``attach_fn``), and after a refusal waits ``retry_s`` before asking again."""
 
-    def __init__(self, nbytes: int, retry_s: float = 30.0, map_ahead: bool = True) -> None:
-        """``map_ahead``: a store's step maps the arena's resident pages first (``ShmRegion.map_arena_behind``)."""
+    def __init__(self, nbytes: int, retry_s: float = 30.0) -> None:
         self.nbytes = nbytes
         self.retry_s = retry_s
-        self.map_ahead = map_ahead
         self._regions: dict[str, ShmRegion] = {}
         self._retry_at: dict[str, float] = {}
         self._locks: dict[str, threading.Lock] = {}

@@ -317,7 +317,7 @@ class RemoteBackend:
 
     def __init__(
         self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None,
-        store_nice: int = 0, shm_bytes: int = 0, store_prefault: bool = True, arena_map_ahead: bool = True,
+        store_nice: int = 0, shm_bytes: int = 0, store_prefault: bool = True,
     ) -> None:
         if not url or not token:
             raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")
@@ -326,7 +326,6 @@ class RemoteBackend:
         self.url, self._token, self.chunk_tokens, self.uds = url, token, chunk_tokens, uds
         self.store_nice = store_nice
         self.store_prefault = store_prefault
-        self.arena_map_ahead = arena_map_ahead
         self.shm_bytes = shm_bytes
         self._shm: Any = None  # the regions every client of this worker shares (gateway.remote.shm)
         self._clients: OrderedDict[str, Any] = OrderedDict()
@@ -356,7 +355,7 @@ class RemoteBackend:
         if self.shm_bytes and self._shm is None:
             from gateway.remote.shm import RegionCache
 
-            self._shm = RegionCache(self.shm_bytes, map_ahead=self.arena_map_ahead)
+            self._shm = RegionCache(self.shm_bytes)
         client = _Fixed(
             self.url, self._token, connections=self._connections, namespace=read_unverified(cap).namespace,
             chunk_tokens=self.chunk_tokens, uds=self.uds, store_nice=self.store_nice, shm_bytes=self.shm_bytes,
@@ -497,7 +496,6 @@ def _build(config: ConnectorConfig) -> Backend:
     return RemoteBackend(
         config.remote_url, config.remote_token(), config.chunk_tokens, config.timeout_s, uds=config.remote_uds,
         store_nice=config.store_nice, shm_bytes=config.remote_shm_mb << 20, store_prefault=config.store_prefault,
-        arena_map_ahead=config.arena_map_ahead,
     )
 
 

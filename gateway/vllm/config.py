@@ -105,11 +105,6 @@ class ConnectorConfig(BaseModel):
     # a store faults its slots' pages in ahead of its seals on a nice-19 thread, so a seal that
     # runs beside a forward step does not (gateway.protocol.shmpages); false: the seals fault them in
     store_prefault: bool = True
-    # remote mode with shared memory: as the step before a store begins, the worker maps the pages
-    # of its namespace's arena that the server populated ahead, on a nice-19 thread, so that the
-    # store's seals beside the decode steps after it find them mapped (gateway.remote.shm); false:
-    # the store maps them as it seals
-    arena_map_ahead: bool = True
     # a store seals between the engine's forward steps, slice by slice, and a slice that waited
     # that long runs anyway: a store's last slice starts at most this many seconds after it
     # began (gateway/datapath/gate.py); 0: stores seal at once, beside the forward

@@ -13,8 +13,6 @@
                               faults in the pages of its slot (the prefault's control)
     kvgate-remote-shm-lazy    ``kvgate-remote-shm`` whose server populates no arena page ahead
                               (``shm_arena_ahead_bytes: 0``; the control of its default)
-    kvgate-remote-shm-unmapped ``kvgate-remote-shm`` with ``arena_map_ahead: false``: a store's
-                              seals map the arena's pages into the worker (its default's control)
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
     <system>-passive          kvgate-embedded or example with ``OMP_WAIT_POLICY=PASSIVE`` in the
                               engine's environment: its OpenMP threads sleep, not spin, between
@@ -53,7 +51,6 @@ LABELS = {
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
     "kvgate-remote-shm-lazy": "kvgate remote (shared memory, no arena page populated ahead)",
-    "kvgate-remote-shm-unmapped": "kvgate remote (shared memory, arena pages mapped by the store)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
     "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
@@ -274,9 +271,6 @@ def _kvgate(args: list[str], env: dict[str, str]) -> str:
     return proc.stdout.strip()
 
 
-_REMOTE_SHM_OFF = {"kvgate-remote-shm-faulting": "store_prefault", "kvgate-remote-shm-unmapped": "arena_map_ahead"}
-
-
 def _remote(
     work: Path, tenants: list[str], cfg: dict[str, Any], uds: bool = False, shm_mb: int = 0, layerwise: bool = True,
     server_env: dict[str, str] | None = None,
@@ -400,10 +394,10 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
     if key == "kvgate-remote-shm-whole":
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), layerwise=False)
-    if key in _REMOTE_SHM_OFF:  # kvgate-remote-shm with one connector setting turned off: its control
+    if key == "kvgate-remote-shm-faulting":
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
-        system.ktc["kv_connector_extra_config"][_REMOTE_SHM_OFF[key]] = False
+        system.ktc["kv_connector_extra_config"]["store_prefault"] = False
         system.key = key
         return system
     if key == "kvgate-remote-shm-lazy":

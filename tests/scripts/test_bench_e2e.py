@@ -651,23 +651,6 @@ def test_the_remote_lazy_variant_runs_a_server_that_populates_no_arena_page_ahea
     assert Settings(state_dir=tmp_path).shm_arena_ahead_bytes == 0
 
 
-def test_the_remote_unmapped_variant_turns_off_only_the_workers_arena_mapping(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    from gateway.vllm.config import ConnectorConfig
-    from scripts.bench_e2e import systems
-
-    def remote(work, tenants, cfg, uds=False, shm_mb=0, layerwise=True, server_env=None):
-        return systems.System("kvgate-remote-shm", {"kv_connector_extra_config": {"mode": "remote", "remote_shm_mb": shm_mb}})
-
-    monkeypatch.setattr(systems, "_remote", remote)
-    cfg = {"chunk_tokens": 256, "memory_bytes": 1 << 30, "shm_mb": 64}
-    extra = {
-        key: systems.open_system(key, tmp_path / key, ["t"], cfg).ktc["kv_connector_extra_config"]  # type: ignore[index]
-        for key in ("kvgate-remote-shm", "kvgate-remote-shm-unmapped")
-    }
-    assert extra["kvgate-remote-shm-unmapped"] == {**extra["kvgate-remote-shm"], "arena_map_ahead": False}
-    assert ConnectorConfig.model_validate(extra["kvgate-remote-shm"]).arena_map_ahead is True  # the control: the default
-    assert ConnectorConfig.model_validate(extra["kvgate-remote-shm-unmapped"]).arena_map_ahead is False
-
 def _caps_of(tenants: list[str]):
     async def caps() -> dict[str, str]:
         return {t: "cap" for t in tenants}

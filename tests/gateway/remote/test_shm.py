@@ -434,7 +434,13 @@ async def test_a_store_after_a_hit_seals_where_the_hit_read_once_it_is_over_and_
             assert region.arena is not None
             assert (await wa.store(model, tokens, src, block_ids=BLOCKS)).stored == 4 and wa.metrics.arena_sealed == 4
             got, dst = await _load(wa, g, model, tokens)  # in place: the server keeps what it read leased
-            assert got.loaded_tokens == N and wa.metrics.arena_envelopes == 4 and region.returned == region.lends
+            assert got.loaded_tokens == N and wa.metrics.arena_envelopes == 4
+            # the load's views go as its last holder drops them (a pool thread may hold one a moment)
+            for _ in range(100):
+                if region.returned == region.lends:
+                    break
+                await asyncio.sleep(0.02)
+            assert region.returned == region.lends
             # the hit is over: the next store reuses its extents, sealed in place (nothing uploaded)
             src1 = random_cache(g, NUM_BLOCKS, seed=11)
             sent = len(wa._wire.requests)
@@ -832,71 +838,3 @@ def test_a_backend_asks_for_its_tenants_region_while_the_forward_before_a_first_
     finally:
         for b in (shm, plain):
             backends.close(b)
-
-
-def test_a_step_before_a_store_maps_the_arena_pages_the_server_populated_into_the_worker(served: Served) -> None:
-    """As a step that ends in a store begins, the worker maps the pages of its namespace's arena
-    that the server populated ahead of that store, and no other: the store's seals, beside the
-    decode steps after it, then take no fault for them. The control: a backend with
-    ``arena_map_ahead: false`` maps none of them."""
-    from gateway.vllm import backend as backends
-    from tests.support.memfd import mapped_pages, resident_indices
-
-    with served.http() as http:
-        a = create_tenant(served, http, "acme")
-        b = create_tenant(served, http, "beta")
-        caps = {}
-        for t in (a, b):
-            r = http.post("/v1/capabilities", json={"tenant": t, "namespace": "default", "ops": ["lookup", "get", "put"], "ttl": 600},
-                          headers=served.bearer("platform", ["kv.operator"]))
-            assert r.status_code == 201, r.text
-            caps[t] = r.json()["capability"]
-    ahead = backends.RemoteBackend(NOWHERE, served.issuer.mint(a, ["kv.worker"]), 16, uds=str(served.path), shm_bytes=REGION)
-    lazy = backends.RemoteBackend(
-        NOWHERE, served.issuer.mint(b, ["kv.worker"]), 16, uds=str(served.path), shm_bytes=REGION, arena_map_ahead=False,
-    )
-    for be in (ahead, lazy):
-        backends.start(be)
-    try:
-        regions = {}
-        for be, t in ((ahead, a), (lazy, b)):
-            be.prepare(caps[t])
-            deadline = time.monotonic() + 10
-            while (be._shm is None or be._shm.cached(t) is None) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            region = be._shm.cached(t) if be._shm is not None else None
-            assert region is not None and region.arena is not None
-            regions[t] = region
-
-        def populated(region: ShmRegion) -> list[int]:
-            """The arena's pages the server has populated, once its populating has settled."""
-            assert region.arena is not None
-            last: list[int] = []
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                now = resident_indices(region.arena)
-                if now and now == last:
-                    return now
-                last = now
-                time.sleep(0.2)
-            return last
-
-        for be, t in ((ahead, a), (lazy, b)):
-            server_side = populated(regions[t])
-            assert server_side  # the server populated pages ahead of the first store
-            be.prepare(caps[t])  # the next step with a store
-            deadline = time.monotonic() + 10
-            arena = regions[t].arena
-            assert arena is not None
-            if be is ahead:
-                while mapped_pages(arena) != server_side and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                assert mapped_pages(arena) == server_side
-            else:
-                time.sleep(0.5)
-                assert mapped_pages(arena) == []  # the control: the worker mapped none of them
-            assert resident_indices(arena) == server_side  # and neither allocated any hole
-    finally:
-        for be in (ahead, lazy):
-            backends.close(be)
-
