@@ -209,3 +209,63 @@ def test_the_connectors_worker_holds_a_store_while_the_next_step_runs_and_lets_i
         assert not steps.busy
     finally:
         shared.release(backend)
+
+
+def test_a_prefault_waits_for_an_idle_engine_or_half_a_slice_before_its_slice_and_takes_no_gap() -> None:
+    gate = StepGate(finish_s=1.0, per_gap=1, idle_s=0.2)
+    assert gate.prefault_due(10.0, 0, 4) == 10.125 and gate.prefault_due(10.0, 3, 4) == 10.875
+    assert StepGate().prefault_due(10.0, 0, 4) is None
+    t0 = time.monotonic()
+    gate.wait_idle(None)
+    gate.wait_idle(t0 + 30)  # no forward yet: idle, at once
+    assert time.monotonic() - t0 < 0.2
+    gate.forward_begins()
+    t0 = time.monotonic()
+    gate.wait_idle(t0 + 0.3)  # a forward that does not end: until its latest
+    assert 0.25 <= time.monotonic() - t0 < 2.0
+    gate.forward_ends()
+    t0 = time.monotonic()
+    gate.wait_idle(t0 + 30)  # a gap: the engine is idle once idle_s passed with no forward
+    assert 0.15 <= time.monotonic() - t0 < 5.0
+    assert gate.forced == 0 and gate.waited_s == 0.0  # nothing counted as a slice's
+    gate.forward_begins()
+    gate.forward_ends()
+    assert gate.wait_turn(time.monotonic() + 30) < 0.1  # the gap's one slice is still there for a seal
+    gate.forward_begins()
+    t0 = time.monotonic()
+    gate.wait_idle(t0 + 30, stop=lambda: time.monotonic() > t0 + 0.2)  # the store ended
+    assert time.monotonic() - t0 < 2.0
+
+
+async def test_a_stores_prefault_waits_like_its_seals_while_a_forward_runs(tmp_path, steps, seals, monkeypatch) -> None:
+    import gateway.datapath.plane as plane
+
+    turns: list[float] = []
+    real = plane.prefault_behind
+
+    def spy(views, stop, turn=None):
+        def timed(i: int) -> None:
+            assert turn is not None
+            turn(i)
+            turns.append(time.monotonic())
+
+        return real(views, stop, timed if turn is not None else None)
+
+    monkeypatch.setattr(plane, "prefault_behind", spy)
+    async with _acme(tmp_path, seed=7) as (rt, model, cap, src):
+        steps.finish_s = 1.0
+        steps.forward_begins()  # and never ends
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(rt.gateway.store(cap, model, TOKENS, src, block_ids=list(range(32))), 30)
+        assert res.stored == 8 and len(turns) == 8
+        assert min(turns) - t0 >= 0.04  # not at once: half a slice before the first slice at the earliest
+        assert turns == sorted(turns) and max(turns) - min(turns) >= 0.4  # spread like the slices
+        assert min(turns) <= min(seals)  # each ahead of the seals
+        # the control: an idle engine lets every slot be faulted in at once
+        steps.forward_ends()
+        steps.idle()
+        turns.clear()
+        other = [t + 10_000 for t in TOKENS]
+        t0 = time.monotonic()
+        res = await asyncio.wait_for(rt.gateway.store(cap, model, other, src, block_ids=list(range(32))), 30)
+        assert res.stored == 8 and len(turns) == 8 and max(turns) - t0 < 0.8
