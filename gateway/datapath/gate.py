@@ -4,8 +4,6 @@
     StepGate.idle()                               the engine's worker, at a step with no forward
     StepGate.engine_busy()                        whether the engine is running steps (the
                                                   write-behind copies of an embedded store wait)
-    StepGate.wait_idle(latest, stop)              a store's prefault thread, before each slot it
-                                                  faults in: the engine idle, or ``latest``
     StepGate.wait_turn(latest)                    a store thread, before each slice of a store:
                                                   the engine idle, one of the ``per_gap`` slices
                                                   of a gap between two steps, or ``latest`` (the
@@ -17,12 +15,7 @@ A slice run during a forward slows the whole step (the engine waits at each barr
 thread), and one begun in a gap runs on into the next forward: a gap takes ``per_gap`` (0) slices,
 an idle engine (``idle_s`` after a forward ended, none begun) all. Slice ``k`` of ``n`` is due at
 ``start + finish_s * (k + 1) / n`` (``DataPlane``): a store never starves, its last slice starts
-within ``finish_s``; 0 (any process without an engine) never waits. A store's prefault (the pages of
-the slots it seals into, ``gateway.protocol.shmpages.prefault_behind``) is paced the same way but
-takes no slice of a gap: slot ``k``'s pages are faulted in once the engine is idle, or at the latest
-half a slice before slice ``k`` is due (``prefault_due``). A fresh page costs the engine's cores its
-allocation and zeroing whatever the faulting thread's nice value (on a virtual machine, the host's
-fault too), so it waits for the engine like a seal does. Design: architecture.md, 5."""
+within ``finish_s``; 0 (any process without an engine) never waits. Design: architecture.md, 5."""
 
 from __future__ import annotations
 
@@ -31,7 +24,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 
 __all__ = ["STEPS", "StepGate", "spread"]
 
@@ -86,30 +78,6 @@ class StepGate:
         if self.finish_s <= 0 or n <= 0:
             return None
         return start + self.finish_s * (k + 1) / n
-
-    def prefault_due(self, start: float, k: int, n: int) -> float | None:
-        """When the prefault of slice ``k`` of ``n`` runs at the latest: half a slice before the
-        slice is due (None: at once)."""
-        latest = self.deadline(start, k, n)
-        return None if latest is None else latest - self.finish_s / (2 * n)
-
-    def wait_idle(self, latest: float | None, stop: Callable[[], bool] = lambda: False) -> None:
-        """Wait for the engine to be idle (no forward for ``idle_s``), ``latest`` (monotonic) to
-        pass, or ``stop()`` (checked every 50 ms); takes no slice of a gap and counts nothing."""
-        if latest is None:
-            return
-        with self._cond:
-            while not stop():
-                now = time.monotonic()
-                if now >= latest:
-                    return
-                wait = latest - now
-                if not self._busy:
-                    idle_at = self._ended + self.idle_s
-                    if now >= idle_at:
-                        return
-                    wait = min(wait, idle_at - now)
-                self._cond.wait(min(wait, 0.05))
 
     def wait_turn(self, latest: float | None) -> float:
         """Wait for a turn: the engine idle, or one of the ``per_gap`` slices of the gap between

@@ -20,7 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -89,7 +89,7 @@ class DataPath:
         device_cipher: str = "auto",
         device_aes: str = "auto",
         store_nice: int = 0,
-        store_prefault: bool | Literal["eager"] = True,
+        store_prefault: bool = True,
     ) -> None:
         """``cipher``: the AES-GCM chunk cipher (or another ``EnvelopeCodec``).
         ``device_cipher``: ``auto`` encrypts on the device where the KV lives (CUDA: only
@@ -100,8 +100,7 @@ class DataPath:
         when triton is installed, else the torch-ops cipher), ``triton`` or ``torch``.
         ``store_nice``: the nice value of the threads that seal stores (the module says why; 0:
         stores share the load threads). ``store_prefault``: a store faults its reserved slots'
-        pages in behind its seals, paced like them (``DataPlane``; ``gate.StepGate.wait_idle``), or
-        ``"eager"``: as soon as they are reserved."""
+        pages in behind its seals (``DataPlane``; ``gateway.protocol.shmpages.prefault_behind``)."""
         if device_cipher not in ("auto", "host", "always"):
             raise ValueError("device_cipher must be auto, host or always")
         self.codec = codec_of(cipher)

@@ -203,9 +203,7 @@ class DataPlane:
 
         # Each envelope is sealed straight into its slot of the fastest tier where one is handed
         # out (gather + encrypt in one pass, no allocation), else into a pool buffer. The slots'
-        # pages are faulted in behind, in the order the batches seal: paced like the seals (in the
-        # engine's idle time, or half a slice before each slice is due; gate.py says why), or at
-        # once (``store_prefault: eager``).
+        # pages are faulted in behind, in the order the batches seal, on the engine's idle time.
         held: list[dict[int, Reserved]] = []
         for batch in batches:
             held.append({})
@@ -217,12 +215,7 @@ class DataPlane:
         started: set[int] = set()  # the batches whose coroutine ran (the rest give their slots back)
         over = threading.Event()  # the store has ended: its prefault stops
         if self.datapath.store_prefault:
-            placed = [(s.view, b) for b, r in enumerate(held) for s in r.values()]
-            turn = None
-            if self.datapath.store_prefault != "eager":
-                def turn(i: int) -> None:
-                    STEPS.wait_idle(STEPS.prefault_due(start, placed[i][1], len(batches)), over.is_set)
-            prefault_behind([v for v, _b in placed], over.is_set, turn)
+            prefault_behind([s.view for r in held for s in r.values()], over.is_set)
 
         async def run(batch: list[int], b: int) -> tuple[int, int]:
             """The chunks of ``batch`` (the ``b``-th) stored, and their bytes."""

@@ -102,28 +102,24 @@ def populate_behind(
     return thread
 
 
-def prefault_behind(
-    views: Sequence[memoryview], stop: Callable[[], bool], turn: Callable[[int], None] | None = None
-) -> threading.Thread | None:
+def prefault_behind(views: Sequence[memoryview], stop: Callable[[], bool]) -> threading.Thread | None:
     """Fault in, writable, the pages of each of ``views`` in turn (a store's reserved extents, in
     the order it seals them, or the free pages a server's arena keeps ahead of its next store) on
-    a thread of its own at nice 19, until done or ``stop()``; None where there is nothing to do.
-    ``turn(i)``, where given, blocks until the pages of ``views[i]`` may be faulted in (a store's
-    pace: ``gateway.datapath.gate.StepGate.wait_idle``). A seal that comes to an extent after this
-    thread writes into pages already there, so the faults (a fresh page is allocated and zeroed;
-    on a virtual machine this costs more than sealing into it) are not taken inside the seal. The
-    pages spanned are whole: ``MADV_POPULATE_WRITE`` changes no byte of a page already there, so a
-    neighbour's bytes on a shared page are untouched. The thread holds the views until it ends."""
-    arrays = [(i, np.frombuffer(v, dtype=np.uint8)) for i, v in enumerate(views) if v.nbytes and not v.readonly]
+    a thread of its own at nice 19, until done or ``stop()``; None
+    where there is nothing to do. A seal that comes to an extent before this thread writes into
+    pages already there, so the faults (a fresh page is allocated and zeroed; on a virtual machine
+    this costs more than sealing into it) are taken in the engine's idle time and not inside the
+    seal. The pages spanned are whole: ``MADV_POPULATE_WRITE`` changes no byte of a page already
+    there, so a neighbour's bytes on a shared page are untouched. The thread holds the views
+    until it ends."""
+    arrays = [np.frombuffer(v, dtype=np.uint8) for v in views if v.nbytes and not v.readonly]
     if not arrays:
         return None
 
     def run() -> None:
         _nice_19()
         try:
-            for i, a in arrays:  # one cut short (the store ended, or a refusal) ends them all
-                if turn is not None:
-                    turn(i)
+            for a in arrays:  # one cut short (the store ended, or a refusal) ends them all
                 if populate(a, POPULATE_WRITE, stop) < _span(a)[1]:
                     return
         finally:

@@ -124,7 +124,7 @@ class RemoteGateway:
         ssl_context: ssl.SSLContext | None = None,
         uds: str | None = None,
         store_nice: int = 0,
-        store_prefault: bool | Literal["eager"] = True,
+        store_prefault: bool = True,
         shm_bytes: int = 0,
         shm_cache: RegionCache | None = None,
         metrics: Metrics | None = None,

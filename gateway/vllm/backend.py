@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -219,7 +219,7 @@ class EmbeddedBackend:
     layerwise = True  # the envelopes are in this process's tiers: opening is all a load does
     def __init__(
         self, settings: dict[str, Any], timeout_s: float = 30.0, store_nice: int = 0, copies_finish_s: float = 0.0,
-        store_prefault: bool | Literal["eager"] = True,
+        store_prefault: bool = True,
     ) -> None:
         """``store_nice``: the connector's (``ConnectorConfig.store_nice``), unless ``settings`` or
         ``KVGATE_STORE_NICE`` names one (as every other setting, the variable fills what is left out).
@@ -317,7 +317,7 @@ class RemoteBackend:
 
     def __init__(
         self, url: str, token: str, chunk_tokens: int, timeout_s: float = 30.0, cache: int = 256, uds: str | None = None,
-        store_nice: int = 0, shm_bytes: int = 0, store_prefault: bool | Literal["eager"] = True,
+        store_nice: int = 0, shm_bytes: int = 0, store_prefault: bool = True,
     ) -> None:
         if not url or not token:
             raise ConnectorConfigError("remote mode needs remote_url and KVGATE_REMOTE_TOKEN (or remote_token_file)")

@@ -102,11 +102,9 @@ class ConnectorConfig(BaseModel):
     # the nice value of the threads that seal stores (Linux), so that decoding goes first while a
     # store is in flight (gateway.datapath.path); 0: stores at the engine's own priority
     store_nice: int = Field(10, ge=0, le=19)
-    # a store faults its slots' pages in ahead of its seals on a nice-19 thread, paced like the
-    # seals (the engine's idle time, or half a slice before each slice is due), so a seal that runs
-    # beside a forward step does not fault (gateway.protocol.shmpages); eager: as soon as the slots
-    # are reserved, beside the decode; false: the seals fault them in
-    store_prefault: bool | Literal["eager"] = True
+    # a store faults its slots' pages in ahead of its seals on a nice-19 thread, so a seal that
+    # runs beside a forward step does not (gateway.protocol.shmpages); false: the seals fault them in
+    store_prefault: bool = True
     # a store seals between the engine's forward steps, slice by slice, and a slice that waited
     # that long runs anyway: a store's last slice starts at most this many seconds after it
     # began (gateway/datapath/gate.py); 0: stores seal at once, beside the forward

@@ -11,9 +11,6 @@
     kvgate-remote-shm-whole   ``kvgate-remote-shm`` with ``layerwise_loads: false``
     kvgate-remote-shm-faulting ``kvgate-remote-shm`` with ``store_prefault: false``: each seal
                               faults in the pages of its slot (the prefault's control)
-    kvgate-remote-shm-eager   ``kvgate-remote-shm`` with ``store_prefault: eager``: the slots'
-                              pages are faulted in as soon as they are reserved, beside the
-                              decode (the control of the paced prefault)
     kvgate-remote-shm-lazy    ``kvgate-remote-shm`` whose server populates no arena page ahead
                               (``shm_arena_ahead_bytes: 0``; the control of its default)
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
@@ -53,7 +50,6 @@ LABELS = {
     "kvgate-remote-uds": "kvgate remote (Unix socket)", "kvgate-remote-shm": "kvgate remote (Unix socket, shared memory)",
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
-    "kvgate-remote-shm-eager": "kvgate remote (shared memory, slots faulted in at once)",
     "kvgate-remote-shm-lazy": "kvgate remote (shared memory, no arena page populated ahead)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
@@ -398,10 +394,10 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
     if key == "kvgate-remote-shm-whole":
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), layerwise=False)
-    if key in ("kvgate-remote-shm-faulting", "kvgate-remote-shm-eager"):
+    if key == "kvgate-remote-shm-faulting":
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
-        system.ktc["kv_connector_extra_config"]["store_prefault"] = "eager" if key == "kvgate-remote-shm-eager" else False
+        system.ktc["kv_connector_extra_config"]["store_prefault"] = False
         system.key = key
         return system
     if key == "kvgate-remote-shm-lazy":

@@ -1,6 +1,5 @@
 """A store faults in the pages of the slots its tier reserved behind its seals (``store_prefault``):
-every slot, in the order the batches seal, until the store ends, paced by the engine's steps unless
-``eager``; what it stores is unchanged."""
+every slot, in the order the batches seal, until the store ends; what it stores is unchanged."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ import pytest
 import gateway.datapath.plane as plane
 from gateway.vllm.backend import EmbeddedBackend
 from gateway.vllm.config import ConnectorConfig
-from gateway.vllm.errors import ConnectorConfigError
 from tests.support.gw import ALL_OPS, gateway_runtime, model_for, random_cache, small_geometry, store_and_load_back
 
 
@@ -21,18 +19,18 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     real = plane.prefault_behind
 
-    def spy(views: Sequence[memoryview], stop: Callable[[], bool], turn: Callable[[int], None] | None = None) -> Any:
+    def spy(views: Sequence[memoryview], stop: Callable[[], bool]) -> Any:
         calls.append({"at": [int(np.frombuffer(v, np.uint8).ctypes.data) for v in views],
-                      "nbytes": [v.nbytes for v in views], "stop": stop, "stopped_at_start": stop(), "turn": turn})
-        return real(views, stop, turn)
+                      "nbytes": [v.nbytes for v in views], "stop": stop, "stopped_at_start": stop()})
+        return real(views, stop)
 
     monkeypatch.setattr(plane, "prefault_behind", spy)
     return calls
 
 
-@pytest.mark.parametrize("prefault", [True, "eager", False])
+@pytest.mark.parametrize("prefault", [True, False])
 async def test_a_store_faults_its_slots_in_behind_in_seal_order_until_it_ends(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, prefault: bool | str,
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, prefault: bool,
 ) -> None:
     calls = _spy(monkeypatch)
     g = small_geometry()
@@ -52,8 +50,6 @@ async def test_a_store_faults_its_slots_in_behind_in_seal_order_until_it_ends(
         (call,) = calls
         assert len(call["at"]) == 4 and len(set(call["at"])) == 4 and len(set(call["nbytes"])) == 1
         assert not call["stopped_at_start"] and call["stop"]()
-        # paced by the engine's steps (test_store_gate), unless eager: at once
-        assert (call["turn"] is None) is (prefault == "eager")
         # a second store of the same prompt finds it stored: nothing reserved, nothing prefaulted
         assert (await rt.gateway.store(cap, model, tokens, src, block_ids=list(range(16)))).stored == 0
         assert len(calls) == 1
@@ -66,7 +62,3 @@ def test_the_connector_prefaults_by_default_and_kvgate_settings_may_say_otherwis
     off = ConnectorConfig.from_extra({"store_prefault": False})
     assert EmbeddedBackend({"state_dir": str(tmp_path)}, store_prefault=off.store_prefault).settings.store_prefault is False
     assert EmbeddedBackend({"state_dir": str(tmp_path), "store_prefault": False}).settings.store_prefault is False
-    eager = ConnectorConfig.from_extra({"store_prefault": "eager"})
-    assert EmbeddedBackend({"state_dir": str(tmp_path)}, store_prefault=eager.store_prefault).settings.store_prefault == "eager"
-    with pytest.raises(ConnectorConfigError, match="store_prefault"):
-        ConnectorConfig.from_extra({"store_prefault": "later"})

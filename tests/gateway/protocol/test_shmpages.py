@@ -1,13 +1,10 @@
-"""``prefault_behind``: a store's slots faulted in ahead of its seals, whole pages, no byte changed,
-each slot only once its turn has come (a paced store)."""
+"""``prefault_behind``: a store's slots faulted in ahead of its seals, whole pages, no byte changed."""
 
 from __future__ import annotations
 
 import mmap
 import os
 import sys
-import threading
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -59,27 +56,3 @@ def test_a_store_that_ended_stops_the_prefault_and_read_only_or_empty_views_ask_
     assert prefault_behind([], stop=lambda: False) is None
     assert prefault_behind([arr[8 * PAGE :].data.toreadonly(), arr[:0].data], stop=lambda: False) is None
     assert allocated_pages(fd) == [0, 1, 2, 3]
-
-
-def test_a_paced_prefault_faults_no_slot_in_before_its_turn(region: tuple[int, np.ndarray]) -> None:
-    fd, arr = region
-    allowed = [threading.Event(), threading.Event()]
-    asked: list[int] = []
-
-    def turn(i: int) -> None:
-        asked.append(i)
-        allowed[i].wait(10)
-
-    slots = [arr[: 2 * PAGE].data, arr[4 * PAGE : 6 * PAGE].data]
-    thread = prefault_behind(slots, stop=lambda: False, turn=turn)
-    assert thread is not None
-    thread.join(0.3)
-    assert asked == [0] and allocated_pages(fd) == []  # the first slot's turn has not come
-    allowed[0].set()
-    deadline = time.monotonic() + 10
-    while asked != [0, 1] and time.monotonic() < deadline:
-        thread.join(0.02)
-    assert asked == [0, 1] and allocated_pages(fd) == [0, 1]  # the first slot, and not the second yet
-    allowed[1].set()
-    thread.join(10)
-    assert not thread.is_alive() and allocated_pages(fd) == [0, 1, 4, 5]
