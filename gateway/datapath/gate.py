@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from gateway.threadname import name_thread
+
 __all__ = ["STEPS", "StepGate", "spread"]
 
 log = logging.getLogger("kvgate.datapath")
@@ -142,9 +144,11 @@ def spread() -> None:
     """A kvgate thread's start (the data path's, the connector's loop): free to run on every CPU
     the process's threads may use. A CPU engine pins each of its compute threads to one core, its
     main thread included, and a thread inherits the mask of the thread that started it: without
-    this, every seal and open of the process would share the main thread's one core."""
+    this, every seal and open of the process would share the main thread's one core. The thread
+    also takes its name in the kernel (``gateway.threadname``)."""
     if sys.platform != "linux":
         return
+    name_thread()
     cpus = _process_cpus()
     try:
         if cpus and cpus != os.sched_getaffinity(0):

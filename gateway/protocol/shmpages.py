@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from gateway.threadname import name_thread
+
 __all__ = ["ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "populate", "populate_behind", "prefault_behind"]
 
 log = logging.getLogger("kvgate.shm")
@@ -131,7 +133,9 @@ def prefault_behind(views: Sequence[memoryview], stop: Callable[[], bool]) -> th
 
 
 def _nice_19() -> None:
-    """This thread at nice 19 (Linux: a thread's own nice value), or as it is where refused."""
+    """This thread at nice 19 (Linux: a thread's own nice value), or as it is where refused, and
+    named in the kernel (``gateway.threadname``)."""
+    name_thread()
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, max(_NICE, os.getpriority(os.PRIO_PROCESS, tid)))

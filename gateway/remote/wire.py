@@ -32,6 +32,7 @@ import numpy as np
 
 from gateway.errors import GatewayError, InvalidRequest
 from gateway.protocol.sockets import tune_unix_socket
+from gateway.threadname import name_thread
 
 __all__ = [
     "Exchange", "ReceiveBuffers", "RemoteUnavailable", "TornResponse", "WirePool", "receive_buffers",
@@ -159,7 +160,7 @@ class WirePool:
         self._closed = False
         # one thread per connection: a call holds its connection for the whole exchange, in one
         # thread, so a call waiting for a connection never waits on the event loop (no deadlock)
-        self._threads = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="kvgate-wire")
+        self._threads = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="kvgate-wire", initializer=name_thread)
         self.requests: list[str] = []  # "METHOD path" of every request sent, for tests (bounded below)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -1,0 +1,31 @@
+"""A kvgate thread's name where the kernel shows it.
+
+``top -H``, ``ps -L`` and ``/proc/<pid>/task/<tid>/comm`` read a thread's kernel name, which
+Python's ``threading`` name does not reach (before Python 3.14): every thread of a process shows
+the process's name. In an engine's process, where kvgate's store, cipher, wire and prefault threads
+run beside the engine's own, the kernel name is how an operator, or a sampler of ``/proc``, tells
+them apart. Linux only (``prctl(PR_SET_NAME)``, at most 15 bytes kept); elsewhere, or where the call
+is refused, the name stays as it was. ctypes because the standard library has no call for it."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+import threading
+from typing import Any
+
+__all__ = ["name_thread"]
+
+_PR_SET_NAME = 15
+_prctl: Any = None
+
+
+def name_thread(name: str | None = None) -> None:
+    """Give the calling thread ``name`` (its ``threading`` name where None) in the kernel."""
+    global _prctl
+    if sys.platform != "linux":
+        return
+    if _prctl is None:
+        _prctl = ctypes.CDLL(None, use_errno=True).prctl
+    raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:15]
+    _prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
