@@ -26,6 +26,10 @@ def name_thread(name: str | None = None) -> None:
     if sys.platform != "linux":
         return
     if _prctl is None:
-        _prctl = ctypes.CDLL(None, use_errno=True).prctl
-    raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:15]
-    _prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)
+        try:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+        except (AttributeError, OSError):  # a C library without prctl: names stay as they are
+            _prctl = False
+    if _prctl:
+        raw = (name or threading.current_thread().name).encode("utf-8", "replace")[:15]
+        _prctl(_PR_SET_NAME, ctypes.c_char_p(raw), 0, 0, 0)  # a refusal (-1) changes nothing
