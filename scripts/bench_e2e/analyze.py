@@ -65,6 +65,62 @@ def _paired_decode(rows: list[dict[str, Any]], base: dict[tuple[int, int], float
     return round(statistics.median(pairs), 2) if pairs else None
 
 
+def _store_window(row: dict[str, Any], stores: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """The wall-clock interval of the one store that began while ``row``'s batch ran (a store's
+    trace line is written at its end, ``ms`` after it began), or None: no token times, no store, or
+    more than one (a batch of several requests)."""
+    times, t0 = row.get("token_t"), row.get("batch_t0")
+    if not times or t0 is None:
+        return None
+    own = [(e["t"] - e["ms"] / 1e3, e["t"]) for e in stores
+           if e.get("tokens") and "t" in e and t0 <= e["t"] - e["ms"] / 1e3 <= times[-1]]
+    return own[0] if len(own) == 1 else None
+
+
+def _steps(times: list[float], keep: Any) -> tuple[list[int], float | None]:
+    """The decode steps ``i`` (token i-1 to token i, i >= 1) that ``keep(start, end)`` keeps, and
+    their rate in tokens/s (None when none is kept)."""
+    idx = [i for i in range(1, len(times)) if keep(times[i - 1], times[i])]
+    span = sum(times[i] - times[i - 1] for i in idx)
+    return idx, (len(idx) / span if idx and span > 0 else None)
+
+
+def _rate_at(times: list[float] | None, idx: list[int]) -> float | None:
+    """The decode rate over the steps ``idx`` of another request's token times (the same prompt's
+    tokens in another system)."""
+    if not times or not idx or idx[-1] >= len(times):
+        return None
+    span = sum(times[i] - times[i - 1] for i in idx)
+    return len(idx) / span if span > 0 else None
+
+
+def _in_store(rows: list[dict[str, Any]], stores: list[dict[str, Any]],
+              base: dict[tuple[int, int], list[float]]) -> dict[str, Any]:
+    """Decode while a miss's own store runs, step by step: the steps that overlap the store's
+    interval, their rate against (a) the same request's steps after the store ended (the same
+    engine, prompt and moment; None where the store outlasted the decode) and (b) no connector's
+    rate over the same steps of the same prompt; each the median over prompts of the prompts'
+    ratios, with the median count of steps under the store."""
+    vs_after, vs_none, counts = [], [], []
+    for r in rows:
+        window = _store_window(r, stores)
+        if window is None:
+            continue
+        s0, s1 = window
+        times = r["token_t"]
+        idx, during = _steps(times, lambda a, b: b > s0 and a < s1)
+        if during is None:
+            continue
+        counts.append(len(idx))
+        _, after = _steps(times, lambda a, b: a >= s1)
+        if after:
+            vs_after.append(during / after)
+        if none := _rate_at(base.get((r["tag"]["length"], r["tag"]["i"])), idx):
+            vs_none.append(during / none)
+    return {"decode_in_store_vs_after": _med(vs_after), "decode_in_store_vs_none": _med(vs_none),
+            "store_steps": _med([float(c) for c in counts], 0)}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a and b else None
 
@@ -102,6 +158,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                for L in cfg["lengths"] if any(r["tag"]["length"] == L for r in base_rows)}
     base_decode = {L: _med([d for r in base_rows if r["tag"]["length"] == L and (d := _decode(r))], 4) for L in base_ms}
     base_decode_of = _decode_of(base_rows)
+    base_times = {(r["tag"]["length"], r["tag"]["i"]): r["token_t"] for r in base_rows if r.get("token_t")}
     rows, isolation, multi = [], [], {}
     for key, run in runs.items():
         by: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
@@ -130,6 +187,7 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     "decode_vs_none_paired": _paired_decode(rs, base_decode_of) if kind == "miss" else None,
                     "decode_vs_own_hit": _paired_decode(rs, _decode_of(by.get(("hit", length), [])))
                     if kind == "miss" else None,
+                    **(_in_store(rs, stores, base_times) if kind == "miss" else {}),
                     "identical_to_none": _identical(rs, base, "length,i") if kind != "base" else None,
                     "load_gbps": _gbps(loads, "loaded_tokens", hit_tokens, kvb) if kind == "hit" and loads else None,
                     "store_gbps": _gbps(stores, "tokens", stored_tokens, kvb) if kind == "miss" and stores else None,

@@ -7,7 +7,8 @@ spawns its engine core and worker processes, so it needs the ``__main__`` guard)
 starts it, waits for it and stops it by process id. Plan: the model, the engine flags (the same
 for every system), the KV transfer config (or none), the capabilities by name and the steps:
 ``gen`` (one batch of requests, greedy, EOS ignored; per request the output ids, vLLM's
-``num_cached_tokens``, the connector's ``kv_transfer_params`` and token times), ``flush`` (drop
+``num_cached_tokens``, the connector's ``kv_transfer_params``, vLLM's first and last token times
+and each token's wall-clock arrival), ``flush`` (drop
 what the system cached, so memory holds one prompt set at a time), ``settle`` (wait until every
 store the connector submitted has ended, so a hit measures a load, not a race with the store
 before it; the wait goes into the next row as ``settled_s``). Design notes: docs/architecture.md,
@@ -84,11 +85,16 @@ def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str,
             temperature=0, max_tokens=step.get("max_tokens", 1), ignore_eos=True,
             extra_args={"kv_transfer_params": kv},
         ))
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.llm_engine
+    ids = [f"{step['name']}/{n}" for n in range(len(prompts))]
+    t0_wall, t0 = time.time(), time.perf_counter()
+    for rid, prompt, param in zip(ids, prompts, params):
+        engine.add_request(rid, prompt, param)
+    outs, token_t = _drive(engine, ids)
     wall = time.perf_counter() - t0
     results = []
-    for req, out in zip(step["reqs"], outs):
+    for req, rid in zip(step["reqs"], ids):
+        out = outs[rid]
         m = out.metrics
         results.append({
             "name": step["name"], "tag": req.get("tag"), "tokens": list(out.outputs[0].token_ids),
@@ -97,8 +103,26 @@ def _gen(llm: Any, plan: dict[str, Any], step: dict[str, Any]) -> list[dict[str,
             "ttft_s": getattr(m, "first_token_latency", None),
             "first_token_ts": getattr(m, "first_token_ts", None), "last_token_ts": getattr(m, "last_token_ts", None),
             "generated": getattr(m, "num_generation_tokens", None),
+            # each token's wall-clock time as this process got it (the clock of the connector's trace)
+            "batch_t0": t0_wall, "token_t": token_t[rid],
         })
     return results
+
+
+def _drive(engine: Any, ids: list[str]) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Step the engine until every request in ``ids`` has finished, as ``LLM.generate`` does, but
+    with each request's output after every step (vLLM's default cumulative outputs; ``generate``
+    asks for the final one only), so each token gets the time at which it arrived."""
+    outs: dict[str, Any] = {}
+    times: dict[str, list[float]] = {rid: [] for rid in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            now = time.time()
+            got = times[out.request_id]
+            got.extend([now] * (len(out.outputs[0].token_ids) - len(got)))
+            if out.finished:
+                outs[out.request_id] = out
+    return outs, times
 
 
 def turns(steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

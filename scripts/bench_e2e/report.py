@@ -157,6 +157,13 @@ def ttft_table(result: dict[str, Any]) -> str:
                   + "; ".join(f"{r['label']} {_k(r['length'])}: {_x(r.get('decode_vs_none'))}"
                               + _brackets(r.get("decode_vs_none_paired"), r.get("decode_vs_own_hit"))
                               for r in decode)]
+    steps = [r for r in result["ttft"] if r.get("store_steps")]
+    if steps:
+        lines += ["", "Decode step by step while a miss's own store runs (the steps that overlap the store's interval, "
+                  "from each token's time and the store's trace; the median over prompts of each prompt's ratio): "
+                  + "; ".join(f"{r['label']} {_k(r['length'])}: {_x(r.get('decode_in_store_vs_none'))} of no "
+                              f"connector's same steps, {_x(r.get('decode_in_store_vs_after'))} of its own steps "
+                              f"after the store ({r['store_steps']:.0f} steps)" for r in steps)]
     paired = [r for r in result["ttft"] if r.get("miss_vs_capless") is not None]
     if paired:
         lines += ["", "A miss beside the same prompt sent just before it without a capability, in the same engine "

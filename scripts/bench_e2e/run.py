@@ -44,7 +44,10 @@ class Config:
     lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192, 16384])  # the model's max is 16,640
     reps: int = 5
     iso_length: int = 4096
-    out_tokens: int = 8
+    # greedy tokens per request: enough that a miss decodes past its own store (a 16K store lasts
+    # about ten decode steps here), so its steps under the store have the same request's steps
+    # after it to be read against
+    out_tokens: int = 32
     tenants: int = 4
     context: int = 2048
     questions: int = 4

@@ -112,6 +112,60 @@ def test_decode_during_a_store_is_also_read_against_the_same_engines_hit_of_the_
     assert "of its hit" not in markdown(analyze(raw))
 
 
+def _timed(row: dict, t0: float, first: float, gaps: list[float]) -> None:
+    """Give ``row`` its batch's start and each token's wall-clock time: the first at ``first``,
+    then one step per gap."""
+    times = [first]
+    for g in gaps:
+        times.append(times[-1] + g)
+    row.update(batch_t0=t0, token_t=times, generated=len(times), first_token_ts=times[0], last_token_ts=times[-1])
+
+
+def test_decode_under_a_store_is_read_step_by_step_over_the_stores_own_interval():
+    """The steps that overlap a miss's store, against the same request's steps after the store
+    and against no connector's same steps of the same prompt; steps outside the store are not
+    counted as the store's."""
+    raw = _raw()
+    raw["meta"]["config"]["out_tokens"] = 12
+    for row in raw["runs"]["none"]["rows"]:
+        _timed(row, 0.0, 2.0, [0.1] * 11)  # no connector: 10 tokens/s throughout
+    misses = [r for r in raw["runs"]["kvgate-embedded"]["rows"] if r["tag"]["kind"] == "miss"]
+    stores = []
+    for i, (row, slow) in enumerate(zip(misses, [0.125, 0.1, 0.2])):  # 0.8x, 1.0x, 0.5x under the store
+        t0 = 100.0 * (i + 1)
+        _timed(row, t0, t0 + 2.0, [slow] * 4 + [0.1] * 7)  # four steps under the store, then 10 tokens/s
+        end = row["token_t"][4]
+        stores.append({"event": "store", "tokens": 1024, "ms": (end - (t0 + 1.9)) * 1e3, "t": end})
+    raw["runs"]["kvgate-embedded"]["trace"] = [
+        {"event": "load", "loaded_tokens": 992, "ms": 10.0}, *stores,
+        {"event": "store", "tokens": 0, "ms": 0.0, "t": 101.0},  # a store that cut nothing is none
+    ]
+    miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert miss["store_steps"] == 4
+    assert miss["decode_in_store_vs_after"] == pytest.approx(0.8, abs=0.001)  # median of 0.8, 1.0, 0.5
+    assert miss["decode_in_store_vs_none"] == pytest.approx(0.8, abs=0.001)
+    md = markdown(analyze(raw))
+    assert "kvgate embedded 1K: 0.80x of no connector's same steps, 0.80x of its own steps after the store (4 steps)" in md
+    # the control: the same request's steps all at no connector's rate read 1.0x both ways
+    for row in misses:
+        _timed(row, row["batch_t0"], row["batch_t0"] + 2.0, [0.1] * 11)
+    miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert miss["decode_in_store_vs_after"] == pytest.approx(1.0) and miss["decode_in_store_vs_none"] == pytest.approx(1.0)
+    # a store that outlasts the decode leaves no step after it: only the ratio to no connector
+    for row, st in zip(misses, stores):
+        st["t"] = row["token_t"][-1] + 1.0
+        st["ms"] = (st["t"] - (row["batch_t0"] + 1.9)) * 1e3
+    miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert miss["decode_in_store_vs_after"] is None and miss["decode_in_store_vs_none"] == pytest.approx(1.0)
+    assert miss["store_steps"] == 11
+    # rows without token times (an older run) or a batch with two stores in it: not read at all
+    raw["runs"]["kvgate-embedded"]["trace"].append(dict(stores[0]))
+    for row in misses[1:]:
+        del row["token_t"]
+    miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert miss["decode_in_store_vs_none"] is None and miss["store_steps"] is None
+
+
 def test_a_paired_miss_is_timed_against_the_same_prompt_without_a_capability_in_its_engine():
     from scripts.bench_e2e.run import ISO_A, steps
 
@@ -597,7 +651,7 @@ def test_the_shared_memory_region_holds_every_envelope_of_the_longest_prompt():
         assert (mb - 1) << 20 < chunks * (chunk + (64 << 10))  # and not much more
     assert Config().shm_mb is None  # sized from the run's longest prompt unless told
     assert parse(["--shm-mb", "300"])[0].shm_mb == 300
-    assert Config().out_tokens == 8 and parse(["--out-tokens", "32"])[0].out_tokens == 32
+    assert Config().out_tokens == 32 and parse(["--out-tokens", "8"])[0].out_tokens == 8
 
 
 def test_the_layer_segments_variant_seals_one_layer_of_a_chunk_a_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
