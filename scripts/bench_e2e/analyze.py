@@ -13,7 +13,11 @@ on the host cancels out); ``decode_vs_own_hit`` the median over prompts of each 
 its own system's hit of the same prompt (the same engine decoding the same tokens with no store
 beside: what the store costs, without the spread between one engine process and another). With
 ``--paired-miss`` a miss's ``miss_vs_capless`` is the median, over its repetitions, of the TTFT of
-the same prompt sent just before without a capability (no lookup, no store) over the miss's.
+the same prompt sent just before without a capability (no lookup, no store) over the miss's, and
+``decode_vs_capless`` the median over prompts of the miss's decode rate over that request's: a store's
+cost to decoding against the nearest control there is (the same engine, prompt and minute). With
+each token's time (``token_t``) a miss's decode is also read step by step over its store's own
+interval (``_in_store``).
 """
 
 from __future__ import annotations
@@ -196,6 +200,8 @@ def analyze(raw: dict[str, Any]) -> dict[str, Any]:
                     capless = {r["tag"]["i"]: _ttft_ms(r) for r in by[("capless", length)]}
                     paired = [capless[r["tag"]["i"]] / _ttft_ms(r) for r in rs if r["tag"]["i"] in capless]
                     rows[-1]["miss_vs_capless"] = round(statistics.median(paired), 3) if paired else None
+                    # the same pair's decode: the miss's (under its store) over the capless one's
+                    rows[-1]["decode_vs_capless"] = _paired_decode(rs, _decode_of(by[("capless", length)]))
         iso = [r for r in run["rows"] if r["tag"].get("kind") == "b_on_a"]
         if iso:
             length = iso[0]["tag"]["length"]

@@ -162,13 +162,18 @@ def ttft_table(result: dict[str, Any]) -> str:
         lines += ["", "Decode step by step while a miss's own store runs (the steps that overlap the store's interval, "
                   "from each token's time and the store's trace; the median over prompts of each prompt's ratio): "
                   + "; ".join(f"{r['label']} {_k(r['length'])}: {_x(r.get('decode_in_store_vs_none'))} of no "
-                              f"connector's same steps, {_x(r.get('decode_in_store_vs_after'))} of its own steps "
-                              f"after the store ({r['store_steps']:.0f} steps)" for r in steps)]
+                              "connector's same steps" + (f", {_x(r['decode_in_store_vs_after'])} of its own steps "
+                                                          "after the store" if r.get("decode_in_store_vs_after") else
+                                                          " (the store outlasted the decode)")
+                              + f" ({r['store_steps']:.0f} steps)" for r in steps)]
     paired = [r for r in result["ttft"] if r.get("miss_vs_capless") is not None]
     if paired:
         lines += ["", "A miss beside the same prompt sent just before it without a capability, in the same engine "
-                  "(no lookup, no store; the median of the pairs' TTFT ratios, capless over miss): "
-                  + "; ".join(f"{r['label']} {_k(r['length'])}: {r['miss_vs_capless']:.3f}x" for r in paired)]
+                  "(no lookup, no store; the median of the pairs' TTFT ratios, capless over miss, and in brackets "
+                  "of their decode rates, the miss's during its store over the capless one's): "
+                  + "; ".join(f"{r['label']} {_k(r['length'])}: {r['miss_vs_capless']:.3f}x"
+                              + (f" (decode {_x(r['decode_vs_capless'])})" if r.get("decode_vs_capless") else "")
+                              for r in paired)]
     return "\n".join(lines)
 
 

@@ -158,6 +158,7 @@ def test_decode_under_a_store_is_read_step_by_step_over_the_stores_own_interval(
     miss = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
     assert miss["decode_in_store_vs_after"] is None and miss["decode_in_store_vs_none"] == pytest.approx(1.0)
     assert miss["store_steps"] == 11
+    assert "kvgate embedded 1K: 1.00x of no connector's same steps (the store outlasted the decode) (11 steps)" in markdown(analyze(raw))
     # rows without token times (an older run) or a batch with two stores in it: not read at all
     raw["runs"]["kvgate-embedded"]["trace"].append(dict(stores[0]))
     for row in misses[1:]:
@@ -187,6 +188,12 @@ def test_a_paired_miss_is_timed_against_the_same_prompt_without_a_capability_in_
     row = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
     assert row["miss_vs_capless"] == pytest.approx(1.0)  # the median of 1.0, 0.909 and 1.1
     assert "kvgate embedded 1K: 1.000x" in markdown(analyze(raw))
+    assert row["decode_vs_capless"] == pytest.approx(1.0)  # the same decode times on both sides
+    for r, span in zip(emb[-3:], (0.7 * 0.9, 0.7, 0.7 * 0.8)):  # the capless requests decode faster
+        r["last_token_ts"] = r["first_token_ts"] + span
+    row = next(r for r in analyze(raw)["ttft"] if r["kind"] == "miss")
+    assert row["decode_vs_capless"] == pytest.approx(0.9, abs=0.001)  # the median of 0.9, 1.0 and 0.8
+    assert "kvgate embedded 1K: 1.000x (decode 0.90x)" in markdown(analyze(raw))
     assert "miss_vs_capless" not in next(r for r in analyze(_raw())["ttft"] if r["kind"] == "miss")  # not asked for
 
 
