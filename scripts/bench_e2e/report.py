@@ -70,7 +70,9 @@ moves with the first of these. It also records the OpenMP settings the engines i
 load's first wait; `kvgate-embedded-lazy` leaves the memory tier's pages to be faulted in by its
 stores (`memory_prefault: off`), the A/B of the connector's `behind` default;
 `kvgate-remote-shm-lazy`'s server populates no page of its namespaces' arenas ahead of their stores
-(`shm_arena_ahead_bytes: 0`), the A/B of its default.
+(`shm_arena_ahead_bytes: 0`), the A/B of its default; `kvgate-remote-shm-finish8`'s stores may
+take 8 s (`store_finish_s`), so the slices that run at their deadline while the engine decodes come
+half as often as the default's 4 s, the A/B of what those slices cost a decode.
 `kvgate-remote-shm`'s server keeps its memory tier's envelopes in an arena per namespace that the
 worker maps (`KVGATE_SHM_ARENAS`, on by default): its hits read envelopes there
 in place and its stores seal straight into it; its region, which holds only what the server must

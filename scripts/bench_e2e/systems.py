@@ -13,6 +13,9 @@
                               faults in the pages of its slot (the prefault's control)
     kvgate-remote-shm-lazy    ``kvgate-remote-shm`` whose server populates no arena page ahead
                               (``shm_arena_ahead_bytes: 0``; the control of its default)
+    kvgate-remote-shm-finish8 ``kvgate-remote-shm`` with ``store_finish_s: 8``: a store's slices
+                              that run at their deadline while the engine decodes come half as
+                              often (the A/B of the default bound, 4 s)
     example                   vLLM's in-tree ExampleConnector (plaintext files; ignores cache_salt)
     <system>-passive          kvgate-embedded or example with ``OMP_WAIT_POLICY=PASSIVE`` in the
                               engine's environment: its OpenMP threads sleep, not spin, between
@@ -51,6 +54,7 @@ LABELS = {
     "kvgate-remote-shm-whole": "kvgate remote (shared memory, whole-chunk loads)",
     "kvgate-remote-shm-faulting": "kvgate remote (shared memory, seals fault their slots in)",
     "kvgate-remote-shm-lazy": "kvgate remote (shared memory, no arena page populated ahead)",
+    "kvgate-remote-shm-finish8": "kvgate remote (shared memory, stores bound at 8 s)",
     "example": "ExampleConnector", "lmcache": "LMCacheConnectorV1",
     "kvgate-embedded-passive": "kvgate embedded (OMP_WAIT_POLICY=PASSIVE)",
     "example-passive": "ExampleConnector (OMP_WAIT_POLICY=PASSIVE)",
@@ -398,6 +402,12 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
         system.ktc["kv_connector_extra_config"]["store_prefault"] = False
+        system.key = key
+        return system
+    if key == "kvgate-remote-shm-finish8":
+        system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
+        assert system.ktc is not None
+        system.ktc["kv_connector_extra_config"]["store_finish_s"] = 8.0
         system.key = key
         return system
     if key == "kvgate-remote-shm-lazy":

@@ -712,6 +712,27 @@ def test_the_remote_lazy_variant_runs_a_server_that_populates_no_arena_page_ahea
     assert Settings(state_dir=tmp_path).shm_arena_ahead_bytes == 0
 
 
+def test_the_finish8_variant_is_the_shared_memory_system_with_stores_bound_at_8_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+):
+    from gateway.vllm.config import ConnectorConfig
+    from scripts.bench_e2e import systems
+
+    def remote(work, tenants, cfg, uds=False, shm_mb=0, layerwise=True, server_env=None):
+        assert uds and shm_mb == 64 and layerwise and not server_env
+        return systems.System("kvgate-remote-shm", {"kv_connector_extra_config": {"mode": "remote", "remote_url": "http://x"}})
+
+    monkeypatch.setattr(systems, "_remote", remote)
+    cfg = {"chunk_tokens": 256, "memory_bytes": 1 << 30, "shm_mb": 64}
+    bound = {}
+    for key in ("kvgate-remote-shm", "kvgate-remote-shm-finish8"):
+        system = systems.open_system(key, tmp_path / key, ["t"], cfg)
+        assert system.key == key and key in systems.LABELS
+        extra = system.ktc["kv_connector_extra_config"]
+        bound[key] = ConnectorConfig.from_extra(extra).store_finish_s
+    assert bound == {"kvgate-remote-shm": 4.0, "kvgate-remote-shm-finish8": 8.0}  # the control: the default
+
+
 def _caps_of(tenants: list[str]):
     async def caps() -> dict[str, str]:
         return {t: "cap" for t in tenants}
