@@ -44,9 +44,9 @@ class Config:
     lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192, 16384])  # the model's max is 16,640
     reps: int = 5
     iso_length: int = 4096
-    # greedy tokens per request: enough that a miss decodes past its own store (a 16K store lasts
-    # about ten decode steps here), so its steps under the store have the same request's steps
-    # after it to be read against
+    # greedy tokens per request: a decode figure is a rate over all but the first, and over seven
+    # steps (a quarter second) it spread by a third with no store beside it; a store yields to
+    # decode steps, so it spans whatever the decode lasts, up to its bound (store_finish_s)
     out_tokens: int = 32
     tenants: int = 4
     context: int = 2048
