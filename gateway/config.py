@@ -90,8 +90,8 @@ class Settings(BaseSettings):
     # the nice value of the threads that seal stores (Linux; gateway.datapath.path says why): > 0
     # lets a process's other work (an engine's forward steps) go first while stores are in flight
     store_nice: int = Field(default=0, ge=0, le=19)
-    # a store faults its slots' pages in ahead of its seals, on a nice-19 thread (the engine's idle
-    # time; gateway.protocol.shmpages says why); false: each seal faults in the pages it writes
+    # a store faults its slots' pages in ahead of its seals, on a nice-19 thread
+    # (gateway.protocol.shmpages says why); false: each seal faults in the pages it writes
     store_prefault: bool = True
     # auto: KV on a GPU is encrypted there (only ciphertext reaches the host); host: the explicit
     # switch that lets plaintext KV cross to the host to be encrypted there (logged at start)

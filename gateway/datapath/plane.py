@@ -203,7 +203,7 @@ class DataPlane:
 
         # Each envelope is sealed straight into its slot of the fastest tier where one is handed
         # out (gather + encrypt in one pass, no allocation), else into a pool buffer. The slots'
-        # pages are faulted in behind, in the order the batches seal, on the engine's idle time.
+        # pages are faulted in ahead of the seals, in the order the batches seal, on a nice-19 thread.
         held: list[dict[int, Reserved]] = []
         for batch in batches:
             held.append({})

@@ -107,11 +107,11 @@ def populate_behind(
 def prefault_behind(views: Sequence[memoryview], stop: Callable[[], bool]) -> threading.Thread | None:
     """Fault in, writable, the pages of each of ``views`` in turn (a store's reserved extents, in
     the order it seals them, or the free pages a server's arena keeps ahead of its next store) on
-    a thread of its own at nice 19, until done or ``stop()``; None
-    where there is nothing to do. A seal that comes to an extent before this thread writes into
-    pages already there, so the faults (a fresh page is allocated and zeroed; on a virtual machine
-    this costs more than sealing into it) are taken in the engine's idle time and not inside the
-    seal. The pages spanned are whole: ``MADV_POPULATE_WRITE`` changes no byte of a page already
+    a thread of its own at nice 19, until done or ``stop()``; None where there is nothing to do.
+    A seal that comes to an extent after this thread writes into pages already there, so the
+    faults (a fresh page is allocated and zeroed; on a virtual machine this costs more than
+    sealing into it) are taken on this thread, as soon as the extents are reserved, and not inside
+    the seal. The pages spanned are whole: ``MADV_POPULATE_WRITE`` changes no byte of a page already
     there, so a neighbour's bytes on a shared page are untouched. The thread holds the views
     until it ends."""
     arrays = [np.frombuffer(v, dtype=np.uint8) for v in views if v.nbytes and not v.readonly]

@@ -85,13 +85,11 @@ def _steps(times: list[float], keep: Any) -> tuple[list[int], float | None]:
     """The decode steps ``i`` (token i-1 to token i, i >= 1) that ``keep(start, end)`` keeps, and
     their rate in tokens/s (None when none is kept)."""
     idx = [i for i in range(1, len(times)) if keep(times[i - 1], times[i])]
-    span = sum(times[i] - times[i - 1] for i in idx)
-    return idx, (len(idx) / span if idx and span > 0 else None)
+    return idx, _rate_at(times, idx)
 
 
 def _rate_at(times: list[float] | None, idx: list[int]) -> float | None:
-    """The decode rate over the steps ``idx`` of another request's token times (the same prompt's
-    tokens in another system)."""
+    """The decode rate over the steps ``idx`` of a request's token times (None: no such steps)."""
     if not times or not idx or idx[-1] >= len(times):
         return None
     span = sum(times[i] - times[i - 1] for i in idx)

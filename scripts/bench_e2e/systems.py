@@ -61,6 +61,10 @@ LABELS = {
     "kvgate-embedded-layer-segments": "kvgate embedded (one layer a segment)",
 }
 PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
+# the variants of kvgate-remote-shm that differ only in their connector's settings
+_SHM_CONNECTOR: dict[str, dict[str, Any]] = {
+    "kvgate-remote-shm-faulting": {"store_prefault": False}, "kvgate-remote-shm-finish8": {"store_finish_s": 8.0},
+}
 OPS = ["lookup", "get", "put"]
 CAP_TTL = 6 * 3600  # an interleaved run keeps every engine, and its capabilities, for the whole run (over an hour)
 
@@ -398,16 +402,10 @@ def open_system(key: str, work: Path, tenants: list[str], cfg: dict[str, Any]) -
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
     if key == "kvgate-remote-shm-whole":
         return _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]), layerwise=False)
-    if key == "kvgate-remote-shm-faulting":
+    if key in _SHM_CONNECTOR:
         system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
         assert system.ktc is not None
-        system.ktc["kv_connector_extra_config"]["store_prefault"] = False
-        system.key = key
-        return system
-    if key == "kvgate-remote-shm-finish8":
-        system = _remote(work, tenants, cfg, uds=True, shm_mb=int(cfg["shm_mb"]))
-        assert system.ktc is not None
-        system.ktc["kv_connector_extra_config"]["store_finish_s"] = 8.0
+        system.ktc["kv_connector_extra_config"].update(_SHM_CONNECTOR[key])
         system.key = key
         return system
     if key == "kvgate-remote-shm-lazy":
