@@ -9,8 +9,26 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from gateway.bench.attack import run_attack
+from gateway.bench.attack import AttackResult, run_attack
 from gateway.bench.suite import jain_index
+
+
+async def _detected(target: str, tmp_path) -> AttackResult:
+    """The strongest of up to three independent runs of an attack that must detect a leak.
+
+    A leaking target's p is tiny in almost every run, but on a loaded two-core host one run's
+    timing noise can lift it past 1e-6. Under no leak the p-value is uniform, so the smallest of
+    three is below 1e-6 with odds of 3e-6: the control still proves that the attack sees a leak."""
+    best: AttackResult | None = None
+    for seed in range(3):
+        res = await run_attack(target, samples=60, prompt_tokens=1024, base=tmp_path, seed=seed)
+        assert res.direct_hits == 60, res
+        if best is None or res.p_value < best.p_value:
+            best = res
+        if best.p_value < 1e-6:
+            break
+    assert best is not None
+    return best
 
 
 async def test_attack_p_values_are_ordered(tmp_path):
@@ -18,9 +36,10 @@ async def test_attack_p_values_are_ordered(tmp_path):
 
     60 hit + 60 miss probes. Under no leak the p-value is uniform, so kvgate's figure is the best
     of up to three independent runs (a false failure then has odds of 1e-6, a real leak still
-    fails: its p stays tiny in every run)."""
-    baseline = await run_attack("shared-baseline", samples=60, prompt_tokens=1024, base=tmp_path)
-    control = await run_attack("same-tenant-control", samples=60, prompt_tokens=1024, base=tmp_path)
+    fails: its p stays tiny in every run); the leaking targets' figure is the smallest of up to
+    three, for the same reason the other way round (`_detected`)."""
+    baseline = await _detected("shared-baseline", tmp_path)
+    control = await _detected("same-tenant-control", tmp_path)
     assert baseline.p_value < 1e-6, baseline
     assert control.p_value < 1e-6, control
     assert baseline.direct_hits == 60 and control.direct_hits == 60
@@ -39,9 +58,10 @@ async def test_attack_with_published_prefixes_present_stays_blind(tmp_path):
     """Attacker and victim share a scope with a published, warmed prefix that every prompt starts
     with: the attacker loads the published prefix (the scope is live), yet its probes of the
     victim's private continuations time like its own misses (p >= 0.01, best of up to three runs
-    as above), while the victim timing its own prompts beside the same scope is still detected."""
-    control = await run_attack("same-tenant-control-published", samples=60, prompt_tokens=1024, base=tmp_path)
-    assert control.p_value < 1e-6 and control.direct_hits == 60, control
+    as above), while the victim timing its own prompts beside the same scope is still detected
+    (the smallest p of up to three runs, as above)."""
+    control = await _detected("same-tenant-control-published", tmp_path)
+    assert control.p_value < 1e-6, control
     assert control.published_hit_tokens == 256, control  # one chunk of the server's 256
     best = 0.0
     for seed in range(3):
