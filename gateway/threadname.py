@@ -5,7 +5,7 @@ Python's ``threading`` name does not reach (before Python 3.14): every thread of
 the process's name. In an engine's process, where kvgate's store, cipher, wire and prefault threads
 run beside the engine's own, the kernel name is how an operator, or a sampler of ``/proc``, tells
 them apart. Linux only (``prctl(PR_SET_NAME)``, at most 15 bytes kept); elsewhere, or where the call
-is refused, the name stays as it was. ctypes because the standard library has no call for it."""
+is refused, the name stays as it was (the call through ``gateway.libc``)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import ctypes
 import sys
 import threading
 from typing import Any
+
+from gateway.libc import libc
 
 __all__ = ["name_thread"]
 
@@ -27,7 +29,7 @@ def name_thread(name: str | None = None) -> None:
         return
     if _prctl is None:
         try:
-            _prctl = ctypes.CDLL(None, use_errno=True).prctl
+            _prctl = libc().prctl
         except (AttributeError, OSError):  # a C library without prctl: names stay as they are
             _prctl = False
     if _prctl:

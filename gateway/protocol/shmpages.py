@@ -19,7 +19,6 @@ keep free pages populated ahead of their stores through ``prefault_behind`` (``s
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from gateway.libc import libc
 from gateway.threadname import name_thread
 
 __all__ = ["ALIGN", "POPULATE_READ", "POPULATE_WRITE", "aligned", "populate", "populate_behind", "prefault_behind"]
@@ -42,7 +42,7 @@ _STEP = 4 << 20  # bytes per madvise: a closed region stops within one step
 _NICE = 19
 _PAGE = mmap.PAGESIZE
 
-_libc: Any = None
+_madvise_fn: Any = None
 
 
 def aligned(n: int) -> int:
@@ -50,14 +50,13 @@ def aligned(n: int) -> int:
 
 
 def _madvise() -> Any:
-    global _libc
-    if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = lib.madvise
+    global _madvise_fn
+    if _madvise_fn is None:
+        fn = libc().madvise
         fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         fn.restype = ctypes.c_int
-        _libc = fn
-    return _libc
+        _madvise_fn = fn
+    return _madvise_fn
 
 
 def _span(view: np.ndarray[Any, Any]) -> tuple[int, int]:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 from typing import Any
 
 import numpy as np
+
+from gateway.libc import libc
 
 PAGE = mmap.PAGESIZE
 
@@ -29,12 +30,12 @@ def allocated_pages(fd: int) -> list[int]:
 def resident_pages(view: np.ndarray[Any, Any]) -> tuple[int, int]:
     """Of the whole pages the uint8 ``view`` spans (a mapping's), how many are in memory
     (``mincore``), and how many there are."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore = libc().mincore
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
     start = int(view.ctypes.data) // PAGE * PAGE
     length = int(view.ctypes.data) + int(view.nbytes) - start
     pages = -(-length // PAGE)
     vec = (ctypes.c_ubyte * pages)()
-    if libc.mincore(start, length, vec) != 0:
+    if mincore(start, length, vec) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     return sum(b & 1 for b in vec), pages
